@@ -1,0 +1,1 @@
+"""Generated encoderd.v1 API modules (see protos/generate.py)."""

@@ -1,0 +1,101 @@
+"""Batching policy, and nothing else: pure, synchronous, unit-testable.
+
+The queue holds single inputs. A batch is cut from a window at the head of
+the queue: the window is sorted by length (padded backends waste little),
+cut into consecutive chunks that fit the token and size budgets, and the
+chunk holding the oldest input is taken, so the queue always drains in
+arrival order while batches stay tight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..workers.protocol import TokenBatch
+
+
+class RequestLike(Protocol):
+    @property
+    def done(self) -> bool: ...
+
+
+@dataclass(slots=True, eq=False)
+class WorkItem:
+    ids: np.ndarray                  # int32 token ids of one input
+    type_ids: np.ndarray | None      # int32 segment ids (pairs), else None
+    request: RequestLike
+    index: int                       # position among the request's inputs
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    max_batch_size: int = 64
+    max_batch_tokens: int = 8192
+    padded: bool = True              # cost = size x longest; else the sum of lengths
+    window: int = 512                # inputs considered together when sorting
+
+    def cost(self, size: int, longest: int, total: int) -> int:
+        return size * longest if self.padded else total
+
+
+def take_batch(queue: deque[WorkItem], limits: BatchLimits) -> list[WorkItem]:
+    """Remove and return the next batch (sorted by length), or [] if none is queued.
+
+    Inputs whose request is already done (cancelled, deadline passed, failed)
+    are dropped here, before they cost compute.
+    """
+    window: list[WorkItem] = []
+    while queue and len(window) < limits.window:
+        item = queue.popleft()
+        if not item.request.done:
+            window.append(item)
+    if not window:
+        return []
+    order = sorted(range(len(window)), key=lambda i: window[i].length)
+    chosen = _chunk_holding(order, window, limits, oldest=0)
+    taken = set(chosen)
+    queue.extendleft(reversed([item for i, item in enumerate(window) if i not in taken]))
+    return [window[i] for i in chosen]
+
+
+def _chunk_holding(order: list[int], window: list[WorkItem], limits: BatchLimits, oldest: int) -> list[int]:
+    chunk: list[int] = []
+    total = 0
+    for i in order:
+        length = window[i].length
+        fits = (len(chunk) < limits.max_batch_size
+                and limits.cost(len(chunk) + 1, length, total + length) <= limits.max_batch_tokens)
+        if chunk and not fits:
+            if oldest in chunk:
+                return chunk
+            chunk, total = [], 0
+        chunk.append(i)
+        total += length
+    return chunk
+
+
+def queued_cost_reaches_budget(queue: deque[WorkItem], limits: BatchLimits) -> bool:
+    """Whether enough is queued to fill a batch: then waiting longer gains nothing."""
+    if len(queue) >= limits.max_batch_size:
+        return True
+    return sum(item.length for item in queue) >= limits.max_batch_tokens
+
+
+def pack(batch: list[WorkItem], batch_id: int) -> TokenBatch:
+    """Concatenate a batch's token ids into the wire format's packed arrays."""
+    lengths = np.fromiter((item.length for item in batch), dtype=np.int32, count=len(batch))
+    cu_seqlens = np.zeros(len(batch) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu_seqlens[1:])
+    ids = np.concatenate([item.ids for item in batch])
+    types = None
+    if batch[0].type_ids is not None:
+        types = np.concatenate([item.type_ids for item in batch])
+    return TokenBatch(batch_id, ids, cu_seqlens, types)

@@ -1,0 +1,36 @@
+"""Vectorized output post-processing: normalization, matryoshka, activations."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import InvalidInput
+
+
+def finish_embeddings(pooled: np.ndarray, *, normalize: bool, dimensions: int = 0) -> np.ndarray:
+    """Truncate to `dimensions` first, then L2-normalize (so truncated vectors stay unit length)."""
+    if dimensions < 0 or dimensions > pooled.shape[1]:
+        raise InvalidInput(f"`dimensions` must be between 1 and {pooled.shape[1]} for this model, not {dimensions}")
+    out = pooled[:, :dimensions] if dimensions else pooled
+    if normalize:
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        out = out / np.maximum(norms, 1e-12)
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def rank(scores: np.ndarray, top_n: int) -> np.ndarray:
+    """Indices of the best `top_n` scores (all when 0), best first; ties keep input order."""
+    if top_n < 0:
+        raise InvalidInput(f"`top_n` must be positive, not {top_n}")
+    order = np.argsort(-scores, kind="stable")
+    return order[:top_n] if top_n else order

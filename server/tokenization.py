@@ -1,0 +1,74 @@
+"""Tokenization with Hugging Face `tokenizers`, off the event loop.
+
+`encode_batch` runs in Rust and releases the GIL, so a small thread pool
+keeps the event loop free while batches are tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Encoding, Tokenizer
+
+from .errors import InvalidInput
+
+
+@dataclass(slots=True)
+class Tokenized:
+    ids: list[np.ndarray]                 # int32 per input
+    type_ids: list[np.ndarray] | None     # int32 per input, for pairs
+    total_tokens: int
+
+
+def load_tokenizer(model_dir: str) -> Tokenizer:
+    path = Path(model_dir) / "tokenizer.json"
+    if path.exists():
+        return Tokenizer.from_file(str(path))
+    # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, use_fast=True).backend_tokenizer
+
+
+class ModelTokenizer:
+    def __init__(self, model_dir: str, max_length: int, executor: ThreadPoolExecutor):
+        self.max_length = max_length
+        self._executor = executor
+        base = load_tokenizer(model_dir)
+        base.no_padding()
+        base.no_truncation()
+        self.untruncated = base
+        # One tokenizer object per truncation side: their settings are global state.
+        self._by_side = {side: self._truncating_copy(base, side) for side in ("right", "left")}
+
+    def _truncating_copy(self, base: Tokenizer, side: str) -> Tokenizer:
+        tok = Tokenizer.from_str(base.to_str())
+        tok.enable_truncation(self.max_length, direction=side)
+        return tok
+
+    async def encode(self, texts: list[str], *, truncate: bool = True, side: str = "right",
+                     pairs_with: str | None = None) -> Tokenized:
+        """Tokenize inputs (or (pairs_with, input) pairs) into per-input id arrays."""
+        loop = asyncio.get_running_loop()
+        batch = [(pairs_with, t) for t in texts] if pairs_with is not None else texts
+        encodings = await loop.run_in_executor(self._executor, self._by_side[side].encode_batch, batch)
+        return self._collect(encodings, truncate, pairs_with is not None)
+
+    def _collect(self, encodings: list[Encoding], truncate: bool, pairs: bool) -> Tokenized:
+        if not truncate:
+            too_long = [i for i, e in enumerate(encodings) if e.overflowing]
+            if too_long:
+                raise InvalidInput(f"input {too_long[0]} is longer than the model's maximum of {self.max_length} "
+                                   f"tokens and truncation is off ({len(too_long)} inputs too long)")
+        ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+        types = [np.asarray(e.type_ids, dtype=np.int32) for e in encodings] if pairs else None
+        return Tokenized(ids, types, sum(len(i) for i in ids))
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: self.untruncated.encode_batch(
+            texts, add_special_tokens=add_special_tokens))

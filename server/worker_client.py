@@ -1,0 +1,215 @@
+"""The frontend's handle on one worker process: spawn, ZeroMQ, supervision.
+
+The frontend binds a PUSH socket (batches) and a PULL socket (results) on
+fresh ipc:// endpoints per worker incarnation, so nothing meant for a dead
+worker ever reaches its successor. Death is noticed through the process
+sentinel; every pending batch then fails with Unavailable at once, and the
+worker is restarted with back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from ..workers import protocol
+from ..workers.process import WorkerConfig, run_worker
+from .errors import BackendError, Unavailable
+
+log = logging.getLogger("encoderd.worker_client")
+
+_spawn = multiprocessing.get_context("spawn")
+
+
+class WorkerStartError(Exception):
+    """The worker could not load its model."""
+
+
+class WorkerClient:
+    def __init__(self, make_config: Callable[[str, str], WorkerConfig], label: str,
+                 on_state: Callable[[bool], None] = lambda ready: None,
+                 start_timeout: float = 900.0, max_backoff: float = 30.0):
+        self._make_config = make_config   # (batch_address, result_address) -> WorkerConfig
+        self.label = label
+        self._on_state = on_state
+        self._start_timeout = start_timeout
+        self._max_backoff = max_backoff
+        self._zmq = zmq.asyncio.Context.instance()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._next_batch_id = 0
+        self._process = None
+        self._batches = self._results = None
+        self._reader: asyncio.Task | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._stopping = False
+        self.ready_info: protocol.WorkerReady | None = None
+        self.restarts = 0
+        self.state_changed = asyncio.Event()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def ready(self) -> bool:
+        return self.ready_info is not None and not self._stopping
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def _set_ready(self, info: protocol.WorkerReady | None) -> None:
+        self.ready_info = info
+        self._on_state(info is not None)
+        self.state_changed.set()
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self) -> protocol.WorkerReady:
+        """Spawn the worker, wait until its model is loaded and warm, then supervise it."""
+        info = await self._spawn_and_wait()
+        self._supervisor = asyncio.create_task(self._supervise(), name=f"supervise[{self.label}]")
+        return info
+
+    async def _spawn_and_wait(self) -> protocol.WorkerReady:
+        self._open_sockets()
+        config = self._make_config(self._batch_address, self._result_address)
+        self._process = _spawn.Process(target=run_worker, args=(config, os.getpid()),
+                                       name=f"encoderd-worker[{self.label}]", daemon=True)
+        self._process.start()
+        ready = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read_results(ready), name=f"results[{self.label}]")
+        died = self._process_exit()
+        done, _ = await asyncio.wait({ready, died}, timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED)
+        if ready in done and ready.exception() is None:
+            died.cancel()
+            self._set_ready(ready.result())
+            return self.ready_info
+        reason = (ready.exception() if ready in done else
+                  f"worker exited with code {self._process.exitcode}" if died in done else "start timed out")
+        await self._teardown()
+        raise WorkerStartError(f"{self.label}: {reason}")
+
+    def _open_sockets(self) -> None:
+        tag = self.label.replace("/", "_").replace(":", "_")[:24]
+        self._batch_address = protocol.new_ipc_address(tag + "-in")
+        self._result_address = protocol.new_ipc_address(tag + "-out")
+        self._batches = self._zmq.socket(zmq.PUSH)
+        self._batches.setsockopt(zmq.SNDHWM, 64)   # admission bounds traffic; this is a backstop
+        self._batches.setsockopt(zmq.LINGER, 0)
+        self._batches.bind(self._batch_address)
+        self._results = self._zmq.socket(zmq.PULL)
+        self._results.setsockopt(zmq.LINGER, 0)
+        self._results.bind(self._result_address)
+
+    def _process_exit(self) -> asyncio.Future:
+        """A future that completes when the worker process exits (its sentinel fd)."""
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        sentinel = self._process.sentinel
+
+        def on_exit():
+            loop.remove_reader(sentinel)
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(sentinel, on_exit)
+        exited.add_done_callback(lambda _: loop.remove_reader(sentinel))
+        return exited
+
+    async def _supervise(self) -> None:
+        backoff = 0.5
+        while not self._stopping:
+            await self._process_exit()
+            if self._stopping:
+                return
+            self.restarts += 1
+            log.error("worker %s (pid %s) died with exit code %s; failing its %d pending batches",
+                      self.label, self.pid, self._process.exitcode, len(self._pending))
+            await self._teardown()
+            while not self._stopping:
+                await asyncio.sleep(backoff)
+                try:
+                    started = time.perf_counter()
+                    info = await self._spawn_and_wait()
+                    log.info("worker %s restarted (pid %d) in %.1fs", self.label, info.pid, time.perf_counter() - started)
+                    backoff = 0.5
+                    break
+                except WorkerStartError as exc:
+                    log.error("restart of %s failed: %s", self.label, exc)
+                    backoff = min(backoff * 2, self._max_backoff)
+
+    async def _teardown(self) -> None:
+        self._set_ready(None)
+        self._fail_pending(Unavailable(f"model worker {self.label} is unavailable (crashed or restarting)"))
+        if self._reader:
+            self._reader.cancel()
+        for sock in (self._batches, self._results):
+            if sock is not None:
+                sock.close(linger=0)
+        self._batches = self._results = None
+        for address in (getattr(self, "_batch_address", ""), getattr(self, "_result_address", "")):
+            try:
+                os.unlink(address.removeprefix("ipc://"))
+            except OSError:
+                pass
+        if self._process and self._process.is_alive():
+            self._process.kill()
+        if self._process:
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join, 5)
+
+    def _fail_pending(self, error: Exception) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._supervisor:
+            self._supervisor.cancel()
+        if self._process and self._process.is_alive():
+            self._process.terminate()
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join, 5)
+        await self._teardown()
+
+    # ---------------------------------------------------------------- batches
+    async def compute(self, batch: protocol.TokenBatch) -> np.ndarray:
+        """Send one batch and wait for its output rows."""
+        if not self.ready:
+            raise Unavailable(f"model worker {self.label} is unavailable (crashed or restarting)")
+        self._next_batch_id += 1
+        batch.batch_id = self._next_batch_id
+        future = asyncio.get_running_loop().create_future()
+        self._pending[batch.batch_id] = future
+        try:
+            await self._batches.send_multipart(protocol.encode_batch(batch), copy=False)
+            return await future
+        finally:
+            self._pending.pop(batch.batch_id, None)
+
+    async def _read_results(self, ready: asyncio.Future) -> None:
+        results = self._results
+        while True:
+            frames = await results.recv_multipart(copy=False)
+            kind, header, rest = protocol.decode(frames)
+            if kind == protocol.MessageType.RESULT:
+                future = self._pending.get(header.batch_id)
+                if future is None or future.done():
+                    continue  # its request was cancelled meanwhile
+                if header.error:
+                    future.set_exception(BackendError(f"model {self.label}: {header.error}"))
+                else:
+                    future.set_result(protocol.result_array(header, rest))
+            elif kind == protocol.MessageType.READY and not ready.done():
+                ready.set_result(header)
+            elif kind == protocol.MessageType.FATAL and not ready.done():
+                ready.set_exception(WorkerStartError(header.message))

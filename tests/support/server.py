@@ -1,0 +1,85 @@
+"""Run a real `encoderd serve` process for tests and wait until it is SERVING."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from encoderd.v1 import encoderd_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`encoderd serve ARGS` on a free loopback port; stop() leaves nothing running."""
+
+    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None):
+        self.grpc_port = free_port()
+        self.metrics_port = free_port()
+        self.args = ["--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), *args]
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def start(self, timeout: float = 180) -> "ServerProcess":
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen([sys.executable, "-m", "encoderd.server.cli", "serve", *self.args],
+                                     env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_serving(timeout)
+        return self
+
+    def wait_serving(self, timeout: float = 180, service: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"encoderd exited with {self.proc.returncode}; log: {self.log_text()}")
+                try:
+                    status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=1).status
+                    if status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"encoderd not SERVING after {timeout}s; log: {self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path and self.log_path.exists() else ""
+
+    def stub(self) -> encoderd_pb2_grpc.EncoderStub:
+        return encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(self.address))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,61 @@
+"""The interface every engine implements. Backends see token batches only,
+never requests or sockets."""
+
+from __future__ import annotations
+
+import abc
+
+import msgspec
+import numpy as np
+
+from ..model_spec import ModelSpec
+from ..protocol import TokenBatch
+
+
+class BackendOptions(msgspec.Struct, frozen=True):
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 0          # intra-op threads; 0 = the cores this process may use
+
+
+class Backend(abc.ABC):
+    engine: str = ""
+    # Padded backends compute batch x longest tokens; the scheduler budgets for it.
+    is_padded: bool = True
+
+    def __init__(self, spec: ModelSpec, options: BackendOptions):
+        self.spec = spec
+        self.options = options
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Load weights onto the device."""
+
+    @abc.abstractmethod
+    def forward(self, batch: TokenBatch) -> np.ndarray:
+        """Embedding models: pooled, unnormalized (n, dim). Others: logits (n, labels)."""
+
+    @property
+    @abc.abstractmethod
+    def output_dim(self) -> int: ...
+
+    def warmup(self, max_length: int) -> None:
+        """Run the shapes the first requests will hit, so they pay no first-call cost."""
+        for n, length in ((1, 8), (8, min(64, max_length)), (2, max_length)):
+            lengths = np.full(n, length, dtype=np.int32)
+            cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+            ids = np.full(int(cu[-1]), 100, dtype=np.int32)
+            self.forward(TokenBatch(-1, ids, cu))
+
+
+def padded(batch: TokenBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Packed tokens -> (input_ids, attention_mask, token_type_ids), each (n, longest)."""
+    lengths = batch.lengths
+    mask = np.arange(int(lengths.max())) < lengths[:, None]
+    ids = np.zeros(mask.shape, dtype=np.int64)
+    ids[mask] = batch.input_ids  # row-major order matches the packing
+    types = None
+    if batch.token_type_ids is not None:
+        types = np.zeros(mask.shape, dtype=np.int64)
+        types[mask] = batch.token_type_ids
+    return ids, mask.astype(np.int64), types

@@ -1,0 +1,108 @@
+"""The worker process: load a backend, then compute batches until told to stop.
+
+Started by the frontend with multiprocessing's `spawn` method. Threads:
+  * receiver: socket -> decode -> queue (releases the GIL while waiting), so the
+    next batch is decoded while the current one computes;
+  * main: queue -> backend.forward -> result socket;
+  * parent watch: exits the process when the frontend is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+
+import msgspec
+import zmq
+
+from . import protocol
+from .backends import BackendOptions, create_backend
+from .model_spec import ModelSpec
+
+log = logging.getLogger("encoderd.worker")
+
+
+class WorkerConfig(msgspec.Struct, frozen=True):
+    spec: ModelSpec
+    engine: str
+    options: BackendOptions
+    batch_address: str    # frontend PUSH -> our PULL
+    result_address: str   # our PUSH -> frontend PULL
+    log_level: str = "INFO"
+    label: str = ""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # A worker never outlives its frontend, however the frontend died (even SIGKILL).
+    while os.getppid() == parent_pid:
+        time.sleep(0.25)
+    os._exit(3)
+
+
+def _receive_loop(sock: zmq.Socket, batches: queue.Queue) -> None:
+    while True:
+        try:
+            frames = sock.recv_multipart(copy=False)
+        except zmq.ContextTerminated:
+            return
+        kind, header, rest = protocol.decode(frames)
+        if kind == protocol.MessageType.BATCH:
+            batches.put(protocol.batch_from_frames(header, rest))
+
+
+def run_worker(config: WorkerConfig, parent_pid: int) -> None:
+    """Process entry point (must be importable for `spawn`)."""
+    logging.basicConfig(level=config.log_level, format=f"%(asctime)s %(levelname)s [worker {config.label}] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+    ctx = zmq.Context()
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.LINGER, 2000)
+    results.connect(config.result_address)
+    try:
+        backend = _load(config)
+    except Exception as exc:
+        log.exception("model load failed")
+        results.send_multipart(protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}")))
+        results.close()
+        raise SystemExit(2)
+
+    batches: queue.Queue = queue.Queue()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(config.batch_address)
+    threading.Thread(target=_receive_loop, args=(inbox, batches), name="receiver", daemon=True).start()
+    results.send_multipart(protocol.encode_control(protocol.WorkerReady(
+        os.getpid(), backend.output_dim, backend.engine, config.options.device, config.options.dtype, backend.is_padded)))
+    _busy_loop(backend, batches, results)
+
+
+def _load(config: WorkerConfig):
+    started = time.perf_counter()
+    log.info("loading %s from %s (engine=%s device=%s dtype=%s)", config.spec.name, config.spec.path,
+             config.engine, config.options.device, config.options.dtype)
+    backend = create_backend(config.engine, config.spec, config.options)
+    backend.load()
+    log.info("loaded in %.1fs; warming up", time.perf_counter() - started)
+    warm_start = time.perf_counter()
+    backend.warmup(config.spec.max_length)
+    log.info("warm-up done in %.1fs; ready", time.perf_counter() - warm_start)
+    return backend
+
+
+def _busy_loop(backend, batches: queue.Queue, results: zmq.Socket) -> None:
+    while True:
+        batch = batches.get()
+        started = time.perf_counter_ns()
+        try:
+            output = backend.forward(batch)
+        except Exception as exc:  # one bad batch fails its requests, not the worker
+            log.exception("batch %d failed", batch.batch_id)
+            results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))
+            continue
+        results.send_multipart(protocol.encode_result(batch.batch_id, output, time.perf_counter_ns() - started),
+                               copy=False)

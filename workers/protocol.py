@@ -1,0 +1,140 @@
+"""The frontend <-> worker wire contract over ZeroMQ. numpy + msgspec only.
+
+Every message is a multipart ZeroMQ message:
+
+    frame 0   one byte, the MessageType
+    frame 1   a msgpack header (one of the Structs below)
+    frame 2.. raw array buffers, described by the header (no pickle)
+
+Batches carry token ids packed back to back (int32) and `cu_seqlens`
+(int32, n+1 offsets, the FlashAttention varlen convention); results carry one
+float32 array of shape (n, dim).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import tempfile
+import uuid
+
+import msgspec
+import numpy as np
+
+
+class MessageType(enum.IntEnum):
+    BATCH = 1    # frontend -> worker
+    RESULT = 2   # worker -> frontend: one batch's outputs, or its error
+    READY = 3    # worker -> frontend: loaded and warmed up
+    FATAL = 4    # worker -> frontend: cannot go on (load failed); the process exits
+
+
+class BatchHeader(msgspec.Struct, array_like=True, gc=False):
+    batch_id: int
+    has_token_types: bool
+
+
+class ResultHeader(msgspec.Struct, array_like=True, gc=False):
+    batch_id: int
+    rows: int = 0
+    cols: int = 0
+    error: str = ""
+    compute_ns: int = 0
+
+
+class WorkerReady(msgspec.Struct, array_like=True, gc=False):
+    pid: int
+    output_dim: int
+    engine: str
+    device: str
+    dtype: str
+    is_padded: bool
+
+
+class WorkerFatal(msgspec.Struct, array_like=True, gc=False):
+    pid: int
+    message: str
+
+
+class TokenBatch(msgspec.Struct, gc=False):
+    """A batch of tokenized sequences, packed without padding."""
+
+    batch_id: int
+    input_ids: np.ndarray            # int32, all sequences concatenated
+    cu_seqlens: np.ndarray           # int32, n + 1 offsets into input_ids
+    token_type_ids: np.ndarray | None = None  # int32 like input_ids; pairs only
+
+    @property
+    def size(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_HEADER_TYPES = {
+    MessageType.BATCH: BatchHeader,
+    MessageType.RESULT: ResultHeader,
+    MessageType.READY: WorkerReady,
+    MessageType.FATAL: WorkerFatal,
+}
+_decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in _HEADER_TYPES.items()}
+
+
+def _type_frame(kind: MessageType) -> bytes:
+    return bytes([kind])
+
+
+def encode_batch(batch: TokenBatch) -> list:
+    header = BatchHeader(batch.batch_id, batch.token_type_ids is not None)
+    frames = [_type_frame(MessageType.BATCH), _encoder.encode(header),
+              np.ascontiguousarray(batch.input_ids, np.int32), np.ascontiguousarray(batch.cu_seqlens, np.int32)]
+    if batch.token_type_ids is not None:
+        frames.append(np.ascontiguousarray(batch.token_type_ids, np.int32))
+    return frames
+
+
+def encode_result(batch_id: int, output: np.ndarray, compute_ns: int = 0) -> list:
+    output = np.ascontiguousarray(output, dtype=np.float32)
+    header = ResultHeader(batch_id, output.shape[0], output.shape[1], compute_ns=compute_ns)
+    return [_type_frame(MessageType.RESULT), _encoder.encode(header), output]
+
+
+def encode_error(batch_id: int, message: str) -> list:
+    return [_type_frame(MessageType.RESULT), _encoder.encode(ResultHeader(batch_id, error=message or "error"))]
+
+
+def encode_control(message: WorkerReady | WorkerFatal) -> list:
+    kind = MessageType.READY if isinstance(message, WorkerReady) else MessageType.FATAL
+    return [_type_frame(kind), _encoder.encode(message)]
+
+
+def decode(frames: list) -> tuple[MessageType, msgspec.Struct, list]:
+    """Split a multipart message into its type, decoded header and raw frames."""
+    kind = MessageType(bytes(frames[0])[0])
+    return kind, _decoders[kind].decode(frames[1]), frames[2:]
+
+
+def _array(frame, dtype) -> np.ndarray:
+    # The received buffer stays alive as long as the array does; copy nothing.
+    return np.frombuffer(memoryview(frame), dtype=dtype)
+
+
+def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch:
+    types = _array(frames[2], np.int32) if header.has_token_types else None
+    return TokenBatch(header.batch_id, _array(frames[0], np.int32), _array(frames[1], np.int32), types)
+
+
+def result_array(header: ResultHeader, frames: list) -> np.ndarray:
+    return _array(frames[0], np.float32).reshape(header.rows, header.cols)
+
+
+def new_ipc_address(tag: str) -> str:
+    """A fresh ipc:// endpoint; unix socket paths must stay under ~107 bytes."""
+    directory = os.environ.get("ENCODERD_RPC_DIR") or tempfile.gettempdir()
+    path = os.path.join(directory, f"encoderd-{tag}-{uuid.uuid4().hex[:12]}")
+    if len(path.encode()) > 100:
+        raise ValueError(f"IPC path too long for a unix socket ({len(path)} bytes): set ENCODERD_RPC_DIR to a shorter directory")
+    return "ipc://" + path
