@@ -104,9 +104,11 @@ class Engine:
             model = next(iter(self.models.values()))
         elif name in self.models:
             model = self.models[name]
+        elif not name:
+            raise InvalidInput(f"the request names no model and several are served: set `model` to one of "
+                               f"{', '.join(sorted(self.models))}")
         else:
-            raise ModelNotFound(f"model {name!r} is not served here; served models: {', '.join(sorted(self.models))}"
-                                if name else "the request names no model and several are served: set `model`")
+            raise ModelNotFound(f"model {name!r} is not served here; served models: {', '.join(sorted(self.models))}")
         if kind is not None and model.spec.kind != kind:
             raise WrongModelKind(f"model {model.spec.name!r} is a {model.spec.kind.value} model; "
                                  f"this call needs a {kind.value} model")

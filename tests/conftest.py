@@ -1,0 +1,52 @@
+"""Shared fixtures: the test models, and one real server serving all three kinds."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from support.models import build_classifier, build_reranker
+from support.server import ServerProcess
+
+# Tests never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def reranker_path(models_dir) -> str:
+    return str(build_reranker(models_dir / "reranker"))
+
+
+@pytest.fixture(scope="session")
+def classifier_path(models_dir) -> str:
+    return str(build_classifier(models_dir / "classifier"))
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, reranker_path, classifier_path):
+    """One encoderd process serving an embedder, a reranker and a classifier."""
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    proc = ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+                         "--model", f"reranker={reranker_path}", "--model", f"classifier={classifier_path}",
+                         "--max-inputs-per-request", "256", log_path=log)
+    proc.start()
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+
+
+@pytest.fixture(scope="session")
+def stub(server):
+    return server.stub()

@@ -1,0 +1,115 @@
+"""Scheduler timing: an idle worker gets work at once; a busy one gets fuller batches
+after the batch delay; results return to each request in order; cancellation drops work.
+
+The worker here is an in-process stand-in so timing can be controlled; the
+real worker process is exercised by tests/integration.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from encoderd.server.batching import BatchLimits, WorkItem
+from encoderd.server.errors import Overloaded
+from encoderd.server.scheduler import ModelScheduler, PendingRequest
+
+
+class StandInWorker:
+    """Echoes each sequence's first token id and length; holds batches until released."""
+
+    def __init__(self):
+        self.ready = True
+        self.state_changed = asyncio.Event()
+        self.batches = []
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def compute(self, batch):
+        self.batches.append(batch)
+        await self.release.wait()
+        starts = batch.cu_seqlens[:-1]
+        return np.stack([batch.input_ids[starts], np.diff(batch.cu_seqlens)], axis=1).astype(np.float32)
+
+
+def make_request(first_ids):
+    request = PendingRequest(len(first_ids))
+    return request, [WorkItem(np.full(3 + (v % 5), v, dtype=np.int32), None, request, i) for i, v in enumerate(first_ids)]
+
+
+async def run(scheduler, first_ids):
+    request, items = make_request(first_ids)
+    return await scheduler.run(items, request)
+
+
+@pytest.fixture
+async def scheduler():
+    worker = StandInWorker()
+    s = ModelScheduler("m", worker, BatchLimits(max_batch_size=8), batch_delay=0.05, max_queued=100)
+    s.start()
+    yield s
+    await s.stop()
+
+
+async def test_idle_worker_gets_a_lone_request_at_once(scheduler):
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    out = await run(scheduler, [42])
+    assert out[0, 0] == 42 and loop.time() - started < 0.04  # well under the 50 ms batch delay
+
+
+async def test_busy_worker_coalesces_and_results_come_back_in_order(scheduler):
+    worker = scheduler.worker
+    worker.release.clear()
+    first = asyncio.create_task(run(scheduler, [1]))
+    await asyncio.sleep(0.01)  # batch 1 is at the worker; next ones queue
+    others = [asyncio.create_task(run(scheduler, [10 * k + j for j in range(2)])) for k in range(1, 4)]
+    await asyncio.sleep(0.01)
+    assert len(worker.batches) == 1  # busy, and 6 < 8 queued: wait for the batch delay or a full batch
+    full = [asyncio.create_task(run(scheduler, [50 + j for j in range(2)])) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    assert len(worker.batches) == 2  # 10 queued >= a full batch of 8: sent without waiting
+    worker.release.set()
+    results = await asyncio.gather(first, *others, *full)
+    assert len(worker.batches) == 3  # 11 inputs in 3 passes
+    for k, out in enumerate(results[1:4], start=1):
+        assert list(out[:, 0]) == [10 * k + j for j in range(2)]
+
+
+async def test_batch_delay_closes_a_partial_batch(scheduler):
+    worker = scheduler.worker
+    worker.release.clear()
+    blocker = asyncio.create_task(run(scheduler, [1]))
+    await asyncio.sleep(0.005)
+    waiting = asyncio.create_task(run(scheduler, [2]))
+    await asyncio.sleep(0.02)
+    assert len(worker.batches) == 1
+    await asyncio.sleep(0.06)  # past the 50 ms delay: the second batch goes (two may be in flight)
+    assert len(worker.batches) == 2
+    worker.release.set()
+    await asyncio.gather(blocker, waiting)
+
+
+async def test_cancelled_request_is_not_computed(scheduler):
+    worker = scheduler.worker
+    worker.release.clear()
+    blocker = asyncio.create_task(run(scheduler, [1]))
+    blocker2 = asyncio.create_task(run(scheduler, [2]))
+    await asyncio.sleep(0.07)
+    doomed = asyncio.create_task(run(scheduler, [99]))
+    await asyncio.sleep(0.005)
+    doomed.cancel()
+    worker.release.set()
+    await asyncio.gather(blocker, blocker2)
+    await asyncio.sleep(0.1)
+    assert all(99 not in b.input_ids for b in worker.batches)
+
+
+async def test_queue_bound_refuses_at_once(scheduler):
+    scheduler.worker.release.clear()
+    tasks = [asyncio.create_task(run(scheduler, [1] * 50)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(Overloaded):
+        await run(scheduler, [1] * 60)
+    scheduler.worker.release.set()
+    await asyncio.gather(*tasks)
