@@ -10,9 +10,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ..v1 import encoderd_pb2, encoderd_pb2_grpc
+from ..v1 import compat_pb2, encoderd_pb2
+from . import systemd, tracing
+from .auth import ApiKeyInterceptor, load_keys
 from .config import ServerConfig
 from .engine import Engine
+from .handlers import add_servicer
+from .rest import CompatService
 from .service import EncoderService
 
 log = logging.getLogger("encoderd")
@@ -26,25 +30,39 @@ class Server:
         self.config = config
         self.health = health.aio.HealthServicer()
         self.engine = Engine(config, on_model_state=self._on_model_state)
-        self.grpc = grpc.aio.server(options=[
+        keys = load_keys(config.api_keys, config.api_key_file)
+        interceptors = [ApiKeyInterceptor(keys, open_health=config.open_health)] if keys else []
+        self.grpc = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
         ])
         self._stop = asyncio.Event()
         self.bound_port: int | None = None
+        self.gateway = None  # the Envoy child serving REST, when on
+        self._serving = False  # READY=1 sent: later model state changes update systemd's STATUS
 
     def _on_model_state(self, name: str, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         asyncio.get_running_loop().create_task(self.health.set(name, status))
+        if self._serving:
+            systemd.status(self._status_line())
+
+    def _status_line(self) -> str:
+        down = [name for name, model in self.engine.models.items() if not model.ready]
+        line = f"serving {len(self.engine.models)} model(s) on {self.config.host}:{self.bound_port}"
+        return line + (f"; unavailable (worker restarting): {', '.join(down)}" if down else "")
 
     async def start(self) -> None:
         cfg = self.config
+        tracing.configure(cfg.otel_endpoint)
         await self.health.set(OVERALL, health_pb2.HealthCheckResponse.NOT_SERVING)
-        encoderd_pb2_grpc.add_EncoderServicer_to_server(EncoderService(self.engine), self.grpc)
+        add_servicer(self.grpc, EncoderService(self.engine), encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"])
+        add_servicer(self.grpc, CompatService(self.engine, self.health), compat_pb2.DESCRIPTOR.services_by_name["Compat"])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((
             encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
+            compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME), self.grpc)
         self.bound_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
@@ -52,20 +70,32 @@ class Server:
             raise SystemExit(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
         # Listen first so health checks answer NOT_SERVING while models load.
         await self.grpc.start()
+        if cfg.rest_port:  # before the models load, so REST /health answers 503 meanwhile
+            self.gateway = await start_gateway(cfg, self.bound_port)
         if cfg.metrics_port:
             from prometheus_client import start_http_server
 
             start_http_server(cfg.metrics_port, addr=cfg.host)
+        systemd.status(f"loading {len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)}")
         await self.engine.start()
         await self.health.set(OVERALL, health_pb2.HealthCheckResponse.SERVING)
+        systemd.ready(self._status_line())
+        self._serving = True
         log.info("encoderd ready: gRPC on %s:%d serving %s", cfg.host, self.bound_port, ", ".join(self.engine.models))
 
     async def drain_and_stop(self) -> None:
         """Stop accepting, let in-flight calls finish (up to the drain timeout), stop workers."""
         log.info("[shutdown] draining for up to %.0fs", self.config.drain_timeout)
+        self._serving = False
+        systemd.stopping(f"draining for up to {self.config.drain_timeout:.0f}s")
         await self.health.enter_graceful_shutdown()
+        if self.gateway:  # keeps serving REST during the drain, but is not restarted any more
+            self.gateway.stop_supervising()
         await self.grpc.stop(self.config.drain_timeout)
+        if self.gateway:  # after the drain: in-flight REST calls finish through it
+            await self.gateway.stop()
         await self.engine.stop()
+        tracing.shutdown()  # flush the last spans
         log.info("[shutdown] done")
 
     def request_stop(self) -> None:
@@ -80,6 +110,22 @@ class Server:
             await self._stop.wait()
         finally:
             await self.drain_and_stop()
+
+
+async def start_gateway(cfg: ServerConfig, grpc_port: int):
+    """Envoy on cfg.rest_port, transcoding REST to this server's gRPC port."""
+    from ..gateway.envoy import GatewaySettings, local_address
+    from ..gateway.process import EnvoyProcess
+
+    grpc_host = local_address(cfg.host)
+    settings = GatewaySettings(grpc_addresses=(f"{grpc_host}:{grpc_port}",), rest_host=cfg.host,
+                               rest_port=cfg.rest_port, max_body_bytes=cfg.rest_max_body_bytes,
+                               timeout_s=cfg.rest_timeout)
+    envoy = EnvoyProcess(settings, cfg.envoy_bin, cfg.log_level)
+    await envoy.start()
+    log.info("REST gateway: Envoy %s (pid %d) on %s -> gRPC %s:%d", envoy.binary, envoy.pid, envoy.url,
+             grpc_host, grpc_port)
+    return envoy
 
 
 async def _serve(config: ServerConfig) -> None:

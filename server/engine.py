@@ -10,18 +10,21 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..workers.backends.base import BackendOptions
-from ..workers.model_spec import ModelKind, ModelSpec, load_model_spec, resolve_model_path
+from ..workers.model_spec import ModelKind, ModelSpec, load_model_spec, modalities, resolve_model_path
 from ..workers.process import WorkerConfig
 from . import metrics
 from .batching import BatchLimits, WorkItem
 from .config import ModelConfig, ServerConfig
 from .errors import InvalidInput, ModelNotFound, WrongModelKind
-from .scheduler import ModelScheduler, PendingRequest
+from .media import MediaLimits, load_preprocessors
+from .placement import Placement, plan_replicas
+from .result_cache import ResultCache, result_key
+from .scheduler import ModelScheduler, PendingRequest, Priority
 from .tokenization import ModelTokenizer, Tokenized
 from .worker_client import WorkerClient
 
@@ -32,23 +35,30 @@ log = logging.getLogger("encoderd.engine")
 class ServedModel:
     spec: ModelSpec
     tokenizer: ModelTokenizer
-    worker: WorkerClient
+    replicas: list[WorkerClient]
     scheduler: ModelScheduler
     engine: str
-    device: str
     dtype: str
+    results: ResultCache
+    prompts: dict[str, str]
+    media: dict = field(default_factory=dict)  # modality -> preprocessor (server/media.py), media kinds only
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler.ready
 
     @property
     def output_dim(self) -> int:
-        info = self.worker.ready_info
-        return info.output_dim if info else (self.spec.hidden_size if self.spec.kind == ModelKind.EMBEDDING
-                                             else len(self.spec.labels))
+        infos = [r.ready_info for r in self.replicas if r.ready_info]
+        if infos:
+            return infos[0].output_dim
+        return len(self.spec.labels) if self.spec.labels else self.spec.hidden_size
 
-    async def compute(self, tokens: Tokenized) -> np.ndarray:
+    async def compute(self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
         request = PendingRequest(len(tokens.ids))
         types = tokens.type_ids or [None] * len(tokens.ids)
         items = [WorkItem(ids, t, request, i) for i, (ids, t) in enumerate(zip(tokens.ids, types))]
-        return await self.scheduler.run(items, request)
+        return await self.scheduler.run(items, request, priority)
 
 
 class Engine:
@@ -57,6 +67,9 @@ class Engine:
         self.models: dict[str, ServedModel] = {}
         self._on_model_state = on_model_state
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenizer")
+        # Media fetching, decoding and preprocessing (server/media.py): blocking work, off the event loop.
+        self.media_pool = ThreadPoolExecutor(config.media_threads, thread_name_prefix="media")
+        self.media_limits = MediaLimits(config.media_max_bytes, config.media_fetch_timeout, config.media_urls)
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -70,36 +83,63 @@ class Engine:
         path = await loop.run_in_executor(None, resolve_model_path, model.source)
         spec = load_model_spec(model.name, path, ModelKind(model.kind) if model.kind else None)
         tokenizer = ModelTokenizer(path, spec.max_length, self._tokenizer_pool)
-        options = BackendOptions(device=cfg.device, dtype=cfg.dtype, threads=cfg.cpu_threads)
-        label = f"{spec.name}:{cfg.device}"
+        # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
+        media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
+        placements = plan_replicas(model.device or cfg.device, cfg.replicas, cfg.cpu_threads)
+        replicas = [self._replica(spec, placement) for placement in placements]
+        started = time.perf_counter()
+        log.info("starting %d worker(s) for %s (%s, kind=%s)", len(replicas), spec.name, path, spec.kind.value)
+        infos = await asyncio.gather(*(replica.start() for replica in replicas))
+        log.info("model %s ready in %.1fs (pids %s, %s/%s)", spec.name, time.perf_counter() - started,
+                 ",".join(str(i.pid) for i in infos), infos[0].engine, infos[0].dtype)
+        metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
+        padded = any(i.is_padded for i in infos)
+        mixed = len(modalities(spec.kind)) > 1
+        limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
+        bulk_limits = BatchLimits(cfg.max_batch_size, min(cfg.bulk_batch_tokens or cfg.max_batch_tokens,
+                                                          cfg.max_batch_tokens), padded=padded, mixed_modalities=mixed)
+        scheduler = ModelScheduler(spec.name, replicas, limits, bulk_limits=bulk_limits,
+                                   batch_delay=cfg.batch_delay_ms / 1000, max_queued=cfg.max_queued_inputs,
+                                   max_queued_tokens=cfg.max_queued_tokens)
+        scheduler.start()
+        prompts = {**spec.prompts, **dict(cfg.prompts)}
+        return ServedModel(spec, tokenizer, replicas, scheduler, infos[0].engine, infos[0].dtype,
+                           ResultCache(spec.name, cfg.cache_size), prompts, await media)
+
+    def _replica(self, spec: ModelSpec, placement: Placement) -> WorkerClient:
+        cfg = self.config
+        options = BackendOptions(device=placement.device, dtype=cfg.dtype, threads=placement.threads,
+                                 cache_dir=cfg.cache_dir, max_batch_size=cfg.max_batch_size)
+        label = f"{spec.name}@{placement.label}"
 
         def make_config(batch_address: str, result_address: str) -> WorkerConfig:
-            return WorkerConfig(spec, cfg.engine, options, batch_address, result_address, cfg.log_level, label)
+            return WorkerConfig(spec, cfg.engine, options, batch_address, result_address, cfg.log_level, label,
+                                cpu_affinity=placement.cores, log_format=cfg.log_format)
+
+        restarts_counted = 0
+        metrics.WORKER_RESTARTS.labels(spec.name, label)  # export the series at 0, so increase() sees the first
 
         def on_state(ready: bool) -> None:
-            metrics.WORKER_UP.labels(spec.name).set(int(ready))
-            self._on_model_state(spec.name, ready)
+            nonlocal restarts_counted
+            metrics.WORKER_UP.labels(spec.name, label).set(int(ready))
+            # WorkerClient counts each death it restarts from; mirror that count into Prometheus.
+            if worker.restarts > restarts_counted:
+                metrics.WORKER_RESTARTS.labels(spec.name, label).inc(worker.restarts - restarts_counted)
+                restarts_counted = worker.restarts
+            self._on_model_state(spec.name, self.models[spec.name].ready if spec.name in self.models else ready)
 
         worker = WorkerClient(make_config, label, on_state, start_timeout=cfg.worker_start_timeout)
-        started = time.perf_counter()
-        log.info("starting worker for %s (%s, kind=%s)", spec.name, path, spec.kind.value)
-        ready = await worker.start()
-        log.info("model %s ready in %.1fs (pid %d, %s/%s/%s)", spec.name, time.perf_counter() - started,
-                 ready.pid, ready.engine, ready.device, ready.dtype)
-        limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=ready.is_padded)
-        scheduler = ModelScheduler(spec.name, worker, limits, batch_delay=cfg.batch_delay_ms / 1000,
-                                   max_queued=cfg.max_queued_inputs)
-        scheduler.start()
-        return ServedModel(spec, tokenizer, worker, scheduler, ready.engine, ready.device, ready.dtype)
+        return worker
 
     async def stop(self) -> None:
         for model in self.models.values():
             await model.scheduler.stop()
-        await asyncio.gather(*(m.worker.stop() for m in self.models.values()), return_exceptions=True)
+        await asyncio.gather(*(r.stop() for m in self.models.values() for r in m.replicas), return_exceptions=True)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.media_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------- operations
-    def get(self, name: str, kind: ModelKind | None = None) -> ServedModel:
+    def get(self, name: str, kind: ModelKind | tuple[ModelKind, ...] | None = None) -> ServedModel:
         if not name and len(self.models) == 1:
             model = next(iter(self.models.values()))
         elif name in self.models:
@@ -109,9 +149,10 @@ class Engine:
                                f"{', '.join(sorted(self.models))}")
         else:
             raise ModelNotFound(f"model {name!r} is not served here; served models: {', '.join(sorted(self.models))}")
-        if kind is not None and model.spec.kind != kind:
+        kinds = (kind,) if isinstance(kind, ModelKind) else kind
+        if kinds is not None and model.spec.kind not in kinds:
             raise WrongModelKind(f"model {model.spec.name!r} is a {model.spec.kind.value} model; "
-                                 f"this call needs a {kind.value} model")
+                                 f"this call needs a {' or '.join(k.value for k in kinds)} model")
         return model
 
     def check_inputs(self, texts, what: str = "inputs") -> list[str]:
@@ -127,30 +168,77 @@ class Engine:
                 raise InvalidInput(f"{what}[{i}] has {len(text)} characters; the limit is {self.config.max_input_chars}")
         return texts
 
-    async def embed(self, name: str, texts, *, truncate: bool = True, side: str = "right",
-                    prompt: str = "") -> tuple[ServedModel, np.ndarray, int]:
-        """Pooled, unnormalized embeddings (n, dim) and the token count."""
-        model = self.get(name, ModelKind.EMBEDDING)
+    def prompt_text(self, model: ServedModel, prompt: str = "", prompt_name: str = "") -> str:
+        """The instruction prefix: explicit text, else a named prompt, else the model's default."""
+        if prompt and prompt_name:
+            raise InvalidInput("set `prompt` or `prompt_name`, not both")
+        if prompt_name:
+            if prompt_name not in model.prompts:
+                raise InvalidInput(f"model {model.spec.name!r} has no prompt named {prompt_name!r}; it has: "
+                                   f"{', '.join(sorted(model.prompts)) or 'none'}")
+            return model.prompts[prompt_name]
+        return prompt or model.prompts.get(model.spec.default_prompt_name or "", "")
+
+    async def embed(self, name: str, texts, *, truncate: bool = True, side: str = "right", prompt: str = "",
+                    prompt_name: str = "", priority: Priority = Priority.INTERACTIVE
+                    ) -> tuple[ServedModel, np.ndarray, int]:
+        """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's)."""
+        model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP))
         texts = self.check_inputs(texts)
-        if prompt:
-            texts = [prompt + t for t in texts]
-        tokens = await model.tokenizer.encode(texts, truncate=truncate, side=side)
+        prefix = self.prompt_text(model, prompt, prompt_name)
+        if prefix:
+            texts = [prefix + t for t in texts]
+
+        async def compute(indices: list[int]):
+            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate, side=side)
+            return await model.compute(tokens, priority), tokens.lengths
+
+        keys = [result_key("embed", side, str(truncate), t) for t in texts]
+        rows, n_tokens = await model.results.resolve(keys, compute)
+        return model, rows, n_tokens
+
+    async def embed_ids(self, name: str, id_lists) -> tuple[ServedModel, np.ndarray, int]:
+        """`embed` for pre-tokenized inputs (OpenAI token-id input): the ids are used
+        as given, no special tokens added, cut to the model's maximum length."""
+        model = self.get(name, ModelKind.EMBEDDING)
+        id_lists = self.check_inputs(id_lists)
+        vocab = model.tokenizer.untruncated.get_vocab_size(with_added_tokens=True)
+        ids = []
+        for i, seq in enumerate(id_lists):
+            # Checked as floats: JSON numbers arrive as doubles, and 1e300 must not wrap around.
+            values = np.asarray(seq[:model.spec.max_length], dtype=np.float64)
+            if not ((values >= 0) & (values < vocab) & (values == np.floor(values))).all():
+                raise InvalidInput(f"inputs[{i}] holds a value that is not a token id: ids are integers in [0, {vocab})")
+            ids.append(values.astype(np.int32))
+        tokens = Tokenized(ids, None, sum(len(a) for a in ids))
         return model, await model.compute(tokens), tokens.total_tokens
 
-    async def score_pairs(self, name: str, query: str, documents, *, truncate: bool = True
-                          ) -> tuple[ServedModel, np.ndarray, int]:
+    async def score_pairs(self, name: str, query: str, documents, *, truncate: bool = True,
+                          priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
         """Cross-encoder logits (n,) of (query, document) pairs and the token count."""
         model = self.get(name, ModelKind.RERANKER)
         if not query:
             raise InvalidInput("`query` is empty")
         documents = self.check_inputs(documents, "documents")
-        tokens = await model.tokenizer.encode(documents, truncate=truncate, pairs_with=query)
-        logits = await model.compute(tokens)
-        return model, logits[:, 0], tokens.total_tokens
 
-    async def classify(self, name: str, texts, *, truncate: bool = True) -> tuple[ServedModel, np.ndarray, int]:
+        async def compute(indices: list[int]):
+            tokens = await model.tokenizer.encode([documents[i] for i in indices], truncate=truncate, pairs_with=query)
+            return await model.compute(tokens, priority), tokens.lengths
+
+        keys = [result_key("pair", str(truncate), query, d) for d in documents]
+        logits, n_tokens = await model.results.resolve(keys, compute)
+        return model, logits[:, 0], n_tokens
+
+    async def classify(self, name: str, texts, *, truncate: bool = True,
+                       priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
         """Classifier logits (n, labels) and the token count."""
         model = self.get(name, ModelKind.CLASSIFIER)
         texts = self.check_inputs(texts)
-        tokens = await model.tokenizer.encode(texts, truncate=truncate)
-        return model, await model.compute(tokens), tokens.total_tokens
+
+        async def compute(indices: list[int]):
+            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate)
+            return await model.compute(tokens, priority), tokens.lengths
+
+        keys = [result_key("classify", str(truncate), t) for t in texts]
+        logits, n_tokens = await model.results.resolve(keys, compute)
+        return model, logits, n_tokens

@@ -1,32 +1,77 @@
-"""Prometheus metrics of the frontend (exposed by --metrics-port)."""
+"""Prometheus metrics of the frontend (exposed by --metrics-port).
+
+Naming follows the Prometheus conventions: an `encoderd_` prefix, base units
+(`_seconds`), counters exported with `_total`. Label sets stay bounded: the
+`model` label only ever holds a served model's name (see `model_label`), `rpc`
+and `code` come from fixed sets.
+
+Latency is split the way an operator debugs it:
+  encoderd_request_duration_seconds  the whole call in the frontend (total);
+  encoderd_queue_wait_seconds        per input, from queueing to its batch leaving;
+  encoderd_batch_duration_seconds    per batch, the worker round trip (compute).
+"""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+_LATENCY_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
-REQUESTS = Counter("encoderd_requests", "Finished requests", ["model", "rpc", "code"])
-REQUEST_SECONDS = Histogram("encoderd_request_duration_seconds", "Request latency, end to end in the frontend",
+UNKNOWN_MODEL = "(unknown)"  # requests naming a model we do not serve share one series
+
+# ---------------------------------------------------------------- requests
+REQUESTS = Counter("encoderd_requests", "Finished RPCs, by status code (errors are code != OK)",
+                   ["model", "rpc", "code"])
+REQUEST_SECONDS = Histogram("encoderd_request_duration_seconds", "RPC latency, end to end in the frontend",
                             ["model", "rpc"], buckets=_LATENCY_BUCKETS)
-REJECTED = Counter("encoderd_rejected_inputs", "Requests refused before queueing", ["model", "reason"])
+REJECTED = Counter("encoderd_rejected_requests", "Requests refused before queueing", ["model", "reason"])
+
+# --------------------------------------------------------------- scheduler
 QUEUE_DEPTH = Gauge("encoderd_queue_depth", "Inputs waiting for a batch", ["model"])
+QUEUE_WAIT = Histogram("encoderd_queue_wait_seconds", "Time an input waited in the queue for its batch",
+                       ["model"], buckets=_LATENCY_BUCKETS)
+DROPPED = Counter("encoderd_dropped_inputs", "Queued inputs dropped before compute (request cancelled or failed)",
+                  ["model"])
 BATCHES = Counter("encoderd_batches", "Batches computed by workers (forward passes)", ["model"])
-BATCH_SIZE = Histogram("encoderd_batch_size", "Inputs per batch", ["model"],
-                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-BATCH_SECONDS = Histogram("encoderd_batch_duration_seconds", "Batch round trip to the worker", ["model"],
-                          buckets=_LATENCY_BUCKETS)
+BATCH_SIZE = Histogram("encoderd_batch_size", "Inputs per batch", ["model"], buckets=_SIZE_BUCKETS)
+BATCH_TOKENS = Histogram("encoderd_batch_tokens", "Tokens computed per batch, padding included", ["model"],
+                         buckets=_TOKEN_BUCKETS)
+BATCH_SECONDS = Histogram("encoderd_batch_duration_seconds", "Batch round trip to the worker (compute)",
+                          ["model", "replica"], buckets=_LATENCY_BUCKETS)
 REAL_TOKENS = Counter("encoderd_real_tokens", "Tokens of the inputs", ["model"])
 COMPUTED_TOKENS = Counter("encoderd_computed_tokens", "Tokens computed, padding included", ["model"])
-WORKER_RESTARTS = Counter("encoderd_worker_restarts", "Worker processes restarted after dying", ["model"])
-WORKER_UP = Gauge("encoderd_worker_up", "1 while the model's worker is ready", ["model"])
+
+CACHE = Counter("encoderd_cache_lookups", "Result cache and in-flight dedup lookups by outcome "
+                "(hit, miss, inflight_hit)", ["model", "outcome"])
+STREAM_INPUTS_IN_FLIGHT = Gauge("encoderd_stream_inputs_in_flight", "EmbedStream inputs inside the server")
+
+# ----------------------------------------------------------------- workers
+# `replica` is a worker's label, e.g. "reranker@cuda:1"; bounded by --replicas x devices.
+WORKER_RESTARTS = Counter("encoderd_worker_restarts", "Worker processes restarted after dying", ["model", "replica"])
+WORKER_UP = Gauge("encoderd_worker_up", "1 while this worker of the model is ready", ["model", "replica"])
+MODEL_LOAD_SECONDS = Gauge("encoderd_model_load_seconds",
+                           "Seconds from spawning the model's workers at start-up until all were loaded and warm",
+                           ["model"])
 
 
-def observe_batch(model: str, batch, padded: bool, seconds: float) -> None:
+def model_label(served, name: str) -> str:
+    """The `model` label for a request: a served name, never free client text."""
+    if name in served:
+        return name
+    if not name and len(served) == 1:
+        return next(iter(served))
+    return "" if not name else UNKNOWN_MODEL
+
+
+def observe_batch(model: str, replica: str, batch, padded: bool, seconds: float) -> None:
     lengths = [item.length for item in batch]
     real = sum(lengths)
+    computed = len(batch) * max(lengths) if padded else real
     BATCHES.labels(model).inc()
     BATCH_SIZE.labels(model).observe(len(batch))
-    BATCH_SECONDS.labels(model).observe(seconds)
+    BATCH_TOKENS.labels(model).observe(computed)
+    BATCH_SECONDS.labels(model, replica).observe(seconds)
     REAL_TOKENS.labels(model).inc(real)
-    COMPUTED_TOKENS.labels(model).inc(len(batch) * max(lengths) if padded else real)
+    COMPUTED_TOKENS.labels(model).inc(computed)

@@ -34,3 +34,34 @@ def rank(scores: np.ndarray, top_n: int) -> np.ndarray:
         raise InvalidInput(f"`top_n` must be positive, not {top_n}")
     order = np.argsort(-scores, kind="stable")
     return order[:top_n] if top_n else order
+
+
+# Output dtypes other than float32, packed little-endian (see OutputDtype in the proto).
+def _int8(v: np.ndarray) -> np.ndarray:
+    return np.round(np.clip(v, -1, 1) * 127).astype(np.int8)
+
+
+def _uint8(v: np.ndarray) -> np.ndarray:
+    return np.round((np.clip(v, -1, 1) + 1) * 127.5).astype(np.uint8)
+
+
+def _ubinary(v: np.ndarray) -> np.ndarray:
+    return np.packbits(v > 0, axis=-1)
+
+
+def _binary(v: np.ndarray) -> np.ndarray:
+    return (_ubinary(v).astype(np.int16) - 128).astype(np.int8)
+
+
+QUANTIZERS = {
+    "float16": lambda v: v.astype("<f2"),
+    "int8": _int8,
+    "uint8": _uint8,
+    "binary": _binary,
+    "ubinary": _ubinary,
+}
+
+
+def quantize(vectors: np.ndarray, dtype: str) -> np.ndarray:
+    """(n, dim) float32 -> (n, k) array of `dtype`'s packed representation."""
+    return QUANTIZERS[dtype](vectors)

@@ -1,18 +1,25 @@
-"""Per-model scheduler: queue of single inputs -> dynamic batches -> worker.
+"""Per-model scheduler: queues of single inputs -> dynamic batches -> replicas.
 
 Policy (which inputs form the next batch) lives in batching.py; this file
-decides *when* to send: at once when the worker is idle (a lone query never
-waits for a batch window), otherwise when a batch is full or the oldest
-queued input has waited `batch_delay`, keeping at most `max_in_flight`
-batches at the worker so it never waits for the frontend.
+decides *when* and *where* to send:
+  * interactive inputs are always batched before bulk ones;
+  * a batch goes at once to an idle replica (a lone query never waits for a
+    batch window); a busy replica gets one when it is full or the oldest input
+    has waited `batch_delay`, with at most `max_in_flight` batches per replica;
+  * bulk batches are smaller (`bulk_limits`) and may fill all but one slot of
+    a replica, so an interactive input never queues behind much bulk work;
+  * each batch goes to the ready replica with the fewest tokens in flight; a
+    batch lost with a dying replica is queued again for the others.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,16 +30,24 @@ from .worker_client import WorkerClient
 
 log = logging.getLogger("encoderd.scheduler")
 
+MAX_ATTEMPTS = 2  # an input whose batch died twice with its worker is failed, not retried forever
+
+
+class Priority(enum.IntEnum):
+    INTERACTIVE = 1
+    BULK = 2
+
 
 class PendingRequest:
     """One request's inputs, reassembled in order as their batches finish."""
 
-    __slots__ = ("future", "rows", "remaining")
+    __slots__ = ("future", "rows", "remaining", "ragged")
 
-    def __init__(self, n_inputs: int):
+    def __init__(self, n_inputs: int, ragged: bool = False):
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
         self.rows: list = [None] * n_inputs
         self.remaining = n_inputs
+        self.ragged = ragged  # rows of different shapes (multi-vector, sparse): a list, not stacked
 
     @property
     def done(self) -> bool:
@@ -42,28 +57,45 @@ class PendingRequest:
         self.rows[index] = row
         self.remaining -= 1
         if self.remaining == 0 and not self.future.done():
-            self.future.set_result(np.stack(self.rows))
+            self.future.set_result(self.rows if self.ragged else np.stack(self.rows))
 
     def fail(self, error: Exception) -> None:
         if not self.future.done():
             self.future.set_exception(error)
 
 
+@dataclass
+class ReplicaLoad:
+    batches: int = 0
+    bulk_batches: int = 0
+    tokens: int = 0
+
+
 class ModelScheduler:
-    def __init__(self, model: str, worker: WorkerClient, limits: BatchLimits, *,
-                 batch_delay: float = 0.005, max_queued: int = 16384, max_in_flight: int = 2):
+    def __init__(self, model: str, replicas: list[WorkerClient], limits: BatchLimits, *,
+                 bulk_limits: BatchLimits | None = None, batch_delay: float = 0.005,
+                 max_queued: int = 16384, max_queued_tokens: int = 0, max_in_flight: int = 2):
         self.model = model
-        self.worker = worker
-        self.limits = limits
+        self.replicas = replicas
+        self.limits = {Priority.INTERACTIVE: limits, Priority.BULK: bulk_limits or limits}
         self.batch_delay = batch_delay
         self.max_queued = max_queued
+        self.max_queued_tokens = max_queued_tokens
         self.max_in_flight = max_in_flight
-        self.queue: deque[WorkItem] = deque()
+        self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
+        self.load = {replica: ReplicaLoad() for replica in replicas}
+        self._queued_tokens = 0
         self._wake = asyncio.Event()
-        self._first_queued_at: float | None = None
-        self._in_flight = 0
         self._task: asyncio.Task | None = None
         self.batches_sent = 0
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    @property
+    def ready(self) -> bool:
+        return any(r.ready for r in self.replicas)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"scheduler[{self.model}]")
@@ -73,86 +105,151 @@ class ModelScheduler:
             self._task.cancel()
         self._fail_queued(Unavailable(f"model {self.model} is shutting down"))
 
-    def submit(self, items: list[WorkItem]) -> None:
-        """Queue a request's inputs, or refuse at once when over the bound."""
-        if not self.worker.ready:
+    def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
+        """Queue a request's inputs, or refuse at once when over a bound."""
+        if not self.ready:
             raise Unavailable(f"model {self.model} is unavailable (its worker is restarting)")
-        if len(self.queue) + len(items) > self.max_queued:
+        tokens = sum(item.length for item in items)
+        if self.queued + len(items) > self.max_queued or (
+                self.max_queued_tokens and self._queued_tokens + tokens > self.max_queued_tokens):
             metrics.REJECTED.labels(self.model, "queue_full").inc()
-            raise Overloaded(f"model {self.model} is overloaded: {len(self.queue)} inputs queued; retry later")
-        if not self.queue:
-            self._first_queued_at = time.monotonic()
-        self.queue.extend(items)
-        metrics.QUEUE_DEPTH.labels(self.model).set(len(self.queue))
+            raise Overloaded(f"model {self.model} is overloaded ({self.queued} inputs, {self._queued_tokens} tokens "
+                             f"queued); retry later")
+        now = time.monotonic()
+        for item in items:
+            item.enqueued = now
+        self.queues[priority].extend(items)
+        self._queued_tokens += tokens
+        self._queue_changed()
         self._wake.set()
 
-    async def run(self, items: list[WorkItem], request: PendingRequest) -> np.ndarray:
+    async def run(self, items: list[WorkItem], request: PendingRequest,
+                  priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
         """Queue the inputs and wait for all their rows; cancellation drops queued ones."""
-        self.submit(items)
+        self.submit(items, priority)
         try:
             return await request.future
         finally:
-            request.future.cancel()  # no-op once done; drops queued inputs when cancelled
+            request.future.cancel()  # no-op once done; makes take_batch drop queued inputs
 
     # ------------------------------------------------------------- the loop
     async def _run(self) -> None:
-        worker_state = asyncio.create_task(self._watch_worker())
+        watchers = [asyncio.create_task(self._watch_replica(r)) for r in self.replicas]
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
                 self._dispatch_ready_batches()
         finally:
-            worker_state.cancel()
+            for watcher in watchers:
+                watcher.cancel()
 
     def _dispatch_ready_batches(self) -> None:
-        while self.queue and self._in_flight < self.max_in_flight and self.worker.ready:
-            if self._in_flight and not self._should_close_batch():
-                return
-            batch = take_batch(self.queue, self.limits)
-            metrics.QUEUE_DEPTH.labels(self.model).set(len(self.queue))
-            self._first_queued_at = time.monotonic() if self.queue else None
-            if not batch:
-                return
-            self._in_flight += 1
-            self.batches_sent += 1
-            asyncio.create_task(self._compute(batch))
+        for priority in Priority:
+            queue, limits = self.queues[priority], self.limits[priority]
+            while queue:
+                replica = self._pick_replica(priority)
+                if replica is None or (self.load[replica].batches and not self._should_close(queue, limits)):
+                    break
+                batch = self._take(queue, limits)
+                if batch:
+                    self._send(replica, batch, priority)
+            if queue:
+                return  # interactive work still waits: bulk work must not overtake it
 
-    def _should_close_batch(self) -> bool:
-        if queued_cost_reaches_budget(self.queue, self.limits):
+    def _pick_replica(self, priority: Priority) -> WorkerClient | None:
+        # Bulk leaves one slot of each replica free for interactive work.
+        bulk_cap = max(1, self.max_in_flight - 1)
+        free = [r for r in self.replicas if r.ready and self.load[r].batches < self.max_in_flight
+                and (priority == Priority.INTERACTIVE or self.load[r].bulk_batches < bulk_cap)]
+        return min(free, key=lambda r: self.load[r].tokens) if free else None
+
+    def _should_close(self, queue: deque[WorkItem], limits: BatchLimits) -> bool:
+        if queued_cost_reaches_budget(queue, limits):
             return True
-        waited = time.monotonic() - (self._first_queued_at or time.monotonic())
+        waited = time.monotonic() - queue[0].enqueued
         if waited >= self.batch_delay:
             return True
         asyncio.get_running_loop().call_later(self.batch_delay - waited, self._wake.set)
         return False
 
-    async def _compute(self, batch: list[WorkItem]) -> None:
+    def _take(self, queue: deque[WorkItem], limits: BatchLimits) -> list[WorkItem]:
+        before = len(queue)
+        batch = take_batch(queue, limits)
+        dropped = before - len(queue) - len(batch)
+        if dropped:
+            metrics.DROPPED.labels(self.model).inc(dropped)
+        now = time.monotonic()
+        for item in batch:
+            metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
+        self._queued_tokens = sum(item.length for q in self.queues.values() for item in q) if dropped else (
+            self._queued_tokens - sum(item.length for item in batch))
+        self._queue_changed()
+        return batch
+
+    def _send(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority) -> None:
+        tokens = sum(item.length for item in batch)
+        load = self.load[replica]
+        load.batches += 1
+        load.tokens += tokens
+        load.bulk_batches += priority == Priority.BULK
+        self.batches_sent += 1
+        asyncio.create_task(self._compute(replica, batch, priority, tokens))
+
+    async def _compute(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority, tokens: int) -> None:
         started = time.perf_counter()
         try:
-            rows = await self.worker.compute(pack(batch, 0))
+            rows = await replica.compute(pack(batch, 0))
+        except Unavailable as exc:
+            self._retry_or_fail(batch, priority, exc)
+            return
         except Exception as exc:
             for item in batch:
                 item.request.fail(exc)
             return
         finally:
-            self._in_flight -= 1
+            load = self.load[replica]
+            load.batches -= 1
+            load.tokens -= tokens
+            load.bulk_batches -= priority == Priority.BULK
             self._wake.set()
-        metrics.observe_batch(self.model, batch, self.limits.padded, time.perf_counter() - started)
+        metrics.observe_batch(self.model, replica.label, batch, self.limits[priority].padded,
+                              time.perf_counter() - started)
         for item, row in zip(batch, rows):
             item.request.fill(item.index, row)
 
-    async def _watch_worker(self) -> None:
-        """When the worker goes down, queued work fails fast instead of waiting."""
+    def _retry_or_fail(self, batch: list[WorkItem], priority: Priority, error: Exception) -> None:
+        """A replica died under this batch: let another replica take it, within limits."""
+        retry = [item for item in batch if not item.request.done and item.attempts + 1 < MAX_ATTEMPTS]
+        for item in batch:
+            if item not in retry:
+                item.request.fail(error)
+        if retry and self.ready:
+            for item in retry:
+                item.attempts += 1
+            self.queues[priority].extendleft(reversed(retry))
+            self._queued_tokens += sum(item.length for item in retry)
+            self._queue_changed()
+        else:
+            for item in retry:
+                item.request.fail(error)
+
+    async def _watch_replica(self, replica: WorkerClient) -> None:
+        """When the last replica goes down, queued work fails fast instead of waiting."""
         while True:
-            await self.worker.state_changed.wait()
-            self.worker.state_changed.clear()
-            if not self.worker.ready:
+            await replica.state_changed.wait()
+            replica.state_changed.clear()
+            if not self.ready:
                 self._fail_queued(Unavailable(f"model {self.model} is unavailable (its worker crashed; restarting)"))
             self._wake.set()
 
     def _fail_queued(self, error: Exception) -> None:
-        queued, self.queue = self.queue, deque()
-        for item in queued:
-            item.request.fail(error)
-        metrics.QUEUE_DEPTH.labels(self.model).set(0)
+        for priority, queue in self.queues.items():
+            self.queues[priority] = deque()
+            for item in queue:
+                item.request.fail(error)
+        self._queued_tokens = 0
+        self._queue_changed()
+
+    def _queue_changed(self) -> None:
+        metrics.QUEUE_DEPTH.labels(self.model).set(self.queued)

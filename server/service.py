@@ -10,9 +10,14 @@ import grpc
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from . import metrics, postprocess
+from . import logs, metrics, multimodal, postprocess, tracing
 from .engine import Engine
-from .errors import EncoderdError
+from .errors import EncoderdError, InvalidInput
+from .handlers import MalformedRequest
+from .media import Content
+from .messages import embeddings_message
+from .scheduler import Priority
+from .streaming import embed_stream
 
 log = logging.getLogger("encoderd.service")
 
@@ -21,32 +26,71 @@ _SIDES = {pb.TRUNCATION_DIRECTION_UNSPECIFIED: "right", pb.TRUNCATION_DIRECTION_
 
 
 def rpc(method):
-    """Map EncoderdError to its status; count and time every call."""
+    """Around every RPC: request id, trace span, error -> status mapping, metrics."""
     name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
-        model = getattr(request, "model", "")
+        rpc_label = f"{type(self).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
+        metadata = context.invocation_metadata()
+        rid = logs.bind_request_id(metadata)
+        rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
+        model = metrics.model_label(self.engine.models, getattr(request, "model", ""))
         code = grpc.StatusCode.OK
-        try:
-            return await method(self, request, context)
-        except EncoderdError as exc:
-            code = exc.code
-            await context.abort(exc.code, str(exc))
-        except Exception:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", name)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log")
-        finally:
-            metrics.REQUESTS.labels(model, name, code.name).inc()
-            metrics.REQUEST_SECONDS.labels(model, name).observe(time.perf_counter() - started)
+        with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
+            try:
+                if isinstance(request, MalformedRequest):
+                    raise InvalidInput(request.reason)
+                response = await method(self, request, context)
+                # The id goes out in the response headers, but only now: while no header has left, a
+                # proxy (Envoy) may still retry the call elsewhere if this host dies mid-call.
+                await context.send_initial_metadata(rid_metadata)
+                return response
+            except EncoderdError as exc:
+                code = exc.code
+                await context.abort(exc.code, str(exc), rid_metadata)  # errors: in the trailers
+            except Exception:
+                code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", name)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log",
+                                    rid_metadata)
+            finally:
+                elapsed = time.perf_counter() - started
+                if log.isEnabledFor(logging.DEBUG):  # an access log, for debugging only: it costs per call
+                    log.debug("%s model=%s code=%s %.1fms", rpc_label, model, code.name, elapsed * 1000)
+                tracing.finish(span, code, model)
+                metrics.REQUESTS.labels(model, rpc_label, code.name).inc()
+                metrics.REQUEST_SECONDS.labels(model, rpc_label).observe(elapsed)
 
     return wrapper
 
 
+def _priority(value: int, default: Priority) -> Priority:
+    return {pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, pb.PRIORITY_BULK: Priority.BULK}.get(value, default)
+
+
 def _usage(tokens: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=tokens, total_tokens=tokens)
+
+
+def _media_content(modality: str, media: pb.Media) -> Content:
+    return Content(modality, data=media.data) if media.HasField("data") else Content(modality, url=media.url)
+
+
+def contents(messages, what: str = "inputs") -> list[Content]:
+    """Proto Content messages -> the engine's; an unset oneof is a client error."""
+    out = []
+    for i, message in enumerate(messages):
+        which = message.WhichOneof("content")
+        if which is None:
+            raise InvalidInput(f"{what}[{i}] sets none of text, image, audio")
+        out.append(Content(text=message.text) if which == "text" else _media_content(which, getattr(message, which)))
+    return out
+
+
+def _truncate(request) -> bool:
+    return request.truncate if request.HasField("truncate") else True
 
 
 class EncoderService(encoderd_pb2_grpc.EncoderServicer):
@@ -58,17 +102,24 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         truncate = request.truncate if request.HasField("truncate") else True
         model, pooled, tokens = await self.engine.embed(
             request.model, request.inputs, truncate=truncate, side=_SIDES.get(request.truncation_direction, "right"),
-            prompt=request.prompt)
+            prompt=request.prompt, prompt_name=request.prompt_name,
+            priority=_priority(request.priority, Priority.INTERACTIVE))
         normalize = request.normalize if request.HasField("normalize") else model.spec.normalize
         vectors = postprocess.finish_embeddings(pooled, normalize=normalize, dimensions=request.dimensions)
         return pb.EmbedResponse(model=model.spec.name, usage=_usage(tokens),
-                                embeddings=[pb.Embedding(values=v) for v in vectors.tolist()])
+                                embeddings=embeddings_message(vectors, request.output_dtype))
+
+    async def EmbedStream(self, request_iterator, context):
+        """Bulk embedding over a bidirectional stream; see streaming.py."""
+        async for response in embed_stream(self.engine, request_iterator, context):
+            yield response
 
     @rpc
     async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
         truncate = request.truncate if request.HasField("truncate") else True
         model, logits, tokens = await self.engine.score_pairs(request.model, request.query, request.documents,
-                                                              truncate=truncate)
+                                                              truncate=truncate,
+                                                              priority=_priority(request.priority, Priority.INTERACTIVE))
         scores = logits if request.raw_scores else postprocess.sigmoid(logits)
         results = [pb.RerankResult(index=int(i), relevance_score=float(scores[i]),
                                    document=request.documents[i] if request.return_documents else "")
@@ -78,7 +129,8 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     @rpc
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
         truncate = request.truncate if request.HasField("truncate") else True
-        model, logits, tokens = await self.engine.classify(request.model, request.inputs, truncate=truncate)
+        model, logits, tokens = await self.engine.classify(request.model, request.inputs, truncate=truncate,
+                                                           priority=_priority(request.priority, Priority.INTERACTIVE))
         scores = logits if request.raw_scores else postprocess.softmax(logits)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         results = []
@@ -98,14 +150,58 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
             for e in encodings])
 
     @rpc
+    async def EmbedMultimodal(self, request: pb.EmbedMultimodalRequest, context) -> pb.EmbedMultimodalResponse:
+        model, pooled, usage = await multimodal.embed_contents(
+            self.engine, request.model, contents(request.inputs), truncate=_truncate(request),
+            priority=_priority(request.priority, Priority.INTERACTIVE))
+        normalize = request.normalize if request.HasField("normalize") else model.spec.normalize
+        vectors = postprocess.finish_embeddings(pooled, normalize=normalize, dimensions=request.dimensions)
+        return pb.EmbedMultimodalResponse(model=model.spec.name, usage=_usage(usage),
+                                          embeddings=embeddings_message(vectors, request.output_dtype))
+
+    @rpc
+    async def EmbedMultiVector(self, request: pb.EmbedMultiVectorRequest, context) -> pb.EmbedMultiVectorResponse:
+        model, rows, usage = await multimodal.embed_multivector(
+            self.engine, request.model, contents(request.inputs), truncate=_truncate(request), prompt=request.prompt,
+            priority=_priority(request.priority, Priority.INTERACTIVE))
+        return pb.EmbedMultiVectorResponse(
+            model=model.spec.name, dimensions=model.output_dim, usage=_usage(usage),
+            embeddings=[pb.MultiVector(rows=len(r), values=r.reshape(-1).tolist()) for r in rows])
+
+    @rpc
+    async def MaxSim(self, request: pb.MaxSimRequest, context) -> pb.MaxSimResponse:
+        model, scores, usage = await multimodal.maxsim(
+            self.engine, request.model, request.query, contents(request.documents, "documents"),
+            truncate=_truncate(request), query_prompt=request.query_prompt, document_prompt=request.document_prompt,
+            priority=_priority(request.priority, Priority.INTERACTIVE))
+        documents = request.documents
+        results = [pb.RerankResult(index=int(i), relevance_score=float(scores[i]),
+                                   document=documents[i].text if request.return_documents else "")
+                   for i in postprocess.rank(scores, request.top_n)]
+        return pb.MaxSimResponse(model=model.spec.name, results=results, usage=_usage(usage))
+
+    @rpc
+    async def EmbedSparse(self, request: pb.EmbedSparseRequest, context) -> pb.EmbedSparseResponse:
+        model, vectors, usage = await multimodal.embed_sparse(
+            self.engine, request.model, request.inputs, truncate=_truncate(request),
+            side=_SIDES.get(request.truncation_direction, "right"), prompt=request.prompt,
+            priority=_priority(request.priority, Priority.INTERACTIVE), top_k=request.top_k,
+            threshold=request.threshold)
+        return pb.EmbedSparseResponse(
+            model=model.spec.name, dimensions=model.output_dim, usage=_usage(usage),
+            embeddings=[pb.SparseEmbedding(indices=i.tolist(), values=v.tolist()) for i, v in vectors])
+
+    @rpc
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[model_info(m) for m in self.engine.models.values()])
 
 
 def model_info(model) -> pb.ModelInfo:
+    replicas = [pb.ModelReplica(device=r.ready_info.device if r.ready_info else r.label.rpartition("@")[2],
+                                pid=r.pid or 0, restarts=r.restarts, status="ready" if r.ready else "unavailable")
+                for r in model.replicas]
     return pb.ModelInfo(
         id=model.spec.name, kind=model.spec.kind.value, max_input_tokens=model.spec.max_length,
-        dimensions=model.output_dim, engine=model.engine, device=model.device, dtype=model.dtype,
-        labels=list(model.spec.labels), status="ready" if model.worker.ready else "unavailable",
-        replicas=[pb.ModelReplica(device=model.device, pid=model.worker.pid or 0, restarts=model.worker.restarts,
-                                  status="ready" if model.worker.ready else "unavailable")])
+        dimensions=model.output_dim, engine=model.engine, device=",".join(sorted({r.device for r in replicas})),
+        dtype=model.dtype, labels=list(model.spec.labels), status="ready" if model.ready else "unavailable",
+        replicas=replicas)

@@ -23,6 +23,10 @@ class Tokenized:
     type_ids: list[np.ndarray] | None     # int32 per input, for pairs
     total_tokens: int
 
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.fromiter((len(i) for i in self.ids), dtype=np.int64, count=len(self.ids))
+
 
 def load_tokenizer(model_dir: str) -> Tokenizer:
     path = Path(model_dir) / "tokenizer.json"

@@ -22,6 +22,26 @@ class ModelKind(str, enum.Enum):
     EMBEDDING = "embedding"
     RERANKER = "reranker"      # a cross-encoder with one output
     CLASSIFIER = "classifier"  # a sequence classifier over id2label
+    CLIP = "clip"              # image-text dual encoder (CLIPModel): texts and images in one space
+    CLAP = "clap"              # audio-text dual encoder (ClapModel): texts and audio in one space
+    COLBERT = "colbert"        # late interaction over text: one unit vector per token
+    COLPALI = "colpali"        # late interaction over images and text, on a CLIP model: one per patch / token
+    SPARSE = "sparse"          # SPLADE over a masked-LM head: a sparse vocabulary-sized vector
+
+
+# What each kind takes. Text is every kind's; the media modalities need their tower.
+MODALITIES = {
+    ModelKind.CLIP: ("text", "image"),
+    ModelKind.CLAP: ("text", "audio"),
+    ModelKind.COLPALI: ("text", "image"),
+}
+MULTI_VECTOR_KINDS = (ModelKind.COLBERT, ModelKind.COLPALI)
+# Kinds whose embeddings are projected into a space shared with another modality.
+DUAL_ENCODER_KINDS = (ModelKind.CLIP, ModelKind.CLAP, ModelKind.COLPALI)
+
+
+def modalities(kind: ModelKind) -> tuple[str, ...]:
+    return MODALITIES.get(kind, ("text",))
 
 
 class Pooling(str, enum.Enum):
@@ -42,6 +62,8 @@ class ModelSpec(msgspec.Struct, frozen=True):
     normalize: bool = False
     labels: tuple[str, ...] = ()
     hidden_size: int = 0
+    prompts: dict[str, str] = {}          # sentence-transformers named prompts
+    default_prompt_name: str | None = None
 
 
 class ModelLoadError(Exception):
@@ -80,11 +102,26 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
 
 
-def detect_kind(config: dict) -> ModelKind:
+def detect_kind(config: dict, modules: list[dict] = ()) -> ModelKind:
     architectures = config.get("architectures") or []
+    module_types = [m.get("type", "") for m in modules]
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         n_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
         return ModelKind.RERANKER if n_labels == 1 else ModelKind.CLASSIFIER
+    if "ColPaliForRetrieval" in architectures:
+        raise ModelLoadError("ColPaliForRetrieval (PaliGemma) checkpoints are not supported; serve a CLIP model "
+                             "with the :colpali kind for ColPali-style multi-vector page embeddings")
+    if "CLIPModel" in architectures or config.get("model_type") == "clip":
+        return ModelKind.CLIP
+    if "ClapModel" in architectures or config.get("model_type") == "clap":
+        return ModelKind.CLAP
+    # Stanford ColBERT checkpoints name their class HF_ColBERT; PyLate ones use pylate modules.
+    if "HF_ColBERT" in architectures or any(t.startswith("pylate.") for t in module_types):
+        return ModelKind.COLBERT
+    # A masked-LM is an embedding model too (mean pooling); it is sparse when its
+    # sentence-transformers files say SPLADE, or when served with the :sparse kind.
+    if any(t.endswith(("SpladePooling", "MLMTransformer")) for t in module_types):
+        return ModelKind.SPARSE
     return ModelKind.EMBEDDING
 
 
@@ -104,12 +141,22 @@ def _max_length(model_dir: Path, config: dict) -> int:
     st_config = _read_json(model_dir / "sentence_bert_config.json")
     tok_config = _read_json(model_dir / "tokenizer_config.json")
     candidates = [st_config.get("max_seq_length"), tok_config.get("model_max_length")]
-    position_limit = config.get("max_position_embeddings") or 512
-    # RoBERTa-style models reserve two positions for the padding offset.
-    if config.get("model_type") in ("roberta", "xlm-roberta", "camembert"):
+    text_config = config.get("text_config") or config  # dual encoders keep the text tower's settings apart
+    position_limit = text_config.get("max_position_embeddings") or 512
+    # RoBERTa-style models (CLAP's text tower too) reserve two positions for the padding offset.
+    if text_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "clap_text_model"):
         position_limit -= 2
     lengths = [int(c) for c in candidates if isinstance(c, (int, float)) and 0 < c < 10**6]
     return min(lengths[0] if lengths else position_limit, position_limit)
+
+
+def _output_size(config: dict, kind: ModelKind) -> int:
+    """The output width before the worker reports it (a ColBERT projection may change it)."""
+    if kind in DUAL_ENCODER_KINDS:
+        return int(config.get("projection_dim") or 0)
+    if kind == ModelKind.SPARSE:
+        return int(config.get("vocab_size") or 0)
+    return int(config.get("hidden_size") or config.get("d_model") or 0)
 
 
 def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> ModelSpec:
@@ -118,16 +165,21 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> Mode
     if not config:
         raise ModelLoadError(f"{path} has no config.json: not a transformers model directory")
     modules = _read_json(model_dir / "modules.json") or []
-    kind = kind or detect_kind(config)
+    kind = kind or detect_kind(config, modules)
     id2label = config.get("id2label") or {}
-    labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if kind != ModelKind.EMBEDDING else ()
+    labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if kind in (
+        ModelKind.RERANKER, ModelKind.CLASSIFIER) else ()
+    st_config = _read_json(model_dir / "config_sentence_transformers.json")
     return ModelSpec(
         name=name,
         path=str(model_dir),
         kind=kind,
         max_length=_max_length(model_dir, config),
         pooling=_pooling(model_dir, modules),
-        normalize=any(m.get("type", "").endswith("Normalize") for m in modules),
+        # Dual encoders compare across modalities by cosine: unit vectors unless a request says otherwise.
+        normalize=any(m.get("type", "").endswith("Normalize") for m in modules) or kind in DUAL_ENCODER_KINDS,
         labels=labels,
-        hidden_size=int(config.get("hidden_size") or config.get("d_model") or 0),
+        hidden_size=_output_size(config, kind),
+        prompts={str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()},
+        default_prompt_name=st_config.get("default_prompt_name") or None,
     )

@@ -19,6 +19,7 @@ import time
 import msgspec
 import zmq
 
+from ..server.logs import configure_logging
 from . import protocol
 from .backends import BackendOptions, create_backend
 from .model_spec import ModelSpec
@@ -34,6 +35,8 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     result_address: str   # our PUSH -> frontend PULL
     log_level: str = "INFO"
     label: str = ""
+    cpu_affinity: tuple[int, ...] = ()   # pin this worker to these cores
+    log_format: str = "text"             # "json": JSON lines, as the frontend's --log-format
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -56,8 +59,10 @@ def _receive_loop(sock: zmq.Socket, batches: queue.Queue) -> None:
 
 def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     """Process entry point (must be importable for `spawn`)."""
-    logging.basicConfig(level=config.log_level, format=f"%(asctime)s %(levelname)s [worker {config.label}] %(message)s")
+    configure_logging(config.log_level, config.log_format, worker=config.label)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    if config.cpu_affinity:
+        os.sched_setaffinity(0, config.cpu_affinity)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
 
     ctx = zmq.Context()
@@ -77,7 +82,9 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     inbox.connect(config.batch_address)
     threading.Thread(target=_receive_loop, args=(inbox, batches), name="receiver", daemon=True).start()
     results.send_multipart(protocol.encode_control(protocol.WorkerReady(
-        os.getpid(), backend.output_dim, backend.engine, config.options.device, config.options.dtype, backend.is_padded)))
+        # The backend's own engine/options: `auto` engine and dtype are resolved by then.
+        os.getpid(), backend.output_dim, backend.engine, backend.options.device, backend.options.dtype,
+        backend.is_padded)))
     _busy_loop(backend, batches, results)
 
 
@@ -99,7 +106,7 @@ def _busy_loop(backend, batches: queue.Queue, results: zmq.Socket) -> None:
         batch = batches.get()
         started = time.perf_counter_ns()
         try:
-            output = backend.forward(batch)
+            output = backend.forward_media(batch) if isinstance(batch, protocol.MediaBatch) else backend.forward(batch)
         except Exception as exc:  # one bad batch fails its requests, not the worker
             log.exception("batch %d failed", batch.batch_id)
             results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))

@@ -9,6 +9,13 @@ Every message is a multipart ZeroMQ message:
 Batches carry token ids packed back to back (int32) and `cu_seqlens`
 (int32, n+1 offsets, the FlashAttention varlen convention); results carry one
 float32 array of shape (n, dim).
+
+Media batches (images, audio) carry instead one float32 array (n, *shape) of
+preprocessed inputs, all of one shape (the frontend resized / padded them), and
+optionally one int32 flag per input. Ragged results (a vector per token or
+patch; sparse vectors) carry float32 values (rows, cols), int32 `cu_seqlens`
+(n+1) saying which rows belong to which input, and for sparse vectors the int32
+dimension of each value.
 """
 
 from __future__ import annotations
@@ -32,6 +39,10 @@ class MessageType(enum.IntEnum):
 class BatchHeader(msgspec.Struct, array_like=True, gc=False):
     batch_id: int
     has_token_types: bool
+    # A media batch: its modality ("image", "audio"), one input's shape, and whether flags follow.
+    modality: str = "text"
+    shape: tuple[int, ...] = ()
+    has_flags: bool = False
 
 
 class ResultHeader(msgspec.Struct, array_like=True, gc=False):
@@ -40,6 +51,9 @@ class ResultHeader(msgspec.Struct, array_like=True, gc=False):
     cols: int = 0
     error: str = ""
     compute_ns: int = 0
+    # Ragged results: the number of inputs (0 = one dense row each), and whether indices follow.
+    inputs: int = 0
+    sparse: bool = False
 
 
 class WorkerReady(msgspec.Struct, array_like=True, gc=False):
@@ -73,6 +87,37 @@ class TokenBatch(msgspec.Struct, gc=False):
         return np.diff(self.cu_seqlens)
 
 
+class MediaBatch(msgspec.Struct, gc=False):
+    """A batch of preprocessed media inputs of one modality and one shape."""
+
+    batch_id: int
+    modality: str                    # "image" | "audio"
+    features: np.ndarray             # float32 (n, *shape): pixel values, audio features
+    flags: np.ndarray | None = None  # int32 (n,), one per input (CLAP: is_longer)
+
+    @property
+    def size(self) -> int:
+        return self.features.shape[0]
+
+
+class Ragged(msgspec.Struct, gc=False):
+    """Outputs of a different length per input, concatenated: token / patch
+    vectors (multi-vector), or the non-zero entries of sparse vectors."""
+
+    values: np.ndarray               # float32 (rows, cols)
+    cu_seqlens: np.ndarray           # int32 (n + 1): input i owns rows cu[i]:cu[i+1]
+    indices: np.ndarray | None = None  # int32 (rows,): sparse, the dimension of each value (cols == 1)
+
+    def split(self) -> list:
+        """Per input: a (rows_i, cols) array, or for sparse vectors an (indices, values) pair."""
+        bounds = self.cu_seqlens.tolist()
+        spans = zip(bounds[:-1], bounds[1:])
+        if self.indices is None:
+            return [self.values[a:b] for a, b in spans]
+        flat = self.values.reshape(-1)
+        return [(self.indices[a:b], flat[a:b]) for a, b in spans]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _HEADER_TYPES = {
     MessageType.BATCH: BatchHeader,
@@ -87,7 +132,9 @@ def _type_frame(kind: MessageType) -> bytes:
     return bytes([kind])
 
 
-def encode_batch(batch: TokenBatch) -> list:
+def encode_batch(batch: TokenBatch | MediaBatch) -> list:
+    if isinstance(batch, MediaBatch):
+        return _encode_media_batch(batch)
     header = BatchHeader(batch.batch_id, batch.token_type_ids is not None)
     frames = [_type_frame(MessageType.BATCH), _encoder.encode(header),
               np.ascontiguousarray(batch.input_ids, np.int32), np.ascontiguousarray(batch.cu_seqlens, np.int32)]
@@ -96,10 +143,33 @@ def encode_batch(batch: TokenBatch) -> list:
     return frames
 
 
-def encode_result(batch_id: int, output: np.ndarray, compute_ns: int = 0) -> list:
+def _encode_media_batch(batch: MediaBatch) -> list:
+    features = np.ascontiguousarray(batch.features, np.float32)
+    header = BatchHeader(batch.batch_id, False, batch.modality, features.shape[1:], batch.flags is not None)
+    frames = [_type_frame(MessageType.BATCH), _encoder.encode(header), features]
+    if batch.flags is not None:
+        frames.append(np.ascontiguousarray(batch.flags, np.int32))
+    return frames
+
+
+def encode_result(batch_id: int, output: np.ndarray | Ragged, compute_ns: int = 0) -> list:
+    if isinstance(output, Ragged):
+        return _encode_ragged_result(batch_id, output, compute_ns)
     output = np.ascontiguousarray(output, dtype=np.float32)
     header = ResultHeader(batch_id, output.shape[0], output.shape[1], compute_ns=compute_ns)
     return [_type_frame(MessageType.RESULT), _encoder.encode(header), output]
+
+
+def _encode_ragged_result(batch_id: int, output: Ragged, compute_ns: int) -> list:
+    values = np.ascontiguousarray(output.values, dtype=np.float32)
+    values = values.reshape(len(values), -1)
+    header = ResultHeader(batch_id, values.shape[0], values.shape[1], compute_ns=compute_ns,
+                          inputs=len(output.cu_seqlens) - 1, sparse=output.indices is not None)
+    frames = [_type_frame(MessageType.RESULT), _encoder.encode(header), values,
+              np.ascontiguousarray(output.cu_seqlens, np.int32)]
+    if output.indices is not None:
+        frames.append(np.ascontiguousarray(output.indices, np.int32))
+    return frames
 
 
 def encode_error(batch_id: int, message: str) -> list:
@@ -122,13 +192,22 @@ def _array(frame, dtype) -> np.ndarray:
     return np.frombuffer(memoryview(frame), dtype=dtype)
 
 
-def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch:
+def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch | MediaBatch:
+    if header.modality != "text":
+        features = _array(frames[0], np.float32).reshape(-1, *header.shape)
+        flags = _array(frames[1], np.int32) if header.has_flags else None
+        return MediaBatch(header.batch_id, header.modality, features, flags)
     types = _array(frames[2], np.int32) if header.has_token_types else None
     return TokenBatch(header.batch_id, _array(frames[0], np.int32), _array(frames[1], np.int32), types)
 
 
-def result_array(header: ResultHeader, frames: list) -> np.ndarray:
-    return _array(frames[0], np.float32).reshape(header.rows, header.cols)
+def result_array(header: ResultHeader, frames: list) -> np.ndarray | list:
+    """Dense results: the (n, dim) array. Ragged ones: one entry per input (see Ragged.split)."""
+    values = _array(frames[0], np.float32).reshape(header.rows, header.cols)
+    if not header.inputs:
+        return values
+    indices = _array(frames[2], np.int32) if header.sparse else None
+    return Ragged(values, _array(frames[1], np.int32), indices).split()
 
 
 def new_ipc_address(tag: str) -> str:

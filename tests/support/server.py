@@ -8,12 +8,18 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoderd.v1 import encoderd_pb2_grpc
+
+
+# Loopback requests must not follow an http_proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def free_port() -> int:
@@ -23,12 +29,17 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`encoderd serve ARGS` on a free loopback port; stop() leaves nothing running."""
+    """`encoderd serve ARGS` on a free loopback port; stop() leaves nothing running.
 
-    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None):
+    REST (the Envoy child) is off unless rest=True, which puts it on a free port
+    too and makes start() also wait until Envoy answers /health with 200."""
+
+    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None, rest: bool = False):
         self.grpc_port = free_port()
         self.metrics_port = free_port()
-        self.args = ["--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), *args]
+        self.rest_port = free_port() if rest else 0
+        rest_args = ["--rest-port", str(self.rest_port)] if rest else ["--no-rest"]
+        self.args = ["--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), *rest_args, *args]
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -37,12 +48,43 @@ class ServerProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def start(self, timeout: float = 180) -> "ServerProcess":
+    @property
+    def rest_url(self) -> str:
+        return f"http://127.0.0.1:{self.rest_port}"
+
+    def launch(self) -> "ServerProcess":
+        """Start the process without waiting for it."""
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen([sys.executable, "-m", "encoderd.server.cli", "serve", *self.args],
                                      env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_serving(timeout)
         return self
+
+    def start(self, timeout: float = 180) -> "ServerProcess":
+        self.launch()
+        self.wait_serving(timeout)
+        if self.rest_port:
+            self.wait_rest(timeout)
+        return self
+
+    def rest_health(self) -> int | None:
+        """The HTTP status of GET /health through Envoy; None while nothing answers."""
+        try:
+            with _DIRECT.open(self.rest_url + "/health", timeout=2) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None
+
+    def wait_rest(self, timeout: float = 180, status: int = 200) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"encoderd exited with {self.proc.returncode}; log: {self.log_text()}")
+            if self.rest_health() == status:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"REST /health not {status} after {timeout}s; log: {self.log_text()}")
 
     def wait_serving(self, timeout: float = 180, service: str = "") -> None:
         deadline = time.monotonic() + timeout

@@ -12,13 +12,15 @@ import pytest
 
 from encoderd.server.batching import BatchLimits, WorkItem
 from encoderd.server.errors import Overloaded
-from encoderd.server.scheduler import ModelScheduler, PendingRequest
+from encoderd.server.errors import Unavailable
+from encoderd.server.scheduler import ModelScheduler, PendingRequest, Priority
 
 
 class StandInWorker:
     """Echoes each sequence's first token id and length; holds batches until released."""
 
-    def __init__(self):
+    def __init__(self, label="w"):
+        self.label = label
         self.ready = True
         self.state_changed = asyncio.Event()
         self.batches = []
@@ -37,15 +39,16 @@ def make_request(first_ids):
     return request, [WorkItem(np.full(3 + (v % 5), v, dtype=np.int32), None, request, i) for i, v in enumerate(first_ids)]
 
 
-async def run(scheduler, first_ids):
+async def run(scheduler, first_ids, priority=Priority.INTERACTIVE):
     request, items = make_request(first_ids)
-    return await scheduler.run(items, request)
+    return await scheduler.run(items, request, priority)
 
 
 @pytest.fixture
 async def scheduler():
     worker = StandInWorker()
-    s = ModelScheduler("m", worker, BatchLimits(max_batch_size=8), batch_delay=0.05, max_queued=100)
+    s = ModelScheduler("m", [worker], BatchLimits(max_batch_size=8), batch_delay=0.05, max_queued=100)
+    s.worker = worker
     s.start()
     yield s
     await s.stop()
@@ -113,3 +116,44 @@ async def test_queue_bound_refuses_at_once(scheduler):
         await run(scheduler, [1] * 60)
     scheduler.worker.release.set()
     await asyncio.gather(*tasks)
+
+
+async def test_interactive_inputs_go_before_queued_bulk_inputs(scheduler):
+    worker = scheduler.worker
+    worker.release.clear()
+    bulk = [asyncio.create_task(run(scheduler, [100 + k], Priority.BULK)) for k in range(3)]
+    await asyncio.sleep(0.01)
+    more_bulk = asyncio.create_task(run(scheduler, [200], Priority.BULK))
+    await asyncio.sleep(0.07)
+    assert len(worker.batches) == 1  # bulk fills all but one slot of the replica, however long it waits
+    interactive = asyncio.create_task(run(scheduler, [7]))
+    await asyncio.sleep(0.07)  # the batch delay: the replica is busy
+    assert len(worker.batches) == 2 and worker.batches[1].input_ids[0] == 7  # took the slot bulk left free
+    worker.release.set()
+    await asyncio.gather(*bulk, more_bulk, interactive)
+
+
+async def test_batches_go_to_the_least_loaded_replica_and_survive_a_lost_one():
+    a, b = StandInWorker("a"), StandInWorker("b")
+    scheduler = ModelScheduler("m", [a, b], BatchLimits(max_batch_size=2), batch_delay=0.0)
+    scheduler.start()
+    a.release.clear()
+    b.release.clear()
+    first = asyncio.create_task(run(scheduler, [1, 2]))
+    second = asyncio.create_task(run(scheduler, [3, 4]))
+    await asyncio.sleep(0.01)
+    assert len(a.batches) == 1 and len(b.batches) == 1  # spread, not stacked on one replica
+
+    async def die(batch):  # replica a dies under its batch
+        a.batches.append(batch)
+        a.ready = False
+        raise Unavailable("gone")
+
+    a.compute = die
+    a.release.set()
+    third = asyncio.create_task(run(scheduler, [5, 6]))
+    await asyncio.sleep(0.01)
+    b.release.set()
+    results = await asyncio.gather(first, second, third)
+    assert [list(r[:, 0]) for r in results] == [[1, 2], [3, 4], [5, 6]]
+    await scheduler.stop()

@@ -2,16 +2,69 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import logging
+
+import msgspec
+
 from .base import Backend, BackendOptions
+
+log = logging.getLogger(__name__)
+
+# engine -> (module, class); modules are imported only when asked for: each pulls in a heavy library.
+ENGINES = {
+    "torch": ("torch_backend", "TorchBackend"),
+    "onnx": ("onnx_backend", "OnnxBackend"),
+    "ctranslate2": ("ct2_backend", "CT2Backend"),
+    "tensorrt": ("tensorrt_backend", "TensorRTBackend"),
+}
+# The kinds every engine serves; the others are torch-only.
+TEXT_ENGINE_KINDS = ("embedding", "reranker", "classifier")
+
+
+def _on_gpu(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def resolve_engine(engine: str, options: BackendOptions) -> str:
+    """`auto`: torch on CUDA (ctranslate2 for int8 there), onnx on CPU when onnxruntime is installed."""
+    if engine != "auto":
+        return engine
+    if _on_gpu(options.device):
+        int8 = options.dtype.startswith("int8") and importlib.util.find_spec("ctranslate2") is not None
+        chosen, why = ("ctranslate2", "int8 on CUDA") if int8 else ("torch", "CUDA device")
+    elif importlib.util.find_spec("onnxruntime") is not None:
+        chosen, why = "onnx", "CPU device and onnxruntime is installed"
+    else:
+        chosen, why = "torch", "CPU device and onnxruntime is not installed"
+    log.info("--engine auto: using %s (%s)", chosen, why)
+    return chosen
+
+
+def resolve_options(options: BackendOptions) -> BackendOptions:
+    """`--dtype auto`: float16 on CUDA, float32 on CPU."""
+    if options.dtype != "auto":
+        return options
+    dtype = "float16" if _on_gpu(options.device) else "float32"
+    log.info("--dtype auto: using %s on %s", dtype, options.device)
+    return msgspec.structs.replace(options, dtype=dtype)
 
 
 def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
-    """Import only the engine asked for: each pulls in a heavy library."""
-    if engine == "torch":
-        from .torch_backend import TorchBackend
+    """The backend for `engine` with `auto` engine and dtype resolved; its
+    `engine` and `options` say what actually runs."""
+    options = resolve_options(options)
+    engine = resolve_engine(engine, options)
+    if spec.kind.value not in TEXT_ENGINE_KINDS and engine != "torch":
+        # Multi-modal, multi-vector and sparse heads exist for torch only (workers/backends/torch_heads.py).
+        log.warning("%s: %s models run on the torch engine, not %s", spec.name, spec.kind.value, engine)
+        engine = "torch"
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of auto, {', '.join(ENGINES)}")
+    module_name, class_name = ENGINES[engine]
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return getattr(module, class_name)(spec, options)
 
-        return TorchBackend(spec, options)
-    raise ValueError(f"unknown engine {engine!r}")
 
-
-__all__ = ["Backend", "BackendOptions", "create_backend"]
+__all__ = ["Backend", "BackendOptions", "ENGINES", "create_backend", "resolve_engine", "resolve_options"]

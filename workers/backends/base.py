@@ -9,13 +9,15 @@ import msgspec
 import numpy as np
 
 from ..model_spec import ModelSpec
-from ..protocol import TokenBatch
+from ..protocol import MediaBatch, TokenBatch
 
 
 class BackendOptions(msgspec.Struct, frozen=True):
     device: str = "cpu"
     dtype: str = "float32"
     threads: int = 0          # intra-op threads; 0 = the cores this process may use
+    cache_dir: str = ""       # converted models (ONNX, CTranslate2, TensorRT); "" = model_cache.default_cache_dir()
+    max_batch_size: int = 64  # largest batch the scheduler sends; sizes TensorRT optimization profiles
 
 
 class Backend(abc.ABC):
@@ -33,7 +35,12 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, batch: TokenBatch) -> np.ndarray:
-        """Embedding models: pooled, unnormalized (n, dim). Others: logits (n, labels)."""
+        """Embedding models: pooled, unnormalized (n, dim). Others: logits (n, labels).
+        Multi-vector and sparse kinds return a protocol.Ragged instead."""
+
+    def forward_media(self, batch: MediaBatch):
+        """Image / audio batches (multi-modal kinds): (n, dim) embeddings or a Ragged of vectors."""
+        raise ValueError(f"the {self.engine} engine computes no {batch.modality} inputs; use --engine torch")
 
     @property
     @abc.abstractmethod

@@ -10,12 +10,15 @@ import numpy as np
 import torch
 
 from ..model_spec import ModelKind, Pooling
-from ..protocol import TokenBatch
+from ..protocol import MediaBatch, TokenBatch
+from . import torch_heads
 from .base import Backend, padded
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Kinds computed right here (pooled hidden states, logits); the others in torch_heads.
+_POOLED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
@@ -35,19 +38,25 @@ class TorchBackend(Backend):
     engine = "torch"
 
     def load(self) -> None:
-        from transformers import AutoModel, AutoModelForSequenceClassification
-
         if self.options.dtype not in DTYPES:
             raise ValueError(f"the torch engine supports dtypes {sorted(DTYPES)}, not {self.options.dtype!r}")
         self.device = torch.device(self.options.device)
         if self.device.type == "cpu":
             torch.set_num_threads(self.options.threads or len(os.sched_getaffinity(0)))
-        model_class = AutoModel if self.spec.kind == ModelKind.EMBEDDING else AutoModelForSequenceClassification
-        model = model_class.from_pretrained(self.spec.path, dtype=DTYPES[self.options.dtype], attn_implementation="sdpa")
+        model_class = torch_heads.model_class(self.spec.kind)
+        try:
+            model = model_class.from_pretrained(self.spec.path, dtype=DTYPES[self.options.dtype],
+                                                attn_implementation="sdpa")
+        except ValueError:  # some towers (CLAP's audio Swin) have no SDPA path: their own attention then
+            model = model_class.from_pretrained(self.spec.path, dtype=DTYPES[self.options.dtype])
         self.model = model.to(self.device).eval()
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
-        self._dim = (self.model.config.hidden_size if self.spec.kind == ModelKind.EMBEDDING
-                     else self.model.config.num_labels)
+        self.projection = None
+        if self.spec.kind == ModelKind.COLBERT:
+            projection = torch_heads.load_colbert_projection(self.spec.path)
+            self.projection = projection.to(self.device, DTYPES[self.options.dtype]) if projection else None
+        self._dim = (self.model.config.num_labels if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
+                     else torch_heads.output_dim(self.model, self.spec.kind, self.projection))
 
     @property
     def output_dim(self) -> int:
@@ -61,9 +70,22 @@ class TorchBackend(Backend):
         if self._takes_token_types:
             inputs["token_type_ids"] = (torch.from_numpy(types) if types is not None
                                         else torch.zeros_like(inputs["input_ids"], device="cpu")).to(self.device)
+        if self.spec.kind not in _POOLED_KINDS:
+            return torch_heads.forward_text(self, inputs)
         out = self.model(**inputs)
         if self.spec.kind == ModelKind.EMBEDDING:
             result = pool(out.last_hidden_state, inputs["attention_mask"], self.spec.pooling)
         else:
             result = out.logits
         return result.float().cpu().numpy()
+
+    @torch.inference_mode()
+    def forward_media(self, batch: MediaBatch):
+        return torch_heads.forward_media(self, batch)
+
+    def warmup(self, max_length: int) -> None:
+        super().warmup(max_length)
+        shapes = torch_heads.media_warmup_shapes(self.model, self.spec.kind, self.spec.path)
+        for modality, shape in shapes.items():
+            for n in (1, 4):
+                self.forward_media(MediaBatch(-1, modality, np.zeros((n, *shape), dtype=np.float32)))

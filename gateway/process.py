@@ -1,0 +1,153 @@
+"""Envoy as a supervised child of `encoderd serve`: restarted when it dies, and
+never left behind when the server goes, even by SIGKILL.
+
+Envoy is exec'd through a tiny launcher that sets PR_SET_PDEATHSIG first: the
+kernel kills Envoy when the server thread that spawned it exits, however the
+server died. The launcher is a separate interpreter because preexec_fn runs
+Python between fork and exec of a multi-threaded process (gRPC, tokenizer
+threads), which can deadlock.
+
+Envoy gets its own process group so that a terminal's Ctrl-C reaches only the
+server, which drains in-flight calls (REST ones too, through Envoy) and stops
+Envoy last; the death signal covers every way the server can die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .envoy import GatewayError, GatewaySettings, find_envoy, local_address, render
+
+log = logging.getLogger("encoderd.gateway")
+
+# argv: PARENT_PID ENVOY ARGS... -- dies with the parent, then becomes Envoy.
+_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(1)  # the parent died before prctl\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+_ENVOY_LOG_LEVELS = {"DEBUG": "info", "INFO": "warning", "WARNING": "warning", "ERROR": "error"}
+
+
+class EnvoyProcess:
+    def __init__(self, settings: GatewaySettings, envoy_bin: str = "", log_level: str = "INFO"):
+        self.settings = settings
+        self.binary = find_envoy(envoy_bin)
+        self.log_level = _ENVOY_LOG_LEVELS.get(log_level.upper(), "warning")
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._supervisor: asyncio.Task | None = None
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def url(self) -> str:
+        host = local_address(self.settings.rest_host)
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.settings.rest_port}"
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self, timeout: float = 30.0) -> None:
+        await self._spawn_and_wait(timeout)
+        self._supervisor = asyncio.create_task(self._supervise(), name="supervise[envoy]")
+
+    def _spawn(self, config: Path) -> subprocess.Popen:
+        args = [self.binary, "--config-path", str(config), "--disable-hot-restart",
+                "--log-level", self.log_level, "--log-format", "%Y-%m-%d %T,%e %l envoy: %v"]
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *args],
+                                stdin=subprocess.DEVNULL, process_group=0)
+
+    async def _spawn_and_wait(self, timeout: float) -> None:
+        """Start Envoy and wait until its listener accepts connections.
+
+        Its files live only until then (Envoy reads them once at start), so even a
+        SIGKILLed server leaves nothing in /tmp; a restart renders them again."""
+        workdir = Path(tempfile.mkdtemp(prefix="encoderd-envoy-"))
+        try:
+            config = await asyncio.get_running_loop().run_in_executor(None, render, workdir, self.settings)
+            self._proc = self._spawn(config)
+            await self._wait_listening(timeout)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    async def _wait_listening(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        host = local_address(self.settings.rest_host)
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise GatewayError(f"Envoy exited with code {self._proc.returncode} at start "
+                                   f"(port {self.settings.rest_port} taken? see its log above)")
+            try:
+                _, writer = await asyncio.open_connection(host, self.settings.rest_port)
+                writer.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.05)
+        self._kill()
+        raise GatewayError(f"Envoy did not listen on {host}:{self.settings.rest_port} within {timeout:.0f}s")
+
+    async def _wait_exit(self) -> int:
+        """Wait for the child without holding a thread: its pidfd becomes readable at exit."""
+        if self._proc.poll() is not None:
+            return self._proc.returncode
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        fd = os.pidfd_open(self._proc.pid)  # works on an unreaped zombie too: only we reap it
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await exited
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        return self._proc.wait()
+
+    async def _supervise(self) -> None:
+        backoff = 0.5
+        while not self._stopping:
+            code = await self._wait_exit()
+            if self._stopping:
+                return
+            self.restarts += 1
+            log.error("Envoy (pid %d) exited with code %s; restarting it in %.1fs", self._proc.pid, code, backoff)
+            await asyncio.sleep(backoff)
+            if self._stopping:
+                return
+            try:
+                await self._spawn_and_wait(30.0)
+                log.info("Envoy restarted (pid %d)", self._proc.pid)
+                backoff = 0.5
+            except GatewayError as exc:
+                log.error("%s", exc)
+                backoff = min(backoff * 2, 30.0)
+
+    def _kill(self) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def stop_supervising(self) -> None:
+        """From now on a dead Envoy stays dead (the server is shutting down)."""
+        self._stopping = True
+        if self._supervisor:
+            self._supervisor.cancel()
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        self.stop_supervising()
+        if self._proc and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._wait_exit(), timeout)
+            except asyncio.TimeoutError:
+                self._kill()

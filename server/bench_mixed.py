@@ -1,0 +1,154 @@
+"""Interactive queries while bulk ingestion saturates the server (issue #9's benchmark).
+
+    python -m encoderd.server.bench_mixed [--seconds 15] [--serve-args "--dtype bfloat16"]
+
+It starts its own `encoderd serve` (or uses --target HOST:PORT) and measures, one
+phase after the other on the same server:
+  idle         sequential single short queries, nothing else running: p50/p95;
+  bulk solo    one EmbedStream of mixed-length chunks (priority bulk): inputs/s, tokens/s;
+  mixed        both at once: the queries' p50/p95 and the stream's throughput;
+  mixed-fifo   the same, with the stream sent at interactive priority: what a one-queue
+               engine (Infinity, TEI) does to live queries.
+A benchmark, not a test: it prints a table and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from ..clients.bulk import embed_iterable
+from .bench import Managed, free_port, grpc_serving, wait_until
+from ..v1 import encoderd_pb2 as pb
+from ..v1 import encoderd_pb2_grpc
+
+QUERIES = ["what is a cross encoder", "best laptop for travel", "weather in paris", "how do embeddings work",
+           "symptoms of flu", "python async tutorial", "cheap flights to tokyo", "define entropy"]
+
+
+def chunk_corpus(n: int, seed: int = 0) -> list[str]:
+    """Mixed-length ingestion chunks: mostly paragraphs, some long, some short."""
+    rng = np.random.default_rng(seed)
+    words = ("retrieval augmented generation splits documents into chunks and embeds each one so that a query can "
+             "find the passages most similar to it before a reranker orders them").split()
+    lengths = np.clip(rng.lognormal(mean=4.0, sigma=0.8, size=n), 5, 400).astype(int)
+    return [f"chunk {i}: " + " ".join(rng.choice(words, size=k)) for i, k in enumerate(lengths)]
+
+
+class BulkStream(threading.Thread):
+    """Streams chunks until stopped; counts results per second of wall time."""
+
+    def __init__(self, address: str, chunks: list[str], priority: int):
+        super().__init__(daemon=True)
+        self.address, self.chunks, self.priority = address, chunks, priority
+        self.stop = threading.Event()
+        self.done_at: list[float] = []
+
+    def _items(self):
+        i = 0
+        while not self.stop.is_set():
+            yield f"{i}", f"{i} " + self.chunks[i % len(self.chunks)]  # unique: no dedup shortcut
+            i += 1
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            for _ in embed_iterable(channel, self._items(), progress=False, priority=self.priority):
+                self.done_at.append(time.perf_counter())
+                if self.stop.is_set():
+                    break
+
+    def rate(self, start: float, end: float) -> float:
+        return sum(start <= t < end for t in self.done_at) / (end - start)
+
+
+def query_latencies(stub, seconds: float) -> list[float]:
+    latencies, i = [], 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        stub.Embed(pb.EmbedRequest(inputs=[f"{QUERIES[i % len(QUERIES)]} {i}"]))
+        latencies.append(time.perf_counter() - started)
+        i += 1
+        time.sleep(0.02)  # a user, not a load generator
+    return latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q) * 1000) if values else float("nan")
+
+
+def run_phases(address: str, seconds: float) -> dict:
+    stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
+    chunks = chunk_corpus(2000)
+    query_latencies(stub, 2)  # warm up
+    results = {"idle": {"query_ms": query_latencies(stub, seconds)}}
+    for phase, priority in (("bulk solo", pb.PRIORITY_BULK), ("mixed", pb.PRIORITY_BULK),
+                            ("mixed-fifo", pb.PRIORITY_INTERACTIVE)):
+        stream = BulkStream(address, chunks, priority)
+        stream.start()
+        time.sleep(3)  # reach steady state
+        start = time.perf_counter()
+        latencies = query_latencies(stub, seconds) if phase != "bulk solo" else (time.sleep(seconds) or [])
+        end = time.perf_counter()
+        stream.stop.set()
+        stream.join(timeout=60)
+        results[phase] = {"query_ms": latencies, "bulk_inputs_per_s": stream.rate(start, end)}
+        time.sleep(1)
+    return results
+
+
+def report(results: dict) -> list[dict]:
+    rows = []
+    solo = results["bulk solo"]["bulk_inputs_per_s"]
+    idle_p95 = pct(results["idle"]["query_ms"], 95)
+    for phase, r in results.items():
+        q = r["query_ms"]
+        bulk = r.get("bulk_inputs_per_s")
+        rows.append({"phase": phase, "queries": len(q), "p50_ms": pct(q, 50), "p95_ms": pct(q, 95),
+                     "p95_vs_idle": pct(q, 95) / idle_p95 if q else None,
+                     "bulk_inputs_per_s": bulk, "bulk_vs_solo": bulk / solo if bulk is not None and solo else None})
+    print(f"{'phase':<12} {'queries':>7} {'p50 ms':>8} {'p95 ms':>8} {'p95/idle':>9} {'bulk in/s':>10} {'bulk/solo':>9}")
+    for row in rows:
+        fmt = lambda v, f: (f % v) if isinstance(v, float) else "-"  # noqa: E731
+        print(f"{row['phase']:<12} {row['queries']:>7} {fmt(row['p50_ms'], '%8.1f'):>8} {fmt(row['p95_ms'], '%8.1f'):>8} "
+              f"{fmt(row['p95_vs_idle'], '%9.2f'):>9} {fmt(row['bulk_inputs_per_s'], '%10.1f'):>10} "
+              f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9}")
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=15, help="length of each measured phase")
+    parser.add_argument("--target", help="HOST:PORT of a running encoderd (default: start one)")
+    parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for the server it starts")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    server, address = None, args.target
+    if not address:
+        address = f"127.0.0.1:{free_port()}"
+        argv = [sys.executable, "-m", "encoderd.server.cli", "serve", "--no-rest", "--grpc-port",
+                address.rpartition(":")[2], *shlex.split(args.serve_args)]
+        server = Managed("encoderd", argv, Path(tempfile.mkdtemp()) / "encoderd.log").start()
+    try:
+        if server:
+            wait_until(lambda: grpc_serving(address), "encoderd", server, timeout=300)
+        rows = report(run_phases(address, args.seconds))
+    finally:
+        if server:
+            server.stop()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

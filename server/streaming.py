@@ -1,0 +1,148 @@
+"""EmbedStream: bulk embedding over one bidirectional stream, with flow control.
+
+    reader   client messages -> `incoming`, one window slot each (blocks when full)
+    grouper  `incoming` -> groups of up to GROUP inputs -> one engine call each
+    writer   finished results -> client, releasing a slot per result written
+
+A slow reader blocks the writer, slots run out, the reader stops reading and
+gRPC flow control pushes back on the client: the server never holds more than
+`window` inputs of a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+from google.rpc import status_pb2
+
+from ..v1 import encoderd_pb2 as pb
+from ..workers.model_spec import ModelKind
+from . import metrics, postprocess
+from .messages import embeddings_message
+from .errors import EncoderdError, InvalidInput, Overloaded
+from .handlers import MalformedRequest
+from .scheduler import Priority
+
+WINDOW = 1024     # inputs of one stream inside the server at once
+GROUP = 64        # inputs sent to the scheduler together
+_END = object()
+
+
+def _error(item_id: str, exc: Exception) -> pb.EmbedStreamResponse:
+    code = exc.code if isinstance(exc, EncoderdError) else grpc.StatusCode.INTERNAL
+    return pb.EmbedStreamResponse(id=item_id, error=status_pb2.Status(code=code.value[0], message=str(exc)))
+
+
+class _Stream:
+    def __init__(self, engine, first: pb.EmbedStreamRequest, window: int):
+        self.engine = engine
+        self.options = first
+        self.model = engine.get(first.model, ModelKind.EMBEDDING)  # bad model: the whole stream fails
+        engine.prompt_text(self.model, first.prompt, first.prompt_name)  # likewise a bad prompt name
+        self.priority = Priority.INTERACTIVE if first.priority == pb.PRIORITY_INTERACTIVE else Priority.BULK
+        self.slots = asyncio.Semaphore(window)
+        self.incoming: asyncio.Queue = asyncio.Queue()
+        self.results: asyncio.Queue = asyncio.Queue()
+        self.groups: set[asyncio.Task] = set()
+        self.held = 0   # window slots taken by inputs not yet answered
+
+    async def read(self, first, requests) -> None:
+        await self._admit(first)
+        async for message in requests:
+            await self._admit(message)
+        await self.incoming.put(_END)
+
+    async def _admit(self, message) -> None:
+        if isinstance(message, MalformedRequest):  # answer it; the stream goes on
+            await self.slots.acquire()
+            self.held += 1
+            metrics.STREAM_INPUTS_IN_FLIGHT.inc()
+            await self.results.put(_error("", InvalidInput(message.reason)))
+            return
+        await self.slots.acquire()
+        self.held += 1
+        metrics.STREAM_INPUTS_IN_FLIGHT.inc()
+        await self.incoming.put(message)
+
+    async def group(self) -> None:
+        ended = False
+        while not ended:
+            batch = []
+            message = await self.incoming.get()
+            while True:  # take what has already arrived, up to a group
+                if message is _END:
+                    ended = True
+                    break
+                batch.append(message)
+                if len(batch) == GROUP or self.incoming.empty():
+                    break
+                message = self.incoming.get_nowait()
+            if batch:
+                task = asyncio.create_task(self._embed(batch))
+                self.groups.add(task)
+                task.add_done_callback(self.groups.discard)
+        if self.groups:
+            await asyncio.gather(*list(self.groups))
+        await self.results.put(_END)
+
+    async def _embed(self, batch: list[pb.EmbedStreamRequest]) -> None:
+        good = []
+        for message in batch:
+            if not message.input:
+                await self.results.put(_error(message.id, InvalidInput("empty input")))
+            else:
+                good.append(message)
+        if not good:
+            return
+        o = self.options
+        try:
+            while True:
+                try:
+                    model, pooled, _ = await self.engine.embed(
+                        o.model, [m.input for m in good], truncate=o.truncate if o.HasField("truncate") else True,
+                        prompt=o.prompt, prompt_name=o.prompt_name, priority=self.priority)
+                    break
+                except Overloaded:
+                    await asyncio.sleep(0.05)  # bulk work waits for room instead of failing
+            normalize = o.normalize if o.HasField("normalize") else model.spec.normalize
+            vectors = postprocess.finish_embeddings(pooled, normalize=normalize, dimensions=o.dimensions)
+            for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype)):
+                await self.results.put(pb.EmbedStreamResponse(id=message.id, embedding=embedding))
+        except Exception as exc:
+            for message in good:
+                await self.results.put(_error(message.id, exc))
+
+    def release(self) -> None:
+        self.slots.release()
+        self.held -= 1
+        metrics.STREAM_INPUTS_IN_FLIGHT.dec()
+
+
+async def embed_stream(engine, requests, context, window: int = WINDOW):
+    """The EmbedStream servicer body: an async generator of responses."""
+    first = await anext(requests.__aiter__(), None)
+    if first is None:
+        return
+    try:
+        if isinstance(first, MalformedRequest):
+            raise InvalidInput(first.reason)
+        stream = _Stream(engine, first, window)
+    except EncoderdError as exc:
+        await context.abort(exc.code, str(exc))
+    tasks = [asyncio.create_task(stream.read(first, requests)), asyncio.create_task(stream.group())]
+    try:
+        while True:
+            response = await stream.results.get()
+            if response is _END:
+                break
+            yield response
+            stream.release()
+        await tasks[0]  # surface a broken client stream
+    finally:
+        for task in (*tasks, *stream.groups):
+            task.cancel()
+        metrics.STREAM_INPUTS_IN_FLIGHT.dec(stream.held)  # unanswered inputs leave with the stream
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)

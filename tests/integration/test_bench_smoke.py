@@ -1,0 +1,53 @@
+"""Smoke run of the benchmark (`encoderd bench --quick`): it runs end to end, writes every field
+of its JSON report, and leaves no process behind. No timing is asserted: it is a benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from encoderd.server.bench import serve_flags
+
+ROW_FIELDS = {"mode", "engine", "protocol", "inputs_per_s", "tokens_per_s", "p50_ms", "p95_ms", "p99_ms", "calls",
+              "errors", "padding_ratio", "flop_utilisation", "worker_busy", "cpu_cores", "server"}
+
+
+def _alive(pid: int) -> bool:
+    """Running or sleeping; a zombie (dead, waiting for whoever adopted it to reap it) is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def test_bench_quick_writes_report(tmp_path, reranker_path):
+    out = tmp_path / "bench.json"
+    rest = ["--rest"] if "--rest-port" in serve_flags() else []
+    cmd = [sys.executable, "-m", "encoderd.server.bench", "--quick", "--json", str(out), "--reranker", reranker_path,
+           "--log-dir", str(tmp_path / "logs"), *rest]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+
+    assert report["conditions"]["quick"] is True
+    assert {"n", "min", "p50", "max", "mean_real", "histogram"} <= set(report["corpus"])
+    assert report["corpus"]["min"] >= 5 and report["corpus"]["max"] <= 500
+    assert report["peak_gflops"]["float32"] > 0 and report["peak_gflops"]["bfloat16"] > 0
+    assert report["flop_model"]["matmul_params"] > 0
+
+    rows = {(r["mode"], r["protocol"]): r for r in report["results"]}
+    protocols = ["grpc", "rest"] if rest else ["grpc"]
+    for mode in ("bulk", "single", "rerank"):
+        for protocol in protocols:
+            row = rows[(mode, protocol)]
+            assert ROW_FIELDS <= set(row), (mode, protocol)
+            assert row["engine"] == "encoderd" and row["calls"] > 0 and row["errors"] == 0, row
+    bulk = rows[("bulk", "grpc")]
+    assert bulk["padding_ratio"] >= 1 and bulk["worker_busy"] is not None and "worker" in bulk["cpu_cores"]
+    assert "mode" in done.stdout and "bulk" in done.stdout  # the table was printed
+
+    # Everything the benchmark started is gone.
+    assert not [pid for pid in report["pids"]["encoderd"] if _alive(pid)]

@@ -1,0 +1,169 @@
+"""Issue 9: streaming bulk embedding with flow control, dedup, cache and output options."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+
+from encoderd.clients.bulk import embed_iterable, embed_to_jsonl
+from encoderd.server.streaming import WINDOW
+from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
+from support.corpus import WORDS
+from support.server import ServerProcess
+
+
+def _metric(server, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$" if labels else rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(m) for m in re.findall(pattern, text, re.M))
+
+
+@pytest.fixture(scope="module")
+def cached_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "cached.log"
+    with ServerProcess("--cache-size", "1000", "--prompt", "query=query: ", log_path=log) as server:
+        yield server
+
+
+def _texts(n: int) -> list[str]:
+    rng = np.random.default_rng(3)
+    return [f"item {i} " + " ".join(rng.choice(WORDS, size=int(rng.integers(2, 12)))) for i in range(n)]
+
+
+def test_stream_of_10k_with_a_slow_reader_stays_within_the_window(server, stub):
+    texts = _texts(10_000)
+    peak = [0.0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _metric(server, "encoderd_stream_inputs_in_flight"))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    seen: dict[str, np.ndarray] = {}
+    # A reader that does not let its receive window grow (no BDP probing), so pausing it
+    # pushes back on the server at once, as a slow consumer across a network would.
+    channel = grpc.insecure_channel(server.address, options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        items = ((f"id-{i}", t) for i, t in enumerate(texts))
+        for n, result in enumerate(embed_iterable(channel, items, model=DEFAULT_MODEL_NAME, progress=False)):
+            assert result.error is None and result.id not in seen
+            seen[result.id] = result.vector
+            if n == 200:
+                time.sleep(3.0)
+                # The server filled its window and stopped taking inputs: nothing more is held.
+                assert _metric(server, "encoderd_stream_inputs_in_flight") == WINDOW
+    finally:
+        stop.set()
+        watcher.join()
+        channel.close()
+    assert len(seen) == len(texts)
+    assert peak[0] == WINDOW
+    assert _metric(server, "encoderd_stream_inputs_in_flight") == 0
+    sample = [0, 1, 4999, 9999]
+    unary = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[texts[i] for i in sample]))
+    for i, embedding in zip(sample, unary.embeddings):
+        np.testing.assert_allclose(seen[f"id-{i}"], embedding.values, atol=1e-6)
+
+
+def test_stream_reports_bad_inputs_and_goes_on(server):
+    results = list(embed_iterable(server.address, [("a", "fine"), ("b", ""), ("c", "also fine")],
+                                  model=DEFAULT_MODEL_NAME, progress=False))
+    by_id = {r.id: r for r in results}
+    assert set(by_id) == {"a", "b", "c"}
+    assert by_id["b"].vector is None and "empty" in by_id["b"].error
+    assert by_id["a"].vector.shape == (384,)
+
+
+def test_stream_to_unknown_model_fails_the_stream(server):
+    with pytest.raises(grpc.RpcError) as err:
+        list(embed_iterable(server.address, [("a", "x")], model="nope", progress=False))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_resumable_jsonl(server, tmp_path):
+    out = tmp_path / "out.jsonl"
+    items = [(f"d{i}", t) for i, t in enumerate(_texts(30))]
+    assert embed_to_jsonl(server.address, items[:12], str(out), model=DEFAULT_MODEL_NAME, progress=False) == 12
+    assert embed_to_jsonl(server.address, items, str(out), model=DEFAULT_MODEL_NAME, progress=False) == 18
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == sorted(i for i, _ in items)
+    vector = np.frombuffer(base64.b64decode(records[0]["embedding"]), dtype="<f4")
+    assert vector.shape == (384,)
+
+
+def test_concurrent_identical_requests_compute_once(server, stub):
+    text = "identical " + " ".join(WORDS[:200])
+    before_tokens = _metric(server, "encoderd_real_tokens_total", f'{{model="{DEFAULT_MODEL_NAME}"}}')
+    futures = [stub.Embed.future(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[text])) for _ in range(16)]
+    vectors = [np.array(f.result().embeddings[0].values) for f in futures]
+    computed = _metric(server, "encoderd_real_tokens_total", f'{{model="{DEFAULT_MODEL_NAME}"}}') - before_tokens
+    one_input = futures[0].result().usage.prompt_tokens
+    assert all(np.array_equal(v, vectors[0]) for v in vectors)
+    assert computed == one_input, f"16 identical requests computed {computed / one_input:.0f} times"
+
+
+def test_cache_hits_and_misses(cached_server):
+    stub = cached_server.stub()
+    labels = f'{{model="{DEFAULT_MODEL_NAME}",outcome="hit"}}'
+    first = stub.Embed(pb.EmbedRequest(inputs=["cache me", "and me"]))
+    hits = _metric(cached_server, "encoderd_cache_lookups_total", labels)
+    tokens = _metric(cached_server, "encoderd_real_tokens_total")
+    second = stub.Embed(pb.EmbedRequest(inputs=["and me", "cache me", "new one"]))
+    assert _metric(cached_server, "encoderd_cache_lookups_total", labels) == hits + 2
+    # Only "new one" was computed: the two cached inputs cost no tokens of compute.
+    assert _metric(cached_server, "encoderd_real_tokens_total") - tokens == (
+        second.usage.prompt_tokens - first.usage.prompt_tokens)
+    np.testing.assert_array_equal(second.embeddings[1].values, first.embeddings[0].values)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # cached inputs still count their tokens
+
+
+def test_output_dtypes_match_reference_quantization(server, stub):
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    texts = ["quantize this sentence", "and this other one, a bit longer"]
+    ref = np.array([e.values for e in stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts)).embeddings],
+                   dtype=np.float32)
+
+    def get(dtype):
+        response = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts, output_dtype=dtype))
+        assert not response.embeddings[0].values
+        return [e.data for e in response.embeddings]
+
+    half = np.frombuffer(b"".join(get(pb.OUTPUT_DTYPE_FLOAT16)), "<f2").reshape(2, -1)
+    np.testing.assert_array_equal(half, ref.astype(np.float16))
+    int8 = np.frombuffer(b"".join(get(pb.OUTPUT_DTYPE_INT8)), np.int8).reshape(2, -1)
+    np.testing.assert_array_equal(int8, np.round(np.clip(ref, -1, 1) * 127).astype(np.int8))
+    uint8 = np.frombuffer(b"".join(get(pb.OUTPUT_DTYPE_UINT8)), np.uint8).reshape(2, -1)
+    np.testing.assert_array_equal(uint8, np.round((np.clip(ref, -1, 1) + 1) * 127.5).astype(np.uint8))
+    binary = np.frombuffer(b"".join(get(pb.OUTPUT_DTYPE_BINARY)), np.int8).reshape(2, -1)
+    np.testing.assert_array_equal(binary, quantize_embeddings(ref, precision="binary"))
+    ubinary = np.frombuffer(b"".join(get(pb.OUTPUT_DTYPE_UBINARY)), np.uint8).reshape(2, -1)
+    np.testing.assert_array_equal(ubinary, quantize_embeddings(ref, precision="ubinary"))
+    assert ubinary.shape == (2, 48)
+
+
+def test_named_prompt_and_normalize_override(cached_server, minilm_path):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(minilm_path, device="cpu")
+    stub = cached_server.stub()
+    got = stub.Embed(pb.EmbedRequest(inputs=["what is a kernel"], prompt_name="query"))
+    np.testing.assert_allclose(got.embeddings[0].values, st.encode(["query: what is a kernel"])[0], atol=1e-5)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(pb.EmbedRequest(inputs=["x"], prompt_name="passage"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "query" in err.value.details()
+    raw = np.array(stub.Embed(pb.EmbedRequest(inputs=["what is a kernel"], normalize=False)).embeddings[0].values)
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3  # the model's Normalize step was skipped
+    np.testing.assert_allclose(raw / np.linalg.norm(raw), st.encode(["what is a kernel"])[0], atol=1e-5)

@@ -1,0 +1,129 @@
+"""Issue 7: the Prometheus series exist after real traffic, and move with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
+from support.corpus import sentences
+
+EMBEDDER = DEFAULT_MODEL_NAME
+MODELS = (EMBEDDER, "reranker", "classifier")
+TEXTS = sentences(24, max_words=40, seed=11)
+
+
+def scrape(server) -> dict[tuple[str, frozenset], float]:
+    """Every sample of /metrics, parsed by prometheus_client's own parser."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (missing series: 0)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def has(samples, name: str, **labels) -> bool:
+    want = set(labels.items())
+    return any(n == name and want <= ls for n, ls in samples)
+
+
+def send_traffic(stub) -> None:
+    for text in TEXTS[:8]:  # one at a time and ...
+        stub.Embed(pb.EmbedRequest(model=EMBEDDER, inputs=[text]))
+    futures = [stub.Embed.future(pb.EmbedRequest(model=EMBEDDER, inputs=[t])) for t in TEXTS]  # ... concurrently
+    [f.result() for f in futures]
+    stub.Rerank(pb.RerankRequest(model="reranker", query="what is a batch", documents=TEXTS[:10]))
+    stub.Classify(pb.ClassifyRequest(model="classifier", inputs=TEXTS[:5]))
+    for bad in (pb.EmbedRequest(model="no-such-model", inputs=["x"]), pb.EmbedRequest(model=EMBEDDER)):
+        with pytest.raises(grpc.RpcError):
+            stub.Embed(bad)
+
+
+@pytest.fixture(scope="module")
+def scrapes(server, stub):
+    before = scrape(server)
+    send_traffic(stub)
+    return before, scrape(server)
+
+
+@pytest.mark.parametrize("model,rpc", [(EMBEDDER, "Encoder/Embed"), ("reranker", "Encoder/Rerank"),
+                                       ("classifier", "Encoder/Classify")])
+def test_requests_and_latency_by_model_and_rpc(scrapes, model, rpc):
+    before, after = scrapes
+    ok = dict(model=model, rpc=rpc, code="OK")
+    assert total(after, "encoderd_requests_total", **ok) > total(before, "encoderd_requests_total", **ok)
+    count = "encoderd_request_duration_seconds_count"
+    assert total(after, count, model=model, rpc=rpc) > total(before, count, model=model, rpc=rpc)
+    assert has(after, "encoderd_request_duration_seconds_bucket", model=model, rpc=rpc, le="0.05")
+
+
+def test_errors_are_counted_by_code_without_echoing_unknown_model_names(scrapes):
+    before, after = scrapes
+    for labels in (dict(model="(unknown)", rpc="Encoder/Embed", code="NOT_FOUND"),
+                   dict(model=EMBEDDER, rpc="Encoder/Embed", code="INVALID_ARGUMENT")):
+        assert total(after, "encoderd_requests_total", **labels) == total(before, "encoderd_requests_total", **labels) + 1
+    assert not has(after, "encoderd_requests_total", model="no-such-model")  # label sets stay bounded
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_scheduler_series_move(scrapes, model):
+    before, after = scrapes
+
+    def moved(name, **labels):
+        return total(after, name, model=model, **labels) - total(before, name, model=model, **labels)
+
+    batches = moved("encoderd_batches_total")
+    assert batches >= 1
+    assert moved("encoderd_batch_size_count") == batches
+    assert moved("encoderd_batch_tokens_count") == batches
+    assert moved("encoderd_batch_duration_seconds_count") == batches  # compute time, per replica
+    assert moved("encoderd_queue_wait_seconds_count") == moved("encoderd_batch_size_sum")  # one per input
+    real, computed = moved("encoderd_real_tokens_total"), moved("encoderd_computed_tokens_total")
+    assert 0 < real <= computed  # padded engines compute more than the inputs hold
+    assert moved("encoderd_batch_tokens_sum") == computed
+    assert has(after, "encoderd_queue_depth", model=model)
+    assert total(after, "encoderd_queue_depth", model=model) == 0  # all done: nothing left queued
+
+
+def test_embedder_batches_coalesced_concurrent_inputs(scrapes):
+    before, after = scrapes
+    inputs = total(after, "encoderd_batch_size_sum", model=EMBEDDER) - total(before, "encoderd_batch_size_sum",
+                                                                            model=EMBEDDER)
+    batches = total(after, "encoderd_batches_total", model=EMBEDDER) - total(before, "encoderd_batches_total",
+                                                                            model=EMBEDDER)
+    assert inputs == 8 + len(TEXTS) and batches < inputs
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_worker_state_and_load_time(scrapes, model):
+    _, after = scrapes
+    assert total(after, "encoderd_model_load_seconds", model=model) > 0
+    assert total(after, "encoderd_worker_up", model=model) >= 1
+    assert has(after, "encoderd_worker_restarts_total", model=model)  # exported at 0 before any restart
+
+
+def test_worker_restart_is_counted(server, stub, scrapes):
+    """Kill the classifier's worker: the supervisor restarts it and the counter moves by one."""
+    before = total(scrape(server), "encoderd_worker_restarts_total", model="classifier")
+    (info,) = [m for m in stub.ListModels(pb.ListModelsRequest()).models if m.id == "classifier"]
+    os.kill(info.replicas[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while total(scrape(server), "encoderd_worker_restarts_total", model="classifier") == before:
+        assert time.monotonic() < deadline, "the restart was not counted"
+        time.sleep(0.1)
+    server.wait_serving(120, service="classifier")  # leave the shared server as we found it
+    after = scrape(server)
+    assert total(after, "encoderd_worker_restarts_total", model="classifier") == before + 1
+    assert total(after, "encoderd_worker_up", model="classifier") >= 1
+    assert len(stub.Classify(pb.ClassifyRequest(model="classifier", inputs=["back again"])).results) == 1

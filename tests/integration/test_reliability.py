@@ -1,0 +1,261 @@
+"""Issue 6: fault isolation, back-pressure, deadlines, drain, API keys, malformed payloads.
+
+Every test runs real servers, real worker processes and real models on loopback,
+bounded in time and request count.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from encoderd.v1 import encoderd_pb2 as pb
+from support.corpus import sentences
+from support.server import ServerProcess
+
+TEXTS = sentences(64, max_words=60, seed=11)
+
+
+def _metric(server, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def _pids(stub) -> dict[str, int]:
+    return {m.id: m.replicas[0].pid for m in stub.ListModels(pb.ListModelsRequest()).models}
+
+
+def _ready(stub, model: str) -> bool:
+    return any(m.id == model and m.status == "ready" for m in stub.ListModels(pb.ListModelsRequest()).models)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _wait_gone(pids, timeout=10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture
+def two_models(tmp_path, minilm_path):
+    server = ServerProcess("--model", f"a={minilm_path}", "--model", f"b={minilm_path}",
+                           log_path=tmp_path / "server.log").start()
+    yield server
+    server.stop()
+
+
+def test_a_killed_worker_fails_fast_restarts_and_spares_the_other_model(two_models):
+    stub = two_models.stub()
+    pids = _pids(stub)
+    outcomes = {"a": [], "b": []}
+    stop = threading.Event()
+
+    def load(model):
+        while not stop.is_set():
+            try:
+                stub.Embed(pb.EmbedRequest(model=model, inputs=TEXTS[:8]), timeout=30)
+                outcomes[model].append("ok")
+            except grpc.RpcError as exc:
+                outcomes[model].append(exc.code())
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=load, args=(m,)) for m in ("a", "a", "b", "b")]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    os.kill(pids["a"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while _pids(stub)["a"] in (pids["a"], 0) or not _ready(stub, "a"):  # restarted and warm again
+        assert time.monotonic() < deadline, "worker a was not restarted"
+        time.sleep(0.1)
+    killed_at = len(outcomes["a"])
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert outcomes["b"] and all(o == "ok" for o in outcomes["b"]), set(outcomes["b"])
+    failures = [o for o in outcomes["a"] if o != "ok"]
+    assert failures and set(failures) == {grpc.StatusCode.UNAVAILABLE}  # fast failures, never timeouts
+    assert "ok" in outcomes["a"][killed_at:]  # serving again after the restart
+    new_pids = _pids(stub)
+    assert new_pids["a"] != pids["a"] and new_pids["b"] == pids["b"]
+    assert stub.ListModels(pb.ListModelsRequest()).models[0].replicas[0].restarts == 1
+    two_models.stop()
+    assert not _wait_gone([*new_pids.values(), two_models.proc.pid])
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+def test_overload_is_refused_at_once_and_accepted_work_completes(tmp_path):
+    server = ServerProcess("--max-queued-inputs", "32", "--batch-size", "8", log_path=tmp_path / "s.log").start()
+    try:
+        stub = server.stub()
+        long_inputs = [" ".join([t] * 4) for t in TEXTS[:4]]
+        baseline = _rss_kb(server.proc.pid)
+        peak = [baseline]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_kb(server.proc.pid))
+                time.sleep(0.02)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+
+        def inputs(i):  # distinct per request: identical ones would be deduplicated, not queued
+            return [f"{i}: {text}" for text in long_inputs]
+
+        def call(i):
+            started = time.monotonic()
+            try:
+                response = stub.Embed(pb.EmbedRequest(inputs=inputs(i)), timeout=120)
+                return "ok", time.monotonic() - started, (i, response)
+            except grpc.RpcError as exc:
+                return exc.code(), time.monotonic() - started, exc.details()
+
+        with cf.ThreadPoolExecutor(64) as pool:
+            results = list(pool.map(call, range(320)))  # 1280 inputs against a bound of 32: 40x
+        done.set()
+        sampler.join()
+        refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        accepted = [r for r in results if r[0] == "ok"]
+        assert refused and accepted and len(refused) + len(accepted) == len(results)
+        assert np.median([r[1] for r in refused]) < 0.5  # refused at once, not after queueing
+        assert "overloaded" in refused[0][2]
+        for _, _, (i, response) in accepted[:: max(1, len(accepted) // 5)]:
+            reference = stub.Embed(pb.EmbedRequest(inputs=inputs(i))).embeddings  # computed alone, unloaded
+            np.testing.assert_allclose([e.values for e in response.embeddings], [e.values for e in reference],
+                                       atol=1e-5)
+        assert peak[0] - baseline < 150_000, f"frontend RSS grew by {(peak[0] - baseline) // 1024} MiB"
+    finally:
+        server.stop()
+
+
+def test_expired_work_is_never_computed(server, stub):
+    model = "sentence-transformers/all-MiniLM-L6-v2"
+    computed_before = _metric(server, "encoderd_real_tokens_total")
+    dropped_before = _metric(server, "encoderd_dropped_inputs_total")
+    long_text = " ".join(TEXTS)  # 256 tokens after truncation: both worker slots busy for a while
+    blocker = stub.Embed.future(pb.EmbedRequest(model=model, inputs=[long_text + f" {i}" for i in range(48)]))
+    time.sleep(0.5)  # tokenized and computing (~2 s of work): what comes next must queue
+    doomed = [stub.Embed.future(pb.EmbedRequest(model=model, inputs=[f"expired {i}", f"also expired {i}"]),
+                                timeout=0.02) for i in range(10)]
+    codes = []
+    for f in doomed:
+        with pytest.raises(grpc.RpcError) as err:
+            f.result()
+        codes.append(err.value.code())
+    blocked = blocker.result()
+    after = stub.Embed(pb.EmbedRequest(model=model, inputs=["after"]))  # runs after whatever was queued
+    assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    computed = _metric(server, "encoderd_real_tokens_total") - computed_before
+    assert computed == blocked.usage.prompt_tokens + after.usage.prompt_tokens  # no expired input was computed
+    assert 0 < _metric(server, "encoderd_dropped_inputs_total") - dropped_before <= 20  # dropped from the queue
+
+
+def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path):
+    server = ServerProcess("--drain-timeout", "20", log_path=tmp_path / "s.log").start()
+    stub = server.stub()
+    worker_pids = list(_pids(stub).values())
+    inputs = [" ".join([t] * 3) for t in TEXTS[:32]]
+    in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=inputs), timeout=60) for _ in range(6)]
+    time.sleep(0.2)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+    for future in in_flight:
+        assert len(future.result().embeddings) == 32  # accepted before SIGTERM: finished, not dropped
+    assert not _wait_gone([*worker_pids, server.proc.pid])
+
+
+def test_sigkill_of_the_frontend_leaves_no_worker(tmp_path):
+    server = ServerProcess(log_path=tmp_path / "s.log").start()
+    worker_pids = list(_pids(server.stub()).values())
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    assert not _wait_gone(worker_pids)
+
+
+def test_api_keys_over_grpc_and_rest(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# one per line\nfile-key\n")
+    server = ServerProcess("--api-key", "flag-key", "--api-key-file", str(key_file), rest=True,
+                           log_path=tmp_path / "s.log").start()
+    try:
+        stub = server.stub()
+        request = pb.EmbedRequest(inputs=["secret"])
+        for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", "flag-key"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Embed(request, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for key in ("flag-key", "file-key"):
+            assert stub.Embed(request, metadata=(("authorization", f"Bearer {key}"),)).embeddings
+        with grpc.insecure_channel(server.address) as channel:  # health stays open for probes
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        body = {"input": "secret", "model": "sentence-transformers/all-MiniLM-L6-v2"}
+        with httpx.Client(base_url=server.rest_url, trust_env=False) as http:
+            assert http.post("/v1/embeddings", json=body).status_code == 401
+            wrong = http.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401 and wrong.json()["error"]["message"]
+            ok = http.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer file-key"})
+            assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+            assert http.get("/health").status_code == 200
+        assert "flag-key" not in server.log_text() and "file-key" not in server.log_text()
+    finally:
+        server.stop()
+
+
+def test_health_can_require_the_key(tmp_path):
+    server = ServerProcess("--api-key", "k", "--no-open-health", log_path=tmp_path / "s.log")
+    server.launch()
+    try:
+        deadline = time.monotonic() + 120
+        with grpc.insecure_channel(server.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                try:
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    pytest.fail("health answered without a key")
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        break
+                time.sleep(0.2)
+            status = health.Check(health_pb2.HealthCheckRequest(), metadata=(("authorization", "Bearer k"),),
+                                  timeout=5).status
+            assert status in (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xff\xff", b"\x12\x03\xc3\x28\x00", b"\x0a\x05ab"])
+def test_malformed_payloads_are_invalid_argument(server, payload):
+    with grpc.insecure_channel(server.address) as channel:
+        raw = channel.unary_unary("/encoderd.v1.Encoder/Embed", request_serializer=lambda b: b,
+                                  response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            raw(payload, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

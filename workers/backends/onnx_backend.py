@@ -1,0 +1,275 @@
+"""ONNX Runtime engine: CPU (float32, int8) and CUDA (float32, float16).
+
+The transformers model is exported once with `torch.onnx.export(dynamo=True)`
+with dynamic batch and sequence axes, then derived graphs are made from that
+export: int8 by per-channel dynamic quantization (per-tensor loses too much
+accuracy on MiniLM-sized models), float16 by converting initializers and ops
+while keeping float32 inputs/outputs. Each graph is a model_cache entry, so a
+restart loads it from disk without torch doing any work.
+
+The graph ends at the encoder's hidden states (embeddings) or the logits
+(rerankers, classifiers); pooling happens in numpy (workers.pooling), so one
+export serves every pooling mode.
+
+Why dynamo: on transformers 5 the legacy TorchScript exporter traces the
+"mask is all ones" shortcut of the attention-mask code and silently drops the
+mask for padded batches; torch.export keeps the data-dependent mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from ..model_cache import cached_build, default_cache_dir, fingerprint_model, library_versions
+from ..model_spec import ModelKind, ModelSpec
+from ..pooling import pool
+from ..protocol import TokenBatch
+from .base import Backend, padded
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+OPSET = 18
+ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
+# Above this many bytes of weights a graph no longer fits one protobuf (2 GiB): use external data.
+_EXTERNAL_DATA_BYTES = 1_500_000_000
+
+
+# ------------------------------------------------------------------ install check
+def check_onnxruntime_install(installed: set[str] | None = None) -> None:
+    """Fail with an explanation unless exactly one onnxruntime distribution is installed.
+
+    onnxruntime and onnxruntime-gpu both install the `onnxruntime` package;
+    the last one installed wins and uninstalling either breaks the other.
+    """
+    if installed is None:
+        installed = {name for name, version in library_versions(*ORT_DISTRIBUTIONS).items() if version != "-"}
+    if set(ORT_DISTRIBUTIONS) <= installed:
+        raise RuntimeError(
+            "both onnxruntime and onnxruntime-gpu are installed; they overwrite each other's `onnxruntime` "
+            "package, so which one runs is an accident of install order. Keep exactly one: "
+            "`pip uninstall -y onnxruntime onnxruntime-gpu` then `pip install 'encoderd[onnx]'` (CPU) "
+            "or `pip install 'encoderd[onnx-gpu]'` (CUDA)")
+    if not installed:
+        raise RuntimeError("the onnx engine needs onnxruntime: `pip install 'encoderd[onnx]'` (CPU) "
+                           "or `pip install 'encoderd[onnx-gpu]'` (CUDA)")
+
+
+# ------------------------------------------------------------------------ export
+def _export_inputs(model) -> list[str]:
+    names = ["input_ids", "attention_mask"]
+    if "token_type_ids" in inspect.signature(model.forward).parameters:
+        names.append("token_type_ids")
+    return names
+
+
+def export_onnx(model_dir: str, kind: ModelKind, max_length: int, out_dir: Path) -> None:
+    """Write out_dir/model.onnx: float32, dynamic (batch, sequence) axes."""
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    model_class = AutoModel if kind == ModelKind.EMBEDDING else AutoModelForSequenceClassification
+    model = model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    names = _export_inputs(model)
+    output = "last_hidden_state" if kind == ModelKind.EMBEDDING else "logits"
+
+    class GraphOutput(torch.nn.Module):
+        """Returns one tensor, so the graph has one named output and no tuples."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+            return getattr(self.model(**{name: inputs[name] for name in names}), output)
+
+    # A padded example (row 1 half masked) so nothing specializes on an all-ones mask.
+    ids = torch.full((2, 16), 1000, dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    example = (ids, mask, torch.zeros_like(ids))[: len(names)]
+    batch = torch.export.Dim("batch")
+    # Bounded by the position table; torch.export rejects an unbounded axis that indexes it. > 16: the example.
+    seq = torch.export.Dim("sequence", max=max(max_length, 17))
+    big = sum(p.numel() * p.element_size() for p in model.parameters()) > _EXTERNAL_DATA_BYTES
+    with torch.no_grad():
+        torch.onnx.export(GraphOutput().eval(), example, str(out_dir / MODEL_FILE), input_names=names,
+                          output_names=[output], dynamo=True, opset_version=OPSET, verbose=False,
+                          # The exporter's optimizer folds weight transposes into constant initializers;
+                          # without it quantize_dynamic finds no constant MatMul weight and quantizes nothing.
+                          optimize=True,
+                          dynamic_shapes={name: {0: batch, 1: seq} for name in names}, external_data=big)
+
+
+def quantize_int8(source: Path, out_dir: Path) -> None:
+    """Dynamic int8, weights per output channel (per-tensor cost ~0.05 cosine on MiniLM)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    big = sum(f.stat().st_size for f in source.parent.iterdir()) > _EXTERNAL_DATA_BYTES
+    # Quantize the export itself, never an onnxruntime-optimized (fused) graph: quantize_dynamic fails on those.
+    # MatMul only: also quantizing the embedding Gathers costs accuracy (min cosine 0.976 vs 0.980) for no speed.
+    quantize_dynamic(source, out_dir / MODEL_FILE, per_channel=True, weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["MatMul"], use_external_data_format=big)
+    # quantize_dynamic skips MatMuls whose weight is not a constant initializer without failing;
+    # a graph it left in float32 must not be served (and cached) as int8.
+    graph = onnx.load(str(out_dir / MODEL_FILE), load_external_data=False).graph
+    if not any(node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul") for node in graph.node):
+        raise RuntimeError(f"int8 quantization of {source} quantized no MatMul; the export is not quantizable")
+
+
+def convert_float16(source: Path, out_dir: Path) -> None:
+    """float16 weights and compute, float32 inputs/outputs (so callers never see half)."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    # Needs the exporter-optimized graph: with the shape arithmetic unfolded the converter retypes a
+    # float32 Expand input and onnxruntime rejects the graph ("Type (tensor(float16)) ... does not match").
+    model = convert_float_to_float16(onnx.load(str(source)), keep_io_types=True)
+    big = model.ByteSize() > _EXTERNAL_DATA_BYTES
+    onnx.save(model, str(out_dir / MODEL_FILE), save_as_external_data=big)
+
+
+@contextlib.contextmanager
+def _quiet_libraries():
+    """Mute the exporter's and quantizer's per-tensor INFO logs and advisory warnings
+    (some go to the root logger, so a named logger's level cannot); failures still raise."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def _timed(what: str, step, *args) -> None:
+    log.info("%s ...", what)
+    started = time.perf_counter()
+    with _quiet_libraries():
+        step(*args)
+    log.info("%s done in %.1fs", what, time.perf_counter() - started)
+
+
+def ensure_onnx_model(spec: ModelSpec, dtype: str, cache_dir: str) -> tuple[Path, bool]:
+    """The cached graph for (model, dtype), exporting and converting on a miss.
+
+    Returns (model.onnx path, whether it came from the cache untouched).
+    """
+    root = cache_dir or default_cache_dir()
+    versions = library_versions("torch", "transformers", "onnx", "onnxscript", *ORT_DISTRIBUTIONS)
+    key = {"model": fingerprint_model(spec.path), "kind": spec.kind.value, "max_length": spec.max_length,
+           "versions": versions}
+    base = cached_build(root, "onnx", f"{spec.name}-float32", {**key, "dtype": "float32"}, lambda out: _timed(
+        f"exporting {spec.name} to ONNX", export_onnx, spec.path, spec.kind, spec.max_length, out))
+    if dtype == "float32":
+        return base.path / MODEL_FILE, base.hit
+    derive = {"int8": ("quantizing {} to int8 (dynamic, per-channel)", quantize_int8),
+              "float16": ("converting {} to float16", convert_float16)}[dtype]
+    entry = cached_build(root, "onnx", f"{spec.name}-{dtype}", {**key, "dtype": dtype}, lambda out: _timed(
+        derive[0].format(spec.name), derive[1], base.path / MODEL_FILE, out))
+    return entry.path / MODEL_FILE, base.hit and entry.hit
+
+
+# ----------------------------------------------------------------------- session
+def device_index(device: str) -> int:
+    return int(device.partition(":")[2] or 0)
+
+
+def cpu_threads(threads: int) -> int:
+    return threads or len(os.sched_getaffinity(0))
+
+
+def create_session(model_file: Path, providers: list, threads: int):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = cpu_threads(threads)
+    # One batch at a time per worker: parallelism inside ops, none between them.
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3  # errors only; provider load failures are checked below
+    return ort.InferenceSession(str(model_file), options, providers=providers)
+
+
+def require_provider(name: str, hint: str) -> None:
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if name not in available:
+        raise RuntimeError(f"onnxruntime {ort.__version__} has no {name} (it has {', '.join(available)}). {hint}")
+    if name != "CPUExecutionProvider" and hasattr(ort, "preload_dlls"):
+        # CUDA and cuDNN often come from pip wheels (nvidia-*-cu12, torch's dependencies) rather than
+        # the system library path; onnxruntime-gpu >= 1.21 can load them from there before a session needs them.
+        try:
+            ort.preload_dlls()
+        except Exception as exc:  # the session check that follows says what is really missing
+            log.warning("onnxruntime.preload_dlls() failed: %s", exc)
+
+
+class OnnxBackend(Backend):
+    engine = "onnx"
+    # CPU: float32 and dynamic int8; CUDA: float32 and float16.
+    dtypes = {"cpu": ("float32", "int8"), "cuda": ("float32", "float16")}
+
+    def load(self) -> None:
+        check_onnxruntime_install()
+        self._check_dtype()
+        providers = self._providers()
+        model_file, self.cache_hit = ensure_onnx_model(self.spec, self.options.dtype, self.options.cache_dir)
+        self.session = create_session(model_file, providers, self.options.threads)
+        self._check_session(providers)
+        self._inputs = {i.name for i in self.session.get_inputs()}
+        self._dim = int(self.session.get_outputs()[0].shape[-1])
+        log.info("onnx session on %s (%s)", ", ".join(self.session.get_providers()), model_file)
+
+    def _device_type(self) -> str:
+        return "cuda" if self.options.device.startswith("cuda") else self.options.device
+
+    def _check_dtype(self) -> None:
+        device = self._device_type()
+        if device not in self.dtypes:
+            raise ValueError(f"the {self.engine} engine runs on cpu or cuda, not {self.options.device!r}")
+        if self.options.dtype not in self.dtypes[device]:
+            raise ValueError(f"the {self.engine} engine on {device} supports dtypes {', '.join(self.dtypes[device])}, "
+                             f"not {self.options.dtype!r} (int8 is CPU dynamic quantization; float16 needs CUDA)")
+
+    def _providers(self) -> list:
+        if self._device_type() == "cpu":
+            return ["CPUExecutionProvider"]
+        require_provider("CUDAExecutionProvider", "For --device cuda install onnxruntime-gpu "
+                         "(`pip install 'encoderd[onnx-gpu]'`) in an environment without onnxruntime.")
+        return [("CUDAExecutionProvider", {"device_id": device_index(self.options.device)}), "CPUExecutionProvider"]
+
+    def _check_session(self, providers: list) -> None:
+        # onnxruntime falls back to CPU, with only a log line, when a GPU provider's
+        # libraries (CUDA, cuDNN, TensorRT) fail to load; serving on CPU silently is worse than failing.
+        wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
+        if wanted not in self.session.get_providers():
+            raise RuntimeError(f"onnxruntime could not start {wanted} (session has {self.session.get_providers()}): "
+                               "its CUDA/cuDNN/TensorRT libraries are missing or do not match this onnxruntime build")
+
+    @property
+    def output_dim(self) -> int:
+        return self._dim
+
+    def forward(self, batch: TokenBatch) -> np.ndarray:
+        ids, mask, types = padded(batch)
+        feed = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in self._inputs:
+            feed["token_type_ids"] = types if types is not None else np.zeros_like(ids)
+        out = self.session.run(None, feed)[0]
+        if self.spec.kind == ModelKind.EMBEDDING:
+            return pool(out, mask, self.spec.pooling)
+        return out.astype(np.float32, copy=False)
