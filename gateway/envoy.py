@@ -8,7 +8,6 @@ the files Envoy needs, for `encoderd serve` (its own child) and for operators
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import os
 import shutil
@@ -17,14 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from string import Template
 
-from .. import v1 as api_package
-
 HERE = Path(__file__).resolve().parent
 SERVICES = ("encoderd.v1.Encoder", "encoderd.v1.Compat")
 DESCRIPTOR_NAME = "encoderd.pb"
 CONFIG_NAME = "envoy.yaml"
-# The .proto files sit at <root>/encoderd/v1 both in the checkout (protos/) and installed.
-PROTO_ROOT = Path(api_package.__file__).resolve().parents[2]
 
 
 class GatewayError(Exception):
@@ -42,27 +37,30 @@ class GatewaySettings:
     admin_port: int = 0             # Envoy's admin interface on 127.0.0.1 (0 = none)
 
 
-def _protos_generate_module():
-    """protos/generate.py owns the protoc include path (googleapis + grpc_tools); reuse it."""
-    path = PROTO_ROOT / "generate.py"
-    if not path.exists():
-        raise GatewayError(f"{path} not found: the REST gateway builds its descriptor from an encoderd source checkout")
-    spec = importlib.util.spec_from_file_location("encoderd_protos_generate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def build_descriptor(out: Path) -> Path:
-    """The FileDescriptorSet of encoderd.v1 and everything it imports, for the transcoder."""
-    from grpc_tools import protoc
+    """The FileDescriptorSet of encoderd.v1 and everything it imports, for the transcoder.
 
-    generate = _protos_generate_module()
-    protos = sorted(str(p.relative_to(generate.PROTO_ROOT)) for p in generate.PACKAGE_DIR.glob("*.proto"))
-    args = ["protoc", *(f"-I{d}" for d in generate.include_dirs()), "--include_imports",
-            f"--descriptor_set_out={out}", *protos]
-    if protoc.main(args) != 0:
-        raise GatewayError(f"protoc could not build the descriptor set from {generate.PACKAGE_DIR}")
+    Taken from the generated modules' own descriptors (google.api.http options
+    included), so an installed encoderd needs neither protoc nor the .proto files.
+    """
+    from google.protobuf import descriptor_pb2
+
+    from ..v1 import compat_pb2, encoderd_pb2
+
+    files = descriptor_pb2.FileDescriptorSet()
+    seen: set[str] = set()
+
+    def add(file_descriptor) -> None:  # dependencies first, as protoc --include_imports orders them
+        if file_descriptor.name in seen:
+            return
+        seen.add(file_descriptor.name)
+        for dependency in file_descriptor.dependencies:
+            add(dependency)
+        file_descriptor.CopyToProto(files.file.add())
+
+    for module in (encoderd_pb2, compat_pb2):
+        add(module.DESCRIPTOR)
+    out.write_bytes(files.SerializeToString())
     return out
 
 

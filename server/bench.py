@@ -4,9 +4,11 @@ It is a benchmark, not a test: it reports numbers and asserts nothing about them
 
 What it runs, each mode on every target side by side (same corpus, same client code,
 one target after the other so they share the machine's conditions):
-  bulk    C clients, each sending B inputs per request back to back, for a fixed time
-          (or request count): inputs/s, real tokens/s, request latency, padding ratio,
-          FLOP utilisation, CPU use per process (worker busy fraction).
+  bulk    C clients, each sending B inputs per request back to back, until the corpus has
+          been embedded once (timed from the first request to the last answer; or a fixed
+          time window): inputs/s, real tokens/s, request latency, padding ratio, FLOP
+          utilisation, CPU use per process (worker busy fraction). --stream adds the same
+          work through one gRPC EmbedStream (the ingestion path).
   single  one short query at a time, N sequential calls: p50/p95/p99.
   rerank  a query + 50 passages per call, sequential: p50/p95.
 
@@ -28,9 +30,11 @@ by a matmul peak measured here, now, with torch at the worker's thread count and
 
 CPU accounting. Every process we start is sampled from /proc (utime + stime) at the start
 and the end of each measurement window; "worker busy" = worker CPU seconds / (window x
-worker threads). OpenMP threads spin briefly between parallel regions, so this slightly
-overstates useful work. "foreign" = CPU the rest of the machine used meanwhile (other
-people's tests on a shared box): when it is not ~0 the numbers are noisy.
+worker threads). OpenMP threads spin-wait between parallel regions, so CPU time overstates
+useful work, badly so when the cores are oversubscribed (a spinning thread waits for a
+preempted peer): compare busy% with FLOP%. "foreign" = CPU the rest of the machine used
+meanwhile (other people's tests on a shared box): when it is not ~0 the numbers are noisy.
+Environment variables (OMP_WAIT_POLICY, OMP_NUM_THREADS...) reach every server it starts.
 """
 
 from __future__ import annotations
@@ -68,12 +72,15 @@ def log(msg: str) -> None:
 
 # --------------------------------------------------------------------------- options
 
-FULL = dict(corpus_size=2048, concurrency=32, batch=32, bulk_seconds=30.0, bulk_warmup=5.0, bulk_requests=0,
-            single_calls=200, rerank_calls=10, rerank_docs=50, peak_sizes=((2048, 2048, 2048), (4096, 384, 1536),
-                                                                          (4096, 1536, 384)))
-# Quick: a request count, not a time window, so a loaded CI machine still completes some requests.
-QUICK = dict(corpus_size=64, concurrency=4, batch=4, bulk_seconds=60.0, bulk_warmup=0.0, bulk_requests=8,
-             single_calls=10, rerank_calls=2, rerank_docs=8, peak_sizes=((512, 512, 512),))
+# Bulk is a fixed amount of work by default (every corpus input once, C clients x B inputs a request),
+# timed from the first request to the last answer. A fixed time window instead (--bulk-requests 0
+# --bulk-seconds S --bulk-warmup W) counts only the requests that finish inside it, which undercounts a
+# server that sorts inputs across requests (they all finish late) unless S is many times C x B / rate.
+FULL = {"corpus_size": 2048, "concurrency": 32, "batch": 32, "bulk_seconds": 300.0, "bulk_warmup": 0.0,
+        "bulk_requests": -1, "single_calls": 200, "rerank_calls": 10, "rerank_docs": 50,
+        "peak_sizes": ((2048, 2048, 2048), (4096, 384, 1536), (4096, 1536, 384))}
+QUICK = {"corpus_size": 64, "concurrency": 4, "batch": 4, "bulk_seconds": 60.0, "bulk_warmup": 0.0,
+         "bulk_requests": 8, "single_calls": 10, "rerank_calls": 2, "rerank_docs": 8, "peak_sizes": ((512, 512, 512),)}
 
 
 def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
@@ -99,9 +106,9 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
     p.add_argument("--quiet-wait", type=float, default=0.0,
                    help="before each measurement, wait up to this many seconds for other processes to go quiet")
     for name, help_ in (("corpus_size", "inputs in the corpus"), ("concurrency", "bulk clients (C)"),
-                        ("batch", "inputs per bulk request (B)"), ("bulk_seconds", "bulk measurement window, s"),
+                        ("batch", "inputs per bulk request (B)"), ("bulk_seconds", "bulk time limit (or window), s"),
                         ("bulk_warmup", "bulk load before the window opens, s"),
-                        ("bulk_requests", "stop issuing after this many bulk requests (0 = time only)"),
+                        ("bulk_requests", "bulk requests in all (-1 = the corpus once; 0 = a time window)"),
                         ("single_calls", "sequential single-query calls"), ("rerank_calls", "sequential rerank calls"),
                         ("rerank_docs", "passages per rerank call")):
         kind = float if name.startswith("bulk_s") or name == "bulk_warmup" else int
@@ -116,6 +123,8 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
     for key, value in profile.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.bulk_requests < 0:
+        args.bulk_requests = max(1, args.corpus_size // args.batch)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := set(args.modes) - {"bulk", "single", "rerank"}:
         raise SystemExit(f"encoderd bench: unknown modes {sorted(unknown)}")
@@ -572,6 +581,7 @@ class Row:
     p99_ms: float = 0.0
     calls: int = 0
     errors: int = 0
+    wall_s: float = 0.0
     padding_ratio: float | None = None
     flop_utilisation: float | None = None
     worker_busy: float | None = None
@@ -681,14 +691,15 @@ def run_bulk(name: str, target, work: Workload, args, probe: CpuProbe | None, me
              model: str, flops: FlopModel, peak: float, worker_threads: int, stream: bool = False) -> Row:
     how = "one EmbedStream" if stream else f"{args.concurrency} clients x {args.batch} inputs"
     protocol = "grpc-stream" if stream else target.protocol
-    log(f"bulk {name}/{protocol}: {how}, {args.bulk_warmup:g}s warm-up + {args.bulk_seconds:g}s window")
+    log(f"bulk {name}/{protocol}: {how}, " + (f"{args.bulk_requests * args.batch} inputs" if args.bulk_requests
+                                              else f"{args.bulk_warmup:g}s warm-up + {args.bulk_seconds:g}s window"))
     before = scrape(metrics_url)
     driver = _stream_bulk if stream else _bulk
     state, snap0, snap1 = asyncio.run(driver(target, work, args, probe))
     row = Row("bulk", name, protocol, errors=state["errors"])
     done = state["done"]
     wall = (min(state["deadline"], state["closed"]) - state["window"][0]) if done else 1.0
-    row.calls = len(done)
+    row.calls, row.wall_s = len(done), round(wall, 2)
     row.inputs_per_s = round(sum(d[2] for d in done) / wall, 2)
     row.tokens_per_s = round(sum(d[3] for d in done) / wall, 1)
     percentiles([d[1] for d in done], row)
@@ -712,28 +723,29 @@ def _useful_flops(work: Workload, done, flops: FlopModel, wall: float) -> float:
 
 def run_bulk_in_process(st: SentenceTransformersTarget, work: Workload, args, flops: FlopModel, peak: float,
                         threads: int) -> Row:
-    """The same inputs in windows of C x B (what a server holds at once), encode() sorting each window."""
-    log(f"bulk sentence-transformers/in-process: windows of {args.concurrency * args.batch} inputs, "
-        f"batch {args.batch}, ~{args.bulk_seconds:g}s")
+    """The same inputs, in windows of C x B (what a server holds at once), encode() sorting each window."""
     window, n = args.concurrency * args.batch, len(work.corpus)
+    total = args.bulk_requests * args.batch if args.bulk_requests else 10**9
+    log(f"bulk sentence-transformers/in-process: windows of {window} inputs, batch {args.batch}")
     inputs = tokens = 0
     padding = []
-    start, cpu0 = time.monotonic(), time.process_time()
-    for w in range(10_000):  # bounded; stops on time
-        idx = [(w * window + j) % n for j in range(window)]
+    probe = CpuProbe({})
+    snap0 = probe.snapshot()
+    for w in range(10_000):  # bounded; stops on the work or the time limit
+        idx = [(w * window + j) % n for j in range(min(window, total - inputs))]
         texts = [work.corpus[i] for i in idx]
         st.embed(texts, args.batch)
         inputs, tokens = inputs + len(idx), tokens + int(work.real[idx].sum())
         padding.append(st.padding_ratio(texts, work.real[idx], args.batch))
-        if time.monotonic() - start >= args.bulk_seconds:
+        if inputs >= total or time.monotonic() - snap0["t"] >= args.bulk_seconds:
             break
-    wall = time.monotonic() - start
-    row = Row("bulk", "sentence-transformers", "in-process", calls=w + 1,
+    snap1 = probe.snapshot()
+    wall = snap1["t"] - snap0["t"]
+    row = Row("bulk", "sentence-transformers", "in-process", calls=w + 1, wall_s=round(wall, 2),
               inputs_per_s=round(inputs / wall, 2), tokens_per_s=round(tokens / wall, 1),
-              padding_ratio=round(float(np.mean(padding)), 4))
+              padding_ratio=round(float(np.mean(padding)), 4), cpu_cores=CpuProbe.cores(snap0, snap1))
     row.flop_utilisation = round(flops.flops(work.real) / float(work.real.sum()) * tokens / wall / (peak * 1e9), 4)
-    row.cpu_cores = {"client": round((time.process_time() - cpu0) / wall, 3)}
-    row.worker_busy = round(row.cpu_cores["client"] / threads, 3)
+    row.worker_busy = busy(row.cpu_cores, "client", threads)
     return row
 
 

@@ -52,7 +52,8 @@ class ServedModel:
         infos = [r.ready_info for r in self.replicas if r.ready_info]
         if infos:
             return infos[0].output_dim
-        return len(self.spec.labels) if self.spec.labels else self.spec.hidden_size
+        return len(self.spec.labels) if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER) \
+            else self.spec.hidden_size
 
     async def compute(self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
         request = PendingRequest(len(tokens.ids))
@@ -67,8 +68,11 @@ class Engine:
         self.models: dict[str, ServedModel] = {}
         self._on_model_state = on_model_state
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenizer")
-        # Media fetching, decoding and preprocessing (server/media.py): blocking work, off the event loop.
+        self._bulk_tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-bulk")
+        # Media decoding and preprocessing (server/media.py): blocking CPU work, off the event loop; URL
+        # fetches wait on the network instead, in their own pool, so slow hosts never stall the decoding.
         self.media_pool = ThreadPoolExecutor(config.media_threads, thread_name_prefix="media")
+        self.fetch_pool = ThreadPoolExecutor(16, thread_name_prefix="media-fetch")
         self.media_limits = MediaLimits(config.media_max_bytes, config.media_fetch_timeout, config.media_urls)
 
     # -------------------------------------------------------------- lifecycle
@@ -82,7 +86,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, resolve_model_path, model.source)
         spec = load_model_spec(model.name, path, ModelKind(model.kind) if model.kind else None)
-        tokenizer = ModelTokenizer(path, spec.max_length, self._tokenizer_pool)
+        tokenizer = ModelTokenizer(path, spec.max_length, self._tokenizer_pool, self._bulk_tokenizer_pool)
         # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
         media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
         placements = plan_replicas(model.device or cfg.device, cfg.replicas, cfg.cpu_threads)
@@ -135,8 +139,10 @@ class Engine:
         for model in self.models.values():
             await model.scheduler.stop()
         await asyncio.gather(*(r.stop() for m in self.models.values() for r in m.replicas), return_exceptions=True)
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._tokenizer_pool, self._bulk_tokenizer_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
         self.media_pool.shutdown(wait=False, cancel_futures=True)
+        self.fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------- operations
     def get(self, name: str, kind: ModelKind | tuple[ModelKind, ...] | None = None) -> ServedModel:
@@ -190,7 +196,8 @@ class Engine:
             texts = [prefix + t for t in texts]
 
         async def compute(indices: list[int]):
-            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate, side=side)
+            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate, side=side,
+                                                  bulk=priority == Priority.BULK)
             return await model.compute(tokens, priority), tokens.lengths
 
         keys = [result_key("embed", side, str(truncate), t) for t in texts]
@@ -222,7 +229,8 @@ class Engine:
         documents = self.check_inputs(documents, "documents")
 
         async def compute(indices: list[int]):
-            tokens = await model.tokenizer.encode([documents[i] for i in indices], truncate=truncate, pairs_with=query)
+            tokens = await model.tokenizer.encode([documents[i] for i in indices], truncate=truncate, pairs_with=query,
+                                                  bulk=priority == Priority.BULK)
             return await model.compute(tokens, priority), tokens.lengths
 
         keys = [result_key("pair", str(truncate), query, d) for d in documents]
@@ -236,7 +244,8 @@ class Engine:
         texts = self.check_inputs(texts)
 
         async def compute(indices: list[int]):
-            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate)
+            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate,
+                                                  bulk=priority == Priority.BULK)
             return await model.compute(tokens, priority), tokens.lengths
 
         keys = [result_key("classify", str(truncate), t) for t in texts]

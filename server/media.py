@@ -155,18 +155,23 @@ def _short(url: str) -> str:
 
 # ------------------------------------------------------------- decoders
 def decode_image(data: bytes, limits: MediaLimits, what: str):
+    # Malformed files make Pillow raise nearly anything (OSError, SyntaxError, struct.error...): whatever
+    # decoding client bytes raises is the client's error, never a server one.
     from PIL import Image, UnidentifiedImageError
 
     try:
-        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-        if image.width * image.height > limits.max_image_pixels:
-            raise InvalidInput(f"{what} is {image.width}x{image.height} pixels; the limit is {limits.max_image_pixels}")
-        image.load()  # decode now: truncated or corrupt data fails here, not in the processor
-        return image
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
     except UnidentifiedImageError:
         raise InvalidInput(f"{what} is not an image in a supported format ({', '.join(IMAGE_FORMATS)})") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+    except Exception as exc:
         raise InvalidInput(f"{what}: cannot decode the image: {exc}") from None
+    if image.width * image.height > limits.max_image_pixels:
+        raise InvalidInput(f"{what} is {image.width}x{image.height} pixels; the limit is {limits.max_image_pixels}")
+    try:
+        image.load()  # decode now: truncated or corrupt data fails here, not in the processor
+    except Exception as exc:
+        raise InvalidInput(f"{what}: cannot decode the image: {exc}") from None
+    return image
 
 
 def decode_audio(data: bytes, limits: MediaLimits, rate: int, what: str) -> np.ndarray:
@@ -175,14 +180,32 @@ def decode_audio(data: bytes, limits: MediaLimits, rate: int, what: str) -> np.n
 
     try:
         info = soundfile.info(io.BytesIO(data))
-        if info.samplerate <= 0 or info.frames / info.samplerate > limits.max_audio_seconds:
-            raise InvalidInput(f"{what} lasts {info.duration:.0f}s; the limit is {limits.max_audio_seconds:g}s")
-        samples, source_rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except (soundfile.LibsndfileError, RuntimeError, TypeError, ValueError) as exc:
+    except Exception as exc:  # libsndfile's verdict on client bytes
         raise InvalidInput(f"{what} is not audio in a supported format (WAV, FLAC, OGG, MP3...): {exc}") from None
+    if info.samplerate <= 0 or info.frames / info.samplerate > limits.max_audio_seconds:
+        raise InvalidInput(f"{what} lasts {info.duration:.0f}s; the limit is {limits.max_audio_seconds:g}s")
+    _check_resampling(info.samplerate, rate, what)
+    try:
+        samples, source_rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as exc:
+        raise InvalidInput(f"{what}: cannot decode the audio: {exc}") from None
     if samples.shape[0] == 0:
         raise InvalidInput(f"{what} holds no samples")
+    if not np.isfinite(samples).all():
+        raise InvalidInput(f"{what} holds non-finite samples (NaN or infinity)")
     return resample(samples.mean(axis=1), source_rate, rate)
+
+
+# Polyphase filters grow with the rate ratio's terms: 44.1 kHz -> 48 kHz is 160/147, and every common
+# rate pair stays far below this; an odd rate (999983 Hz) would need a filter of millions of taps.
+MAX_RESAMPLING_TERM = 2000
+
+
+def _check_resampling(source_rate: int, rate: int, what: str) -> None:
+    common = gcd(source_rate, rate)
+    if max(source_rate, rate) // common > MAX_RESAMPLING_TERM:
+        raise InvalidInput(f"{what}: cannot resample {source_rate} Hz to the model's {rate} Hz; "
+                           f"use a common sample rate (8, 16, 22.05, 44.1, 48 kHz...)")
 
 
 def resample(samples: np.ndarray, source_rate: int, rate: int) -> np.ndarray:
@@ -237,7 +260,10 @@ class AudioPreprocessor:
 
     def __call__(self, data: bytes, what: str) -> tuple[np.ndarray, int, int]:
         samples = decode_audio(data, self.limits, self.rate, what)
-        out = self.extractor(samples, sampling_rate=self.rate, return_tensors="np")
+        try:
+            out = self.extractor(samples, sampling_rate=self.rate, return_tensors="np")
+        except Exception as exc:  # e.g. a clip too short for the extractor's window
+            raise InvalidInput(f"{what}: cannot extract audio features: {exc}") from None
         features = np.ascontiguousarray(out["input_features"][0], dtype=np.float32)
         is_longer = int(np.asarray(out.get("is_longer", [[False]])).reshape(-1)[0])
         return features, is_longer, int(features.shape[-2])

@@ -2,7 +2,7 @@
 
 A request's inputs, texts and media in any order, become queue items of their
 own modality: texts are tokenized, media fetched, decoded and preprocessed in
-the media thread pool. They then share the model's scheduler and worker with
+the media thread pools. They then share the model's scheduler and worker with
 every other request, as text does; a batch holds one modality (batching.py),
 and the request's rows are reassembled in input order.
 
@@ -28,12 +28,13 @@ from .scheduler import PendingRequest, Priority
 
 SINGLE_VECTOR_KINDS = (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP)
 _NO_IDS = np.zeros(0, dtype=np.int32)
+_A = {"text": "a text", "image": "an image", "audio": "audio"}
 
 
 # ------------------------------------------------------------- operations
 async def embed_contents(engine: Engine, name: str, contents: list[Content], *, truncate: bool = True,
                          priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
-    """One unembellished vector (n, dim) per input (normalization is the caller's) and the usage."""
+    """One vector (n, dim) per input, as the model computes it (normalizing is the caller's), and the usage."""
     model = engine.get(name, SINGLE_VECTOR_KINDS)
     rows, usage = await _compute(engine, model, contents, truncate=truncate, priority=priority)
     return model, rows, usage
@@ -106,8 +107,8 @@ def _check(engine: Engine, model: ServedModel, contents: list[Content], what: st
     takes = modalities(model.spec.kind)
     for i, content in enumerate(contents):
         if content.modality not in takes:
-            raise InvalidInput(f"{what}[{i}] is {'an' if content.modality[0] in 'aeiou' else 'a'} {content.modality}, "
-                               f"but model {model.spec.name!r} ({model.spec.kind.value}) takes {' and '.join(takes)}")
+            raise InvalidInput(f"{what}[{i}] is {_A[content.modality]}, but model {model.spec.name!r} "
+                               f"({model.spec.kind.value}) takes {' and '.join(takes)}")
         if content.modality == "text":
             engine.check_inputs([content.text], f"{what}[{i}]")
 
@@ -115,12 +116,13 @@ def _check(engine: Engine, model: ServedModel, contents: list[Content], what: st
 async def _compute(engine: Engine, model: ServedModel, contents: list[Content], *, truncate: bool,
                    priority: Priority, side: str = "right", prefix: str = "", ragged: bool = False,
                    what: str = "inputs") -> tuple:
-    """Rows for every input, in order, through the result cache (identical inputs computed once)."""
+    """Rows for every input, in order, and the usage, through the result cache
+    (identical inputs in flight are computed once)."""
     _check(engine, model, contents, what)
     loop = asyncio.get_running_loop()
     # Media bytes first (fetches run concurrently, off the loop): the cache keys on their digest.
     blobs = await asyncio.gather(*(
-        loop.run_in_executor(engine.media_pool, media_bytes, c, engine.media_limits, f"{what}[{i}]")
+        loop.run_in_executor(engine.fetch_pool, media_bytes, c, engine.media_limits, f"{what}[{i}]")
         for i, c in enumerate(contents) if c.modality != "text"))
     payloads, media = [], iter(blobs)
     for content in contents:
@@ -131,25 +133,27 @@ async def _compute(engine: Engine, model: ServedModel, contents: list[Content], 
 
     async def compute(indices: list[int]):
         request = PendingRequest(len(indices), ragged)
-        items, costs = await _work_items(model, [(contents[i].modality, payloads[i], f"{what}[{i}]") for i in indices],
-                                         request, truncate, side, engine)
+        inputs = [(contents[i].modality, payloads[i], f"{what}[{i}]") for i in indices]
+        items, costs = await _work_items(engine, model, inputs, request, truncate=truncate, side=side,
+                                         bulk=priority == Priority.BULK)
         return await model.scheduler.run(items, request, priority), costs
 
     return await model.results.resolve(keys, compute, stack=not ragged)
 
 
-async def _work_items(model: ServedModel, inputs: list[tuple[str, object, str]], request: PendingRequest,
-                      truncate: bool, side: str, engine: Engine) -> tuple[list[WorkItem], np.ndarray]:
+async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str, object, str]],
+                      request: PendingRequest, *, truncate: bool, side: str, bulk: bool
+                      ) -> tuple[list[WorkItem], np.ndarray]:
     """Queue items for (modality, text or bytes, name) inputs, and each one's cost."""
     items: list = [None] * len(inputs)
     costs = np.zeros(len(inputs), dtype=np.int64)
     texts = [j for j, (modality, _, _) in enumerate(inputs) if modality == "text"]
+    media = [j for j, (modality, _, _) in enumerate(inputs) if modality != "text"]
     if texts:
-        tokens = await model.tokenizer.encode([inputs[j][1] for j in texts], truncate=truncate, side=side)
+        tokens = await model.tokenizer.encode([inputs[j][1] for j in texts], truncate=truncate, side=side, bulk=bulk)
         for j, ids in zip(texts, tokens.ids):
             items[j], costs[j] = WorkItem(ids, None, request, j), len(ids)
     loop = asyncio.get_running_loop()
-    media = [j for j in range(len(inputs)) if items[j] is None]
     done = await asyncio.gather(*(loop.run_in_executor(engine.media_pool, model.media[inputs[j][0]], inputs[j][1],
                                                        inputs[j][2]) for j in media))
     for j, (features, flag, cost) in zip(media, done):

@@ -39,9 +39,13 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
 
 
 class ModelTokenizer:
-    def __init__(self, model_dir: str, max_length: int, executor: ThreadPoolExecutor):
+    def __init__(self, model_dir: str, max_length: int, executor: ThreadPoolExecutor,
+                 bulk_executor: ThreadPoolExecutor | None = None):
         self.max_length = max_length
         self._executor = executor
+        # Bulk work tokenizes on its own thread, so a live query never queues behind
+        # a stream's chunks in the tokenizer pool.
+        self._bulk_executor = bulk_executor or executor
         base = load_tokenizer(model_dir)
         base.no_padding()
         base.no_truncation()
@@ -55,11 +59,12 @@ class ModelTokenizer:
         return tok
 
     async def encode(self, texts: list[str], *, truncate: bool = True, side: str = "right",
-                     pairs_with: str | None = None) -> Tokenized:
+                     pairs_with: str | None = None, bulk: bool = False) -> Tokenized:
         """Tokenize inputs (or (pairs_with, input) pairs) into per-input id arrays."""
         loop = asyncio.get_running_loop()
         batch = [(pairs_with, t) for t in texts] if pairs_with is not None else texts
-        encodings = await loop.run_in_executor(self._executor, self._by_side[side].encode_batch, batch)
+        executor = self._bulk_executor if bulk else self._executor
+        encodings = await loop.run_in_executor(executor, self._by_side[side].encode_batch, batch)
         return self._collect(encodings, truncate, pairs_with is not None)
 
     def _collect(self, encodings: list[Encoding], truncate: bool, pairs: bool) -> Tokenized:

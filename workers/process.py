@@ -17,6 +17,7 @@ import threading
 import time
 
 import msgspec
+import numpy as np
 import zmq
 
 from ..server.logs import configure_logging
@@ -101,12 +102,33 @@ def _load(config: WorkerConfig):
     return backend
 
 
+def is_out_of_memory(exc: Exception) -> bool:
+    """torch.cuda.OutOfMemoryError, or an engine's allocation failure, without importing the engine."""
+    text = str(exc).lower()
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "failed to allocate" in text
+
+
+def forward(backend, batch: protocol.TokenBatch):
+    """backend.forward, halving the batch on device out-of-memory instead of failing its requests."""
+    try:
+        return backend.forward(batch)
+    except Exception as exc:
+        if batch.size == 1 or not is_out_of_memory(exc):
+            raise
+        log.warning("out of device memory on a batch of %d; computing it in halves", batch.size)
+        backend.release_memory()
+        halves = [forward(backend, half) for half in batch.split(batch.size // 2)]
+        if not all(isinstance(h, np.ndarray) for h in halves):
+            raise  # ragged (multi-vector) outputs are not re-joined here
+        return np.concatenate(halves)
+
+
 def _busy_loop(backend, batches: queue.Queue, results: zmq.Socket) -> None:
     while True:
         batch = batches.get()
         started = time.perf_counter_ns()
         try:
-            output = backend.forward_media(batch) if isinstance(batch, protocol.MediaBatch) else backend.forward(batch)
+            output = backend.forward_media(batch) if isinstance(batch, protocol.MediaBatch) else forward(backend, batch)
         except Exception as exc:  # one bad batch fails its requests, not the worker
             log.exception("batch %d failed", batch.batch_id)
             results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))

@@ -86,6 +86,16 @@ class TokenBatch(msgspec.Struct, gc=False):
     def lengths(self) -> np.ndarray:
         return np.diff(self.cu_seqlens)
 
+    def split(self, at: int) -> tuple["TokenBatch", "TokenBatch"]:
+        """The first `at` sequences and the rest, as two batches (views, no copies)."""
+        cut = int(self.cu_seqlens[at])
+        types = self.token_type_ids
+        first = TokenBatch(self.batch_id, self.input_ids[:cut], self.cu_seqlens[:at + 1],
+                           None if types is None else types[:cut])
+        rest = TokenBatch(self.batch_id, self.input_ids[cut:], self.cu_seqlens[at:] - cut,
+                          None if types is None else types[cut:])
+        return first, rest
+
 
 class MediaBatch(msgspec.Struct, gc=False):
     """A batch of preprocessed media inputs of one modality and one shape."""

@@ -312,6 +312,23 @@ def test_auto_engine_and_dtype():
     assert (backend.engine, backend.options.dtype) == (expected, "float32")  # what READY reports
 
 
+@pytest.mark.parametrize("engine", ["onnx", "ctranslate2", "tensorrt"])
+def test_kinds_only_torch_computes_run_on_torch(engine, cache_dir):
+    """--engine is server-wide: a ColBERT/CLIP/SPLADE model beside it runs on torch (and READY says so);
+    the engine classes themselves refuse such a kind at load."""
+    import msgspec
+
+    from encoderd.workers.backends import ENGINES
+
+    spec = msgspec.structs.replace(load_model_spec("m", default_model_path()), kind=ModelKind.COLBERT)
+    assert create_backend(engine, spec, BackendOptions()).engine == "torch"
+    assert resolve_engine("auto", BackendOptions(), "colbert") == "torch"
+    module, name = ENGINES[engine]
+    backend_class = getattr(__import__(f"encoderd.workers.backends.{module}", fromlist=[name]), name)
+    with pytest.raises(ValueError, match="use --engine torch"):
+        backend_class(spec, BackendOptions(cache_dir=cache_dir)).load()
+
+
 def test_tensorrt_fails_at_start_without_a_gpu(specs, cache_dir):
     with pytest.raises(ValueError, match="NVIDIA GPUs only"):
         load("tensorrt", specs["embedding"], cache_dir, "float16", device="cpu")

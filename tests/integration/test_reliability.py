@@ -162,8 +162,9 @@ def test_expired_work_is_never_computed(server, stub):
     long_text = " ".join(TEXTS)  # 256 tokens after truncation: both worker slots busy for a while
     blocker = stub.Embed.future(pb.EmbedRequest(model=model, inputs=[long_text + f" {i}" for i in range(48)]))
     time.sleep(0.5)  # tokenized and computing (~2 s of work): what comes next must queue
+    # Long enough to be tokenized and queued, far too short to wait out the busy worker.
     doomed = [stub.Embed.future(pb.EmbedRequest(model=model, inputs=[f"expired {i}", f"also expired {i}"]),
-                                timeout=0.02) for i in range(10)]
+                                timeout=0.3) for i in range(10)]
     codes = []
     for f in doomed:
         with pytest.raises(grpc.RpcError) as err:

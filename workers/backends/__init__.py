@@ -8,7 +8,7 @@ import logging
 
 import msgspec
 
-from .base import Backend, BackendOptions
+from .base import TEXT_KINDS, Backend, BackendOptions
 
 log = logging.getLogger(__name__)
 
@@ -20,18 +20,21 @@ ENGINES = {
     "tensorrt": ("tensorrt_backend", "TensorRTBackend"),
 }
 # The kinds every engine serves; the others are torch-only.
-TEXT_ENGINE_KINDS = ("embedding", "reranker", "classifier")
+TEXT_ENGINE_KINDS = TEXT_KINDS
 
 
 def _on_gpu(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def resolve_engine(engine: str, options: BackendOptions) -> str:
-    """`auto`: torch on CUDA (ctranslate2 for int8 there), onnx on CPU when onnxruntime is installed."""
+def resolve_engine(engine: str, options: BackendOptions, kind: str = "embedding") -> str:
+    """`auto`: torch on CUDA (ctranslate2 for int8 there), onnx on CPU when onnxruntime is
+    installed; torch for the kinds only it computes (multi-modal, multi-vector, sparse)."""
     if engine != "auto":
         return engine
-    if _on_gpu(options.device):
+    if kind not in TEXT_KINDS:
+        chosen, why = "torch", f"only torch computes {kind} models"
+    elif _on_gpu(options.device):
         int8 = options.dtype.startswith("int8") and importlib.util.find_spec("ctranslate2") is not None
         chosen, why = ("ctranslate2", "int8 on CUDA") if int8 else ("torch", "CUDA device")
     elif importlib.util.find_spec("onnxruntime") is not None:
@@ -55,7 +58,7 @@ def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
     """The backend for `engine` with `auto` engine and dtype resolved; its
     `engine` and `options` say what actually runs."""
     options = resolve_options(options)
-    engine = resolve_engine(engine, options)
+    engine = resolve_engine(engine, options, spec.kind.value)
     if spec.kind.value not in TEXT_ENGINE_KINDS and engine != "torch":
         # Multi-modal, multi-vector and sparse heads exist for torch only (workers/backends/torch_heads.py).
         log.warning("%s: %s models run on the torch engine, not %s", spec.name, spec.kind.value, engine)

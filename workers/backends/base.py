@@ -46,6 +46,9 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def output_dim(self) -> int: ...
 
+    def release_memory(self) -> None:
+        """Give cached device memory back (after an out-of-memory error)."""
+
     def warmup(self, max_length: int) -> None:
         """Run the shapes the first requests will hit, so they pay no first-call cost."""
         for n, length in ((1, 8), (8, min(64, max_length)), (2, max_length)):
@@ -53,6 +56,18 @@ class Backend(abc.ABC):
             cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
             ids = np.full(int(cu[-1]), 100, dtype=np.int32)
             self.forward(TokenBatch(-1, ids, cu))
+
+
+# What the exported/converted engines (onnx, ctranslate2, tensorrt) compute: pooled
+# hidden states or logits. Multi-modal, multi-vector and sparse kinds are torch's alone.
+TEXT_KINDS = ("embedding", "reranker", "classifier")
+
+
+def require_text_kind(spec: ModelSpec, engine: str) -> None:
+    """Fail at load, naming the way out, for a kind this engine does not compute."""
+    if spec.kind.value not in TEXT_KINDS:
+        raise ValueError(f"the {engine} engine serves {', '.join(TEXT_KINDS)} models; {spec.name} is a "
+                         f"{spec.kind.value} model: use --engine torch (or auto)")
 
 
 def padded(batch: TokenBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -32,7 +32,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend
+from .base import Backend, require_text_kind
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,7 @@ class CT2Backend(Backend):
     def load(self) -> None:
         import ctranslate2
 
+        require_text_kind(self.spec, self.engine)
         ctype = compute_type(self.options.dtype, self.options.device)
         path, self.cache_hit = ensure_converted(self.spec, ctype, self.options.cache_dir)
         self._on_gpu = self.options.device.startswith("cuda")

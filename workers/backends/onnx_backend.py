@@ -32,7 +32,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind, ModelSpec
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, padded
+from .base import Backend, padded, require_text_kind
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,7 @@ class OnnxBackend(Backend):
     dtypes = {"cpu": ("float32", "int8"), "cuda": ("float32", "float16")}
 
     def load(self) -> None:
+        require_text_kind(self.spec, self.engine)
         check_onnxruntime_install()
         self._check_dtype()
         providers = self._providers()

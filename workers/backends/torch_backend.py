@@ -62,6 +62,10 @@ class TorchBackend(Backend):
     def output_dim(self) -> int:
         return self._dim
 
+    def release_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @torch.inference_mode()
     def forward(self, batch: TokenBatch) -> np.ndarray:
         ids, mask, types = padded(batch)

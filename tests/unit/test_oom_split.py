@@ -1,0 +1,64 @@
+"""A batch that runs out of device memory is computed in halves, not failed.
+
+CUDA cannot run here, so the backend below raises the error torch raises
+(an exception named OutOfMemoryError) above a batch size; the GPU check script
+covers the real thing."""
+
+import numpy as np
+import pytest
+
+from encoderd.workers.process import forward
+from encoderd.workers.protocol import TokenBatch
+
+
+class OutOfMemoryError(RuntimeError):
+    pass
+
+
+class SmallDevice:
+    def __init__(self, fits: int):
+        self.fits, self.calls, self.released = fits, [], 0
+
+    def forward(self, batch):
+        self.calls.append(batch.size)
+        if batch.size > self.fits:
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        starts = batch.cu_seqlens[:-1]
+        return np.stack([batch.input_ids[starts], batch.lengths], axis=1).astype(np.float32)
+
+    def release_memory(self):
+        self.released += 1
+
+
+def batch_of(lengths):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    ids = np.concatenate([np.full(n, i, dtype=np.int32) for i, n in enumerate(lengths)])
+    return TokenBatch(7, ids, cu, ids.copy())
+
+
+def test_split_keeps_sequences_whole():
+    first, rest = batch_of([2, 3, 4]).split(1)
+    assert list(first.input_ids) == [0, 0] and list(first.cu_seqlens) == [0, 2]
+    assert list(rest.input_ids) == [1, 1, 1, 2, 2, 2, 2] and list(rest.cu_seqlens) == [0, 3, 7]
+    assert list(rest.token_type_ids) == list(rest.input_ids)
+
+
+def test_out_of_memory_halves_until_it_fits_and_keeps_order():
+    device = SmallDevice(fits=2)
+    out = forward(device, batch_of([3, 1, 4, 1, 5, 9, 2]))
+    assert list(out[:, 0]) == list(range(7)) and list(out[:, 1]) == [3, 1, 4, 1, 5, 9, 2]
+    assert max(device.calls[1:]) <= 4 and device.released >= 2
+
+
+def test_a_single_input_that_does_not_fit_fails():
+    with pytest.raises(OutOfMemoryError):
+        forward(SmallDevice(fits=0), batch_of([3]))
+
+
+def test_other_errors_are_not_retried():
+    class Broken(SmallDevice):
+        def forward(self, batch):
+            raise ValueError("bad ids")
+
+    with pytest.raises(ValueError):
+        forward(Broken(fits=8), batch_of([1, 2]))
