@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--max-queued-inputs", "inputs queued per model before new work gets RESOURCE_EXHAUSTED", 16384, int)
     _add(serve, "--max-queued-tokens", "tokens queued per model before new work gets RESOURCE_EXHAUSTED (0 = no bound)",
          0, int)
-    _add(serve, "--bulk-batch-tokens", "token budget of bulk-priority batches (smaller keeps interactive latency low)",
-         2048, int)
+    _add(serve, "--bulk-batch-tokens", "token budget of bulk-priority batches while interactive requests are "
+         "arriving (small keeps their latency low; bulk alone gets full batches)", 256, int)
     _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
     _add(serve, "--media-max-mb", "largest image / audio input in MiB (encoded bytes, sent or fetched)", 20.0, float)
     _add(serve, "--media-fetch-timeout", "seconds an http(s) image / audio URL may take to fetch", 10.0, float)

@@ -6,8 +6,9 @@ decides *when* and *where* to send:
   * a batch goes at once to an idle replica (a lone query never waits for a
     batch window); a busy replica gets one when it is full or the oldest input
     has waited `batch_delay`, with at most `max_in_flight` batches per replica;
-  * bulk batches are smaller (`bulk_limits`) and may fill all but one slot of
-    a replica, so an interactive input never queues behind much bulk work;
+  * bulk batches may fill all but one slot of a replica, and are cut small
+    (`bulk_limits`) while interactive work is around, so a live query never
+    queues behind much bulk work;
   * each batch goes to the ready replica with the fewest tokens in flight; a
     batch lost with a dying replica is queued again for the others.
 """
@@ -30,6 +31,7 @@ from .worker_client import WorkerClient
 
 log = logging.getLogger("encoderd.scheduler")
 
+INTERACTIVE_WINDOW = 2.0  # seconds after an interactive request during which bulk batches stay small
 MAX_ATTEMPTS = 2  # an input whose batch died twice with its worker is failed, not retried forever
 
 
@@ -85,6 +87,7 @@ class ModelScheduler:
         self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
         self.load = {replica: ReplicaLoad() for replica in replicas}
         self._queued_tokens = 0
+        self._interactive_seen = float("-inf")  # when interactive work last arrived
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches_sent = 0
@@ -116,6 +119,8 @@ class ModelScheduler:
             raise Overloaded(f"model {self.model} is overloaded ({self.queued} inputs, {self._queued_tokens} tokens "
                              f"queued); retry later")
         now = time.monotonic()
+        if priority == Priority.INTERACTIVE:
+            self._interactive_seen = now
         for item in items:
             item.enqueued = now
         self.queues[priority].extend(items)
@@ -146,7 +151,7 @@ class ModelScheduler:
 
     def _dispatch_ready_batches(self) -> None:
         for priority in Priority:
-            queue, limits = self.queues[priority], self.limits[priority]
+            queue, limits = self.queues[priority], self._limits(priority)
             while queue:
                 replica = self._pick_replica(priority)
                 if replica is None or (self.load[replica].batches and not self._should_close(queue, limits)):
@@ -156,6 +161,14 @@ class ModelScheduler:
                     self._send(replica, batch, priority)
             if queue:
                 return  # interactive work still waits: bulk work must not overtake it
+
+    def _limits(self, priority: Priority) -> BatchLimits:
+        """Bulk batches are cut small only while live traffic is around: alone, bulk work
+        gets full batches; next to interactive work, each bulk batch is short, so a live
+        query waits for little more than its own compute."""
+        live = time.monotonic() - self._interactive_seen < INTERACTIVE_WINDOW
+        return self.limits[Priority.BULK if live else Priority.INTERACTIVE] if priority == Priority.BULK \
+            else self.limits[priority]
 
     def _pick_replica(self, priority: Priority) -> WorkerClient | None:
         # Bulk leaves one slot of each replica free for interactive work.

@@ -61,9 +61,13 @@ class ServerProcess:
 
     def start(self, timeout: float = 180) -> "ServerProcess":
         self.launch()
-        self.wait_serving(timeout)
-        if self.rest_port:
-            self.wait_rest(timeout)
+        try:
+            self.wait_serving(timeout)
+            if self.rest_port:
+                self.wait_rest(timeout)
+        except BaseException:
+            self.stop()  # a server that never came up must not outlive the test
+            raise
         return self
 
     def rest_health(self) -> int | None:
