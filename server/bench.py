@@ -1018,10 +1018,7 @@ class Bench:
         log(f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
             f"mean {self.info['corpus']['mean']:.0f} max {self.info['corpus']['max']}")
         threads = worker_threads(args)
-        before = CpuProbe({}).snapshot()
-        self.info["peak_gflops"] = peak = matmul_peak(threads, args.peak_sizes)
-        # A peak measured while others load the machine is too low (and utilisation too high): say so.
-        peak["foreign_cores"] = CpuProbe.cores(before, CpuProbe({}).snapshot())["foreign"]
+        self.info["peak_gflops"] = peak = self.measure_peak(threads)
         log(f"matmul peak with {threads} threads: fp32 {peak['float32']:.0f} GFLOP/s, "
             f"bf16 {peak['bfloat16']:.0f} GFLOP/s (others used {peak['foreign_cores']:.2f} cores meanwhile)")
         targets = self.start_targets(embed_dir, rerank_dir)
@@ -1134,6 +1131,21 @@ class Bench:
                     self.quiet()
                     self.rows.append(run_bulk(t["name"], t["client"], work, args, t["probe"], t["metrics"],
                                               t.get("model", ""), flops, peak[t["dtype"]], threads, stream=True))
+
+    def measure_peak(self, threads: int) -> dict:
+        """The best of up to three tries: a peak measured while others load the machine is too low (and
+        every utilisation too high), so it retries unless the machine was quiet, and says how busy it was."""
+        best: dict = {}
+        for _ in range(1 if self.args.quick else 3):
+            self.quiet()
+            before = CpuProbe({}).snapshot()
+            peak = matmul_peak(threads, self.args.peak_sizes)
+            peak["foreign_cores"] = CpuProbe.cores(before, CpuProbe({}).snapshot())["foreign"]
+            if not best or peak["float32"] > best["float32"]:
+                best = peak
+            if peak["foreign_cores"] < 0.2:
+                break
+        return best
 
     def quiet(self) -> None:
         """On a shared machine, wait (up to --quiet-wait s) until the others use < 0.3 cores; our servers
