@@ -30,7 +30,7 @@ class Server:
         self.config = config
         self.health = health.aio.HealthServicer()
         self.engine = Engine(config, on_model_state=self._on_model_state)
-        keys = load_keys(config.api_keys, config.api_key_file)
+        keys = load_keys(config.api_keys + config.bulk_api_keys, config.api_key_file)
         interceptors = [ApiKeyInterceptor(keys, open_health=config.open_health)] if keys else []
         self.grpc = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

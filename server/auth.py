@@ -24,7 +24,7 @@ def load_keys(keys: tuple[str, ...], key_file: str | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _presented_key(metadata) -> str:
+def presented_key(metadata) -> str:
     for name, value in metadata or ():
         if name == "authorization":
             scheme, _, token = value.partition(" ")
@@ -41,7 +41,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return self._open_health and (method in HEALTH_METHODS or method.startswith(REFLECTION_PREFIX))
 
     def _authorized(self, metadata) -> bool:
-        presented = _presented_key(metadata).encode()
+        presented = presented_key(metadata).encode()
         # Compare against every key, in constant time per key: no early exit reveals which matched.
         matches = [hmac.compare_digest(presented, key) for key in self._keys]
         return bool(presented) and any(matches)

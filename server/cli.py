@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="require `authorization: Bearer KEY` on every call; repeatable "
                             "[env ENCODERD_API_KEY, comma-separated; default: no key needed]")
+    serve.add_argument("--bulk-api-key", action="append", default=None, metavar="KEY",
+                       help="an API key whose requests default to bulk priority (ingestion jobs); repeatable "
+                            "[env ENCODERD_BULK_API_KEY, comma-separated]")
     _add(serve, "--api-key-file", "file with one API key per line (kept out of argv and the environment)", None)
     serve.add_argument("--no-open-health", dest="open_health", action="store_false",
                        default=os.environ.get("ENCODERD_NO_OPEN_HEALTH", "").lower() not in ("1", "true", "yes", "on"),
@@ -134,6 +137,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         models=tuple(models), engine=args.engine, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
         replicas=args.replicas, max_queued_tokens=args.max_queued_tokens, bulk_batch_tokens=args.bulk_batch_tokens,
         api_keys=tuple(args.api_key or [k for k in os.environ.get("ENCODERD_API_KEY", "").split(",") if k.strip()]),
+        bulk_api_keys=tuple(args.bulk_api_key or [k for k in os.environ.get("ENCODERD_BULK_API_KEY", "").split(",")
+                                                  if k.strip()]),
         api_key_file=args.api_key_file, open_health=args.open_health,
         cache_size=args.cache_size, media_max_bytes=int(args.media_max_mb * 1024 * 1024),
         media_fetch_timeout=args.media_fetch_timeout, media_urls=args.media_urls, prompts=tuple(args.prompt or [parse_prompt(p) for p in

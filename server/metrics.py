@@ -29,6 +29,8 @@ REQUEST_SECONDS = Histogram("encoderd_request_duration_seconds", "RPC latency, e
 REJECTED = Counter("encoderd_rejected_requests", "Requests refused before queueing", ["model", "reason"])
 
 # --------------------------------------------------------------- scheduler
+QUEUED_INPUTS = Counter("encoderd_queued_inputs", "Inputs accepted into a model's queue, by priority",
+                        ["model", "priority"])
 QUEUE_DEPTH = Gauge("encoderd_queue_depth", "Inputs waiting for a batch", ["model"])
 QUEUE_WAIT = Histogram("encoderd_queue_wait_seconds", "Time an input waited in the queue for its batch",
                        ["model"], buckets=_LATENCY_BUCKETS)

@@ -25,6 +25,7 @@ from . import multimodal, postprocess
 from .engine import Engine, ServedModel
 from .errors import BackendError, InvalidInput, ModelNotFound, Unavailable
 from .media import Content
+from .scheduler import DEFAULT_PRIORITY
 from .service import model_info, rpc
 
 ENCODING_FORMATS = ("float", "base64")
@@ -198,7 +199,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         texts, token_ids = embedding_inputs(request.input)
         name = self._model_name(request.model, ModelKind.EMBEDDING)
         if texts is not None:
-            model, pooled, tokens = await self.engine.embed(name, texts)
+            model, pooled, tokens = await self.engine.embed(name, texts, priority=DEFAULT_PRIORITY.get())
         else:
             model, pooled, tokens = await self.engine.embed_ids(name, token_ids)
         vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
@@ -223,7 +224,8 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         top_n = _positive(request, "top_n")
         documents = rerank_documents(request.documents)
         name = self._model_name(request.model, ModelKind.RERANKER)
-        model, logits, tokens = await self.engine.score_pairs(name, request.query, documents)
+        model, logits, tokens = await self.engine.score_pairs(name, request.query, documents,
+                                                              priority=DEFAULT_PRIORITY.get())
         scores = logits if request.raw_scores else postprocess.sigmoid(logits)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():

@@ -16,6 +16,7 @@ decides *when* and *where* to send:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import logging
 import time
@@ -38,6 +39,12 @@ MAX_ATTEMPTS = 2  # an input whose batch died twice with its worker is failed, n
 class Priority(enum.IntEnum):
     INTERACTIVE = 1
     BULK = 2
+
+
+# The priority of a request that names none: interactive, unless its API key is a bulk key
+# (set per call by the service layer).
+DEFAULT_PRIORITY: contextvars.ContextVar[Priority] = contextvars.ContextVar("default_priority",
+                                                                            default=Priority.INTERACTIVE)
 
 
 class PendingRequest:
@@ -124,6 +131,7 @@ class ModelScheduler:
         for item in items:
             item.enqueued = now
         self.queues[priority].extend(items)
+        metrics.QUEUED_INPUTS.labels(self.model, priority.name.lower()).inc(len(items))
         self._queued_tokens += tokens
         self._queue_changed()
         self._wake.set()

@@ -16,7 +16,8 @@ from .errors import EncoderdError, InvalidInput
 from .handlers import MalformedRequest
 from .media import Content
 from .messages import embeddings_message
-from .scheduler import Priority
+from .auth import presented_key
+from .scheduler import DEFAULT_PRIORITY, Priority
 from .streaming import embed_stream
 
 log = logging.getLogger("encoderd.service")
@@ -35,6 +36,8 @@ def rpc(method):
         rpc_label = f"{type(self).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
         metadata = context.invocation_metadata()
         rid = logs.bind_request_id(metadata)
+        if presented_key(metadata) in self.engine.config.bulk_api_keys:
+            DEFAULT_PRIORITY.set(Priority.BULK)  # this call's task only
         rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
         model = metrics.model_label(self.engine.models, getattr(request, "model", ""))
         code = grpc.StatusCode.OK
@@ -66,8 +69,10 @@ def rpc(method):
     return wrapper
 
 
-def _priority(value: int, default: Priority) -> Priority:
-    return {pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, pb.PRIORITY_BULK: Priority.BULK}.get(value, default)
+def _priority(value: int) -> Priority:
+    """The request's priority field, else the default of its API key."""
+    return {pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, pb.PRIORITY_BULK: Priority.BULK}.get(
+        value, DEFAULT_PRIORITY.get())
 
 
 def _usage(tokens: int) -> pb.Usage:
@@ -103,7 +108,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model, pooled, tokens = await self.engine.embed(
             request.model, request.inputs, truncate=truncate, side=_SIDES.get(request.truncation_direction, "right"),
             prompt=request.prompt, prompt_name=request.prompt_name,
-            priority=_priority(request.priority, Priority.INTERACTIVE))
+            priority=_priority(request.priority))
         normalize = request.normalize if request.HasField("normalize") else model.spec.normalize
         vectors = postprocess.finish_embeddings(pooled, normalize=normalize, dimensions=request.dimensions)
         return pb.EmbedResponse(model=model.spec.name, usage=_usage(tokens),
@@ -119,7 +124,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         truncate = request.truncate if request.HasField("truncate") else True
         model, logits, tokens = await self.engine.score_pairs(request.model, request.query, request.documents,
                                                               truncate=truncate,
-                                                              priority=_priority(request.priority, Priority.INTERACTIVE))
+                                                              priority=_priority(request.priority))
         scores = logits if request.raw_scores else postprocess.sigmoid(logits)
         results = [pb.RerankResult(index=int(i), relevance_score=float(scores[i]),
                                    document=request.documents[i] if request.return_documents else "")
@@ -130,7 +135,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
         truncate = request.truncate if request.HasField("truncate") else True
         model, logits, tokens = await self.engine.classify(request.model, request.inputs, truncate=truncate,
-                                                           priority=_priority(request.priority, Priority.INTERACTIVE))
+                                                           priority=_priority(request.priority))
         scores = logits if request.raw_scores else postprocess.softmax(logits)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         results = []
@@ -153,7 +158,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def EmbedMultimodal(self, request: pb.EmbedMultimodalRequest, context) -> pb.EmbedMultimodalResponse:
         model, pooled, usage = await multimodal.embed_contents(
             self.engine, request.model, contents(request.inputs), truncate=_truncate(request),
-            priority=_priority(request.priority, Priority.INTERACTIVE))
+            priority=_priority(request.priority))
         normalize = request.normalize if request.HasField("normalize") else model.spec.normalize
         vectors = postprocess.finish_embeddings(pooled, normalize=normalize, dimensions=request.dimensions)
         return pb.EmbedMultimodalResponse(model=model.spec.name, usage=_usage(usage),
@@ -163,7 +168,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def EmbedMultiVector(self, request: pb.EmbedMultiVectorRequest, context) -> pb.EmbedMultiVectorResponse:
         model, rows, usage = await multimodal.embed_multivector(
             self.engine, request.model, contents(request.inputs), truncate=_truncate(request), prompt=request.prompt,
-            priority=_priority(request.priority, Priority.INTERACTIVE))
+            priority=_priority(request.priority))
         return pb.EmbedMultiVectorResponse(
             model=model.spec.name, dimensions=model.output_dim, usage=_usage(usage),
             embeddings=[pb.MultiVector(rows=len(r), values=r.reshape(-1).tolist()) for r in rows])
@@ -173,7 +178,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model, scores, usage = await multimodal.maxsim(
             self.engine, request.model, request.query, contents(request.documents, "documents"),
             truncate=_truncate(request), query_prompt=request.query_prompt, document_prompt=request.document_prompt,
-            priority=_priority(request.priority, Priority.INTERACTIVE))
+            priority=_priority(request.priority))
         documents = request.documents
         results = [pb.RerankResult(index=int(i), relevance_score=float(scores[i]),
                                    document=documents[i].text if request.return_documents else "")
@@ -185,7 +190,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model, vectors, usage = await multimodal.embed_sparse(
             self.engine, request.model, request.inputs, truncate=_truncate(request),
             side=_SIDES.get(request.truncation_direction, "right"), prompt=request.prompt,
-            priority=_priority(request.priority, Priority.INTERACTIVE), top_k=request.top_k,
+            priority=_priority(request.priority), top_k=request.top_k,
             threshold=request.threshold)
         return pb.EmbedSparseResponse(
             model=model.spec.name, dimensions=model.output_dim, usage=_usage(usage),

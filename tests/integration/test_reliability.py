@@ -28,8 +28,10 @@ TEXTS = sentences(64, max_words=60, seed=11)
 
 
 def _metric(server, name: str) -> float:
+    """A metric's value summed over its label sets, or one series when `name` carries its labels."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    labels = "" if "{" in name else r"(?:\{[^}]*\})?"
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{labels} (\S+)$", text, re.M))
 
 
 def _pids(stub) -> dict[str, int]:
@@ -203,8 +205,8 @@ def test_sigkill_of_the_frontend_leaves_no_worker(tmp_path):
 def test_api_keys_over_grpc_and_rest(tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text("# one per line\nfile-key\n")
-    server = ServerProcess("--api-key", "flag-key", "--api-key-file", str(key_file), rest=True,
-                           log_path=tmp_path / "s.log").start()
+    server = ServerProcess("--api-key", "flag-key", "--api-key-file", str(key_file), "--bulk-api-key", "ingest-key",
+                           rest=True, log_path=tmp_path / "s.log").start()
     try:
         stub = server.stub()
         request = pb.EmbedRequest(inputs=["secret"])
@@ -214,6 +216,13 @@ def test_api_keys_over_grpc_and_rest(tmp_path):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         for key in ("flag-key", "file-key"):
             assert stub.Embed(request, metadata=(("authorization", f"Bearer {key}"),)).embeddings
+        bulk_before = _metric(server, 'encoderd_queued_inputs_total{model="sentence-transformers/all-MiniLM-L6-v2",'
+                                      'priority="bulk"}')
+        stub.Embed(pb.EmbedRequest(inputs=["from the ingestion job"]), metadata=(("authorization", "Bearer ingest-key"),))
+        stub.Embed(pb.EmbedRequest(inputs=["asked for interactive"], priority=pb.PRIORITY_INTERACTIVE),
+                   metadata=(("authorization", "Bearer ingest-key"),))
+        assert _metric(server, 'encoderd_queued_inputs_total{model="sentence-transformers/all-MiniLM-L6-v2",'
+                               'priority="bulk"}') == bulk_before + 1  # the key's default; the field still wins
         with grpc.insecure_channel(server.address) as channel:  # health stays open for probes
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
             assert health.status == health_pb2.HealthCheckResponse.SERVING

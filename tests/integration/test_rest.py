@@ -337,6 +337,9 @@ def test_health_is_503_while_loading_and_envoy_dies_with_a_killed_server(tmp_pat
         _assert_openai_error(response, 503, "unavailable")
         envoys = [p for p in _children(proc.proc.pid) if _exe(p).endswith("envoy")]
         assert len(envoys) == 1, proc.log_text()
+        deadline = time.monotonic() + 10  # logged once the server has seen Envoy listen, a moment later
+        while "REST gateway: Envoy" not in proc.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert "REST gateway: Envoy" in proc.log_text()
         children = _children(proc.proc.pid)
         os.kill(proc.proc.pid, signal.SIGKILL)  # no chance to clean up
