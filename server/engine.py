@@ -1,7 +1,9 @@
 """The served models and the operations on them, independent of any API.
 
-Each ServedModel owns a tokenizer, a scheduler and one worker process. The
-gRPC service (and through Envoy, REST) calls Engine.embed/score/classify.
+Each ServedModel owns a tokenizer, a result cache, a scheduler and its worker
+processes (one per replica). The gRPC servicers (and through Envoy, REST)
+call Engine.embed / score_pairs / classify (server/multimodal.py: media and
+multi-vector).
 """
 
 from __future__ import annotations
@@ -97,18 +99,22 @@ class Engine:
         log.info("model %s ready in %.1fs (pids %s, %s/%s)", spec.name, time.perf_counter() - started,
                  ",".join(str(i.pid) for i in infos), infos[0].engine, infos[0].dtype)
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
-        padded = any(i.is_padded for i in infos)
+        scheduler = self._scheduler(spec, replicas, padded=any(i.is_padded for i in infos))
+        prompts = {**spec.prompts, **dict(cfg.prompts)}
+        return ServedModel(spec, tokenizer, replicas, scheduler, infos[0].engine, infos[0].dtype,
+                           ResultCache(spec.name, cfg.cache_size), prompts, await media)
+
+    def _scheduler(self, spec: ModelSpec, replicas: list[WorkerClient], padded: bool) -> ModelScheduler:
+        cfg = self.config
         mixed = len(modalities(spec.kind)) > 1
         limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
-        bulk_limits = BatchLimits(cfg.max_batch_size, min(cfg.bulk_batch_tokens or cfg.max_batch_tokens,
-                                                          cfg.max_batch_tokens), padded=padded, mixed_modalities=mixed)
+        bulk_tokens = min(cfg.bulk_batch_tokens or cfg.max_batch_tokens, cfg.max_batch_tokens)
+        bulk_limits = BatchLimits(cfg.max_batch_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
         scheduler = ModelScheduler(spec.name, replicas, limits, bulk_limits=bulk_limits,
                                    batch_delay=cfg.batch_delay_ms / 1000, max_queued=cfg.max_queued_inputs,
                                    max_queued_tokens=cfg.max_queued_tokens)
         scheduler.start()
-        prompts = {**spec.prompts, **dict(cfg.prompts)}
-        return ServedModel(spec, tokenizer, replicas, scheduler, infos[0].engine, infos[0].dtype,
-                           ResultCache(spec.name, cfg.cache_size), prompts, await media)
+        return scheduler
 
     def _replica(self, spec: ModelSpec, placement: Placement) -> WorkerClient:
         cfg = self.config

@@ -104,9 +104,8 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
-        truncate = request.truncate if request.HasField("truncate") else True
         model, pooled, tokens = await self.engine.embed(
-            request.model, request.inputs, truncate=truncate, side=_SIDES.get(request.truncation_direction, "right"),
+            request.model, request.inputs, truncate=_truncate(request), side=_SIDES.get(request.truncation_direction, "right"),
             prompt=request.prompt, prompt_name=request.prompt_name,
             priority=_priority(request.priority))
         normalize = request.normalize if request.HasField("normalize") else model.spec.normalize
@@ -121,9 +120,8 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
-        truncate = request.truncate if request.HasField("truncate") else True
         model, logits, tokens = await self.engine.score_pairs(request.model, request.query, request.documents,
-                                                              truncate=truncate,
+                                                              truncate=_truncate(request),
                                                               priority=_priority(request.priority))
         scores = logits if request.raw_scores else postprocess.sigmoid(logits)
         results = [pb.RerankResult(index=int(i), relevance_score=float(scores[i]),
@@ -133,8 +131,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
-        truncate = request.truncate if request.HasField("truncate") else True
-        model, logits, tokens = await self.engine.classify(request.model, request.inputs, truncate=truncate,
+        model, logits, tokens = await self.engine.classify(request.model, request.inputs, truncate=_truncate(request),
                                                            priority=_priority(request.priority))
         scores = logits if request.raw_scores else postprocess.softmax(logits)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))

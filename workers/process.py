@@ -64,6 +64,10 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
     if config.cpu_affinity:
         os.sched_setaffinity(0, config.cpu_affinity)
+    if config.options.device == "cpu":
+        # OpenMP threads that spin between parallel regions collapse when a core is shared (with
+        # the frontend, a replica, anything); sleeping waiters cost little. Set before torch loads.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
 
     ctx = zmq.Context()
