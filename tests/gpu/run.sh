@@ -34,7 +34,7 @@ EOF
 
 echo "== pytest -m gpu"
 if python -c "import grpc, grpc_health, zmq" 2>/dev/null; then
-    timeout 300 python -m pytest -m gpu -q -rs -p no:cacheprovider tests || status=1
+    timeout 300 python -m pytest -m gpu -q -rs -p no:cacheprovider tests || status=1  # engines, replicas on GPUs
 else
     echo "(no grpc/pyzmq: in-process engine tests only)"
     PYTHONPATH=tests timeout 300 python -m pytest -m gpu -q -rs -p no:cacheprovider --noconftest \

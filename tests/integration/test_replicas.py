@@ -3,6 +3,7 @@ request when a replica dies."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -86,3 +87,32 @@ def test_two_pinned_replicas_share_the_load_and_survive_a_kill(replicated, minil
     assert not failures, f"{len(failures)} failed requests: {set(failures)}"  # the other replica took the work
     assert checked[0] > 10
     assert replicas[0].restarts == 1 and replicas[1].pid == pids[1]
+
+
+def _gpus() -> int:
+    from encoderd.server.placement import visible_gpus
+
+    return visible_gpus()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", ["cuda:0", "cuda"])
+def test_replicas_on_gpus(tmp_path, minilm_path, devices):
+    """Two replicas of a small model on every GPU asked for (one GPU: both share cuda:0)."""
+    from sentence_transformers import SentenceTransformer
+
+    server = ServerProcess("--device", devices, "--replicas", "2", log_path=tmp_path / "s.log").start()
+    try:
+        stub = server.stub()
+        replicas = stub.ListModels(pb.ListModelsRequest()).models[0].replicas
+        expected = 2 * (1 if devices == "cuda:0" else _gpus())
+        assert len(replicas) == expected and all(r.status == "ready" for r in replicas)
+        assert all(r.device.startswith("cuda:") for r in replicas)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda i: stub.Embed(pb.EmbedRequest(inputs=TEXTS[i:i + 4])), range(0, 40, 4)))
+        got = np.concatenate([[e.values for e in r.embeddings] for r in results])
+        np.testing.assert_allclose(got, SentenceTransformer(minilm_path, device="cpu").encode(TEXTS), atol=1e-4)
+        assert sum(1 for n in _replica_batches(server).values() if n > 0) >= 2
+    finally:
+        server.stop()
