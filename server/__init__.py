@@ -1,4 +1,5 @@
 """encoderd frontend: gRPC service, tokenization, scheduling, worker supervision.
 
-The frontend never imports torch; models run in worker processes.
+Models run in worker processes: for text models the frontend never imports torch
+(media models import their image / audio processors from transformers).
 """

@@ -97,7 +97,6 @@ class ModelScheduler:
         self._interactive_seen = float("-inf")  # when interactive work last arrived
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.batches_sent = 0
 
     @property
     def queued(self) -> int:
@@ -214,7 +213,6 @@ class ModelScheduler:
         load.batches += 1
         load.tokens += tokens
         load.bulk_batches += priority == Priority.BULK
-        self.batches_sent += 1
         asyncio.create_task(self._compute(replica, batch, priority, tokens))
 
     async def _compute(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority, tokens: int) -> None:
