@@ -55,16 +55,13 @@ class _Stream:
         await self.incoming.put(_END)
 
     async def _admit(self, message) -> None:
-        if isinstance(message, MalformedRequest):  # answer it; the stream goes on
-            await self.slots.acquire()
-            self.held += 1
-            metrics.STREAM_INPUTS_IN_FLIGHT.inc()
-            await self.results.put(_error("", InvalidInput(message.reason)))
-            return
         await self.slots.acquire()
         self.held += 1
         metrics.STREAM_INPUTS_IN_FLIGHT.inc()
-        await self.incoming.put(message)
+        if isinstance(message, MalformedRequest):  # answered at once; the stream goes on
+            await self.results.put(_error("", InvalidInput(message.reason)))
+        else:
+            await self.incoming.put(message)
 
     async def group(self) -> None:
         ended = False
