@@ -163,10 +163,11 @@ def test_expired_work_is_never_computed(server, stub):
     dropped_before = _metric(server, "encoderd_dropped_inputs_total")
     long_text = " ".join(TEXTS)  # 256 tokens after truncation: both worker slots busy for a while
     blocker = stub.Embed.future(pb.EmbedRequest(model=model, inputs=[long_text + f" {i}" for i in range(48)]))
-    time.sleep(0.5)  # tokenized and computing (~2 s of work): what comes next must queue
-    # Long enough to be tokenized and queued, far too short to wait out the busy worker.
+    # Tokenized and computing: both worker slots hold a 16-input batch of 256-token inputs (~0.7 s each).
+    time.sleep(0.3)
+    # Long enough to be tokenized and queued, too short to see the first batch finish.
     doomed = [stub.Embed.future(pb.EmbedRequest(model=model, inputs=[f"expired {i}", f"also expired {i}"]),
-                                timeout=0.3) for i in range(10)]
+                                timeout=0.15) for i in range(10)]
     codes = []
     for f in doomed:
         with pytest.raises(grpc.RpcError) as err:
