@@ -91,6 +91,8 @@ class Server:
         await self.health.enter_graceful_shutdown()
         if self.gateway:  # keeps serving REST during the drain, but is not restarted any more
             self.gateway.stop_supervising()
+        if self.config.drain_delay:  # keep serving until load balancers have seen NOT_SERVING
+            await asyncio.sleep(self.config.drain_delay)
         await self.grpc.stop(self.config.drain_timeout)
         if self.gateway:  # after the drain: in-flight REST calls finish through it
             await self.gateway.stop()

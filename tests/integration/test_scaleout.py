@@ -92,7 +92,9 @@ class Front:
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     logs = tmp_path_factory.mktemp("scaleout")
-    servers = [ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+    # --drain-delay covers front.yaml's health-check window (2 x 1 s): a draining host keeps serving
+    # until Envoy has taken it out, so no call meets a host that refuses it.
+    servers = [ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}", "--drain-delay", "3",
                              log_path=logs / f"host{i}.log") for i in range(2)]
     try:
         for server in servers:  # both load their model at the same time
