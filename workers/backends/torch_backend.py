@@ -11,7 +11,7 @@ import torch
 
 from ..model_spec import ModelKind, Pooling
 from ..protocol import MediaBatch, TokenBatch
-from . import torch_heads
+from . import packed_linear, torch_heads
 from .base import Backend, padded
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ class TorchBackend(Backend):
         except ValueError:  # some towers (CLAP's audio Swin) have no SDPA path: their own attention then
             model = model_class.from_pretrained(self.spec.path, dtype=DTYPES[self.options.dtype])
         self.model = model.to(self.device).eval()
+        if self.device.type == "cpu":
+            packed_linear.prepack_for_cpu(self.model, DTYPES[self.options.dtype])
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
         self.projection = None
         if self.spec.kind == ModelKind.COLBERT:
