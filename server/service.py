@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -26,45 +27,71 @@ _SIDES = {pb.TRUNCATION_DIRECTION_UNSPECIFIED: "right", pb.TRUNCATION_DIRECTION_
           pb.TRUNCATION_DIRECTION_LEFT: "left"}
 
 
-def rpc(method):
-    """Around every RPC: request id, trace span, error -> status mapping, metrics."""
-    name = method.__name__
+@contextlib.asynccontextmanager
+async def _observed(service, name: str, model_name: str, context: grpc.aio.ServicerContext):
+    """Around every call: request id, bulk-key priority, trace span, error -> status, metrics.
+    Yields the metadata that carries the request id back to the client."""
+    started = time.perf_counter()
+    rpc_label = f"{type(service).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
+    metadata = context.invocation_metadata()
+    rid = logs.bind_request_id(metadata)
+    if presented_key(metadata) in service.engine.config.bulk_api_keys:
+        DEFAULT_PRIORITY.set(Priority.BULK)  # this call's task only
+    rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
+    model = metrics.model_label(service.engine.models, model_name)
+    code = grpc.StatusCode.OK
+    with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
+        try:
+            yield rid_metadata
+        except EncoderdError as exc:
+            code = exc.code
+            await context.abort(exc.code, str(exc), rid_metadata)  # errors: in the trailers
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log",
+                                rid_metadata)
+        except BaseException:  # cancelled by the client, or the server stopping
+            code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            elapsed = time.perf_counter() - started
+            if log.isEnabledFor(logging.DEBUG):  # an access log, for debugging only: it costs per call
+                log.debug("%s model=%s code=%s %.1fms", rpc_label, model, code.name, elapsed * 1000)
+            tracing.finish(span, code, model)
+            metrics.REQUESTS.labels(model, rpc_label, code.name).inc()
+            metrics.REQUEST_SECONDS.labels(model, rpc_label).observe(elapsed)
 
+
+def rpc(method):
+    """A unary RPC, observed (see `_observed`)."""
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        started = time.perf_counter()
-        rpc_label = f"{type(self).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
-        metadata = context.invocation_metadata()
-        rid = logs.bind_request_id(metadata)
-        if presented_key(metadata) in self.engine.config.bulk_api_keys:
-            DEFAULT_PRIORITY.set(Priority.BULK)  # this call's task only
-        rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
-        model = metrics.model_label(self.engine.models, getattr(request, "model", ""))
-        code = grpc.StatusCode.OK
-        with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
-            try:
-                if isinstance(request, MalformedRequest):
-                    raise InvalidInput(request.reason)
-                response = await method(self, request, context)
-                # The id goes out in the response headers, but only now: while no header has left, a
-                # proxy (Envoy) may still retry the call elsewhere if this host dies mid-call.
-                await context.send_initial_metadata(rid_metadata)
-                return response
-            except EncoderdError as exc:
-                code = exc.code
-                await context.abort(exc.code, str(exc), rid_metadata)  # errors: in the trailers
-            except Exception:
-                code = grpc.StatusCode.INTERNAL
-                log.exception("%s failed", name)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log",
-                                    rid_metadata)
-            finally:
-                elapsed = time.perf_counter() - started
-                if log.isEnabledFor(logging.DEBUG):  # an access log, for debugging only: it costs per call
-                    log.debug("%s model=%s code=%s %.1fms", rpc_label, model, code.name, elapsed * 1000)
-                tracing.finish(span, code, model)
-                metrics.REQUESTS.labels(model, rpc_label, code.name).inc()
-                metrics.REQUEST_SECONDS.labels(model, rpc_label).observe(elapsed)
+        async with _observed(self, method.__name__, getattr(request, "model", ""), context) as rid_metadata:
+            if isinstance(request, MalformedRequest):
+                raise InvalidInput(request.reason)
+            response = await method(self, request, context)
+            # The id goes out in the response headers, but only now: while no header has left, a
+            # proxy (Envoy) may still retry the call elsewhere if this host dies mid-call.
+            await context.send_initial_metadata(rid_metadata)
+            return response
+
+    return wrapper
+
+
+def stream_rpc(method):
+    """A bidirectional-streaming RPC, observed from its first message (which names the model)
+    to its last response. The method gets that first message apart from the rest."""
+    @functools.wraps(method)
+    async def wrapper(self, request_iterator, context: grpc.aio.ServicerContext):
+        requests = request_iterator.__aiter__()
+        first = await anext(requests, None)
+        if first is None:  # the client closed without sending anything: nothing to answer
+            return
+        async with _observed(self, method.__name__, getattr(first, "model", ""), context) as rid_metadata:
+            await context.send_initial_metadata(rid_metadata)
+            async for response in method(self, first, requests, context):
+                yield response
 
     return wrapper
 
@@ -113,9 +140,10 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         return pb.EmbedResponse(model=model.spec.name, usage=_usage(tokens),
                                 embeddings=embeddings_message(vectors, request.output_dtype))
 
-    async def EmbedStream(self, request_iterator, context):
+    @stream_rpc
+    async def EmbedStream(self, first, requests, context):
         """Bulk embedding over a bidirectional stream; see streaming.py."""
-        async for response in embed_stream(self.engine, request_iterator, context):
+        async for response in embed_stream(self.engine, first, requests):
             yield response
 
     @rpc

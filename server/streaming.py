@@ -117,17 +117,12 @@ class _Stream:
         metrics.STREAM_INPUTS_IN_FLIGHT.dec()
 
 
-async def embed_stream(engine, requests, context, window: int = WINDOW):
-    """The EmbedStream servicer body: an async generator of responses."""
-    first = await anext(requests.__aiter__(), None)
-    if first is None:
-        return
-    try:
-        if isinstance(first, MalformedRequest):
-            raise InvalidInput(first.reason)
-        stream = _Stream(engine, first, window)
-    except EncoderdError as exc:
-        await context.abort(exc.code, str(exc))
+async def embed_stream(engine, first, requests, window: int = WINDOW):
+    """The EmbedStream servicer body: an async generator of responses. A bad first message
+    (malformed, unknown model, bad prompt name) fails the whole stream with its status."""
+    if isinstance(first, MalformedRequest):
+        raise InvalidInput(first.reason)
+    stream = _Stream(engine, first, window)
     tasks = [asyncio.create_task(stream.read(first, requests)), asyncio.create_task(stream.group())]
     try:
         while True:

@@ -127,3 +127,22 @@ def test_worker_restart_is_counted(server, stub, scrapes):
     assert total(after, "encoderd_worker_restarts_total", model="classifier") == before + 1
     assert total(after, "encoderd_worker_up", model="classifier") >= 1
     assert len(stub.Classify(pb.ClassifyRequest(model="classifier", inputs=["back again"])).results) == 1
+
+
+def test_embed_stream_is_counted_and_carries_the_request_id(server, stub):
+    rpc = "Encoder/EmbedStream"
+    before = scrape(server)
+    messages = [pb.EmbedStreamRequest(model=EMBEDDER if k == 0 else "", id=str(k), input=text)
+                for k, text in enumerate(TEXTS[:6])]
+    call = stub.EmbedStream(iter(messages), metadata=(("x-request-id", "stream-1"),))
+    assert sorted(r.id for r in call) == sorted(m.id for m in messages)
+    assert dict(call.initial_metadata())["x-request-id"] == "stream-1"
+    with pytest.raises(grpc.RpcError) as bad:  # a stream naming an unknown model fails whole
+        list(stub.EmbedStream(iter([pb.EmbedStreamRequest(model="no-such-model", id="0", input="x")])))
+    assert bad.value.code() == grpc.StatusCode.NOT_FOUND
+    after = scrape(server)
+    for code, model in (("OK", EMBEDDER), ("NOT_FOUND", "(unknown)")):
+        labels = dict(model=model, rpc=rpc, code=code)
+        assert total(after, "encoderd_requests_total", **labels) == total(before, "encoderd_requests_total", **labels) + 1
+    count = "encoderd_request_duration_seconds_count"
+    assert total(after, count, model=EMBEDDER, rpc=rpc) == total(before, count, model=EMBEDDER, rpc=rpc) + 1
