@@ -122,8 +122,8 @@ def forward(backend, batch: protocol.TokenBatch):
         log.warning("out of device memory on a batch of %d; computing it in halves", batch.size)
         backend.release_memory()
         halves = [forward(backend, half) for half in batch.split(batch.size // 2)]
-        if not all(isinstance(h, np.ndarray) for h in halves):
-            raise  # ragged (multi-vector) outputs are not re-joined here
+        if isinstance(halves[0], protocol.Ragged):  # multi-vector / sparse outputs
+            return protocol.Ragged.join(halves)
         return np.concatenate(halves)
 
 

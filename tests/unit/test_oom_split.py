@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from encoderd.workers.process import forward
-from encoderd.workers.protocol import TokenBatch
+from encoderd.workers.protocol import Ragged, TokenBatch
 
 
 class OutOfMemoryError(RuntimeError):
@@ -62,3 +62,30 @@ def test_other_errors_are_not_retried():
 
     with pytest.raises(ValueError):
         forward(Broken(fits=8), batch_of([1, 2]))
+
+
+class MultiVectorDevice(SmallDevice):
+    """One row per token, (input index, position) in it: a ColBERT-shaped ragged output."""
+
+    def forward(self, batch):
+        super().forward(batch)
+        starts = batch.cu_seqlens[:-1].repeat(batch.lengths)
+        positions = np.arange(len(batch.input_ids)) - starts
+        values = np.stack([batch.input_ids, positions], axis=1).astype(np.float32)
+        return Ragged(values, batch.cu_seqlens.copy())
+
+
+def test_ragged_outputs_are_joined_in_order_after_a_split():
+    lengths = [3, 1, 4, 1, 5, 9, 2]
+    whole = MultiVectorDevice(fits=99).forward(batch_of(lengths))
+    out = forward(MultiVectorDevice(fits=2), batch_of(lengths))
+    assert isinstance(out, Ragged) and out.cu_seqlens.dtype == np.int32
+    assert np.array_equal(out.cu_seqlens, whole.cu_seqlens) and np.array_equal(out.values, whole.values)
+    assert [len(v) for v in out.split()] == lengths
+
+
+def test_sparse_ragged_outputs_keep_their_indices():
+    parts = [Ragged(np.array([[1.0], [2.0]], np.float32), np.array([0, 1, 2], np.int32), np.array([5, 7], np.int32)),
+             Ragged(np.array([[3.0]], np.float32), np.array([0, 0, 1], np.int32), np.array([9], np.int32))]
+    joined = Ragged.join(parts)
+    assert [(list(i), list(v)) for i, v in joined.split()] == [([5], [1.0]), ([7], [2.0]), ([], []), ([9], [3.0])]
