@@ -174,7 +174,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from .bench import main as bench_main
+        from .bench.runner import main as bench_main
 
         return bench_main(argv[1:], prog="encoderd bench")
     args = build_parser().parse_args(argv)

@@ -1,7 +1,7 @@
 """REST-through-Envoy next to direct gRPC, in one run, on loopback.
 
-    python -m encoderd.server.bench_rest                      # starts its own server (bundled MiniLM)
-    python -m encoderd.server.bench_rest --grpc 127.0.0.1:50051 --rest http://127.0.0.1:7997
+    python -m encoderd.server.bench.rest                      # starts its own server (bundled MiniLM)
+    python -m encoderd.server.bench.rest --grpc 127.0.0.1:50051 --rest http://127.0.0.1:7997
 
 For each batch size (inputs per request) it runs, one after the other, for
 --seconds each with --concurrency requests in flight:
@@ -12,7 +12,7 @@ For each batch size (inputs per request) it runs, one after the other, for
 and prints requests/s, inputs/s, p50, p95 and response size. Every request
 carries distinct texts, so the server's in-flight deduplication never helps.
 
-    python -m encoderd.server.bench_rest --stub
+    python -m encoderd.server.bench.rest --stub
 
 isolates the gateway: the same real Envoy in front of a stand-in gRPC server
 (its own process) that answers canned unit vectors with no model, so the rows
@@ -29,7 +29,6 @@ import asyncio
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,9 +36,10 @@ import urllib.request
 
 import numpy as np
 
-from ..v1 import encoderd_pb2 as pb
-from ..v1 import encoderd_pb2_grpc
-from ..workers.model_spec import DEFAULT_MODEL_NAME
+from ...v1 import encoderd_pb2 as pb
+from ...v1 import encoderd_pb2_grpc
+from ...workers.model_spec import DEFAULT_MODEL_NAME
+from .processes import free_port
 
 WORDS = "the quick brown fox jumps over a lazy dog while encoders embed short passages into vectors".split()
 MODES = ("grpc", "openai-float", "openai-base64", "encoderd-json")
@@ -99,7 +99,7 @@ async def run(args) -> list[dict]:
     try:
         import httpx
     except ImportError:
-        raise SystemExit("bench_rest needs httpx: pip install httpx (or the encoderd[dev] extra)")
+        raise SystemExit("encoderd.server.bench.rest needs httpx: pip install httpx (or the encoderd[dev] extra)")
 
     counter = itertools.count()
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -125,8 +125,8 @@ def _serve_stub(port: int, dim: int) -> None:
     """Process entry: Embed and CreateEmbeddings answer random unit vectors, computing nothing."""
     import grpc
 
-    from ..v1 import compat_pb2_grpc
-    from .rest import render_embeddings
+    from ...v1 import compat_pb2_grpc
+    from ..rest import render_embeddings
 
     rng = np.random.default_rng(0)
 
@@ -159,17 +159,17 @@ def _serve_stub(port: int, dim: int) -> None:
 async def run_stub(args) -> None:
     import multiprocessing
 
-    from ..gateway.envoy import GatewaySettings
-    from ..gateway.process import EnvoyProcess
+    from ...gateway.envoy import GatewaySettings
+    from ...gateway.process import EnvoyProcess
 
-    grpc_port = _free_port()
+    grpc_port = free_port()
     stub = multiprocessing.get_context("spawn").Process(target=_serve_stub, args=(grpc_port, args.dim), daemon=True)
     stub.start()
     import grpc
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
         await asyncio.wait_for(channel.channel_ready(), 60)
-    envoy = EnvoyProcess(GatewaySettings(grpc_addresses=(f"127.0.0.1:{grpc_port}",), rest_port=_free_port()))
+    envoy = EnvoyProcess(GatewaySettings(grpc_addresses=(f"127.0.0.1:{grpc_port}",), rest_port=free_port()))
     await envoy.start()
     args.grpc, args.rest = f"127.0.0.1:{grpc_port}", envoy.url
     try:
@@ -180,14 +180,8 @@ async def run_stub(args) -> None:
 
 
 # ------------------------------------------------------------------ own server
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(args) -> subprocess.Popen:
-    grpc_port, rest_port = _free_port(), _free_port()
+    grpc_port, rest_port = free_port(), free_port()
     args.grpc, args.rest = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{rest_port}"
     command = [sys.executable, "-m", "encoderd.server.cli", "serve", "--grpc-port", str(grpc_port),
                "--rest-port", str(rest_port), "--log-level", "WARNING", *args.serve_args]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from encoderd.server.bench import serve_flags
+from encoderd.server.bench.servers import serve_flags
 
 ROW_FIELDS = {"mode", "engine", "protocol", "inputs_per_s", "tokens_per_s", "p50_ms", "p95_ms", "p99_ms", "calls",
               "errors", "padding_ratio", "flop_utilisation", "worker_busy", "cpu_cores", "server"}

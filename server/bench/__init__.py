@@ -1,0 +1,23 @@
+"""`encoderd bench` (or `python -m encoderd.server.bench`): the serving benchmark of issue #5.
+
+It is a benchmark, not a test: it reports numbers and asserts nothing about them.
+
+What it runs, each mode on every target side by side (same corpus, same client code,
+one target after the other so they share the machine's conditions):
+  bulk    C clients, each sending B inputs per request back to back, until the corpus has
+          been embedded once (timed from the first request to the last answer; or a fixed
+          time window): inputs/s, real tokens/s, request latency, padding ratio, FLOP
+          utilisation, CPU use per process (worker busy fraction). --stream adds the same
+          work through one gRPC EmbedStream (the ingestion path).
+  single  one short query at a time, N sequential calls: p50/p95/p99.
+  rerank  a query + 50 passages per call, sequential: p50/p95.
+
+Targets: encoderd over gRPC (always) and REST (--rest, through its Envoy gateway), an
+Infinity server in its own virtualenv (--infinity, REST), and sentence-transformers in
+this process (length-sorted encode; the compute floor without any server).
+
+How tokens, FLOPs and CPU use are counted: corpus.py, flops.py and processes.py. The run
+itself reads top to bottom in runner.py. Two more benchmarks live here:
+`python -m encoderd.server.bench.rest` (REST through Envoy vs direct gRPC) and
+`python -m encoderd.server.bench.mixed` (live queries while bulk ingestion runs).
+"""

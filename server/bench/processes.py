@@ -1,0 +1,154 @@
+"""The processes the benchmarks start (ports, readiness, stopping) and the CPU they use.
+
+CPU accounting. Every process we start is sampled from /proc (utime + stime) at the start
+and the end of each measurement window; "worker busy" = worker CPU seconds / (window x
+worker threads). OpenMP threads spin-wait between parallel regions, so CPU time overstates
+useful work, badly so when the cores are oversubscribed (a spinning thread waits for a
+preempted peer): compare busy% with FLOP%. "foreign" = CPU the rest of the machine used
+meanwhile (other people's tests on a shared box): when it is not ~0 the numbers are noisy.
+Environment variables (OMP_WAIT_POLICY, OMP_NUM_THREADS...) reach every server it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Managed:
+    """A child process in its own session (Ctrl-C in our terminal does not reach it: we stop it,
+    in order, from `finally`); stop() ends its whole process group."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict | None = None, cwd: str | None = None):
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Managed:
+        with open(self.log_path, "wb") as out:
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.cwd)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log {self.log_path}:\n"
+                               f"{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)  # graceful: the server stops its own children
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # anything of its group still there
+        self.proc.wait()
+
+
+def wait_until(check, what: str, proc: Managed, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.check_alive()
+        with contextlib.suppress(Exception):
+            if check():
+                return
+        time.sleep(0.25)
+    raise TimeoutError(f"{what} not ready after {timeout:.0f}s; log {proc.log_path}:\n{proc.log_tail()}")
+
+
+def http_ok(url: str) -> bool:
+    import httpx
+
+    return httpx.get(url, timeout=2).status_code == 200
+
+
+def grpc_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+    return status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ------------------------------------------------------------------ CPU accounting
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of a live process."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2:].split()  # the command name may contain spaces
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def process_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (st := _proc_stat(int(entry.name))):
+            children.setdefault(st[0], []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def system_busy_seconds() -> float:
+    """CPU seconds all cores spent not idle since boot."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values[:8]) - idle) / CLK_TCK
+
+
+class CpuProbe:
+    """Snapshots of CPU seconds per named group of processes; groups are pid lists fixed at creation."""
+
+    def __init__(self, groups: dict[str, list[int]]):
+        self.groups = groups
+
+    def snapshot(self) -> dict:
+        snap = {"t": time.monotonic(), "system": system_busy_seconds(), "client": time.process_time()}
+        for name, pids in self.groups.items():
+            snap[name] = sum((_proc_stat(p) or (0, 0.0))[1] for p in pids)
+        return snap
+
+    @staticmethod
+    def cores(a: dict, b: dict) -> dict:
+        """Average cores used per group between two snapshots, plus everyone else's ("foreign")."""
+        wall = max(b["t"] - a["t"], 1e-9)
+        used = {k: (b[k] - a[k]) / wall for k in a if k not in ("t", "system")}
+        used["foreign"] = max(0.0, (b["system"] - a["system"]) / wall - sum(used.values()))
+        return {k: round(v, 3) for k, v in used.items()}
+
+
+def busy(cores: dict, group: str, threads: int) -> float | None:
+    """The fraction of the wall time a worker's compute threads were on a CPU."""
+    return round(cores[group] / threads, 3) if group in cores else None

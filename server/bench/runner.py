@@ -1,0 +1,234 @@
+"""The run, top to bottom: workload, matmul peak, the targets (started or given), every mode on every
+target, the report; `main` is `encoderd bench` and `python -m encoderd.server.bench`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ...workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from .corpus import Workload, make_workload
+from .flops import FlopModel, matmul_peak
+from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
+from .options import build_parser, log, resolve_options, worker_threads
+from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
+from .report import print_ratios, print_table, ratios
+from .servers import (RERANKER_NAME, build_reranker, encoderd_probe_groups, infinity_venv, list_models, serve_flags,
+                      start_encoderd, start_infinity)
+from .targets import GrpcTarget, RestTarget, SentenceTransformersTarget
+
+
+class Bench:
+    """Owns everything it starts; close() stops it all, whatever happened."""
+
+    def __init__(self, args):
+        self.args = args
+        self.stack = contextlib.ExitStack()
+        self.rows: list[Row] = []
+        self.info: dict = {}
+
+    def run(self) -> dict:
+        args = self.args
+        started = time.monotonic()
+        embed_dir = default_model_path()
+        rerank_dir = build_reranker(args) if "rerank" in args.modes else None
+        work, self.info = make_workload(args, embed_dir, rerank_dir)
+        log(f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
+            f"mean {self.info['corpus']['mean']:.0f} max {self.info['corpus']['max']}")
+        threads = worker_threads(args)
+        self.info["peak_gflops"] = peak = self.measure_peak(threads)
+        log(f"matmul peak with {threads} threads: fp32 {peak['float32']:.0f} GFLOP/s, "
+            f"bf16 {peak['bfloat16']:.0f} GFLOP/s (others used {peak['foreign_cores']:.2f} cores meanwhile)")
+        targets = self.start_targets(embed_dir, rerank_dir)
+        flops = FlopModel.from_dir(embed_dir)
+        self.info["flop_model"] = {**asdict(flops), "matmul_params": flops.matmul_params,
+                                   "formula": "FLOPs(n) = n * (2*P + 4*L*H*n), P = L*(4H^2 + 2HI)"}
+        self.run_modes(targets, work, flops, threads)
+        self.info["elapsed_s"] = round(time.monotonic() - started, 1)
+        return self.report()
+
+    def start_targets(self, embed_dir: str, rerank_dir: str | None) -> list[dict]:
+        args = self.args
+        logs = args.log_dir or Path(tempfile.mkdtemp(prefix="encoderd-bench-"))
+        logs.mkdir(parents=True, exist_ok=True)
+        self.info["log_dir"] = str(logs)
+        rest = args.rest and self._rest_available()
+        venv = infinity_venv(args.cache_dir) if args.infinity else None
+        server = ports = infinity = None
+        if not args.target_grpc:
+            server, ports = start_encoderd(args, embed_dir, rerank_dir, logs, rest)
+            self.stack.callback(server.stop)
+        if venv:  # started together: both load at once, saving a minute
+            infinity, inf_port = start_infinity(venv, embed_dir, rerank_dir, logs)
+            self.stack.callback(infinity.stop)
+        targets = self._encoderd_targets(server, ports, rest)
+        if infinity:
+            targets.append(self._infinity_target(infinity, inf_port, rerank_dir))
+        if not args.no_st:
+            log("loading sentence-transformers in this process")
+            st = SentenceTransformersTarget(embed_dir, rerank_dir, worker_threads(args))
+            targets.append({"name": "sentence-transformers", "client": st, "probe": None, "metrics": None,
+                            "dtype": "float32"})
+        self._add_foreign_reference(targets)
+        return targets
+
+    def _rest_available(self) -> bool:
+        if self.args.target_grpc:
+            return bool(self.args.target_rest)
+        if "--rest-port" in serve_flags():
+            return True
+        log("REST skipped: this checkout's `encoderd serve` has no --rest-port yet")
+        self.info["rest_skipped"] = "encoderd serve has no --rest-port"
+        return False
+
+    def _encoderd_targets(self, server: Managed | None, ports: dict | None, rest: bool) -> list[dict]:
+        args = self.args
+        address = args.target_grpc or f"127.0.0.1:{ports['grpc']}"
+        metrics = args.target_metrics or (f"http://127.0.0.1:{ports['metrics']}/metrics" if ports else None)
+        if server:
+            wait_until(lambda: grpc_serving(address), "encoderd gRPC", server, 900)
+        base = (args.target_rest or f"http://127.0.0.1:{ports['rest']}") if rest else ""
+        if server and rest:  # before the process tree is read: Envoy is one of its children
+            wait_until(lambda: http_ok(base + "/health"), "encoderd REST", server, 300)
+        models = list_models(address)
+        embed = next(m for m in models if m.kind == "embedding")
+        rerank = next((m.id for m in models if m.kind == "reranker"), None)
+        self.info["encoderd_models"] = [{"id": m.id, "kind": m.kind, "engine": m.engine, "device": m.device,
+                                         "dtype": m.dtype, "replicas": len(m.replicas)} for m in models]
+        probe = CpuProbe(encoderd_probe_groups(server, models, embed.id, rerank))
+        self.info["pids"] = {"encoderd": sorted({p for pids in probe.groups.values() for p in pids})}
+        grpc_client = GrpcTarget(address, embed.id, rerank)
+        self.stack.callback(grpc_client.close)
+        targets = [{"name": "encoderd", "client": grpc_client, "probe": probe, "metrics": metrics,
+                    "dtype": embed.dtype, "model": embed.id}]
+        if rest:
+            rest_client = RestTarget(base.rstrip("/") + "/v1", embed.id, rerank)
+            self.stack.callback(rest_client.close)
+            targets.append({**targets[0], "client": rest_client})
+        log(f"encoderd ready: {', '.join(m.id for m in models)}")
+        return targets
+
+    def _infinity_target(self, infinity: Managed, port: int, rerank_dir: str | None) -> dict:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), "infinity", infinity, 600)
+        client = RestTarget(f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME, rerank_dir and RERANKER_NAME)
+        self.stack.callback(client.close)
+        tree = process_tree(infinity.pid)
+        self.info.setdefault("pids", {})["infinity"] = tree
+        log("infinity ready")
+        return {"name": "infinity", "client": client, "probe": CpuProbe({"server": tree}), "metrics": None,
+                "dtype": "float32"}
+
+    def _add_foreign_reference(self, targets: list[dict]) -> None:
+        # Every group knows all our processes, so "foreign" excludes the other idle server too.
+        ours = {name: pids for t in targets if t["probe"] for name, pids in t["probe"].groups.items()}
+        all_pids = sorted({p for pids in ours.values() for p in pids})
+        for t in targets:
+            if t["probe"]:
+                mine = {p for pids in t["probe"].groups.values() for p in pids}
+                t["probe"].groups["idle_servers"] = [p for p in all_pids if p not in mine]
+
+    def run_modes(self, targets: list[dict], work: Workload, flops: FlopModel, threads: int) -> None:
+        args, peak = self.args, self.info["peak_gflops"]
+        # Mode by mode, every target side by side: the conditions of the machine stay comparable.
+        if "single" in args.modes:
+            for t in targets:
+                self.quiet()
+                self.rows.append(run_single(t["name"], t["client"], work, args, t["probe"], threads))
+        if "rerank" in args.modes and work.rerank_sets:
+            for t in targets:
+                self.quiet()
+                self.rows.append(run_rerank(t["name"], t["client"], work, args, t["probe"], flops,
+                                            peak[t["dtype"]], threads))
+        if "bulk" in args.modes:
+            for t in targets:
+                self.quiet()
+                if t["name"] == "sentence-transformers":
+                    row = run_bulk_in_process(t["client"], work, args, flops, peak["float32"], threads)
+                else:
+                    row = run_bulk(t["name"], t["client"], work, args, t["probe"], t["metrics"],
+                                   t.get("model", ""), flops, peak[t["dtype"]], threads)
+                self.rows.append(row)
+                if args.stream and t["name"] == "encoderd" and t["client"].protocol == "grpc":
+                    self.quiet()
+                    self.rows.append(run_bulk(t["name"], t["client"], work, args, t["probe"], t["metrics"],
+                                              t.get("model", ""), flops, peak[t["dtype"]], threads, stream=True))
+
+    def measure_peak(self, threads: int) -> dict:
+        """The best of up to three tries: a peak measured while others load the machine is too low (and
+        every utilisation too high), so it retries unless the machine was quiet, and says how busy it was."""
+        best: dict = {}
+        for _ in range(1 if self.args.quick else 3):
+            self.quiet()
+            before = CpuProbe({}).snapshot()
+            peak = matmul_peak(threads, self.args.peak_sizes)
+            peak["foreign_cores"] = CpuProbe.cores(before, CpuProbe({}).snapshot())["foreign"]
+            if not best or peak["float32"] > best["float32"]:
+                best = peak
+            if peak["foreign_cores"] < 0.2:
+                break
+        return best
+
+    def quiet(self) -> None:
+        """On a shared machine, wait (up to --quiet-wait s) until the others use < 0.3 cores; our servers
+        are idle between measurements, so what is busy now is someone else."""
+        deadline = time.monotonic() + self.args.quiet_wait
+        while True:
+            a = CpuProbe({}).snapshot()
+            time.sleep(1.0)
+            load = CpuProbe.cores(a, CpuProbe({}).snapshot())["foreign"]
+            if load < 0.3 or time.monotonic() >= deadline:
+                break
+        if self.args.quiet_wait:
+            log(f"  machine load before measuring: {load:.2f} cores used by others")
+
+    def report(self) -> dict:
+        args = self.args
+        result = {"conditions": {
+            "quick": args.quick, "serve_args": args.serve_args, "concurrency": args.concurrency, "batch": args.batch,
+            "bulk_seconds": args.bulk_seconds, "bulk_warmup": args.bulk_warmup, "single_calls": args.single_calls,
+            "rerank_calls": args.rerank_calls, "rerank_docs": args.rerank_docs, "cpus": len(os.sched_getaffinity(0)),
+            "worker_threads": worker_threads(args), "python": sys.version.split()[0]},
+            **self.info, "results": [asdict(r) for r in self.rows], "ratios": ratios(self.rows)}
+        print()
+        print_table(self.rows)
+        print_ratios(result["ratios"])
+        print(f"\nconditions: {json.dumps(result['conditions'])}\ncorpus tokens: "
+              f"{json.dumps({k: v for k, v in self.info['corpus'].items()})}")
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+            log(f"wrote {args.json}")
+        return result
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def _raise_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through `finally`, so the servers are stopped
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m encoderd.server.bench") -> int:
+    args = resolve_options(build_parser(prog).parse_args(argv))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    bench = Bench(args)
+    try:
+        bench.run()
+    except KeyboardInterrupt:
+        log("interrupted; stopping what was started")
+        return 130
+    finally:
+        bench.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
