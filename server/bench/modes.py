@@ -128,7 +128,7 @@ async def _stream_client(stub, pb, model: str, work: Workload, args, state: dict
 
 
 def run_bulk(name: str, target, work: Workload, args, probe: CpuProbe | None, metrics_url: str | None,
-             model: str, flops: FlopModel, peak: float, worker_threads: int, stream: bool = False) -> Row:
+             model: str, flops: FlopModel, peak: float | None, worker_threads: int, stream: bool = False) -> Row:
     how = "one EmbedStream" if stream else f"{args.concurrency} clients x {args.batch} inputs"
     protocol = "grpc-stream" if stream else target.protocol
     log(f"bulk {name}/{protocol}: {how}, " + (f"{args.bulk_requests * args.batch} inputs" if args.bulk_requests
@@ -143,7 +143,7 @@ def run_bulk(name: str, target, work: Workload, args, probe: CpuProbe | None, me
     row.inputs_per_s = round(sum(d[2] for d in done) / wall, 2)
     row.tokens_per_s = round(sum(d[3] for d in done) / wall, 1)
     percentiles([d[1] for d in done], row)
-    row.flop_utilisation = round(_useful_flops(work, done, flops, wall) / (peak * 1e9), 4)
+    row.flop_utilisation = _utilisation(_useful_flops(work, done, flops, wall), peak)
     row.server = server_counters(before, scrape(metrics_url), model)
     row.padding_ratio = row.server.get("padding_ratio")
     if snap0 and snap1:
@@ -161,7 +161,12 @@ def _useful_flops(work: Workload, done, flops: FlopModel, wall: float) -> float:
     return per_token * sum(d[3] for d in done) / wall
 
 
-def run_bulk_in_process(st: SentenceTransformersTarget, work: Workload, args, flops: FlopModel, peak: float,
+def _utilisation(flops_per_second: float, peak: float | None) -> float | None:
+    """Useful FLOP/s over the measured matmul peak of the served dtype; None for int8 (no peak measured)."""
+    return None if peak is None else round(flops_per_second / (peak * 1e9), 4)
+
+
+def run_bulk_in_process(st: SentenceTransformersTarget, work: Workload, args, flops: FlopModel, peak: float | None,
                         threads: int) -> Row:
     """The same inputs, in windows of C x B (what a server holds at once), encode() sorting each window."""
     window, n = args.concurrency * args.batch, len(work.corpus)
@@ -184,7 +189,7 @@ def run_bulk_in_process(st: SentenceTransformersTarget, work: Workload, args, fl
     row = Row("bulk", "sentence-transformers", "in-process", calls=w + 1, wall_s=round(wall, 2),
               inputs_per_s=round(inputs / wall, 2), tokens_per_s=round(tokens / wall, 1),
               padding_ratio=round(float(np.mean(padding)), 4), cpu_cores=CpuProbe.cores(snap0, snap1))
-    row.flop_utilisation = round(flops.flops(work.real) / float(work.real.sum()) * tokens / wall / (peak * 1e9), 4)
+    row.flop_utilisation = _utilisation(flops.flops(work.real) / float(work.real.sum()) * tokens / wall, peak)
     row.worker_busy = busy(row.cpu_cores, "client", threads)
     return row
 
@@ -229,7 +234,7 @@ def run_single(name: str, target, work: Workload, args, probe: CpuProbe | None, 
 
 
 def run_rerank(name: str, target, work: Workload, args, probe: CpuProbe | None, flops: FlopModel,
-               peak: float, threads: int) -> Row:
+               peak: float | None, threads: int) -> Row:
     log(f"rerank {name}/{target.protocol}: {args.rerank_calls} sequential calls, query + {args.rerank_docs} passages")
     sets = work.rerank_sets
     run = _sequential(lambda s: target.rerank(s[0], s[1]), sets, probe, warmup=1)
@@ -238,6 +243,6 @@ def run_rerank(name: str, target, work: Workload, args, probe: CpuProbe | None, 
               inputs_per_s=round(len(run.latencies) * args.rerank_docs / run.wall, 2),
               tokens_per_s=round(float(tokens.sum()) / run.wall, 1), cpu_cores=run.cpu_cores,
               worker_busy=busy(run.cpu_cores, "rerank_worker", threads))
-    row.flop_utilisation = round(flops.flops(tokens) / run.wall / (peak * 1e9), 4)
+    row.flop_utilisation = _utilisation(flops.flops(tokens) / run.wall, peak)
     percentiles(run.latencies, row)
     return row

@@ -77,13 +77,27 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def worker_threads(args) -> int:
+def _serve_flag(args, flag: str) -> int:
+    """A positive integer `encoderd serve` flag from --serve-args, else 0."""
     import shlex
 
     tokens = shlex.split(args.serve_args)
     for i, tok in enumerate(tokens):
-        if tok == "--cpu-threads" and i + 1 < len(tokens) and int(tokens[i + 1]) > 0:
+        if tok == flag and i + 1 < len(tokens) and int(tokens[i + 1]) > 0:
             return int(tokens[i + 1])
-        if tok.startswith("--cpu-threads=") and int(tok.split("=", 1)[1]) > 0:
+        if tok.startswith(flag + "=") and int(tok.split("=", 1)[1]) > 0:
             return int(tok.split("=", 1)[1])
-    return int(os.environ.get("ENCODERD_CPU_THREADS", "0")) or len(os.sched_getaffinity(0))
+    return 0
+
+
+def worker_threads(args) -> int:
+    """Intra-op threads of one encoderd worker."""
+    return (_serve_flag(args, "--cpu-threads") or int(os.environ.get("ENCODERD_CPU_THREADS", "0"))
+            or len(os.sched_getaffinity(0)))
+
+
+def serving_threads(args) -> int:
+    """Threads of all the embedding model's workers together (--replicas x --cpu-threads, at most
+    the cores here): the matmul peak that FLOP utilisation is measured against."""
+    replicas = _serve_flag(args, "--replicas") or int(os.environ.get("ENCODERD_REPLICAS", "0")) or 1
+    return min(worker_threads(args) * replicas, len(os.sched_getaffinity(0)))

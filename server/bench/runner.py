@@ -17,7 +17,7 @@ from ...workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import Workload, make_workload
 from .flops import FlopModel, matmul_peak
 from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
-from .options import build_parser, log, resolve_options, worker_threads
+from .options import build_parser, log, resolve_options, serving_threads, worker_threads
 from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
 from .report import print_ratios, print_table, ratios
 from .servers import (RERANKER_NAME, build_reranker, encoderd_probe_groups, infinity_venv, list_models, serve_flags,
@@ -42,7 +42,7 @@ class Bench:
         work, self.info = make_workload(args, embed_dir, rerank_dir)
         log(f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
             f"mean {self.info['corpus']['mean']:.0f} max {self.info['corpus']['max']}")
-        threads = worker_threads(args)
+        threads = serving_threads(args)
         self.info["peak_gflops"] = peak = self.measure_peak(threads)
         log(f"matmul peak with {threads} threads: fp32 {peak['float32']:.0f} GFLOP/s, "
             f"bf16 {peak['bfloat16']:.0f} GFLOP/s (others used {peak['foreign_cores']:.2f} cores meanwhile)")
@@ -145,7 +145,7 @@ class Bench:
             for t in targets:
                 self.quiet()
                 self.rows.append(run_rerank(t["name"], t["client"], work, args, t["probe"], flops,
-                                            peak[t["dtype"]], threads))
+                                            peak.get(t["dtype"]), threads))
         if "bulk" in args.modes:
             for t in targets:
                 self.quiet()
@@ -153,12 +153,12 @@ class Bench:
                     row = run_bulk_in_process(t["client"], work, args, flops, peak["float32"], threads)
                 else:
                     row = run_bulk(t["name"], t["client"], work, args, t["probe"], t["metrics"],
-                                   t.get("model", ""), flops, peak[t["dtype"]], threads)
+                                   t.get("model", ""), flops, peak.get(t["dtype"]), threads)
                 self.rows.append(row)
                 if args.stream and t["name"] == "encoderd" and t["client"].protocol == "grpc":
                     self.quiet()
                     self.rows.append(run_bulk(t["name"], t["client"], work, args, t["probe"], t["metrics"],
-                                              t.get("model", ""), flops, peak[t["dtype"]], threads, stream=True))
+                                              t.get("model", ""), flops, peak.get(t["dtype"]), threads, stream=True))
 
     def measure_peak(self, threads: int) -> dict:
         """The best of up to three tries: a peak measured while others load the machine is too low (and

@@ -81,14 +81,16 @@ def build_reranker(args) -> str:
     """A one-label cross-encoder: MiniLM body + seeded head (tests/support/models.py), built once."""
     if args.reranker:
         return args.reranker
-    import importlib.util
+    import importlib
 
-    source = REPO_ROOT / "tests" / "support" / "models.py"
-    if not source.exists():
+    tests = REPO_ROOT / "tests"
+    if not (tests / "support" / "models.py").exists():
         raise SystemExit("encoderd bench: rerank needs --reranker DIR (no repository checkout to build one from)")
-    spec = importlib.util.spec_from_file_location("_encoderd_test_models", source)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(tests))  # the tests' `support` package, as their conftest imports it
+    try:
+        module = importlib.import_module("support.models")
+    finally:
+        sys.path.remove(str(tests))
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     return str(module.build_reranker(args.cache_dir / "reranker-minilm"))
 

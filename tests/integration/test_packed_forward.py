@@ -1,0 +1,120 @@
+"""Issue 5: the padding-free torch forward (workers/backends/packed_bert.py) equals the
+padded transformers forward on the same weights, for every kind and pooling.
+
+In-process, CPU, float32: batches mix 3- to 256-token inputs in corpus order, so the
+padded forward pads heavily and the packed one must agree where attention masks differ
+most. The end-to-end comparisons with sentence-transformers (test_core.py) run through
+this path as well, since the served MiniLM is a BERT.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from encoderd.workers.backends import BackendOptions, create_backend
+from encoderd.workers.backends.torch_backend import pool
+from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
+from encoderd.workers.protocol import TokenBatch
+from support.corpus import sentences
+
+TEXTS = sentences(40, max_words=300, seed=11)   # 3 to 256+ tokens: some are truncated
+QUERY = "which engine serves encoders fastest"
+
+
+def batches(spec, query: str | None = None, size: int = 16) -> list[TokenBatch]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(spec.path) / "tokenizer.json"))
+    tok.enable_truncation(spec.max_length)
+    tok.no_padding()
+    encodings = tok.encode_batch([(query, t) for t in TEXTS] if query else TEXTS)
+    out = []
+    for start in range(0, len(encodings), size):
+        chunk = encodings[start:start + size]
+        cu = np.concatenate([[0], np.cumsum([len(e.ids) for e in chunk])]).astype(np.int32)
+        types = np.concatenate([e.type_ids for e in chunk]).astype(np.int32) if query else None
+        out.append(TokenBatch(start, np.concatenate([e.ids for e in chunk]).astype(np.int32), cu, types))
+    return out
+
+
+def packed_and_padded(spec):
+    """Two loads of one model: the packed forward, and the same backend with it switched off."""
+    backends = []
+    for _ in range(2):
+        backend = create_backend("torch", spec, BackendOptions(threads=1))
+        backend.load()
+        backends.append(backend)
+    assert backends[0].packed is not None and backends[0].is_padded is False
+    backends[1].packed = None
+    return backends
+
+
+@pytest.mark.parametrize("kind", ["embedding", "reranker", "classifier"])
+def test_packed_forward_equals_padded(kind, reranker_path, classifier_path):
+    path = {"embedding": default_model_path(), "reranker": reranker_path, "classifier": classifier_path}[kind]
+    spec = load_model_spec(kind, path, ModelKind(kind))
+    packed, padded = packed_and_padded(spec)
+    work = batches(spec, QUERY if kind == "reranker" else None)
+    assert any(b.lengths.max() > 4 * b.lengths.min() for b in work)  # the padded forward really pads
+    for batch in work:
+        got, want = packed.forward(batch), padded.forward(batch)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", list(Pooling))
+def test_every_pooling_matches_the_padded_pooling(pooling):
+    spec = msgspec.structs.replace(load_model_spec("e", default_model_path(), ModelKind.EMBEDDING),
+                                   pooling=pooling)
+    packed, _ = packed_and_padded(spec)
+    batch = batches(spec)[0]
+    lengths = torch.from_numpy(batch.lengths.astype(np.int64))
+    hidden = torch.randn(int(lengths.sum()), 8, generator=torch.Generator().manual_seed(3))
+    mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    dense = torch.zeros(*mask.shape, 8)
+    dense[mask] = hidden
+    got = packed.packed.pool(hidden, torch.from_numpy(batch.cu_seqlens), pooling)
+    torch.testing.assert_close(got, pool(dense, mask.long(), pooling), atol=1e-6, rtol=1e-6)
+
+
+def test_non_bert_models_keep_the_padded_forward(tmp_path):
+    from transformers import RobertaConfig, RobertaModel
+
+    config = RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=40)
+    RobertaModel(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        (tmp_path / name).write_bytes((Path(default_model_path()) / name).read_bytes())
+    backend = create_backend("torch", load_model_spec("r", str(tmp_path), ModelKind.EMBEDDING),
+                             BackendOptions(threads=1))
+    backend.load()
+    assert backend.packed is None and backend.is_padded
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_varlen_attention_on_cuda_matches_padded(dtype, reranker_path):
+    """One varlen FlashAttention call per layer vs the padded SDPA forward, same dtype and GPU."""
+    for kind, path in (("embedding", default_model_path()), ("reranker", reranker_path)):
+        spec = load_model_spec(kind, path, ModelKind(kind))
+        backends = []
+        for _ in range(2):
+            backend = create_backend("torch", spec, BackendOptions(device="cuda", dtype=dtype))
+            backend.load()
+            backends.append(backend)
+        if backends[0].packed is None:
+            pytest.skip("no varlen attention kernel in this torch (and no flash-attn)")
+        backends[1].packed = None
+        for batch in batches(spec, QUERY if kind == "reranker" else None):
+            got, want = backends[0].forward(batch), backends[1].forward(batch)
+            if kind == "embedding":
+                cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+                assert cos.min() >= 0.999, cos.min()
+            else:
+                np.testing.assert_allclose(got, want, atol=0.05 if dtype == "bfloat16" else 0.01)

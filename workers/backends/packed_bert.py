@@ -1,0 +1,112 @@
+"""Padding-free forward for BERT encoders: a batch's tokens as one (tokens, hidden) matrix.
+
+Embeddings, linear layers, GELU and LayerNorm act on each token alone, so they run
+on the packed tokens and no padding is ever computed; only attention sees where
+sequences begin and end: on CUDA one variable-length FlashAttention call over
+`cu_seqlens` (float16/bfloat16), elsewhere SDPA on each sequence. The weights are
+the loaded transformers module's own, so the outputs equal its padded forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model_spec import ModelKind, Pooling
+
+
+def usable(model: torch.nn.Module, kind: ModelKind, device: torch.device, dtype: torch.dtype) -> bool:
+    """Plain BERT (BertModel, BertForSequenceClassification) with absolute positions; on CUDA only
+    where a varlen kernel runs (float16/bfloat16): a per-sequence loop there would cost more
+    kernel launches than padding costs FLOPs."""
+    if device.type == "cuda" and (dtype == torch.float32 or _varlen_kernel() is None):
+        return False
+    config = model.config
+    if config.model_type != "bert" or config.is_decoder or config.hidden_act not in ("gelu", "relu"):
+        return False
+    if getattr(config, "position_embedding_type", "absolute") != "absolute":
+        return False
+    if kind == ModelKind.EMBEDDING:
+        return type(model).__name__ == "BertModel"
+    return kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER) and type(model).__name__ == "BertForSequenceClassification"
+
+
+class PackedBert:
+    def __init__(self, model: torch.nn.Module, kind: ModelKind):
+        self.kind = kind
+        self.head = model if kind != ModelKind.EMBEDDING else None
+        self.bert = model.bert if self.head is not None else model
+        config = self.bert.config
+        self.heads = config.num_attention_heads
+        self.activation = F.gelu if config.hidden_act == "gelu" else F.relu
+        self.varlen = _varlen_kernel()
+
+    def hidden_states(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, types: torch.Tensor | None) -> torch.Tensor:
+        """Last hidden states, (tokens, hidden); ids/types int64, cu_seqlens int32, on the model's device."""
+        lengths = cu_seqlens.diff()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
+        positions = torch.arange(ids.shape[0], device=ids.device) - starts
+        x = self._embed(ids, positions, types)
+        longest = int(lengths.max())
+        for layer in self.bert.encoder.layer:
+            x = self._layer(layer, x, cu_seqlens, longest)
+        return x
+
+    def pool(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: Pooling) -> torch.Tensor:
+        """sentence-transformers Pooling over packed sequences."""
+        if pooling == Pooling.CLS:
+            return hidden[cu_seqlens[:-1].long()]
+        if pooling == Pooling.LAST_TOKEN:
+            return hidden[cu_seqlens[1:].long() - 1]
+        reduce = "max" if pooling == Pooling.MAX else "mean"
+        return torch.segment_reduce(hidden, reduce, lengths=cu_seqlens.diff(), axis=0)
+
+    def logits(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """BertForSequenceClassification's head: pooler (dense + tanh on [CLS]) then classifier."""
+        pooled = self.bert.pooler(hidden[cu_seqlens[:-1].long()].unsqueeze(1))
+        return self.head.classifier(pooled)
+
+    def _embed(self, ids, positions, types) -> torch.Tensor:
+        e = self.bert.embeddings
+        x = e.word_embeddings(ids) + e.position_embeddings(positions)
+        if types is None:
+            types = torch.zeros_like(ids)
+        x = x + e.token_type_embeddings(types)
+        return e.LayerNorm(x)
+
+    def _layer(self, layer, x: torch.Tensor, cu_seqlens: torch.Tensor, longest: int) -> torch.Tensor:
+        attention = layer.attention
+        q, k, v = (self._split_heads(proj(x)) for proj in
+                   (attention.self.query, attention.self.key, attention.self.value))
+        context = self._attend(q, k, v, cu_seqlens, longest).flatten(1)
+        x = attention.output.LayerNorm(attention.output.dense(context) + x)
+        inner = self.activation(layer.intermediate.dense(x))
+        return layer.output.LayerNorm(layer.output.dense(inner) + x)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], self.heads, -1)  # (tokens, heads, head_dim)
+
+    def _attend(self, q, k, v, cu_seqlens: torch.Tensor, longest: int) -> torch.Tensor:
+        if self.varlen is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            return self.varlen(q, k, v, cu_seqlens, cu_seqlens, longest, longest)
+        out = torch.empty_like(q)
+        bounds = cu_seqlens.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            # (L, heads, d) -> (1, heads, L, d): one sequence, no mask needed
+            seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+            out[a:b] = F.scaled_dot_product_attention(*seq)[0].transpose(0, 1)
+        return out
+
+
+def _varlen_kernel():
+    """Variable-length FlashAttention: flash-attn when installed, else PyTorch's own (CUDA only)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except ImportError:
+        pass
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn
+    except ImportError:
+        return None
