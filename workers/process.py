@@ -67,7 +67,8 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     if config.options.device == "cpu":
         # OpenMP threads that spin between parallel regions collapse when a core is shared (with
         # the frontend, a replica, anything); sleeping waiters cost little. Set before torch loads.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if "GOMP_SPINCOUNT" not in os.environ:  # an operator's own spin setting wins
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
 
     ctx = zmq.Context()
