@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--metrics-port", "Prometheus metrics port (0 = off)", 0, int)
     _add(serve, "--rest-port", "REST port, served by an Envoy child transcoding OpenAI / Cohere / encoderd JSON "
          "to gRPC (0 = off)", 7997, int)
+    serve.add_argument("--torch-compile", action="store_true", default=_env_flag("ENCODERD_TORCH_COMPILE"),
+                       help="torch engine: compile each model with torch.compile (dynamic shapes) instead of the "
+                       "eager padding-free forward; warm-up then takes ~30 s per model on 2 cores "
+                       "[env ENCODERD_TORCH_COMPILE=1]")
     serve.add_argument("--no-rest", action="store_true",
                        default=_env_flag("ENCODERD_NO_REST"),
                        help="serve gRPC only, start no Envoy [env ENCODERD_NO_REST=1]")
@@ -153,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(f"encoderd: two --model flags serve the same name: {names}")
     return ServerConfig(
         models=tuple(models), engine=args.engine, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
+        torch_compile=args.torch_compile,
         replicas=args.replicas, max_queued_tokens=args.max_queued_tokens, bulk_batch_tokens=args.bulk_batch_tokens,
         api_keys=tuple(args.api_key or _env_list("ENCODERD_API_KEY")),
         bulk_api_keys=tuple(args.bulk_api_key or _env_list("ENCODERD_BULK_API_KEY")),

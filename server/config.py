@@ -20,6 +20,7 @@ class ServerConfig:
     device: str = "cpu"
     dtype: str = "float32"
     cpu_threads: int = 0
+    torch_compile: bool = False          # torch engine: torch.compile each model during warm-up
     replicas: int = 1                    # worker processes per device
     max_batch_size: int = 64
     max_batch_tokens: int = 8192

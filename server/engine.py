@@ -119,7 +119,8 @@ class Engine:
     def _replica(self, spec: ModelSpec, placement: Placement) -> WorkerClient:
         cfg = self.config
         options = BackendOptions(device=placement.device, dtype=cfg.dtype, threads=placement.threads,
-                                 cache_dir=cfg.cache_dir, max_batch_size=cfg.max_batch_size)
+                                 cache_dir=cfg.cache_dir, max_batch_size=cfg.max_batch_size,
+                                 compile=cfg.torch_compile)
         label = f"{spec.name}@{placement.label}"
 
         def make_config(batch_address: str, result_address: str) -> WorkerConfig:

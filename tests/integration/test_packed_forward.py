@@ -118,3 +118,15 @@ def test_varlen_attention_on_cuda_matches_padded(dtype, reranker_path):
                 assert cos.min() >= 0.999, cos.min()
             else:
                 np.testing.assert_allclose(got, want, atol=0.05 if dtype == "bfloat16" else 0.01)
+
+
+def test_torch_compile_option_matches_the_eager_forward():
+    """--torch-compile: the padded forward compiled with inductor (dynamic shapes) gives the eager numbers."""
+    spec = load_model_spec("e", default_model_path(), ModelKind.EMBEDDING)
+    eager = create_backend("torch", spec, BackendOptions(threads=2))
+    compiled = create_backend("torch", spec, BackendOptions(threads=2, compile=True))
+    for backend in (eager, compiled):
+        backend.load()
+    assert compiled.packed is None and compiled.is_padded
+    for batch in batches(spec)[:2]:  # two shapes: the second call must not need a new graph per length
+        np.testing.assert_allclose(compiled.forward(batch), eager.forward(batch), atol=2e-5, rtol=1e-4)

@@ -18,6 +18,7 @@ class BackendOptions(msgspec.Struct, frozen=True):
     threads: int = 0          # intra-op threads; 0 = the cores this process may use
     cache_dir: str = ""       # converted models (ONNX, CTranslate2, TensorRT); "" = model_cache.default_cache_dir()
     max_batch_size: int = 64  # largest batch the scheduler sends; sizes TensorRT optimization profiles
+    compile: bool = False     # torch engine: torch.compile the model (dynamic shapes)
 
 
 class Backend(abc.ABC):
