@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check on one NVIDIA GPU, in under 8 minutes:
 #   1. `pytest -m gpu`: torch float16/bfloat16, onnx float32/float16 (CUDA EP), ctranslate2 float16/int8_float16
-#      and tensorrt float16 against torch float32 on CPU, for embedding, reranker and classifier;
+#      and tensorrt float16 against torch float32 on CPU, for embedding, reranker and classifier; the
+#      padding-free torch forward (varlen FlashAttention) against the padded one;
 #   2. a tiny engine matrix: `python -m encoderd.workers.bench_engines --device cuda --quick` (embedding only).
 #
 # Needs: torch with CUDA, onnxruntime-gpu (not onnxruntime: they overwrite each other), ctranslate2, and the
@@ -38,7 +39,7 @@ if python -c "import grpc, grpc_health, zmq" 2>/dev/null; then
 else
     echo "(no grpc/pyzmq: in-process engine tests only)"
     PYTHONPATH=tests timeout 300 python -m pytest -m gpu -q -rs -p no:cacheprovider --noconftest \
-        tests/integration/test_engines.py || status=1
+        tests/integration/test_engines.py tests/integration/test_packed_forward.py || status=1
 fi
 
 echo "== engine matrix (embedding, quick)"

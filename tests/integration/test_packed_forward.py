@@ -21,9 +21,21 @@ from encoderd.workers.backends.torch_backend import pool
 from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
 from encoderd.workers.protocol import TokenBatch
 from support.corpus import sentences
+from support.models import build_classifier, build_reranker
 
 TEXTS = sentences(40, max_words=300, seed=11)   # 3 to 256+ tokens: some are truncated
 QUERY = "which engine serves encoders fastest"
+
+
+# Module fixtures, so tests/gpu/run.sh can run this file without tests/conftest.py (no pyzmq there).
+@pytest.fixture(scope="module")
+def reranker_path(tmp_path_factory) -> str:
+    return str(build_reranker(tmp_path_factory.mktemp("packed") / "reranker"))
+
+
+@pytest.fixture(scope="module")
+def classifier_path(tmp_path_factory) -> str:
+    return str(build_classifier(tmp_path_factory.mktemp("packed") / "classifier"))
 
 
 def batches(spec, query: str | None = None, size: int = 16) -> list[TokenBatch]:
