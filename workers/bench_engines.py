@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import msgspec
-import numpy as np
 
 from .backends import BackendOptions, create_backend
 from .model_cache import default_cache_dir
@@ -84,13 +83,9 @@ def batches(spec, texts: list[str], batch_size: int, pairs: bool) -> list[TokenB
     tok.enable_truncation(spec.max_length)
     tok.no_padding()
     encodings = sorted(tok.encode_batch([(QUERY, t) for t in texts] if pairs else texts), key=lambda e: len(e.ids))
-    out = []
-    for start in range(0, len(encodings), batch_size):
-        chunk = encodings[start:start + batch_size]
-        cu = np.concatenate([[0], np.cumsum([len(e.ids) for e in chunk])]).astype(np.int32)
-        types = np.concatenate([e.type_ids for e in chunk]).astype(np.int32) if pairs else None
-        out.append(TokenBatch(start, np.concatenate([e.ids for e in chunk]).astype(np.int32), cu, types))
-    return out
+    chunks = [encodings[start:start + batch_size] for start in range(0, len(encodings), batch_size)]
+    return [TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if pairs else None)
+            for k, chunk in enumerate(chunks)]
 
 
 def load(engine: str, dtype: str, spec, options: BackendOptions):

@@ -86,6 +86,13 @@ class TokenBatch(msgspec.Struct, gc=False):
     def lengths(self) -> np.ndarray:
         return np.diff(self.cu_seqlens)
 
+    @classmethod
+    def from_sequences(cls, batch_id: int, ids: list, types: list | None = None) -> "TokenBatch":
+        """Pack per-sequence token ids (and token types, for pairs) back to back."""
+        cu = np.concatenate([[0], np.cumsum([len(s) for s in ids])]).astype(np.int32)
+        packed_types = None if types is None else np.concatenate(types).astype(np.int32)
+        return cls(batch_id, np.concatenate(ids).astype(np.int32), cu, packed_types)
+
     def split(self, at: int) -> tuple["TokenBatch", "TokenBatch"]:
         """The first `at` sequences and the rest, as two batches (views, no copies)."""
         cut = int(self.cu_seqlens[at])

@@ -68,13 +68,9 @@ def tokenize(spec, texts: list[str], query: str | None = None) -> list[TokenBatc
     tok.enable_truncation(spec.max_length)
     tok.no_padding()
     encodings = tok.encode_batch([(query, t) for t in texts] if query else texts)
-    batches = []
-    for start in range(0, len(encodings), 16):
-        chunk = encodings[start:start + 16]
-        cu = np.concatenate([[0], np.cumsum([len(e.ids) for e in chunk])]).astype(np.int32)
-        types = np.concatenate([e.type_ids for e in chunk]).astype(np.int32) if query else None
-        batches.append(TokenBatch(start, np.concatenate([e.ids for e in chunk]).astype(np.int32), cu, types))
-    return batches
+    chunks = [encodings[start:start + 16] for start in range(0, len(encodings), 16)]
+    return [TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if query else None)
+            for k, chunk in enumerate(chunks)]
 
 
 def run(backend, batches) -> np.ndarray:

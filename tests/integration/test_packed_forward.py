@@ -45,13 +45,9 @@ def batches(spec, query: str | None = None, size: int = 16) -> list[TokenBatch]:
     tok.enable_truncation(spec.max_length)
     tok.no_padding()
     encodings = tok.encode_batch([(query, t) for t in TEXTS] if query else TEXTS)
-    out = []
-    for start in range(0, len(encodings), size):
-        chunk = encodings[start:start + size]
-        cu = np.concatenate([[0], np.cumsum([len(e.ids) for e in chunk])]).astype(np.int32)
-        types = np.concatenate([e.type_ids for e in chunk]).astype(np.int32) if query else None
-        out.append(TokenBatch(start, np.concatenate([e.ids for e in chunk]).astype(np.int32), cu, types))
-    return out
+    chunks = [encodings[start:start + size] for start in range(0, len(encodings), size)]
+    return [TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if query else None)
+            for k, chunk in enumerate(chunks)]
 
 
 def packed_and_padded(spec):
