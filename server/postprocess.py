@@ -18,6 +18,12 @@ def finish_embeddings(pooled: np.ndarray, *, normalize: bool, dimensions: int = 
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
+def finish_requested(pooled: np.ndarray, default_normalize: bool, request) -> np.ndarray:
+    """finish_embeddings with a message's optional `normalize` (else the model's default) and `dimensions`."""
+    normalize = request.normalize if request.HasField("normalize") else default_normalize
+    return finish_embeddings(pooled, normalize=normalize, dimensions=request.dimensions)
+
+
 def sigmoid(logits: np.ndarray) -> np.ndarray:
     return (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
 

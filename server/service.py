@@ -135,8 +135,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
             request.model, request.inputs, truncate=_truncate(request), side=_SIDES.get(request.truncation_direction, "right"),
             prompt=request.prompt, prompt_name=request.prompt_name,
             priority=_priority(request.priority))
-        normalize = request.normalize if request.HasField("normalize") else model.spec.normalize
-        vectors = postprocess.finish_embeddings(pooled, normalize=normalize, dimensions=request.dimensions)
+        vectors = postprocess.finish_requested(pooled, model.spec.normalize, request)
         return pb.EmbedResponse(model=model.spec.name, usage=_usage(tokens),
                                 embeddings=embeddings_message(vectors, request.output_dtype))
 
@@ -184,8 +183,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model, pooled, usage = await multimodal.embed_contents(
             self.engine, request.model, contents(request.inputs), truncate=_truncate(request),
             priority=_priority(request.priority))
-        normalize = request.normalize if request.HasField("normalize") else model.spec.normalize
-        vectors = postprocess.finish_embeddings(pooled, normalize=normalize, dimensions=request.dimensions)
+        vectors = postprocess.finish_requested(pooled, model.spec.normalize, request)
         return pb.EmbedMultimodalResponse(model=model.spec.name, usage=_usage(usage),
                                           embeddings=embeddings_message(vectors, request.output_dtype))
 

@@ -103,8 +103,7 @@ class _Stream:
                     break
                 except Overloaded:
                     await asyncio.sleep(0.05)  # bulk work waits for room instead of failing
-            normalize = o.normalize if o.HasField("normalize") else model.spec.normalize
-            vectors = postprocess.finish_embeddings(pooled, normalize=normalize, dimensions=o.dimensions)
+            vectors = postprocess.finish_requested(pooled, model.spec.normalize, o)
             for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype)):
                 await self.results.put(pb.EmbedStreamResponse(id=message.id, embedding=embedding))
         except Exception as exc:

@@ -89,9 +89,10 @@ class TokenBatch(msgspec.Struct, gc=False):
     @classmethod
     def from_sequences(cls, batch_id: int, ids: list, types: list | None = None) -> "TokenBatch":
         """Pack per-sequence token ids (and token types, for pairs) back to back."""
-        cu = np.concatenate([[0], np.cumsum([len(s) for s in ids])]).astype(np.int32)
-        packed_types = None if types is None else np.concatenate(types).astype(np.int32)
-        return cls(batch_id, np.concatenate(ids).astype(np.int32), cu, packed_types)
+        cu = np.zeros(len(ids) + 1, dtype=np.int32)
+        np.cumsum([len(s) for s in ids], out=cu[1:])
+        packed_types = None if types is None else np.concatenate(types).astype(np.int32, copy=False)
+        return cls(batch_id, np.concatenate(ids).astype(np.int32, copy=False), cu, packed_types)
 
     def split(self, at: int) -> tuple["TokenBatch", "TokenBatch"]:
         """The first `at` sequences and the rest, as two batches (views, no copies)."""

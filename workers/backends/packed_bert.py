@@ -33,7 +33,6 @@ def usable(model: torch.nn.Module, kind: ModelKind, device: torch.device, dtype:
 
 class PackedBert:
     def __init__(self, model: torch.nn.Module, kind: ModelKind):
-        self.kind = kind
         self.head = model if kind != ModelKind.EMBEDDING else None
         self.bert = model.bert if self.head is not None else model
         config = self.bert.config

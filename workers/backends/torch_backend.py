@@ -116,13 +116,16 @@ class TorchBackend(Backend):
             result = self.packed.logits(hidden, cu_seqlens)
         return result.float().cpu().numpy()
 
-    def _size_threads(self, tokens: int) -> None:
+    def _size_threads(self, tokens: int | None) -> None:
+        """CPU: one thread for a batch of fewer than SINGLE_THREAD_TOKENS tokens, else all of the
+        worker's (tokens None: media batches, always all)."""
         if self.device.type == "cpu":
-            torch.set_num_threads(1 if tokens < SINGLE_THREAD_TOKENS else self.threads)
+            small = tokens is not None and tokens < SINGLE_THREAD_TOKENS
+            torch.set_num_threads(1 if small else self.threads)
 
     @torch.inference_mode()
     def forward_media(self, batch: MediaBatch):
-        self._size_threads(SINGLE_THREAD_TOKENS)  # images and audio: always all threads
+        self._size_threads(None)
         return torch_heads.forward_media(self, batch)
 
     def warmup(self, max_length: int) -> None:
