@@ -4,7 +4,7 @@ padded transformers forward on the same weights, for every kind and pooling.
 In-process, CPU, float32: batches mix 3- to 256-token inputs in corpus order, so the
 padded forward pads heavily and the packed one must agree where attention masks differ
 most. The end-to-end comparisons with sentence-transformers (test_core.py) run through
-this path as well, since the served MiniLM is a BERT.
+this path as well, since the served MiniLM is a BERT. `--torch-compile` is served end to end here.
 """
 
 from __future__ import annotations
@@ -138,3 +138,22 @@ def test_torch_compile_option_matches_the_eager_forward():
     assert compiled.packed is None and compiled.is_padded
     for batch in batches(spec)[:2]:  # two shapes: the second call must not need a new graph per length
         np.testing.assert_allclose(compiled.forward(batch), eager.forward(batch), atol=2e-5, rtol=1e-4)
+
+
+def test_served_with_torch_compile_equals_sentence_transformers(tmp_path):
+    """`encoderd serve --torch-compile` end to end: the flag reaches the worker, which compiles during
+    warm-up, and served embeddings equal sentence-transformers on the same weights."""
+    pytest.importorskip("zmq")
+    from sentence_transformers import SentenceTransformer
+
+    from encoderd.v1 import encoderd_pb2 as pb
+    from support.server import ServerProcess
+
+    texts = TEXTS[:16]
+    log = tmp_path / "server.log"
+    with ServerProcess("--torch-compile", "--model", f"mini={default_model_path()}", log_path=log) as server:
+        reply = server.stub().Embed(pb.EmbedRequest(model="mini", inputs=texts))
+    got = np.array([e.values for e in reply.embeddings])
+    want = SentenceTransformer(default_model_path(), device="cpu").encode(texts)
+    assert "torch.compile (dynamic shapes)" in log.read_text()
+    np.testing.assert_allclose(got, want, atol=1e-5)
