@@ -9,15 +9,19 @@ decides *when* and *where* to send:
   * bulk batches may fill all but one slot of a replica, and are cut small
     (`bulk_limits`) while interactive work is around, so a live query never
     queues behind much bulk work;
-  * each batch goes to the ready replica with the fewest tokens in flight; a
-    batch lost with a dying replica is queued again for the others.
+  * each batch goes to the ready replica with the fewest tokens in flight; work
+    that finds several replicas idle is cut into one piece for each, so a lone
+    rerank runs on all of them at once; a batch lost with a dying replica is
+    queued again for the others.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import enum
+import itertools
 import logging
 import time
 from collections import deque
@@ -34,6 +38,7 @@ log = logging.getLogger("encoderd.scheduler")
 
 INTERACTIVE_WINDOW = 2.0  # seconds after an interactive request during which bulk batches stay small
 MAX_ATTEMPTS = 2  # an input whose batch died twice with its worker is failed, not retried forever
+MIN_SHARE_TOKENS = 64  # work is not cut for idle replicas below this: a batch's fixed cost would dominate
 
 
 class Priority(enum.IntEnum):
@@ -159,11 +164,13 @@ class ModelScheduler:
     def _dispatch_ready_batches(self) -> None:
         for priority in Priority:
             queue, limits = self.queues[priority], self._limits(priority)
+            shared = self._share_among_idle(queue, limits)  # for this round's idle replicas
             while queue:
                 replica = self._pick_replica(priority)
-                if replica is None or (self.load[replica].batches and not self._should_close(queue, limits)):
+                busy = self.load[replica].batches if replica else 0
+                if replica is None or (busy and not self._should_close(queue, limits)):
                     break
-                batch = self._take(queue, limits)
+                batch = self._take(queue, limits if busy else shared)
                 if batch:
                     self._send(replica, batch, priority)
             if queue:
@@ -176,6 +183,23 @@ class ModelScheduler:
         live = time.monotonic() - self._interactive_seen < INTERACTIVE_WINDOW
         return self.limits[Priority.BULK if live else Priority.INTERACTIVE] if priority == Priority.BULK \
             else self.limits[priority]
+
+    def _share_among_idle(self, queue: deque[WorkItem], limits: BatchLimits) -> BatchLimits:
+        """With k replicas idle, cut the next batches to about 1/k of the queued tokens each:
+        what would go to one replica goes out as k pieces computed side by side (2 one-thread
+        CPU replicas rerank 50 passages faster than one two-thread worker). The token cap has
+        one input's length of slack, so k pieces hold it all. A padding-free backend's size cap
+        is lifted for them (short inputs must not fill a piece by count); a padded backend keeps
+        it (TensorRT profiles end there), so its pieces may come out more than k."""
+        idle = sum(1 for r in self.replicas if r.ready and not self.load[r].batches)
+        if idle < 2 or not queue:
+            return limits
+        longest = max(item.length for item in itertools.islice(queue, limits.window))
+        tokens = max(MIN_SHARE_TOKENS, -(-self._queued_tokens // idle) + longest)
+        if tokens >= limits.max_batch_tokens:
+            return limits
+        size = limits.max_batch_size if limits.padded else max(limits.max_batch_size, len(queue))
+        return dataclasses.replace(limits, max_batch_tokens=tokens, max_batch_size=size)
 
     def _pick_replica(self, priority: Priority) -> WorkerClient | None:
         # Bulk leaves one slot of each replica free for interactive work.

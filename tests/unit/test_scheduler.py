@@ -157,3 +157,30 @@ async def test_batches_go_to_the_least_loaded_replica_and_survive_a_lost_one():
     results = await asyncio.gather(first, second, third)
     assert [list(r[:, 0]) for r in results] == [[1, 2], [3, 4], [5, 6]]
     await scheduler.stop()
+
+
+async def test_one_request_is_cut_into_a_piece_for_each_idle_replica():
+    """A lone rerank of 50 passages on 2 idle replicas: two pieces side by side, not one batch
+    on one replica while the other idles; no third piece trails behind."""
+    a, b = StandInWorker("a"), StandInWorker("b")
+    scheduler = ModelScheduler("m", [a, b], BatchLimits(max_batch_size=64, max_batch_tokens=8192, padded=False),
+                               batch_delay=1.0)
+    scheduler.start()
+    request = PendingRequest(50)
+    items = [WorkItem(np.full(40 + (7 * i) % 90, i, dtype=np.int32), None, request, i) for i in range(50)]
+    out = await asyncio.wait_for(scheduler.run(items, request), 0.5)  # < batch_delay: nothing waited for a slot
+    assert len(a.batches) == 1 and len(b.batches) == 1
+    pieces = [int(w.batches[0].cu_seqlens[-1]) for w in (a, b)]
+    assert sum(pieces) == sum(item.length for item in items)
+    assert abs(pieces[0] - pieces[1]) <= 130  # at most one input's length apart
+    assert list(out[:, 0]) == list(range(50))
+    await scheduler.stop()
+
+
+async def test_short_work_is_not_cut_for_idle_replicas():
+    a, b = StandInWorker("a"), StandInWorker("b")
+    scheduler = ModelScheduler("m", [a, b], BatchLimits(max_batch_size=64, padded=False), batch_delay=1.0)
+    scheduler.start()
+    await asyncio.wait_for(run(scheduler, [1, 2, 3, 4]), 0.5)  # 4 inputs of <= 7 tokens
+    assert len(a.batches) + len(b.batches) == 1
+    await scheduler.stop()
