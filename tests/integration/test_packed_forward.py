@@ -9,14 +9,16 @@ this path as well, since the served MiniLM is a BERT. `--torch-compile` is serve
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from unittest import mock
 
 import msgspec
 import numpy as np
 import pytest
 import torch
 
-from encoderd.workers.backends import BackendOptions, create_backend
+from encoderd.workers.backends import BackendOptions, create_backend, packed_bert
 from encoderd.workers.backends.torch_backend import pool
 from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
 from encoderd.workers.protocol import TokenBatch
@@ -50,15 +52,19 @@ def batches(spec, query: str | None = None, size: int = 16) -> list[TokenBatch]:
             for k, chunk in enumerate(chunks)]
 
 
+def load_backend(spec, options: BackendOptions, packed: bool = True):
+    """A loaded torch backend; packed=False: as if the model were not a BERT (the padded forward)."""
+    backend = create_backend("torch", spec, options)
+    with mock.patch.object(packed_bert, "usable", return_value=False) if not packed else contextlib.nullcontext():
+        backend.load()
+    return backend
+
+
 def packed_and_padded(spec):
     """Two loads of one model: the packed forward, and the same backend with it switched off."""
-    backends = []
-    for _ in range(2):
-        backend = create_backend("torch", spec, BackendOptions(threads=1))
-        backend.load()
-        backends.append(backend)
+    backends = [load_backend(spec, BackendOptions(threads=1), packed) for packed in (True, False)]
     assert backends[0].packed is not None and backends[0].is_padded is False
-    backends[1].packed = None
+    assert backends[1].packed is None and backends[1].is_padded
     return backends
 
 
@@ -111,14 +117,10 @@ def test_varlen_attention_on_cuda_matches_padded(dtype, reranker_path):
     """One varlen FlashAttention call per layer vs the padded SDPA forward, same dtype and GPU."""
     for kind, path in (("embedding", default_model_path()), ("reranker", reranker_path)):
         spec = load_model_spec(kind, path, ModelKind(kind))
-        backends = []
-        for _ in range(2):
-            backend = create_backend("torch", spec, BackendOptions(device="cuda", dtype=dtype))
-            backend.load()
-            backends.append(backend)
+        options = BackendOptions(device="cuda", dtype=dtype)
+        backends = [load_backend(spec, options, packed) for packed in (True, False)]
         if backends[0].packed is None:
             pytest.skip("no varlen attention kernel in this torch (and no flash-attn)")
-        backends[1].packed = None
         for batch in batches(spec, QUERY if kind == "reranker" else None):
             got, want = backends[0].forward(batch), backends[1].forward(batch)
             if kind == "embedding":

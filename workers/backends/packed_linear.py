@@ -28,8 +28,10 @@ class PackedLinear(torch.nn.Module):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+    def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+        """`activation` ("none", "gelu": exact erf GELU, "relu") is applied by oneDNN as the
+        GEMM writes its output: no second pass over the (tokens, intermediate) matrix."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, activation, [], "none")
 
 
 def available(dtype: torch.dtype) -> bool:

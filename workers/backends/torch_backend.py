@@ -57,6 +57,9 @@ class TorchBackend(Backend):
             model = model_class.from_pretrained(self.spec.path, dtype=DTYPES[self.options.dtype])
         self.model = model.to(self.device).eval()
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
+        usable = (not self.options.compile
+                  and packed_bert.usable(self.model, self.spec.kind, self.device, DTYPES[self.options.dtype]))
+        self.packed = packed_bert.PackedBert(self.model, self.spec.kind) if usable else None
         if self.options.compile:
             # Inductor fuses and packs weights itself; it compiles in the warm-up forward passes.
             log.info("torch.compile (dynamic shapes): the warm-up compiles the model, ~30 s on 2 cores")
@@ -67,9 +70,6 @@ class TorchBackend(Backend):
         if self.spec.kind == ModelKind.COLBERT:
             projection = torch_heads.load_colbert_projection(self.spec.path)
             self.projection = projection.to(self.device, DTYPES[self.options.dtype]) if projection else None
-        usable = (not self.options.compile
-                  and packed_bert.usable(self.model, self.spec.kind, self.device, DTYPES[self.options.dtype]))
-        self.packed = packed_bert.PackedBert(self.model, self.spec.kind) if usable else None
         self.is_padded = self.packed is None  # the scheduler then budgets real tokens, not size x longest
         log.info("%s forward", "padding-free (packed tokens)" if self.packed else "padded")
         self._dim = (self.model.config.num_labels if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
