@@ -20,10 +20,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # Kinds computed right here (pooled hidden states, logits); the others in torch_heads.
 _POOLED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
 # CPU batches of fewer (padded) tokens run on one thread: the worker's OpenMP threads wait
-# passively (see workers/process.py), and waking one for each of a forward's ~150 ops costs more
-# than a second core returns on a short query. MiniLM, 1 vs 2 threads: 12 tokens 7.7 vs 12.7 ms,
-# 64 tokens 19.8 vs 20.3 ms, 128 tokens 37 vs 32 ms.
-SINGLE_THREAD_TOKENS = 96
+# passively (see workers/process.py), and waking one for each of a forward's ~60 ops costs more
+# than a second core returns on a short query. MiniLM packed forward, 1 vs 2 threads, p50:
+# back to back 14 tokens 6.0 vs 7.0 ms, 20: 7.5 vs 7.5, 40: 11.6 vs 9.6; one query every 20 ms
+# (threads asleep in between) 10 tokens 6.6 vs 7.1, 40: 13.2 vs 13.7, 90: 26 vs 18.
+SINGLE_THREAD_TOKENS = 32
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
