@@ -61,7 +61,7 @@ def load_backend(spec, options: BackendOptions, packed: bool = True):
 
 
 def packed_and_padded(spec):
-    """Two loads of one model: the packed forward, and the same backend with it switched off."""
+    """Two loads of one model: the packed forward, and the padded one."""
     backends = [load_backend(spec, BackendOptions(threads=1), packed) for packed in (True, False)]
     assert backends[0].packed is not None and backends[0].is_padded is False
     assert backends[1].packed is None and backends[1].is_padded
