@@ -114,12 +114,15 @@ def queued_cost_reaches_budget(queue: deque[WorkItem], limits: BatchLimits) -> b
     return sum(item.length for item in queue) >= limits.max_batch_tokens
 
 
-def pack(batch: list[WorkItem], batch_id: int) -> TokenBatch | MediaBatch:
-    """Concatenate a batch's token ids into the wire format's packed arrays."""
+def pack(batch: list[WorkItem], batch_id: int, urgent: bool = False) -> TokenBatch | MediaBatch:
+    """Concatenate a batch's token ids into the wire format's packed arrays; `urgent` marks
+    interactive text work, which the worker may run between the layers of a bulk batch."""
     if batch[0].modality != "text":
         return pack_media(batch, batch_id)
     types = [item.type_ids for item in batch] if batch[0].type_ids is not None else None
-    return TokenBatch.from_sequences(batch_id, [item.ids for item in batch], types)
+    packed = TokenBatch.from_sequences(batch_id, [item.ids for item in batch], types)
+    packed.urgent = urgent
+    return packed
 
 
 def pack_media(batch: list[MediaItem], batch_id: int) -> MediaBatch:

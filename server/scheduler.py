@@ -242,7 +242,7 @@ class ModelScheduler:
     async def _compute(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority, tokens: int) -> None:
         started = time.perf_counter()
         try:
-            rows = await replica.compute(pack(batch, 0))
+            rows = await replica.compute(pack(batch, 0, urgent=priority == Priority.INTERACTIVE))
         except Unavailable as exc:
             self._retry_or_fail(batch, priority, exc)
             return

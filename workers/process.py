@@ -1,15 +1,19 @@
 """The worker process: load a backend, then compute batches until told to stop.
 
 Started by the frontend with multiprocessing's `spawn` method. Threads:
-  * receiver: socket -> decode -> queue (releases the GIL while waiting), so the
+  * receiver: socket -> decode -> inbox (releases the GIL while waiting), so the
     next batch is decoded while the current one computes;
-  * main: queue -> backend.forward -> result socket;
+  * main: inbox -> backend.forward -> result socket. Urgent (interactive) batches
+    go first, and run in the pauses of a bulk batch computed in steps (the torch
+    padding-free forward pauses after each layer): a live query waits for one
+    layer of bulk work, not for a whole batch;
   * parent watch: exits the process when the frontend is gone.
 """
 
 from __future__ import annotations
 
 import logging
+import itertools
 import os
 import queue
 import signal
@@ -47,7 +51,29 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(3)
 
 
-def _receive_loop(sock: zmq.Socket, batches: queue.Queue) -> None:
+class Inbox:
+    """Received batches: urgent ones first, each kind in arrival order. One consumer (main)."""
+
+    def __init__(self):
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._arrivals = itertools.count()
+
+    def put(self, batch) -> None:
+        urgent = isinstance(batch, protocol.TokenBatch) and batch.urgent
+        self._queue.put((0 if urgent else 1, next(self._arrivals), batch))
+
+    def get(self):
+        return self._queue.get()[2]
+
+    def take_urgent(self):
+        """The next urgent batch, or None without waiting."""
+        with self._queue.mutex:
+            if not self._queue.queue or self._queue.queue[0][0] != 0:
+                return None
+        return self._queue.get_nowait()[2]  # still urgent: only this thread takes, arrivals queue behind
+
+
+def _receive_loop(sock: zmq.Socket, inbox: Inbox) -> None:
     while True:
         try:
             frames = sock.recv_multipart(copy=False)
@@ -55,7 +81,7 @@ def _receive_loop(sock: zmq.Socket, batches: queue.Queue) -> None:
             return
         kind, header, rest = protocol.decode(frames)
         if kind == protocol.MessageType.BATCH:
-            batches.put(protocol.batch_from_frames(header, rest))
+            inbox.put(protocol.batch_from_frames(header, rest))
 
 
 def run_worker(config: WorkerConfig, parent_pid: int) -> None:
@@ -83,15 +109,16 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         results.close()
         raise SystemExit(2)
 
-    batches: queue.Queue = queue.Queue()
-    inbox = ctx.socket(zmq.PULL)
-    inbox.connect(config.batch_address)
-    threading.Thread(target=_receive_loop, args=(inbox, batches), name="receiver", daemon=True).start()
+    inbox = Inbox()
+    batch_socket = ctx.socket(zmq.PULL)
+    batch_socket.connect(config.batch_address)
+    threading.Thread(target=_receive_loop, args=(batch_socket, inbox), name="receiver", daemon=True).start()
     results.send_multipart(protocol.encode_control(protocol.WorkerReady(
         # The backend's own engine/options: `auto` engine and dtype are resolved by then.
         os.getpid(), backend.output_dim, backend.engine, backend.options.device, backend.options.dtype,
         backend.is_padded)))
-    _busy_loop(backend, batches, results)
+    while True:
+        _run(backend, inbox.get(), inbox, results)
 
 
 def _load(config: WorkerConfig):
@@ -128,15 +155,38 @@ def forward(backend, batch: protocol.TokenBatch):
         return np.concatenate(halves)
 
 
-def _busy_loop(backend, batches: queue.Queue, results: zmq.Socket) -> None:
-    while True:
-        batch = batches.get()
-        started = time.perf_counter_ns()
-        try:
-            output = backend.forward_media(batch) if isinstance(batch, protocol.MediaBatch) else forward(backend, batch)
-        except Exception as exc:  # one bad batch fails its requests, not the worker
-            log.exception("batch %d failed", batch.batch_id)
-            results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))
-            continue
-        results.send_multipart(protocol.encode_result(batch.batch_id, output, time.perf_counter_ns() - started),
-                               copy=False)
+def _run(backend, batch, inbox: Inbox, results: zmq.Socket) -> None:
+    """Compute one batch and send its result (or its error: one bad batch fails its requests,
+    not the worker)."""
+    started = time.perf_counter_ns()
+    try:
+        if isinstance(batch, protocol.MediaBatch):
+            output = backend.forward_media(batch)
+        elif batch.urgent:
+            output = forward(backend, batch)
+        else:
+            output = _forward_yielding(backend, batch, inbox, results)
+    except Exception as exc:
+        log.exception("batch %d failed", batch.batch_id)
+        results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))
+        return
+    results.send_multipart(protocol.encode_result(batch.batch_id, output, time.perf_counter_ns() - started),
+                           copy=False)
+
+
+def _forward_yielding(backend, batch: protocol.TokenBatch, inbox: Inbox, results: zmq.Socket):
+    """A bulk batch in steps; at each pause, the urgent batches that arrived meanwhile run first."""
+    steps = backend.forward_in_steps(batch)
+    try:
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            while (urgent := inbox.take_urgent()) is not None:
+                _run(backend, urgent, inbox, results)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        steps.close()
+        return forward(backend, batch)  # from the start, halving the batch as needed

@@ -43,6 +43,7 @@ class BatchHeader(msgspec.Struct, array_like=True, gc=False):
     modality: str = "text"
     shape: tuple[int, ...] = ()
     has_flags: bool = False
+    urgent: bool = False  # interactive work: the worker runs it between the layers of a bulk batch
 
 
 class ResultHeader(msgspec.Struct, array_like=True, gc=False):
@@ -77,6 +78,7 @@ class TokenBatch(msgspec.Struct, gc=False):
     input_ids: np.ndarray            # int32, all sequences concatenated
     cu_seqlens: np.ndarray           # int32, n + 1 offsets into input_ids
     token_type_ids: np.ndarray | None = None  # int32 like input_ids; pairs only
+    urgent: bool = False             # interactive: may pause a bulk batch between layers (workers/process.py)
 
     @property
     def size(self) -> int:
@@ -99,9 +101,9 @@ class TokenBatch(msgspec.Struct, gc=False):
         cut = int(self.cu_seqlens[at])
         types = self.token_type_ids
         first = TokenBatch(self.batch_id, self.input_ids[:cut], self.cu_seqlens[:at + 1],
-                           None if types is None else types[:cut])
+                           None if types is None else types[:cut], self.urgent)
         rest = TokenBatch(self.batch_id, self.input_ids[cut:], self.cu_seqlens[at:] - cut,
-                          None if types is None else types[cut:])
+                          None if types is None else types[cut:], self.urgent)
         return first, rest
 
 
@@ -161,7 +163,7 @@ def _type_frame(kind: MessageType) -> bytes:
 def encode_batch(batch: TokenBatch | MediaBatch) -> list:
     if isinstance(batch, MediaBatch):
         return _encode_media_batch(batch)
-    header = BatchHeader(batch.batch_id, batch.token_type_ids is not None)
+    header = BatchHeader(batch.batch_id, batch.token_type_ids is not None, urgent=batch.urgent)
     frames = [_type_frame(MessageType.BATCH), _encoder.encode(header),
               np.ascontiguousarray(batch.input_ids, np.int32), np.ascontiguousarray(batch.cu_seqlens, np.int32)]
     if batch.token_type_ids is not None:
@@ -224,7 +226,8 @@ def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch | MediaBa
         flags = _array(frames[1], np.int32) if header.has_flags else None
         return MediaBatch(header.batch_id, header.modality, features, flags)
     types = _array(frames[2], np.int32) if header.has_token_types else None
-    return TokenBatch(header.batch_id, _array(frames[0], np.int32), _array(frames[1], np.int32), types)
+    return TokenBatch(header.batch_id, _array(frames[0], np.int32), _array(frames[1], np.int32), types,
+                      header.urgent)
 
 
 def result_array(header: ResultHeader, frames: list) -> np.ndarray | list:

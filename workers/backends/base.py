@@ -4,6 +4,7 @@ never requests or sockets."""
 from __future__ import annotations
 
 import abc
+from collections.abc import Generator
 
 import msgspec
 import numpy as np
@@ -39,6 +40,13 @@ class Backend(abc.ABC):
         """Embedding models: pooled, unnormalized (n, dim). Others: logits (n, labels).
         Multi-vector and sparse kinds return a protocol.Ragged instead."""
 
+    def forward_in_steps(self, batch: TokenBatch) -> Generator[None, None, np.ndarray]:
+        """`forward` as a generator that yields between steps (the torch padding-free forward:
+        its layers) and returns the output: the worker runs urgent batches at those points.
+        Engines that cannot stop midway compute it in one step."""
+        return self.forward(batch)
+        yield  # a generator function, with no pause points
+
     def forward_media(self, batch: MediaBatch):
         """Image / audio batches (multi-modal kinds): (n, dim) embeddings or a Ragged of vectors."""
         raise ValueError(f"the {self.engine} engine computes no {batch.modality} inputs; use --engine torch")
@@ -57,6 +65,15 @@ class Backend(abc.ABC):
             cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
             ids = np.full(int(cu[-1]), 100, dtype=np.int32)
             self.forward(TokenBatch(-1, ids, cu))
+
+
+def run_to_end(steps: Generator):
+    """What a step generator (Backend.forward_in_steps) returns, run without pauses."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 # What the exported/converted engines (onnx, ctranslate2, tensorrt) compute: pooled

@@ -14,6 +14,8 @@ the GEMM's epilogue. Together: +5% tokens/s on one thread, +7% on two (MiniLM).
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 import torch.nn.functional as F
 
@@ -50,8 +52,10 @@ class PackedBert:
         self.varlen = _varlen_kernel()
         self.qkv = [_fuse_projections(layer.attention.self) for layer in self.bert.encoder.layer]
 
-    def hidden_states(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, types: torch.Tensor | None) -> torch.Tensor:
-        """Last hidden states, (tokens, hidden); ids/types int64, cu_seqlens int32, on the model's device."""
+    def hidden_states(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, types: torch.Tensor | None
+                      ) -> Generator[None, None, torch.Tensor]:
+        """Last hidden states, (tokens, hidden), as a generator that pauses after each layer (see
+        Backend.forward_in_steps); ids/types int64, cu_seqlens int32, on the model's device."""
         lengths = cu_seqlens.diff()
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
         positions = torch.arange(ids.shape[0], device=ids.device) - starts
@@ -59,6 +63,7 @@ class PackedBert:
         longest = int(lengths.max())
         for layer, qkv in zip(self.bert.encoder.layer, self.qkv):
             x = self._layer(layer, qkv, x, cu_seqlens, longest)
+            yield
         return x
 
     def pool(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: Pooling) -> torch.Tensor:

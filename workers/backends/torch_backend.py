@@ -12,7 +12,7 @@ import torch
 from ..model_spec import ModelKind, Pooling
 from ..protocol import MediaBatch, TokenBatch
 from . import packed_bert, packed_linear, torch_heads
-from .base import Backend, padded
+from .base import Backend, padded, run_to_end
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +105,34 @@ class TorchBackend(Backend):
         return result.float().cpu().numpy()
 
     def _forward_packed(self, batch: TokenBatch) -> np.ndarray:
-        self._size_threads(len(batch.input_ids))
-        ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
-        cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(self.device)
-        types = (None if batch.token_type_ids is None
-                 else torch.from_numpy(batch.token_type_ids).to(self.device, torch.long))
-        hidden = self.packed.hidden_states(ids, cu_seqlens, types)
-        if self.spec.kind == ModelKind.EMBEDDING:
-            result = self.packed.pool(hidden, cu_seqlens, self.spec.pooling)
-        else:
-            result = self.packed.logits(hidden, cu_seqlens)
-        return result.float().cpu().numpy()
+        return run_to_end(self._packed_steps(batch))
+
+    def forward_in_steps(self, batch: TokenBatch):
+        if self.packed is None:
+            return (yield from super().forward_in_steps(batch))
+        return (yield from self._packed_steps(batch))
+
+    def _packed_steps(self, batch: TokenBatch):
+        """The padding-free forward, pausing after each layer."""
+        with torch.inference_mode():
+            ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
+            cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(self.device)
+            types = (None if batch.token_type_ids is None
+                     else torch.from_numpy(batch.token_type_ids).to(self.device, torch.long))
+            layers = self.packed.hidden_states(ids, cu_seqlens, types)
+            while True:
+                self._size_threads(len(batch.input_ids))  # each step: a batch run in a pause may change it
+                try:
+                    next(layers)
+                except StopIteration as done:
+                    hidden = done.value
+                    break
+                yield
+            if self.spec.kind == ModelKind.EMBEDDING:
+                result = self.packed.pool(hidden, cu_seqlens, self.spec.pooling)
+            else:
+                result = self.packed.logits(hidden, cu_seqlens)
+            return result.float().cpu().numpy()
 
     def _size_threads(self, tokens: int | None) -> None:
         """CPU: one thread for a batch of fewer than SINGLE_THREAD_TOKENS tokens, else all of the

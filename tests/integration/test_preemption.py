@@ -1,0 +1,75 @@
+"""An interactive batch does not wait for a whole bulk batch: the worker process runs it
+in a pause between the bulk batch's layers (workers/process.py, Backend.forward_in_steps).
+
+A real worker process over ZeroMQ, the bundled MiniLM on one thread, so the bulk batch
+(16 x 256 tokens) computes for about a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from encoderd.server.worker_client import WorkerClient
+from encoderd.workers.backends import BackendOptions
+from encoderd.workers.model_spec import ModelKind, default_model_path, load_model_spec
+from encoderd.workers.process import WorkerConfig
+from encoderd.workers.protocol import TokenBatch
+
+BULK = [[101] + [2000 + (i * 7 + j) % 5000 for j in range(254)] + [102] for i in range(16)]
+QUERY = [[101, 2029, 3194, 4240, 102]]
+
+
+def batch(sequences, urgent: bool) -> TokenBatch:
+    packed = TokenBatch.from_sequences(0, sequences)
+    packed.urgent = urgent
+    return packed
+
+
+async def test_an_urgent_batch_runs_between_the_layers_of_a_bulk_batch():
+    spec = load_model_spec("minilm", default_model_path(), ModelKind.EMBEDDING)
+    worker = WorkerClient(lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1),
+                                                                batches, results), "preempt")
+    await worker.start()
+    try:
+        finished = []
+
+        async def compute(name, work):
+            rows = await worker.compute(work)
+            finished.append(name)
+            return rows
+
+        bulk = asyncio.create_task(compute("bulk", batch(BULK, urgent=False)))
+        await asyncio.sleep(0.3)  # the worker has taken the bulk batch and is inside it
+        query = await compute("query", batch(QUERY, urgent=True))
+        paused_bulk = await bulk
+        assert finished == ["query", "bulk"]
+
+        # Pausing changes nothing in either result: each equals the same batch computed alone.
+        np.testing.assert_allclose(query, await worker.compute(batch(QUERY, urgent=False)), atol=1e-6)
+        np.testing.assert_allclose(paused_bulk, await worker.compute(batch(BULK, urgent=False)), atol=1e-6)
+    finally:
+        await worker.stop()
+
+
+async def test_without_urgency_batches_run_in_arrival_order():
+    """The control: the same two batches, neither urgent, finish in the order they came."""
+    spec = load_model_spec("minilm", default_model_path(), ModelKind.EMBEDDING)
+    worker = WorkerClient(lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1),
+                                                                batches, results), "fifo")
+    await worker.start()
+    try:
+        finished = []
+
+        async def compute(name, work):
+            await worker.compute(work)
+            finished.append(name)
+
+        bulk = asyncio.create_task(compute("bulk", batch(BULK, urgent=False)))
+        await asyncio.sleep(0.3)
+        await compute("query", batch(QUERY, urgent=False))
+        await bulk
+        assert finished == ["bulk", "query"]
+    finally:
+        await worker.stop()
