@@ -4,8 +4,10 @@ Policy (which inputs form the next batch) lives in batching.py; this file
 decides *when* and *where* to send:
   * interactive inputs are always batched before bulk ones;
   * a batch goes at once to an idle replica (a lone query never waits for a
-    batch window); a busy replica gets one when it is full or the oldest input
-    has waited `batch_delay`, with at most `max_in_flight` batches per replica;
+    batch window), and interactive work at once to a replica running only bulk
+    work (the worker runs it between the bulk batch's layers); a busy replica
+    gets one when it is full or the oldest input has waited `batch_delay`, with
+    at most `max_in_flight` batches per replica;
   * bulk batches may fill all but one slot of a replica, and are cut small
     (`bulk_limits`) while interactive work is around, so a live query never
     queues behind much bulk work;
@@ -167,10 +169,15 @@ class ModelScheduler:
             shared = self._share_among_idle(queue, limits)  # for this round's idle replicas
             while queue:
                 replica = self._pick_replica(priority)
-                busy = self.load[replica].batches if replica else 0
-                if replica is None or (busy and not self._should_close(queue, limits)):
+                if replica is None:
                     break
-                batch = self._take(queue, limits if busy else shared)
+                load = self.load[replica]
+                # Interactive work goes at once to a replica running only bulk work: the worker
+                # runs it in the next pause between the bulk batch's layers (workers/process.py).
+                ahead = load.batches - (load.bulk_batches if priority == Priority.INTERACTIVE else 0)
+                if ahead and not self._should_close(queue, limits):
+                    break
+                batch = self._take(queue, limits if load.batches else shared)
                 if batch:
                     self._send(replica, batch, priority)
             if queue:

@@ -127,8 +127,9 @@ async def test_interactive_inputs_go_before_queued_bulk_inputs(scheduler):
     await asyncio.sleep(0.07)
     assert len(worker.batches) == 1  # bulk fills all but one slot of the replica, however long it waits
     interactive = asyncio.create_task(run(scheduler, [7]))
-    await asyncio.sleep(0.07)  # the batch delay: the replica is busy
+    await asyncio.sleep(0.01)  # < the batch delay: only bulk work is ahead, which the worker pauses
     assert len(worker.batches) == 2 and worker.batches[1].input_ids[0] == 7  # took the slot bulk left free
+    assert worker.batches[1].urgent and not worker.batches[0].urgent
     worker.release.set()
     await asyncio.gather(*bulk, more_bulk, interactive)
 
