@@ -12,8 +12,8 @@ Started by the frontend with multiprocessing's `spawn` method. Threads:
 
 from __future__ import annotations
 
-import logging
 import itertools
+import logging
 import os
 import queue
 import signal
