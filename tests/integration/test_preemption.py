@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from encoderd.server.worker_client import WorkerClient
 from encoderd.workers.backends import BackendOptions
@@ -27,49 +28,41 @@ def batch(sequences, urgent: bool) -> TokenBatch:
     return packed
 
 
-async def test_an_urgent_batch_runs_between_the_layers_of_a_bulk_batch():
+@pytest.fixture
+async def worker():
     spec = load_model_spec("minilm", default_model_path(), ModelKind.EMBEDDING)
-    worker = WorkerClient(lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1),
+    client = WorkerClient(lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1),
                                                                 batches, results), "preempt")
-    await worker.start()
-    try:
-        finished = []
-
-        async def compute(name, work):
-            rows = await worker.compute(work)
-            finished.append(name)
-            return rows
-
-        bulk = asyncio.create_task(compute("bulk", batch(BULK, urgent=False)))
-        await asyncio.sleep(0.3)  # the worker has taken the bulk batch and is inside it
-        query = await compute("query", batch(QUERY, urgent=True))
-        paused_bulk = await bulk
-        assert finished == ["query", "bulk"]
-
-        # Pausing changes nothing in either result: each equals the same batch computed alone.
-        np.testing.assert_allclose(query, await worker.compute(batch(QUERY, urgent=False)), atol=1e-6)
-        np.testing.assert_allclose(paused_bulk, await worker.compute(batch(BULK, urgent=False)), atol=1e-6)
-    finally:
-        await worker.stop()
+    await client.start()
+    yield client
+    await client.stop()
 
 
-async def test_without_urgency_batches_run_in_arrival_order():
+async def query_during_bulk(worker, query_urgent: bool):
+    """A bulk batch, then a query sent while it computes: their outputs, and the order they finished."""
+    finished = []
+
+    async def compute(name, work):
+        rows = await worker.compute(work)
+        finished.append(name)
+        return rows
+
+    bulk = asyncio.create_task(compute("bulk", batch(BULK, urgent=False)))
+    await asyncio.sleep(0.3)  # the worker has taken the bulk batch and is inside it
+    query = await compute("query", batch(QUERY, urgent=query_urgent))
+    return await bulk, query, finished
+
+
+async def test_an_urgent_batch_runs_between_the_layers_of_a_bulk_batch(worker):
+    paused_bulk, query, finished = await query_during_bulk(worker, query_urgent=True)
+    assert finished == ["query", "bulk"]
+
+    # Pausing changes nothing in either result: each equals the same batch computed alone.
+    np.testing.assert_allclose(query, await worker.compute(batch(QUERY, urgent=False)), atol=1e-6)
+    np.testing.assert_allclose(paused_bulk, await worker.compute(batch(BULK, urgent=False)), atol=1e-6)
+
+
+async def test_without_urgency_batches_run_in_arrival_order(worker):
     """The control: the same two batches, neither urgent, finish in the order they came."""
-    spec = load_model_spec("minilm", default_model_path(), ModelKind.EMBEDDING)
-    worker = WorkerClient(lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1),
-                                                                batches, results), "fifo")
-    await worker.start()
-    try:
-        finished = []
-
-        async def compute(name, work):
-            await worker.compute(work)
-            finished.append(name)
-
-        bulk = asyncio.create_task(compute("bulk", batch(BULK, urgent=False)))
-        await asyncio.sleep(0.3)
-        await compute("query", batch(QUERY, urgent=False))
-        await bulk
-        assert finished == ["bulk", "query"]
-    finally:
-        await worker.stop()
+    _, _, finished = await query_during_bulk(worker, query_urgent=False)
+    assert finished == ["bulk", "query"]
