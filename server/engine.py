@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..workers.backends.base import BackendOptions
-from ..workers.model_spec import ModelKind, ModelSpec, load_model_spec, modalities, resolve_model_path
+from ..workers.model_spec import (ModelKind, ModelSpec, check_prompts, load_model_spec, modalities,
+                                  resolve_model_path)
 from ..workers.process import WorkerConfig
 from . import metrics
 from .batching import BatchLimits, WorkItem
@@ -88,7 +89,10 @@ class Engine:
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, resolve_model_path, model.source)
         spec = load_model_spec(model.name, path, ModelKind(model.kind) if model.kind else None)
-        tokenizer = ModelTokenizer(path, spec.max_length, self._tokenizer_pool, self._bulk_tokenizer_pool)
+        prompts = {**spec.prompts, **dict(cfg.prompts)}
+        check_prompts(spec, prompts)
+        tokenizer = ModelTokenizer(path, spec.max_length, self._tokenizer_pool, self._bulk_tokenizer_pool,
+                                   lowercase=spec.lowercase)
         # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
         media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
         placements = plan_replicas(model.device or cfg.device, cfg.replicas, cfg.cpu_threads)
@@ -100,7 +104,6 @@ class Engine:
                  ",".join(str(i.pid) for i in infos), infos[0].engine, infos[0].dtype)
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         scheduler = self._scheduler(spec, replicas, padded=any(i.is_padded for i in infos))
-        prompts = {**spec.prompts, **dict(cfg.prompts)}
         return ServedModel(spec, tokenizer, replicas, scheduler, infos[0].engine, infos[0].dtype,
                            ResultCache(spec.name, cfg.cache_size), prompts, await media)
 
@@ -189,8 +192,14 @@ class Engine:
             if prompt_name not in model.prompts:
                 raise InvalidInput(f"model {model.spec.name!r} has no prompt named {prompt_name!r}; it has: "
                                    f"{', '.join(sorted(model.prompts)) or 'none'}")
-            return model.prompts[prompt_name]
-        return prompt or model.prompts.get(model.spec.default_prompt_name or "", "")
+            text = model.prompts[prompt_name]
+        else:
+            text = prompt or model.prompts.get(model.spec.default_prompt_name or "", "")
+        if text and not model.spec.include_prompt:
+            # Its pooling skips the prompt's tokens, which encoderd does not compute (see check_prompts).
+            raise InvalidInput(f"model {model.spec.name!r} takes no prompt: its pooling excludes prompt tokens "
+                               "(include_prompt: false), which encoderd does not compute")
+        return text
 
     async def embed(self, name: str, texts, *, truncate: bool = True, side: str = "right", prompt: str = "",
                     prompt_name: str = "", priority: Priority = Priority.INTERACTIVE

@@ -34,6 +34,18 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+def scores(logits: np.ndarray, activation: str, raw: bool = False) -> np.ndarray:
+    """Reranker (n,) or classifier (n, labels) logits -> scores by the model's ScoreActivation
+    (softmax over labels, sigmoid per label, or identity); `raw` asks for the logits as they are."""
+    if raw or activation == "identity":
+        return logits.astype(np.float32, copy=False)
+    if activation == "sigmoid":
+        return sigmoid(logits)
+    if activation == "softmax":
+        return softmax(logits)
+    raise ValueError(f"unknown score activation {activation!r}")
+
+
 def rank(scores: np.ndarray, top_n: int) -> np.ndarray:
     """Indices of the best `top_n` scores (all when 0), best first; ties keep input order."""
     if top_n < 0:

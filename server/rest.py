@@ -226,7 +226,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         name = self._model_name(request.model, ModelKind.RERANKER)
         model, logits, tokens = await self.engine.score_pairs(name, request.query, documents,
                                                               priority=DEFAULT_PRIORITY.get())
-        scores = logits if request.raw_scores else postprocess.sigmoid(logits)
+        scores = postprocess.scores(logits, model.spec.score_activation, request.raw_scores)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
             result = {"index": i, "relevance_score": float(scores[i])}

@@ -150,7 +150,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model, logits, tokens = await self.engine.score_pairs(request.model, request.query, request.documents,
                                                               truncate=_truncate(request),
                                                               priority=_priority(request.priority))
-        scores = logits if request.raw_scores else postprocess.sigmoid(logits)
+        scores = postprocess.scores(logits, model.spec.score_activation, request.raw_scores)
         results = [pb.RerankResult(index=int(i), relevance_score=float(scores[i]),
                                    document=request.documents[i] if request.return_documents else "")
                    for i in postprocess.rank(scores, request.top_n)]
@@ -160,7 +160,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
         model, logits, tokens = await self.engine.classify(request.model, request.inputs, truncate=_truncate(request),
                                                            priority=_priority(request.priority))
-        scores = logits if request.raw_scores else postprocess.softmax(logits)
+        scores = postprocess.scores(logits, model.spec.score_activation, request.raw_scores)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         results = []
         for row in scores:

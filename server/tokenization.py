@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Encoding, Tokenizer
+from tokenizers import Encoding, Tokenizer, normalizers
 
 from .errors import InvalidInput
 
@@ -28,25 +28,38 @@ class Tokenized:
         return np.fromiter((len(i) for i in self.ids), dtype=np.int64, count=len(self.ids))
 
 
-def load_tokenizer(model_dir: str) -> Tokenizer:
+def load_tokenizer(model_dir: str, lowercase: bool = False) -> Tokenizer:
+    """The model's fast tokenizer; `lowercase` (sentence-transformers' do_lower_case) lower-cases texts
+    first, as sentence-transformers does: a Lowercase normalizer ahead of the tokenizer's own."""
     path = Path(model_dir) / "tokenizer.json"
     if path.exists():
-        return Tokenizer.from_file(str(path))
-    # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
-    from transformers import AutoTokenizer
+        tokenizer = Tokenizer.from_file(str(path))
+    else:  # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, use_fast=True).backend_tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=True).backend_tokenizer
+    if lowercase and not _lowercases(tokenizer.normalizer):
+        rest = tokenizer.normalizer
+        rest = [] if rest is None else list(rest) if isinstance(rest, normalizers.Sequence) else [rest]
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase(), *rest])
+    return tokenizer
+
+
+def _lowercases(normalizer) -> bool:
+    if isinstance(normalizer, normalizers.Sequence):
+        return any(isinstance(n, normalizers.Lowercase) for n in normalizer)
+    return isinstance(normalizer, normalizers.Lowercase)
 
 
 class ModelTokenizer:
     def __init__(self, model_dir: str, max_length: int, executor: ThreadPoolExecutor,
-                 bulk_executor: ThreadPoolExecutor | None = None):
+                 bulk_executor: ThreadPoolExecutor | None = None, lowercase: bool = False):
         self.max_length = max_length
         self._executor = executor
         # Bulk work tokenizes on its own thread, so a live query never queues behind
         # a stream's chunks in the tokenizer pool.
         self._bulk_executor = bulk_executor or executor
-        base = load_tokenizer(model_dir)
+        base = load_tokenizer(model_dir, lowercase)
         base.no_padding()
         base.no_truncation()
         self.untruncated = base

@@ -1,9 +1,12 @@
 """What a served model is, read from its directory without importing torch.
 
 The frontend needs the kind, the tokenizer and the post-processing; the
-worker needs the pooling. Both read them here, from the files
-sentence-transformers and transformers write: config.json, modules.json,
-1_Pooling/config.json, sentence_bert_config.json.
+worker needs the pooling and the modules after it. Both read them here, from
+the files sentence-transformers and transformers write: config.json,
+modules.json, each module's config.json, sentence_bert_config.json. Older and
+current sentence-transformers releases write different formats; both are read.
+A module encoderd cannot reproduce exactly is refused (ModelLoadError), never
+approximated: a silently different vector is worse than a model that does not load.
 """
 
 from __future__ import annotations
@@ -45,10 +48,43 @@ def modalities(kind: ModelKind) -> tuple[str, ...]:
 
 
 class Pooling(str, enum.Enum):
+    """sentence-transformers' pooling modes, named as its current `pooling_mode` config key names them."""
     MEAN = "mean"
     CLS = "cls"
     MAX = "max"
     LAST_TOKEN = "lasttoken"
+    WEIGHTED_MEAN = "weightedmean"          # weights 1, 2, 3... by position
+    MEAN_SQRT_LEN = "mean_sqrt_len_tokens"  # sum / sqrt(tokens)
+
+
+def pooling_modes(pooling: Pooling | tuple[Pooling, ...]) -> tuple[Pooling, ...]:
+    """One mode or several (concatenated in this order, as sentence-transformers does)."""
+    return (pooling,) if isinstance(pooling, Pooling) else tuple(pooling)
+
+
+class ScoreActivation(str, enum.Enum):
+    """What turns a reranker's or classifier's logits into scores."""
+    SOFTMAX = "softmax"    # single-label classification: one distribution over the labels
+    SIGMOID = "sigmoid"    # multi-label classification (each label alone), and one-label cross-encoders
+    IDENTITY = "identity"  # regression, or a cross-encoder whose config says Identity: the logits as they are
+
+
+class DenseModule(msgspec.Struct, frozen=True):
+    """A sentence-transformers Dense module: activation(x @ W.T + b) (+ a residual), after pooling."""
+
+    path: str                     # its directory: config.json and model.safetensors / pytorch_model.bin
+    in_features: int
+    out_features: int
+    activation: str               # a torch.nn class name from DENSE_ACTIVATIONS
+    bias: bool = True
+    residual: bool = False        # use_residual: + x (or + x @ R.T when the widths differ)
+    normalize_input: bool = False  # a Normalize module sits right before this one
+
+
+# Activations a Dense module may name (as `torch.nn.modules.activation.Tanh` and the like); all take
+# no arguments, which is how sentence-transformers builds them from the config.
+DENSE_ACTIVATIONS = ("Identity", "Tanh", "Sigmoid", "ReLU", "GELU", "SiLU", "LeakyReLU", "ELU", "Softplus",
+                     "Mish", "Hardtanh", "Softsign")
 
 
 class ModelSpec(msgspec.Struct, frozen=True):
@@ -58,12 +94,16 @@ class ModelSpec(msgspec.Struct, frozen=True):
     path: str
     kind: ModelKind
     max_length: int
-    pooling: Pooling = Pooling.MEAN
-    normalize: bool = False
+    pooling: tuple[Pooling, ...] = (Pooling.MEAN,)  # several: concatenated (see pooling_modes)
+    normalize: bool = False       # L2 at the end (the frontend does it, after the worker's Dense modules)
     labels: tuple[str, ...] = ()
     hidden_size: int = 0
     prompts: dict[str, str] = {}          # sentence-transformers named prompts
     default_prompt_name: str | None = None
+    include_prompt: bool = True   # False: pooling must skip the prompt's tokens; served without prompts only
+    dense: tuple[DenseModule, ...] = ()  # applied in the worker after pooling (workers/st_modules.py)
+    lowercase: bool = False       # sentence-transformers' do_lower_case: texts lower-cased before tokenizing
+    score_activation: ScoreActivation = ScoreActivation.SIGMOID  # rerankers and classifiers
 
 
 class ModelLoadError(Exception):
@@ -125,16 +165,216 @@ def detect_kind(config: dict, modules: list[dict] = ()) -> ModelKind:
     return ModelKind.EMBEDDING
 
 
-def _pooling(model_dir: Path, modules: list[dict]) -> Pooling:
-    pooling_dirs = [m.get("path", "") for m in modules if m.get("type", "").endswith("Pooling")]
-    cfg = _read_json(model_dir / pooling_dirs[0] / "config.json") if pooling_dirs else {}
-    if cfg.get("pooling_mode_cls_token"):
-        return Pooling.CLS
-    if cfg.get("pooling_mode_max_tokens"):
-        return Pooling.MAX
-    if cfg.get("pooling_mode_lasttoken"):
-        return Pooling.LAST_TOKEN
-    return Pooling.MEAN
+# ------------------------------------------------------------ sentence-transformers modules
+# Old releases name modules `sentence_transformers.models.Pooling`, current ones
+# `sentence_transformers.sentence_transformer.modules.pooling.Pooling` (and `...base.modules...`):
+# the class name decides, within the sentence_transformers package only (anything else is custom code).
+_AFTER_POOLING = ("Dense", "Normalize", "Dropout")
+# Legacy boolean keys, in the order sentence-transformers concatenates their modes.
+_LEGACY_POOLING_KEYS = {
+    "pooling_mode_cls_token": Pooling.CLS,
+    "pooling_mode_max_tokens": Pooling.MAX,
+    "pooling_mode_mean_tokens": Pooling.MEAN,
+    "pooling_mode_mean_sqrt_len_tokens": Pooling.MEAN_SQRT_LEN,
+    "pooling_mode_weightedmean_tokens": Pooling.WEIGHTED_MEAN,
+    "pooling_mode_lasttoken": Pooling.LAST_TOKEN,
+}
+_POOLING_KEYS = {"embedding_dimension", "word_embedding_dimension", "pooling_mode", "include_prompt",
+                 *_LEGACY_POOLING_KEYS}
+_DENSE_KEYS = {"in_features", "out_features", "bias", "activation_function", "module_input_name",
+               "module_output_name", "use_residual"}
+_SENTENCE_EMBEDDING = "sentence_embedding"
+
+
+def _st_class(module: dict) -> str:
+    """The sentence-transformers class a modules.json entry names; "" for classes from other packages."""
+    type_name = str(module.get("type", ""))
+    return type_name.rpartition(".")[2] if type_name.startswith("sentence_transformers.") else ""
+
+
+def _module_error(model_dir: Path, module: dict, why: str) -> ModelLoadError:
+    where = model_dir / str(module.get("path", "")) if module.get("path") else model_dir
+    return ModelLoadError(f"{model_dir / 'modules.json'}: module {module.get('name', module.get('idx', '?'))} "
+                          f"({module.get('type')!r}, in {where}) {why}; encoderd serves only what it "
+                          f"reproduces exactly")
+
+
+def _check_keys(path: Path, config: dict, known: set[str]) -> None:
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ModelLoadError(f"{path}: unknown setting(s) {', '.join(unknown)}; encoderd does not know what they "
+                             f"change, so it does not serve this model")
+
+
+def _check_transformer(model_dir: Path, module: dict) -> None:
+    if _st_class(module) != "Transformer":
+        raise _module_error(model_dir, module, "is the first module, which encoderd only runs as a transformers "
+                                               "model (a sentence-transformers Transformer module)")
+    if module.get("path"):
+        raise _module_error(model_dir, module, "keeps the transformer in a subdirectory; encoderd loads it from the "
+                                               "model directory itself")
+    st_config = _read_json(model_dir / "sentence_bert_config.json")
+    text = (st_config.get("modality_config") or {}).get("text") or {}
+    if (st_config.get("transformer_task", "feature-extraction") != "feature-extraction"
+            or text.get("method_output_name", "last_hidden_state") != "last_hidden_state"
+            or st_config.get("module_output_name", "token_embeddings") != "token_embeddings"):
+        raise _module_error(model_dir, module, "is not a feature-extraction transformer ending in its last hidden "
+                                               f"states (see {model_dir / 'sentence_bert_config.json'})")
+
+
+def _read_pooling(model_dir: Path, module: dict) -> tuple[tuple[Pooling, ...], bool]:
+    path = model_dir / str(module.get("path", "")) / "config.json"
+    config = _read_json(path)
+    _check_keys(path, config, _POOLING_KEYS)
+    if "pooling_mode" in config:  # current format; it wins over legacy keys, as in sentence-transformers
+        names = config["pooling_mode"]
+        names = [names] if isinstance(names, str) else list(names or [])
+    else:  # legacy booleans; none set means mean
+        names = [mode.value for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key)] or ["mean"]
+    known = [mode.value for mode in Pooling]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ModelLoadError(f"{path}: pooling mode {unknown[0] if unknown else names!r} is not one encoderd "
+                             f"computes ({', '.join(known)})")
+    return tuple(Pooling(name) for name in names), bool(config.get("include_prompt", True))
+
+
+def _dense_activation(path: Path, config: dict) -> str:
+    # No key: sentence-transformers' default, Tanh. Classes outside torch it would itself replace by
+    # Tanh (without trust_remote_code): refused rather than guessed.
+    name = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    short = name.rpartition(".")[2]
+    if not name.startswith("torch.nn.") or short not in DENSE_ACTIVATIONS:
+        raise ModelLoadError(f"{path}: activation function {name!r} is not one encoderd computes "
+                             f"(torch.nn {', '.join(DENSE_ACTIVATIONS)})")
+    return short
+
+
+def _read_dense(model_dir: Path, module: dict, normalize_input: bool) -> DenseModule:
+    directory = model_dir / str(module.get("path", ""))
+    path = directory / "config.json"
+    config = _read_json(path)
+    _check_keys(path, config, _DENSE_KEYS)
+    if config.get("module_input_name", _SENTENCE_EMBEDDING) != _SENTENCE_EMBEDDING or \
+            config.get("module_output_name", _SENTENCE_EMBEDDING) not in (None, _SENTENCE_EMBEDDING):
+        raise _module_error(model_dir, module, "does not map the sentence embedding to itself")
+    if not any((directory / name).exists() for name in ("model.safetensors", "pytorch_model.bin")):
+        raise _module_error(model_dir, module, "has no weights (model.safetensors or pytorch_model.bin)")
+    try:
+        return DenseModule(path=str(directory), in_features=int(config["in_features"]),
+                           out_features=int(config["out_features"]), activation=_dense_activation(path, config),
+                           bias=bool(config.get("bias", True)), residual=bool(config.get("use_residual", False)),
+                           normalize_input=normalize_input)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not a Dense module config ({type(exc).__name__}: {exc})") from exc
+
+
+def _check_normalize(model_dir: Path, module: dict) -> None:
+    config = _read_json(model_dir / str(module.get("path", "")) / "config.json") if module.get("path") else {}
+    if config.get("module_input_name", _SENTENCE_EMBEDDING) != _SENTENCE_EMBEDDING:
+        raise _module_error(model_dir, module, "normalizes something other than the sentence embedding")
+
+
+class _Pipeline(msgspec.Struct, frozen=True):
+    """An embedding model's sentence-transformers modules, as encoderd runs them."""
+    pooling: tuple[Pooling, ...] = (Pooling.MEAN,)
+    include_prompt: bool = True
+    dense: tuple[DenseModule, ...] = ()
+    normalize: bool = False
+
+
+def _embedding_pipeline(model_dir: Path, modules: list[dict], hidden_size: int) -> _Pipeline:
+    """Transformer, Pooling, then any Dense / Normalize / Dropout modules; anything else is refused.
+    No modules.json: what SentenceTransformer builds for a plain transformers model (mean pooling)."""
+    if not modules:
+        return _Pipeline()
+    _check_transformer(model_dir, modules[0])
+    if len(modules) < 2 or _st_class(modules[1]) != "Pooling":
+        following = modules[1] if len(modules) > 1 else modules[0]
+        raise _module_error(model_dir, following, "is not followed by a Pooling module (or is not one)")
+    pooling, include_prompt = _read_pooling(model_dir, modules[1])
+    dense, normalize_next = [], False
+    for module in modules[2:]:
+        kind = _st_class(module)
+        if kind not in _AFTER_POOLING:
+            raise _module_error(model_dir, module, "is not a module encoderd runs after pooling "
+                                                   f"({', '.join(_AFTER_POOLING)})")
+        if kind == "Dense":
+            dense.append(_read_dense(model_dir, module, normalize_next))
+            normalize_next = False
+        elif kind == "Normalize":
+            _check_normalize(model_dir, module)
+            normalize_next = True
+        # Dropout is the identity at inference.
+    _check_widths(model_dir, hidden_size * len(pooling), dense)
+    return _Pipeline(pooling, include_prompt, tuple(dense), normalize_next)
+
+
+def _check_widths(model_dir: Path, width: int, dense: list[DenseModule]) -> None:
+    for module in dense:
+        if width and module.in_features != width:
+            raise ModelLoadError(f"{module.path}: Dense takes {module.in_features} features but receives {width} "
+                                 f"(pooled or projected before it) in {model_dir}")
+        width = module.out_features
+
+
+def _reranker_activation(config: dict) -> ScoreActivation:
+    """A one-label cross-encoder: sigmoid, unless its sentence-transformers CrossEncoder config names
+    another activation (current key `sentence_transformers.activation_fn`, before v4
+    `sbert_ce_default_activation_function`)."""
+    named = (config.get("sentence_transformers") or {}).get("activation_fn") or \
+        config.get("sbert_ce_default_activation_function")
+    if not named:
+        return ScoreActivation.SIGMOID
+    known = {"Sigmoid": ScoreActivation.SIGMOID, "Identity": ScoreActivation.IDENTITY}
+    short = str(named).rpartition(".")[2]
+    if not str(named).startswith("torch.nn.") or short not in known:
+        raise ModelLoadError(f"the cross-encoder's config.json names activation {named!r}; encoderd applies "
+                             f"torch.nn Sigmoid or Identity only")
+    return known[short]
+
+
+_PROBLEM_TYPES = {"single_label_classification": ScoreActivation.SOFTMAX,
+                  "multi_label_classification": ScoreActivation.SIGMOID,
+                  "regression": ScoreActivation.IDENTITY}
+
+
+def _score_activation(config: dict, kind: ModelKind) -> ScoreActivation:
+    """As transformers' text-classification pipeline reads `problem_type` (none set: single-label).
+    A several-label CrossEncoder's activation (Identity by default: its predict returns logits) is
+    not used: Classify's raw_scores gives the logits."""
+    if kind == ModelKind.RERANKER:
+        return _reranker_activation(config)
+    if kind != ModelKind.CLASSIFIER:
+        return ScoreActivation.SIGMOID  # not used
+    problem = config.get("problem_type") or "single_label_classification"
+    if problem not in _PROBLEM_TYPES:
+        raise ModelLoadError(f"config.json problem_type {problem!r} is not one encoderd knows "
+                             f"({', '.join(_PROBLEM_TYPES)})")
+    return _PROBLEM_TYPES[problem]
+
+
+def _check_head_modules(model_dir: Path, modules: list[dict]) -> None:
+    """A reranker or classifier runs the transformers head alone: modules after it would be skipped."""
+    for module in modules[1:]:
+        raise _module_error(model_dir, module, "follows the classification model; encoderd computes the "
+                                               "transformers sequence-classification head only")
+
+
+def _lowercase(model_dir: Path) -> bool:
+    """Older releases keep do_lower_case in sentence_bert_config.json (current ones put a Lowercase
+    normalizer into tokenizer.json, which the frontend's tokenizer then has anyway)."""
+    return bool(_read_json(model_dir / "sentence_bert_config.json").get("do_lower_case", False))
+
+
+def check_prompts(spec: "ModelSpec", prompts: dict[str, str]) -> None:
+    """A model whose pooling excludes the prompt (include_prompt false) is served without prompts:
+    encoderd pools over every token, so a prompted vector would differ from sentence-transformers'."""
+    used = sorted(name for name, text in prompts.items() if text)
+    if used and not spec.include_prompt and spec.kind == ModelKind.EMBEDDING:
+        raise ModelLoadError(f"{spec.name}: its Pooling module excludes prompt tokens (include_prompt: false), which "
+                             f"encoderd does not compute, and prompts are configured ({', '.join(used)}); serve it "
+                             f"without prompts")
 
 
 def _max_length(model_dir: Path, config: dict) -> int:
@@ -150,13 +390,15 @@ def _max_length(model_dir: Path, config: dict) -> int:
     return min(lengths[0] if lengths else position_limit, position_limit)
 
 
-def _output_size(config: dict, kind: ModelKind) -> int:
+def _output_size(config: dict, kind: ModelKind, pipeline: _Pipeline) -> int:
     """The output width before the worker reports it (a ColBERT projection may change it)."""
     if kind in DUAL_ENCODER_KINDS:
         return int(config.get("projection_dim") or 0)
     if kind == ModelKind.SPARSE:
         return int(config.get("vocab_size") or 0)
-    return int(config.get("hidden_size") or config.get("d_model") or 0)
+    if pipeline.dense:
+        return pipeline.dense[-1].out_features
+    return int(config.get("hidden_size") or config.get("d_model") or 0) * len(pipeline.pooling)
 
 
 def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> ModelSpec:
@@ -169,17 +411,29 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> Mode
     id2label = config.get("id2label") or {}
     labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if kind in (
         ModelKind.RERANKER, ModelKind.CLASSIFIER) else ()
+    pipeline = _Pipeline()
+    if kind == ModelKind.EMBEDDING:
+        pipeline = _embedding_pipeline(model_dir, modules, int(config.get("hidden_size") or 0))
+    elif kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER):
+        _check_head_modules(model_dir, modules)
     st_config = _read_json(model_dir / "config_sentence_transformers.json")
-    return ModelSpec(
+    spec = ModelSpec(
         name=name,
         path=str(model_dir),
         kind=kind,
         max_length=_max_length(model_dir, config),
-        pooling=_pooling(model_dir, modules),
+        pooling=pipeline.pooling,
         # Dual encoders compare across modalities by cosine: unit vectors unless a request says otherwise.
-        normalize=any(m.get("type", "").endswith("Normalize") for m in modules) or kind in DUAL_ENCODER_KINDS,
+        normalize=pipeline.normalize or kind in DUAL_ENCODER_KINDS or (
+            kind != ModelKind.EMBEDDING and any(m.get("type", "").endswith("Normalize") for m in modules)),
         labels=labels,
-        hidden_size=_output_size(config, kind),
+        hidden_size=_output_size(config, kind, pipeline),
         prompts={str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()},
         default_prompt_name=st_config.get("default_prompt_name") or None,
+        include_prompt=pipeline.include_prompt,
+        dense=pipeline.dense,
+        lowercase=_lowercase(model_dir),
+        score_activation=_score_activation(config, kind),
     )
+    check_prompts(spec, spec.prompts)
+    return spec

@@ -28,6 +28,7 @@ from ..server.logs import configure_logging
 from . import protocol
 from .backends import BackendOptions, create_backend
 from .model_spec import ModelSpec
+from .st_modules import SentenceModules
 
 log = logging.getLogger("encoderd.worker")
 
@@ -103,6 +104,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     results.connect(config.result_address)
     try:
         backend = _load(config)
+        modules = SentenceModules(config.spec)  # Dense layers after pooling, for every engine
     except Exception as exc:
         log.exception("model load failed")
         results.send_multipart(protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}")))
@@ -115,10 +117,10 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     threading.Thread(target=_receive_loop, args=(batch_socket, inbox), name="receiver", daemon=True).start()
     results.send_multipart(protocol.encode_control(protocol.WorkerReady(
         # The backend's own engine/options: `auto` engine and dtype are resolved by then.
-        os.getpid(), backend.output_dim, backend.engine, backend.options.device, backend.options.dtype,
-        backend.is_padded)))
+        os.getpid(), modules.output_dim(backend.output_dim), backend.engine, backend.options.device,
+        backend.options.dtype, backend.is_padded)))
     while True:
-        _run(backend, inbox.get(), inbox, results)
+        _run(backend, modules, inbox.get(), inbox, results)
 
 
 def _load(config: WorkerConfig):
@@ -155,17 +157,16 @@ def forward(backend, batch: protocol.TokenBatch):
         return np.concatenate(halves)
 
 
-def _run(backend, batch, inbox: Inbox, results: zmq.Socket) -> None:
+def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket) -> None:
     """Compute one batch and send its result (or its error: one bad batch fails its requests,
     not the worker)."""
     started = time.perf_counter_ns()
     try:
         if isinstance(batch, protocol.MediaBatch):
             output = backend.forward_media(batch)
-        elif batch.urgent:
-            output = forward(backend, batch)
         else:
-            output = _forward_yielding(backend, batch, inbox, results)
+            output = modules(forward(backend, batch) if batch.urgent
+                             else _forward_yielding(backend, modules, batch, inbox, results))
     except Exception as exc:
         log.exception("batch %d failed", batch.batch_id)
         results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))
@@ -174,7 +175,8 @@ def _run(backend, batch, inbox: Inbox, results: zmq.Socket) -> None:
                            copy=False)
 
 
-def _forward_yielding(backend, batch: protocol.TokenBatch, inbox: Inbox, results: zmq.Socket):
+def _forward_yielding(backend, modules: SentenceModules, batch: protocol.TokenBatch, inbox: Inbox,
+                      results: zmq.Socket):
     """A bulk batch in steps; at each pause, the urgent batches that arrived meanwhile run first."""
     steps = backend.forward_in_steps(batch)
     try:
@@ -184,7 +186,7 @@ def _forward_yielding(backend, batch: protocol.TokenBatch, inbox: Inbox, results
             except StopIteration as done:
                 return done.value
             while (urgent := inbox.take_urgent()) is not None:
-                _run(backend, urgent, inbox, results)
+                _run(backend, modules, urgent, inbox, results)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise

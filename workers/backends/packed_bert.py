@@ -19,7 +19,7 @@ from collections.abc import Generator
 import torch
 import torch.nn.functional as F
 
-from ..model_spec import ModelKind, Pooling
+from ..model_spec import ModelKind, Pooling, pooling_modes
 from . import packed_linear
 
 
@@ -66,14 +66,31 @@ class PackedBert:
             yield
         return x
 
-    def pool(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-        """sentence-transformers Pooling over packed sequences."""
-        if pooling == Pooling.CLS:
+    def pool(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: Pooling | tuple[Pooling, ...]
+             ) -> torch.Tensor:
+        """sentence-transformers Pooling over packed sequences; several modes concatenated."""
+        return torch.cat([self._pool_one(hidden, cu_seqlens, mode) for mode in pooling_modes(pooling)], dim=1)
+
+    @staticmethod
+    def _pool_one(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: Pooling) -> torch.Tensor:
+        if mode == Pooling.CLS:
             return hidden[cu_seqlens[:-1].long()]
-        if pooling == Pooling.LAST_TOKEN:
+        if mode == Pooling.LAST_TOKEN:
             return hidden[cu_seqlens[1:].long() - 1]
-        reduce = "max" if pooling == Pooling.MAX else "mean"
-        return torch.segment_reduce(hidden, reduce, lengths=cu_seqlens.diff(), axis=0)
+        lengths = cu_seqlens.diff()
+        if mode == Pooling.MAX:
+            return torch.segment_reduce(hidden, "max", lengths=lengths, axis=0)
+        if mode == Pooling.MEAN:
+            return torch.segment_reduce(hidden, "mean", lengths=lengths, axis=0)
+        if mode == Pooling.MEAN_SQRT_LEN:
+            total = torch.segment_reduce(hidden, "sum", lengths=lengths, axis=0)
+            return total / lengths.to(hidden.dtype).sqrt()[:, None]
+        # WEIGHTED_MEAN: weights 1, 2, 3... by position within each sequence.
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
+        # float32 weights (and so sums): bfloat16 has no exact integers above 256.
+        weights = (torch.arange(hidden.shape[0], device=hidden.device) - starts + 1).float()[:, None]
+        total = torch.segment_reduce(hidden * weights, "sum", lengths=lengths, axis=0)
+        return total / torch.segment_reduce(weights, "sum", lengths=lengths, axis=0)
 
     def logits(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """BertForSequenceClassification's head: pooler (dense + tanh on [CLS]) then classifier."""

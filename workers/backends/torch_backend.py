@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from ..model_spec import ModelKind, Pooling
+from ..model_spec import ModelKind, Pooling, pooling_modes
 from ..protocol import MediaBatch, TokenBatch
 from . import packed_bert, packed_linear, torch_heads
 from .base import Backend, padded, run_to_end
@@ -27,17 +27,25 @@ _POOLED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
 SINGLE_THREAD_TOKENS = 32
 
 
-def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """sentence-transformers Pooling semantics over a padded (n, L, d) batch."""
-    if pooling == Pooling.CLS:
+def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling | tuple[Pooling, ...]) -> torch.Tensor:
+    """sentence-transformers Pooling semantics over a padded (n, L, d) batch; several modes concatenated."""
+    return torch.cat([_pool_one(hidden, mask, mode) for mode in pooling_modes(pooling)], dim=1)
+
+
+def _pool_one(hidden: torch.Tensor, mask: torch.Tensor, mode: Pooling) -> torch.Tensor:
+    if mode == Pooling.CLS:
         return hidden[:, 0]
-    if pooling == Pooling.LAST_TOKEN:
+    if mode == Pooling.LAST_TOKEN:
         last = mask.sum(dim=1) - 1
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     m = mask.unsqueeze(-1).to(hidden.dtype)
-    if pooling == Pooling.MAX:
+    if mode == Pooling.MAX:
         return hidden.masked_fill(m == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
-    return (hidden * m).sum(dim=1) / m.sum(dim=1).clamp(min=1e-9)
+    if mode == Pooling.WEIGHTED_MEAN:  # position weights 1, 2, 3... (right padding: from the first token)
+        # float32 weights (and so sums): bfloat16 has no exact integers above 256.
+        m = m * torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=torch.float32)[None, :, None]
+    count = m.sum(dim=1).clamp(min=1e-9)
+    return (hidden * m).sum(dim=1) / (count.sqrt() if mode == Pooling.MEAN_SQRT_LEN else count)
 
 
 class TorchBackend(Backend):
