@@ -318,18 +318,21 @@ def _check_widths(model_dir: Path, width: int, dense: list[DenseModule]) -> None
         width = module.out_features
 
 
-def _reranker_activation(config: dict) -> ScoreActivation:
-    """A one-label cross-encoder: sigmoid, unless its sentence-transformers CrossEncoder config names
-    another activation (current key `sentence_transformers.activation_fn`, before v4
-    `sbert_ce_default_activation_function`)."""
-    named = (config.get("sentence_transformers") or {}).get("activation_fn") or \
-        config.get("sbert_ce_default_activation_function")
+def _cross_encoder_activation(model_dir: Path, config: dict) -> ScoreActivation | None:
+    """The activation a sentence-transformers CrossEncoder config names, where its releases put it:
+    config_sentence_transformers.json (v5+; read, as sentence-transformers does, only beside a
+    modules.json), config.json's `sentence_transformers` (v4), or config.json's
+    `sbert_ce_default_activation_function` (older); None when none does."""
+    saved = _read_json(model_dir / "config_sentence_transformers.json") if (model_dir / "modules.json").exists() else {}
+    named = (saved.get("activation_fn")
+             or (config.get("sentence_transformers") or {}).get("activation_fn")
+             or config.get("sbert_ce_default_activation_function"))
     if not named:
-        return ScoreActivation.SIGMOID
+        return None
     known = {"Sigmoid": ScoreActivation.SIGMOID, "Identity": ScoreActivation.IDENTITY}
     short = str(named).rpartition(".")[2]
     if not str(named).startswith("torch.nn.") or short not in known:
-        raise ModelLoadError(f"the cross-encoder's config.json names activation {named!r}; encoderd applies "
+        raise ModelLoadError(f"{model_dir}: the cross-encoder config names activation {named!r}; encoderd applies "
                              f"torch.nn Sigmoid or Identity only")
     return known[short]
 
@@ -339,17 +342,21 @@ _PROBLEM_TYPES = {"single_label_classification": ScoreActivation.SOFTMAX,
                   "regression": ScoreActivation.IDENTITY}
 
 
-def _score_activation(config: dict, kind: ModelKind) -> ScoreActivation:
-    """As transformers' text-classification pipeline reads `problem_type` (none set: single-label).
-    A several-label CrossEncoder's activation (Identity by default: its predict returns logits) is
-    not used: Classify's raw_scores gives the logits."""
+def _score_activation(model_dir: Path, config: dict, kind: ModelKind) -> ScoreActivation:
+    """One label (a cross-encoder): sigmoid, or the activation its CrossEncoder config names.
+    Several: by `problem_type`, as transformers' text-classification pipeline reads it; without
+    one, a CrossEncoder's Sigmoid (labels scored alone), else softmax. A CrossEncoder's Identity
+    (its default for several labels: predict returns logits) is what Classify's raw_scores gives."""
     if kind == ModelKind.RERANKER:
-        return _reranker_activation(config)
+        return _cross_encoder_activation(model_dir, config) or ScoreActivation.SIGMOID
     if kind != ModelKind.CLASSIFIER:
         return ScoreActivation.SIGMOID  # not used
-    problem = config.get("problem_type") or "single_label_classification"
+    problem = config.get("problem_type")
+    if problem is None:
+        named = _cross_encoder_activation(model_dir, config)
+        return ScoreActivation.SIGMOID if named == ScoreActivation.SIGMOID else ScoreActivation.SOFTMAX
     if problem not in _PROBLEM_TYPES:
-        raise ModelLoadError(f"config.json problem_type {problem!r} is not one encoderd knows "
+        raise ModelLoadError(f"{model_dir / 'config.json'}: problem_type {problem!r} is not one encoderd knows "
                              f"({', '.join(_PROBLEM_TYPES)})")
     return _PROBLEM_TYPES[problem]
 
@@ -433,7 +440,7 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> Mode
         include_prompt=pipeline.include_prompt,
         dense=pipeline.dense,
         lowercase=_lowercase(model_dir),
-        score_activation=_score_activation(config, kind),
+        score_activation=_score_activation(model_dir, config, kind),
     )
     check_prompts(spec, spec.prompts)
     return spec

@@ -33,11 +33,12 @@ from support.server import ServerProcess
 from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
 CASED = ["Hello World from PARIS and Berlin", "The EU's GDP Grew in Q3", "iPhone USB-C CamelCaseIdentifier HTTPServer"]
-TEXTS = sentences(21, max_words=160, seed=23) + CASED  # 2 to 128+ tokens: some truncated at 128
+TEXTS = sentences(13, max_words=160, seed=23) + CASED  # 2 to 128+ tokens: some truncated at 128
 EMBEDDERS = {
     # LaBSE-style: CLS, Dense layers, Normalize; as sentence-transformers 6.2 writes it
     "cls-dense-new": dict(fmt="new", pooling=("cls",), modules=(Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)),
-    "mean-dense-old": dict(fmt="old", pooling=("mean",), modules=(Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)),
+    "mean-dense-old": dict(fmt="old", pooling=("mean",),
+                           modules=(Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)),
     # Three modes concatenated (legacy booleans), lower-casing over a cased tokenizer, no Normalize
     "concat-old-lowercase": dict(fmt="old", pooling=("cls", "max", "mean"), modules=(Dense(96, "GELU"),),
                                  lowercase=True, cased_tokenizer=True, include_prompt=False),
@@ -193,19 +194,24 @@ def test_classifier_scores_follow_problem_type(name, heads, monkeypatch, tmp_pat
         assert np.abs(postprocess.scores(logits, other) - got).max() > 0.05
 
 
-@pytest.mark.parametrize("activation", ["Identity", "Sigmoid"])
-def test_cross_encoder_activation_is_honoured(activation, st_dir, monkeypatch, tmp_path):
+CROSS_ENCODERS = [  # (labels, activation the CrossEncoder config names, where)
+    (1, "Identity", "current"), (1, "Identity", "legacy"), (1, "Sigmoid", "v4"), (3, "Sigmoid", "current")]
+
+
+@pytest.mark.parametrize("labels,activation,where", CROSS_ENCODERS, ids=[f"{n}-{a}-{w}" for n, a, w in CROSS_ENCODERS])
+def test_cross_encoder_activation_is_honoured(labels, activation, where, st_dir, monkeypatch, tmp_path):
     from sentence_transformers import CrossEncoder
 
-    path = str(build_head_model(st_dir / f"ce-{activation}", ("score",), problem_type="regression",
-                                cross_encoder_activation=activation))
+    path = str(build_head_model(st_dir / f"ce-{labels}-{activation}-{where}", tuple(f"L{i}" for i in range(labels)),
+                                cross_encoder_activation=activation, where=where))
     spec = load_model_spec("ce", path)
-    assert spec.kind == ModelKind.RERANKER and spec.score_activation == ScoreActivation(activation.lower())
+    assert spec.kind == (ModelKind.RERANKER if labels == 1 else ModelKind.CLASSIFIER)
+    assert spec.score_activation == ScoreActivation(activation.lower())
     query = "how do search engines rank documents"
     tokens = frontend_tokens(spec, TEXTS, pairs_with=query)
     batch = TokenBatch.from_sequences(0, tokens.ids, tokens.type_ids)
-    backend = load_backend("torch", spec, str(tmp_path), monkeypatch)
-    got = postprocess.scores(backend.forward(batch)[:, 0], spec.score_activation)
+    logits = load_backend("torch", spec, str(tmp_path), monkeypatch).forward(batch)
+    got = postprocess.scores(logits[:, 0] if labels == 1 else logits, spec.score_activation)
     want = CrossEncoder(path, device="cpu").predict([(query, t) for t in TEXTS])
     np.testing.assert_allclose(got, want, atol=1e-4)
 
@@ -230,7 +236,7 @@ def insert_module(module: dict):
 REFUSALS = {
     "layer-norm": ("cls-dense-new", insert_module({"idx": 9, "name": "9", "path": "9_LayerNorm",
                                                    "type": "sentence_transformers.models.LayerNorm"}),
-                   r"module 9 \('sentence_transformers.models.LayerNorm'.*9_LayerNorm.*modules.json|modules.json.*LayerNorm"),
+                   r"modules.json: module 9 \('sentence_transformers.models.LayerNorm', in .*9_LayerNorm\)"),
     "custom-class": ("cls-dense-new", insert_module({"idx": 9, "name": "9", "path": "9_Custom",
                                                      "type": "my_package.modules.WhiteningLayer"}), "WhiteningLayer"),
     "static-embedding": ("max-new-plain", lambda d: edit_json(d / "modules.json", lambda m: [
@@ -269,6 +275,9 @@ def test_unknown_heads_are_refused(heads, st_dir, tmp_path):
     path = str(build_head_model(st_dir / "ce-tanh", ("score",), cross_encoder_activation="Tanh"))
     with pytest.raises(ModelLoadError, match="activation 'torch.nn.modules.activation.Tanh'"):
         load_model_spec("ce", path)
+    # Several labels: a CrossEncoder's Identity (its default there) leaves Classify's softmax.
+    path = str(build_head_model(st_dir / "ce-3-identity", ("a", "b", "c"), cross_encoder_activation="Identity"))
+    assert load_model_spec("ce", path).score_activation == ScoreActivation.SOFTMAX
 
 
 def test_prompts_refused_where_pooling_excludes_them(embedders, tmp_path):

@@ -136,11 +136,12 @@ def _write_dense(directory: Path, fmt: str, in_features: int, dense: Dense, seed
     generator = torch.Generator().manual_seed(seed)
     # Scaled so pre-activations spread over ~[-2, 2] on MiniLM's pooled vectors: saturating
     # activations then still separate texts.
-    weights = {"linear.weight": torch.randn(dense.out_features, in_features, generator=generator) * 3 / in_features ** 0.5}
+    scale = in_features ** -0.5
+    weights = {"linear.weight": torch.randn(dense.out_features, in_features, generator=generator) * 3 * scale}
     if dense.bias:
         weights["linear.bias"] = torch.randn(dense.out_features, generator=generator) * 0.1
     if dense.residual and in_features != dense.out_features:
-        weights["residual.weight"] = torch.randn(dense.out_features, in_features, generator=generator) / in_features ** 0.5
+        weights["residual.weight"] = torch.randn(dense.out_features, in_features, generator=generator) * scale
     _write_json(directory / "config.json", config)
     if fmt == "new":
         from safetensors.torch import save_file
@@ -151,9 +152,11 @@ def _write_dense(directory: Path, fmt: str, in_features: int, dense: Dense, seed
 
 
 def build_head_model(out_dir: Path, labels: tuple[str, ...], *, problem_type: str | None = None,
-                     cross_encoder_activation: str | None = None, seed: int = 3) -> Path:
+                     cross_encoder_activation: str | None = None, where: str = "current", seed: int = 3) -> Path:
     """MiniLM + a seeded sequence-classification head: `problem_type` as transformers writes it;
-    cross_encoder_activation: a torch.nn class name a CrossEncoder config names (`sentence_transformers.activation_fn`)."""
+    cross_encoder_activation: a torch.nn class name a sentence-transformers CrossEncoder config names,
+    `where` its releases put it: "current" (config_sentence_transformers.json, v5+), "v4"
+    (config.json `sentence_transformers.activation_fn`), "legacy" (`sbert_ce_default_activation_function`)."""
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -167,12 +170,25 @@ def build_head_model(out_dir: Path, labels: tuple[str, ...], *, problem_type: st
     with torch.no_grad():  # logits over several units, so activations differ visibly
         model.classifier.weight.copy_(torch.randn(model.classifier.weight.shape, generator=generator) * 2)
         model.classifier.bias.copy_(torch.randn(model.classifier.bias.shape, generator=generator))
+    activation_path = ""
     if cross_encoder_activation:
         activation = getattr(torch.nn, cross_encoder_activation)
-        model.config.sentence_transformers = {"activation_fn": f"{activation.__module__}.{activation.__name__}"}
+        activation_path = f"{activation.__module__}.{activation.__name__}"
+        if where == "v4":
+            model.config.sentence_transformers = {"activation_fn": activation_path}
+        elif where == "legacy":
+            model.config.sbert_ce_default_activation_function = activation_path
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
+    if activation_path and where == "current":  # as CrossEncoder.save writes it: with its modules
+        _write_json(tmp / "config_sentence_transformers.json", {"activation_fn": activation_path,
+                                                                "model_type": "CrossEncoder", "prompts": {}})
+        _write_json(tmp / "modules.json", [{"idx": 0, "name": "0", "path": "", "type": TYPES["new"]["Transformer"]}])
+        _write_json(tmp / "sentence_bert_config.json", {
+            "transformer_task": "sequence-classification",
+            "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
+            "module_output_name": "scores"})
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(Path(default_model_path()) / name, tmp / name)
     tmp.rename(out_dir)
