@@ -64,6 +64,8 @@ class ModelSpec(msgspec.Struct, frozen=True):
     hidden_size: int = 0
     prompts: dict[str, str] = {}          # sentence-transformers named prompts
     default_prompt_name: str | None = None
+    model_type: str = ""                  # config.json's: the family engines claim or refuse (bert, qwen3, ...)
+    pad_token_id: int = 0                 # what padded engines fill with: decoder classifiers score the last non-pad token
 
 
 class ModelLoadError(Exception):
@@ -156,7 +158,7 @@ def _output_size(config: dict, kind: ModelKind) -> int:
         return int(config.get("projection_dim") or 0)
     if kind == ModelKind.SPARSE:
         return int(config.get("vocab_size") or 0)
-    return int(config.get("hidden_size") or config.get("d_model") or 0)
+    return int(config.get("hidden_size") or config.get("d_model") or config.get("dim") or 0)  # dim: DistilBERT
 
 
 def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> ModelSpec:
@@ -182,4 +184,6 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> Mode
         hidden_size=_output_size(config, kind),
         prompts={str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()},
         default_prompt_name=st_config.get("default_prompt_name") or None,
+        model_type=str(config.get("model_type") or ""),
+        pad_token_id=int((config.get("text_config") or config).get("pad_token_id") or 0),
     )
