@@ -145,8 +145,8 @@ def _max_length(model_dir: Path, config: dict) -> int:
     candidates = [st_config.get("max_seq_length"), tok_config.get("model_max_length")]
     text_config = config.get("text_config") or config  # dual encoders keep the text tower's settings apart
     position_limit = text_config.get("max_position_embeddings") or 512
-    # RoBERTa-style models (CLAP's text tower too) reserve two positions for the padding offset.
-    if text_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "clap_text_model"):
+    # RoBERTa-style models (MPNet, CLAP's text tower too) number positions from pad_token_id + 1.
+    if text_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "mpnet", "clap_text_model"):
         position_limit -= 2
     lengths = [int(c) for c in candidates if isinstance(c, (int, float)) and 0 < c < 10**6]
     return min(lengths[0] if lengths else position_limit, position_limit)
