@@ -104,6 +104,8 @@ class ModelSpec(msgspec.Struct, frozen=True):
     dense: tuple[DenseModule, ...] = ()  # applied in the worker after pooling (workers/st_modules.py)
     lowercase: bool = False       # sentence-transformers' do_lower_case: texts lower-cased before tokenizing
     score_activation: ScoreActivation = ScoreActivation.SIGMOID  # rerankers and classifiers
+    model_type: str = ""                  # config.json's: the family engines claim or refuse (bert, qwen3, ...)
+    pad_token_id: int = 0                 # what padded engines fill with: decoder classifiers score the last non-pad token
 
 
 class ModelLoadError(Exception):
@@ -390,8 +392,8 @@ def _max_length(model_dir: Path, config: dict) -> int:
     candidates = [st_config.get("max_seq_length"), tok_config.get("model_max_length")]
     text_config = config.get("text_config") or config  # dual encoders keep the text tower's settings apart
     position_limit = text_config.get("max_position_embeddings") or 512
-    # RoBERTa-style models (CLAP's text tower too) reserve two positions for the padding offset.
-    if text_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "clap_text_model"):
+    # RoBERTa-style models (MPNet, CLAP's text tower too) number positions from pad_token_id + 1.
+    if text_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "mpnet", "clap_text_model"):
         position_limit -= 2
     lengths = [int(c) for c in candidates if isinstance(c, (int, float)) and 0 < c < 10**6]
     return min(lengths[0] if lengths else position_limit, position_limit)
@@ -405,7 +407,8 @@ def _output_size(config: dict, kind: ModelKind, pipeline: _Pipeline) -> int:
         return int(config.get("vocab_size") or 0)
     if pipeline.dense:
         return pipeline.dense[-1].out_features
-    return int(config.get("hidden_size") or config.get("d_model") or 0) * len(pipeline.pooling)
+    hidden = int(config.get("hidden_size") or config.get("d_model") or config.get("dim") or 0)  # dim: DistilBERT
+    return hidden * len(pipeline.pooling)
 
 
 def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> ModelSpec:
@@ -441,6 +444,8 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> Mode
         dense=pipeline.dense,
         lowercase=_lowercase(model_dir),
         score_activation=_score_activation(model_dir, config, kind),
+        model_type=str(config.get("model_type") or ""),
+        pad_token_id=int((config.get("text_config") or config).get("pad_token_id") or 0),
     )
     check_prompts(spec, spec.prompts)
     return spec

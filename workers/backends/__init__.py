@@ -8,7 +8,7 @@ import logging
 
 import msgspec
 
-from .base import TEXT_KINDS, Backend, BackendOptions
+from .base import ENGINE_FAMILIES, TEXT_KINDS, Backend, BackendOptions
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +27,20 @@ def _on_gpu(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def resolve_engine(engine: str, options: BackendOptions, kind: str = "embedding") -> str:
+def resolve_engine(engine: str, options: BackendOptions, kind: str = "embedding", model_type: str | None = None) -> str:
     """`auto`: torch on CUDA (ctranslate2 for int8 there), onnx on CPU when onnxruntime is
-    installed; torch for the kinds only it computes (multi-modal, multi-vector, sparse)."""
+    installed; torch for the kinds only it computes (multi-modal, multi-vector, sparse) and for
+    model families the other engine does not serve (base.ENGINE_FAMILIES)."""
     if engine != "auto":
         return engine
+    chosen, why = _auto_engine(options, kind)
+    if chosen != "torch" and model_type is not None and kind not in ENGINE_FAMILIES[chosen].get(model_type, ()):
+        chosen, why = "torch", f"{chosen} does not serve {model_type or 'unknown-family'} {kind} models"
+    log.info("--engine auto: using %s (%s)", chosen, why)
+    return chosen
+
+
+def _auto_engine(options: BackendOptions, kind: str) -> tuple[str, str]:
     if kind not in TEXT_KINDS:
         chosen, why = "torch", f"only torch computes {kind} models"
     elif _on_gpu(options.device):
@@ -41,8 +50,7 @@ def resolve_engine(engine: str, options: BackendOptions, kind: str = "embedding"
         chosen, why = "onnx", "CPU device and onnxruntime is installed"
     else:
         chosen, why = "torch", "CPU device and onnxruntime is not installed"
-    log.info("--engine auto: using %s (%s)", chosen, why)
-    return chosen
+    return chosen, why
 
 
 def resolve_options(options: BackendOptions) -> BackendOptions:
@@ -58,7 +66,7 @@ def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
     """The backend for `engine` with `auto` engine and dtype resolved; its
     `engine` and `options` say what actually runs."""
     options = resolve_options(options)
-    engine = resolve_engine(engine, options, spec.kind.value)
+    engine = resolve_engine(engine, options, spec.kind.value, spec.model_type)
     if spec.kind.value not in TEXT_ENGINE_KINDS and engine != "torch":
         # Multi-modal, multi-vector and sparse heads exist for torch only (workers/backends/torch_heads.py).
         log.warning("%s: %s models run on the torch engine, not %s", spec.name, spec.kind.value, engine)

@@ -81,6 +81,38 @@ def run_to_end(steps: Generator):
 TEXT_KINDS = ("embedding", "reranker", "classifier")
 
 
+# Model families (config.json's model_type) and kinds each converting engine computes exactly:
+# tests/integration/test_families.py checks every entry against transformers / sentence-transformers
+# on tiny random models of the family, and that everything else is refused. torch runs transformers'
+# own modules, so it serves every family. An engine is never trusted on a family it was not checked on:
+# a converter that accepts a model can still compute something else (a lost mask, other positions).
+ENGINE_FAMILIES = {
+    "onnx": {family: TEXT_KINDS for family in ("bert", "deberta-v2", "distilbert", "modernbert", "mpnet",
+                                               "qwen3", "roberta", "xlm-roberta")},
+    # CTranslate2's converter knows these encoders; its DistilBERT has no head we can apply (pre_classifier + ReLU).
+    "ctranslate2": {"bert": TEXT_KINDS, "roberta": TEXT_KINDS, "xlm-roberta": TEXT_KINDS, "distilbert": ("embedding",)},
+    # The onnx export under TensorRT: only the families the GPU checks (tests/gpu/run.sh) have verified.
+    "tensorrt": {"bert": TEXT_KINDS},
+}
+
+
+def engines_serving(spec: ModelSpec) -> list[str]:
+    return ["torch"] + [e for e, families in ENGINE_FAMILIES.items()
+                        if spec.kind.value in families.get(spec.model_type, ())]
+
+
+def require_family(spec: ModelSpec, engine: str) -> None:
+    """Fail at load, naming the engines that can serve it, for a family (or a family's kind) this
+    engine was not verified to compute exactly."""
+    if spec.kind.value in ENGINE_FAMILIES[engine].get(spec.model_type, ()):
+        return
+    family = spec.model_type or "unknown-family (config.json has no model_type)"
+    served = ", ".join(sorted(f for f, kinds in ENGINE_FAMILIES[engine].items() if spec.kind.value in kinds))
+    raise ValueError(f"the {engine} engine does not serve {spec.name}, a {family} {spec.kind.value} model: it "
+                     f"computes {spec.kind.value} models of {served} only. Engines that serve {family} "
+                     f"{spec.kind.value} models: {', '.join(engines_serving(spec))}")
+
+
 def require_text_kind(spec: ModelSpec, engine: str) -> None:
     """Fail at load, naming the way out, for a kind this engine does not compute."""
     if spec.kind.value not in TEXT_KINDS:
@@ -88,11 +120,13 @@ def require_text_kind(spec: ModelSpec, engine: str) -> None:
                          f"{spec.kind.value} model: use --engine torch (or auto)")
 
 
-def padded(batch: TokenBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Packed tokens -> (input_ids, attention_mask, token_type_ids), each (n, longest)."""
+def padded(batch: TokenBatch, pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Packed tokens -> (input_ids, attention_mask, token_type_ids), each (n, longest), right-padded
+    with pad_token_id: decoder classifiers (Qwen3ForSequenceClassification...) score each row's last
+    token that is not the pad token, whatever the mask says, so any other fill is read as text."""
     lengths = batch.lengths
     mask = np.arange(int(lengths.max())) < lengths[:, None]
-    ids = np.zeros(mask.shape, dtype=np.int64)
+    ids = np.full(mask.shape, pad_token_id, dtype=np.int64)
     ids[mask] = batch.input_ids  # row-major order matches the packing
     types = None
     if batch.token_type_ids is not None:

@@ -19,7 +19,6 @@ int8 compute types: they are a few hundred FLOPs per input.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -32,7 +31,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, require_text_kind
+from .base import Backend, require_family, require_text_kind
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +152,7 @@ class CT2Backend(Backend):
         import ctranslate2
 
         require_text_kind(self.spec, self.engine)
+        require_family(self.spec, self.engine)
         ctype = compute_type(self.options.dtype, self.options.device)
         path, self.cache_hit = ensure_converted(self.spec, ctype, self.options.cache_dir)
         self._on_gpu = self.options.device.startswith("cuda")
@@ -161,8 +161,7 @@ class CT2Backend(Backend):
             device_index=int(self.options.device.partition(":")[2] or 0),
             intra_threads=self.options.threads or len(os.sched_getaffinity(0)))
         self.head = dict(np.load(path / HEAD_FILE)) if self.spec.kind != ModelKind.EMBEDDING else None
-        config = json.loads((Path(self.spec.path) / "config.json").read_text())
-        self._dim = int(config["hidden_size"]) if self.head is None else int(self.head["w1"].shape[0])
+        self._dim = self.spec.hidden_size if self.head is None else int(self.head["w1"].shape[0])
         log.info("ctranslate2 encoder on %s, compute type %s (%s)", self.options.device, ctype, path)
 
     @property

@@ -33,7 +33,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind, ModelSpec
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, padded, require_text_kind
+from .base import Backend, padded, require_family, require_text_kind
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,10 @@ def export_onnx(model_dir: str, kind: ModelKind, max_length: int, out_dir: Path)
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     model_class = AutoModel if kind == ModelKind.EMBEDDING else AutoModelForSequenceClassification
-    model = model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    try:
+        model = model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    except ValueError:  # no SDPA path (DeBERTa-v2): the model's own attention
+        model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
     names = _export_inputs(model)
     output = "last_hidden_state" if kind == ModelKind.EMBEDDING else "logits"
 
@@ -330,6 +333,7 @@ class OnnxBackend(Backend):
 
     def load(self) -> None:
         require_text_kind(self.spec, self.engine)
+        require_family(self.spec, self.engine)
         check_onnxruntime_install()
         self._check_dtype()
         providers = self._providers()
@@ -371,7 +375,7 @@ class OnnxBackend(Backend):
         return self._dim
 
     def forward(self, batch: TokenBatch) -> np.ndarray:
-        ids, mask, types = padded(batch)
+        ids, mask, types = padded(batch, self.spec.pad_token_id)
         feed = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self._inputs:
             feed["token_type_ids"] = types if types is not None else np.zeros_like(ids)

@@ -30,7 +30,7 @@ import os
 from pathlib import Path
 
 from ..model_cache import cached_build, default_cache_dir
-from .base import require_text_kind
+from .base import require_family, require_text_kind
 from .onnx_backend import (OnnxBackend, check_onnxruntime_install, create_session, device_index,
                            ensure_onnx_model, require_provider)
 
@@ -92,6 +92,7 @@ class TensorRTBackend(OnnxBackend):
 
     def load(self) -> None:
         require_text_kind(self.spec, self.engine)
+        require_family(self.spec, self.engine)
         if not self.options.device.startswith("cuda"):
             raise ValueError(f"the tensorrt engine runs on NVIDIA GPUs only, not {self.options.device!r}: "
                              "use --device cuda, or --engine onnx on CPU")

@@ -96,7 +96,7 @@ class TorchBackend(Backend):
     def forward(self, batch: TokenBatch) -> np.ndarray:
         if self.packed is not None:
             return self._forward_packed(batch)
-        ids, mask, types = padded(batch)
+        ids, mask, types = padded(batch, self.spec.pad_token_id)
         self._size_threads(ids.size)
         inputs = {"input_ids": torch.from_numpy(ids).to(self.device),
                   "attention_mask": torch.from_numpy(mask).to(self.device)}
