@@ -10,8 +10,9 @@ One home for every hardware-dependent numeric decision (the backends only ask):
   (reduce_range: 2 x 255 x 64 = 32,640 fits int16, provably exact); CTranslate2, which has no such
   option, refuses int8 there.
 * bfloat16 / float16 on CPU run at useful speed only with native instructions (avx512_bf16 /
-  amx_bf16, avx512_fp16 / amx_fp16); elsewhere they are emulated (~1 GFLOP/s measured on Zen 3
-  against ~80 for float32). On CUDA bfloat16 needs compute capability 8.0 (Ampere).
+  amx_bf16, avx512_fp16 / amx_fp16); elsewhere torch emulates them at ~1 GFLOP/s (bfloat16 on a
+  Zen 3: ~80 for float32; a 512x512 float16 matmul on a Zen 5, which has avx512_bf16 but no
+  avx512_fp16: 0.7 GFLOP/s against 157 for bfloat16). On CUDA bfloat16 needs compute capability 8.0.
 
 Policy: a dtype the hardware cannot run well or accurately is a start-up error (UnsupportedOnHardware)
 naming the missing feature and the alternative; nothing falls back silently. `auto` engine/dtype
@@ -74,7 +75,7 @@ class CpuInfo:
             return f"{self.arch}: instruction sets unknown (no {CPUINFO})"
         shown = [f for f in ("avx2", "avx512f", *VNNI_INT8, *NATIVE_BF16, *NATIVE_FP16) if f in self.flags]
         text = f"{self.model or self.arch}: {' '.join(shown) or 'none of ' + 'avx2 avx512 vnni bf16 fp16'}"
-        return text + (f" (masked by {MASK_ENV}: {' '.join(sorted(self.masked))})" if self.masked else "")
+        return text + (f"; {len(self.masked)} flags masked by {MASK_ENV}" if self.masked else "")
 
 
 # ------------------------------------------------------------------ detection
@@ -159,12 +160,12 @@ def _check_cpu(engine: str, dtype: str, info: CpuInfo) -> None:
     if dtype == "bfloat16" and not info.has_any(NATIVE_BF16):
         raise UnsupportedOnHardware(
             f"--dtype bfloat16 on CPU needs native bfloat16 instructions ({_missing(NATIVE_BF16)}), which this "
-            f"CPU lacks ({info.describe()}): it would be emulated, ~80x slower than float32. "
+            f"CPU lacks ({info.describe()}): it would be emulated at ~1 GFLOP/s, dozens of times slower than float32. "
             "Use --dtype float32 (or int8 with --engine onnx).")
     if dtype == "float16" and not info.has_any(NATIVE_FP16):
         raise UnsupportedOnHardware(
             f"--dtype float16 on CPU needs native float16 arithmetic ({_missing(NATIVE_FP16)}), which this CPU "
-            f"lacks ({info.describe()}): it would be emulated. Use --dtype float32"
+            f"lacks ({info.describe()}): it would be emulated at ~1 GFLOP/s. Use --dtype float32"
             + (", or bfloat16 (this CPU has it)." if info.has_any(NATIVE_BF16) else "."))
     if dtype.startswith("int8") and engine in _INT8_ALTERNATIVES and not info.int8_exact:
         raise UnsupportedOnHardware(
@@ -182,11 +183,3 @@ def _check_cuda(engine: str, dtype: str, device: str, capability: tuple[int, int
             f"(Ampere) or newer; this GPU is {capability[0]}.{capability[1]} and would emulate it. "
             "Use --dtype float16.")
 
-
-def auto_dtype_ok(engine: str, dtype: str, device: str) -> bool:
-    """Whether `auto` may choose (engine, dtype) on device: what check_dtype accepts."""
-    try:
-        check_dtype(engine, dtype, device)
-    except UnsupportedOnHardware:
-        return False
-    return True
