@@ -191,8 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         configure_logging(config.log_level, config.log_format)
         from .app import serve
+        from .worker_client import WorkerStartError
 
-        serve(config)
+        try:
+            serve(config)
+        except WorkerStartError as exc:
+            # A model that cannot start (a dtype this hardware cannot run, a broken model) is the
+            # operator's to fix: one line that says why, not a traceback through the event loop.
+            print(f"encoderd: cannot start {exc}", file=sys.stderr)
+            return 2
     elif args.command == "gateway":
         return run_gateway_command(args)
     return 0

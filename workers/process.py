@@ -27,6 +27,7 @@ import zmq
 from ..server.logs import configure_logging
 from . import protocol
 from .backends import BackendOptions, create_backend
+from .hardware import UnsupportedOnHardware
 from .model_spec import ModelSpec
 from .st_modules import SentenceModules
 
@@ -106,7 +107,10 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         backend = _load(config)
         modules = SentenceModules(config.spec)  # Dense layers after pooling, for every engine
     except Exception as exc:
-        log.exception("model load failed")
+        if isinstance(exc, UnsupportedOnHardware):  # a refusal, not a bug: its message is the whole story
+            log.error("model load refused: %s", exc)
+        else:
+            log.exception("model load failed")
         results.send_multipart(protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}")))
         results.close()
         raise SystemExit(2)

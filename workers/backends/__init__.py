@@ -8,6 +8,7 @@ import logging
 
 import msgspec
 
+from .. import hardware
 from .base import ENGINE_FAMILIES, TEXT_KINDS, Backend, BackendOptions
 
 log = logging.getLogger(__name__)
@@ -19,6 +20,8 @@ ENGINES = {
     "ctranslate2": ("ct2_backend", "CT2Backend"),
     "tensorrt": ("tensorrt_backend", "TensorRTBackend"),
 }
+# What `auto` may hand to onnxruntime on CPU (OnnxBackend.dtypes["cpu"], without importing it).
+ONNX_CPU_DTYPES = ("float32", "int8")
 # The kinds every engine serves; the others are torch-only.
 TEXT_ENGINE_KINDS = TEXT_KINDS
 
@@ -28,9 +31,10 @@ def _on_gpu(device: str) -> bool:
 
 
 def resolve_engine(engine: str, options: BackendOptions, kind: str = "embedding", model_type: str | None = None) -> str:
-    """`auto`: torch on CUDA (ctranslate2 for int8 there), onnx on CPU when onnxruntime is
-    installed; torch for the kinds only it computes (multi-modal, multi-vector, sparse) and for
-    model families the other engine does not serve (base.ENGINE_FAMILIES)."""
+    """`auto`: torch on CUDA (ctranslate2 for int8 there), onnx on CPU for float32 and int8 when
+    onnxruntime is installed (its int8 recipe suits every CPU: hardware.onnx_int8_recipe); torch for
+    the kinds only it computes (multi-modal, multi-vector, sparse), other CPU dtypes, and model
+    families the other engine does not serve (base.ENGINE_FAMILIES)."""
     if engine != "auto":
         return engine
     chosen, why = _auto_engine(options, kind)
@@ -46,6 +50,8 @@ def _auto_engine(options: BackendOptions, kind: str) -> tuple[str, str]:
     elif _on_gpu(options.device):
         int8 = options.dtype.startswith("int8") and importlib.util.find_spec("ctranslate2") is not None
         chosen, why = ("ctranslate2", "int8 on CUDA") if int8 else ("torch", "CUDA device")
+    elif options.dtype not in ONNX_CPU_DTYPES:
+        chosen, why = "torch", f"onnxruntime computes no {options.dtype} on CPU"
     elif importlib.util.find_spec("onnxruntime") is not None:
         chosen, why = "onnx", "CPU device and onnxruntime is installed"
     else:
@@ -75,6 +81,8 @@ def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
         raise ValueError(f"unknown engine {engine!r}; choose one of auto, {', '.join(ENGINES)}")
     module_name, class_name = ENGINES[engine]
     module = importlib.import_module(f"{__name__}.{module_name}")
+    # After the import: the torch engine's module brings torch, which reads a GPU's compute capability.
+    hardware.check_dtype(engine, options.dtype, options.device)
     return getattr(module, class_name)(spec, options)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import hardware
 from ..model_cache import cached_build, default_cache_dir, fingerprint_model, library_versions
 from ..model_spec import ModelKind, ModelSpec
 from ..pooling import pool
@@ -197,9 +198,11 @@ def _is_big(source: Path) -> bool:
     return sum(f.stat().st_size for f in source.parent.iterdir()) > _EXTERNAL_DATA_BYTES
 
 
-def quantize_int8(source: Path, out_dir: Path, max_length: int) -> None:
+def quantize_int8(source: Path, out_dir: Path, max_length: int, recipe: str) -> None:
     """Dynamic int8, weights per output channel (per-tensor costs ~0.05 cosine on MiniLM), after
-    smoothing; the feed-forward down-projections stay float32.
+    smoothing; the feed-forward down-projections stay float32. `recipe` (hardware.onnx_int8_recipe):
+    8-bit weights, or 7-bit ones (reduce_range) where the CPU has no VNNI and 8-bit products would
+    saturate its int16 pair sums.
 
     Measured on all-MiniLM-L6-v2 (test_engines' 40 mixed-length texts in batches of 16), worst /
     mean embedding cosine to float32 and tokens/s relative to float32 (1 and 2 threads alike):
@@ -226,6 +229,7 @@ def quantize_int8(source: Path, out_dir: Path, max_length: int) -> None:
         # Quantize an export, never an onnxruntime-optimized (fused) graph: quantize_dynamic fails on those.
         # MatMul only: also quantizing the embedding Gathers costs accuracy (min cosine 0.976 vs 0.980) for no speed.
         quantize_dynamic(work / MODEL_FILE, out_dir / MODEL_FILE, per_channel=True, weight_type=QuantType.QInt8,
+                         reduce_range=recipe == hardware.ONNX_INT8_REDUCED_RANGE,
                          op_types_to_quantize=["MatMul"], nodes_to_exclude=keep_float, use_external_data_format=big)
     # quantize_dynamic skips MatMuls whose weight is not a constant initializer without failing;
     # a graph it left in float32 must not be served (and cached) as int8.
@@ -281,9 +285,12 @@ def ensure_onnx_model(spec: ModelSpec, dtype: str, cache_dir: str) -> tuple[Path
         f"exporting {spec.name} to ONNX", export_onnx, spec.path, spec.kind, spec.max_length, out))
     if dtype == "float32":
         return base.path / MODEL_FILE, base.hit
-    derive = {"int8": ("quantizing {} to int8 (smoothed, dynamic, per-channel)", quantize_int8, spec.max_length),
+    scheme = hardware.onnx_int8_recipe()
+    derive = {"int8": (f"quantizing {{}} to int8 ({scheme}: smoothed, dynamic, per-channel)", quantize_int8,
+                       spec.max_length, scheme),
               "float16": ("converting {} to float16", convert_float16)}[dtype]
-    recipe = {"recipe": INT8_RECIPE} if dtype == "int8" else {}
+    # The scheme is in the key: a graph quantized for a VNNI CPU is never reused on one it would saturate.
+    recipe = {"recipe": INT8_RECIPE, "scheme": scheme} if dtype == "int8" else {}
     entry = cached_build(root, "onnx", f"{spec.name}-{dtype}", {**key, "dtype": dtype, **recipe}, lambda out: _timed(
         derive[0].format(spec.name), derive[1], base.path / MODEL_FILE, out, *derive[2:]))
     return entry.path / MODEL_FILE, base.hit and entry.hit

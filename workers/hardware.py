@@ -1,0 +1,185 @@
+"""What this machine computes fast and exactly, and the numeric policy that follows from it.
+
+One home for every hardware-dependent numeric decision (the backends only ask):
+
+* int8 on x86 CPUs without VNNI (AVX2-only hosts such as AMD Zen 2/3, AVX-512 Skylake) multiplies
+  u8 activations by s8 weights with `vpmaddubsw`, which sums each adjacent pair of products into a
+  *saturating* int16: 2 x 255 x 127 = 64,770 > 32,767. Measured on a Zen 3, ONNX Runtime's default
+  int8 graph then served embeddings at cosine 0.19-0.79 to float32. VNNI (`vpdpbusd`) and AMX
+  accumulate in int32 and never saturate. So: ONNX Runtime int8 without VNNI uses 7-bit weights
+  (reduce_range: 2 x 255 x 64 = 32,640 fits int16, provably exact); CTranslate2, which has no such
+  option, refuses int8 there.
+* bfloat16 / float16 on CPU run at useful speed only with native instructions (avx512_bf16 /
+  amx_bf16, avx512_fp16 / amx_fp16); elsewhere torch emulates them at ~1 GFLOP/s (bfloat16 on a
+  Zen 3: ~80 for float32; a 512x512 float16 matmul on a Zen 5, which has avx512_bf16 but no
+  avx512_fp16: 0.7 GFLOP/s against 157 for bfloat16). On CUDA bfloat16 needs compute capability 8.0.
+
+Policy: a dtype the hardware cannot run well or accurately is a start-up error (UnsupportedOnHardware)
+naming the missing feature and the alternative; nothing falls back silently. `auto` engine/dtype
+resolution only picks what passes these checks.
+
+ENCODERD_CPU_FLAGS_MASK (comma-separated flag names or fnmatch patterns, e.g. "avx512*,avx_vnni,amx*")
+removes features from what is detected: a testing and diagnosis knob that makes this host choose
+recipes as an AVX2-only host would. It cannot add features.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import os
+import platform
+import sys
+from dataclasses import dataclass
+
+MASK_ENV = "ENCODERD_CPU_FLAGS_MASK"
+CPUINFO = "/proc/cpuinfo"
+# The flags (as Linux names them in /proc/cpuinfo) the policy below reads; others are kept too.
+VNNI_INT8 = ("avx512_vnni", "avx_vnni", "amx_int8")
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
+NATIVE_FP16 = ("avx512_fp16", "amx_fp16")
+# ONNX Runtime int8 recipes (onnx_backend.quantize_int8 reads the name; it is part of the cache key).
+ONNX_INT8_FULL_RANGE = "s8-smooth"        # 8-bit weights: exact only where int8 products accumulate in int32
+ONNX_INT8_REDUCED_RANGE = "s8-7bit-smooth"  # 7-bit weights: cannot saturate vpmaddubsw's int16 pairs
+CUDA_BF16_CAPABILITY = (8, 0)
+
+
+class UnsupportedOnHardware(ValueError):
+    """A dtype/engine this hardware cannot run fast or accurately; the message names the missing
+    feature and what to use instead."""
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    arch: str                    # platform.machine(): x86_64, aarch64, ...
+    model: str                   # "AMD EPYC 7763 64-Core Processor", or "" if unknown
+    flags: frozenset[str]        # after ENCODERD_CPU_FLAGS_MASK
+    masked: frozenset[str] = frozenset()  # what the mask removed
+    known: bool = True           # False where the instruction sets could not be read (not Linux)
+
+    @property
+    def is_x86(self) -> bool:
+        return self.arch.lower() in ("x86_64", "amd64", "i386", "i686")
+
+    def has_any(self, flags: tuple[str, ...]) -> bool:
+        return any(flag in self.flags for flag in flags)
+
+    @property
+    def int8_exact(self) -> bool:
+        """Whether u8 x s8 int8 GEMMs accumulate in int32 (VNNI / AMX) rather than saturating
+        int16 pairs. Only x86 has the saturating instruction; ARM's dot products widen."""
+        return not self.is_x86 or self.has_any(VNNI_INT8)
+
+    def describe(self) -> str:
+        if not self.known:
+            return f"{self.arch}: instruction sets unknown (no {CPUINFO})"
+        shown = [f for f in ("avx2", "avx512f", *VNNI_INT8, *NATIVE_BF16, *NATIVE_FP16) if f in self.flags]
+        text = f"{self.model or self.arch}: {' '.join(shown) or 'none of ' + 'avx2 avx512 vnni bf16 fp16'}"
+        return text + (f"; {len(self.masked)} flags masked by {MASK_ENV}" if self.masked else "")
+
+
+# ------------------------------------------------------------------ detection
+def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo text: x86 `flags`, ARM `Features`; the first CPU's."""
+    model, flags = "", None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in ("model name", "cpu model") and not model:
+            model = value.strip()
+        elif key in ("flags", "features") and flags is None:
+            flags = frozenset(value.split())
+    return model, flags or frozenset()
+
+
+def apply_mask(flags: frozenset[str], mask: str) -> tuple[frozenset[str], frozenset[str]]:
+    patterns = [p.strip().lower() for p in mask.split(",") if p.strip()]
+    removed = frozenset(f for f in flags if any(fnmatch.fnmatchcase(f, p) for p in patterns))
+    return flags - removed, removed
+
+
+def read_cpu(cpuinfo_text: str | None = None, mask: str | None = None, arch: str | None = None) -> CpuInfo:
+    """The CPU description; the arguments default to this machine (for tests: any text and mask)."""
+    known = True
+    if cpuinfo_text is None:
+        try:
+            with open(CPUINFO, encoding="utf-8", errors="replace") as f:
+                cpuinfo_text = f.read()
+        except OSError:  # not Linux: nothing to read; the policy then assumes the least
+            cpuinfo_text, known = "", False
+    model, flags = parse_cpuinfo(cpuinfo_text)
+    flags, masked = apply_mask(flags, os.environ.get(MASK_ENV, "") if mask is None else mask)
+    return CpuInfo(arch or platform.machine(), model, flags, masked, known and bool(flags | masked))
+
+
+@functools.cache
+def cpu() -> CpuInfo:
+    """This machine's CPU, read once per process."""
+    return read_cpu()
+
+
+def cuda_capability(device: str) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, or None where torch or CUDA is unavailable.
+    Asks torch only if something has imported it already: probing must not pull torch into an
+    onnx or ctranslate2 worker."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    index = int(device.partition(":")[2] or 0)
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+# ------------------------------------------------------------------ policy
+_INT8_ALTERNATIVES = {
+    "ctranslate2": "use --engine onnx --dtype int8 (7-bit weights there, which cannot saturate) "
+                   "or --dtype float32",
+}
+
+
+def _missing(features: tuple[str, ...]) -> str:
+    return " / ".join(features)
+
+
+def onnx_int8_recipe(info: CpuInfo | None = None) -> str:
+    """Full-range 8-bit weights where int8 products accumulate in int32, else 7-bit weights."""
+    info = info or cpu()
+    return ONNX_INT8_FULL_RANGE if info.int8_exact else ONNX_INT8_REDUCED_RANGE
+
+
+def check_dtype(engine: str, dtype: str, device: str, info: CpuInfo | None = None,
+                capability: tuple[int, int] | None = None) -> None:
+    """Raise UnsupportedOnHardware where `engine` cannot run `dtype` on `device` fast and accurately.
+    `capability` overrides the CUDA compute capability read from torch (tests)."""
+    if device.startswith("cuda"):
+        _check_cuda(engine, dtype, device, capability or cuda_capability(device))
+    elif device == "cpu":
+        _check_cpu(engine, dtype, info or cpu())
+
+
+def _check_cpu(engine: str, dtype: str, info: CpuInfo) -> None:
+    if dtype == "bfloat16" and not info.has_any(NATIVE_BF16):
+        raise UnsupportedOnHardware(
+            f"--dtype bfloat16 on CPU needs native bfloat16 instructions ({_missing(NATIVE_BF16)}), which this "
+            f"CPU lacks ({info.describe()}): it would be emulated at ~1 GFLOP/s, dozens of times slower than float32. "
+            "Use --dtype float32 (or int8 with --engine onnx).")
+    if dtype == "float16" and not info.has_any(NATIVE_FP16):
+        raise UnsupportedOnHardware(
+            f"--dtype float16 on CPU needs native float16 arithmetic ({_missing(NATIVE_FP16)}), which this CPU "
+            f"lacks ({info.describe()}): it would be emulated at ~1 GFLOP/s. Use --dtype float32"
+            + (", or bfloat16 (this CPU has it)." if info.has_any(NATIVE_BF16) else "."))
+    if dtype.startswith("int8") and engine in _INT8_ALTERNATIVES and not info.int8_exact:
+        raise UnsupportedOnHardware(
+            f"--engine {engine} --dtype {dtype} on this CPU ({info.describe()}) would run int8 matrix products "
+            f"without VNNI ({_missing(VNNI_INT8)}), whose int16 intermediate sums saturate and corrupt the "
+            f"output (measured min cosine 0.97 on an AVX2-only CPU); {_INT8_ALTERNATIVES[engine]}.")
+
+
+def _check_cuda(engine: str, dtype: str, device: str, capability: tuple[int, int] | None) -> None:
+    if capability is None:  # unknown (torch not loaded): the engine's own checks decide
+        return
+    if "bfloat16" in dtype and capability < CUDA_BF16_CAPABILITY:
+        raise UnsupportedOnHardware(
+            f"--dtype bfloat16 on {device} needs compute capability {'.'.join(map(str, CUDA_BF16_CAPABILITY))} "
+            f"(Ampere) or newer; this GPU is {capability[0]}.{capability[1]} and would emulate it. "
+            "Use --dtype float16.")
+
