@@ -28,25 +28,26 @@ class Tokenized:
         return np.fromiter((len(i) for i in self.ids), dtype=np.int64, count=len(self.ids))
 
 
-def load_tokenizer(model_dir: str) -> Tokenizer:
+def load_tokenizer(model_dir: str, trust_remote_code: bool = False) -> Tokenizer:
     path = Path(model_dir) / "tokenizer.json"
     if path.exists():
         return Tokenizer.from_file(str(path))
     # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, use_fast=True).backend_tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=True, trust_remote_code=trust_remote_code)
+    return tokenizer.backend_tokenizer
 
 
 class ModelTokenizer:
     def __init__(self, model_dir: str, max_length: int, executor: ThreadPoolExecutor,
-                 bulk_executor: ThreadPoolExecutor | None = None):
+                 bulk_executor: ThreadPoolExecutor | None = None, trust_remote_code: bool = False):
         self.max_length = max_length
         self._executor = executor
         # Bulk work tokenizes on its own thread, so a live query never queues behind
         # a stream's chunks in the tokenizer pool.
         self._bulk_executor = bulk_executor or executor
-        base = load_tokenizer(model_dir)
+        base = load_tokenizer(model_dir, trust_remote_code)
         base.no_padding()
         base.no_truncation()
         self.untruncated = base

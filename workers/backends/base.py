@@ -20,6 +20,7 @@ class BackendOptions(msgspec.Struct, frozen=True):
     cache_dir: str = ""       # converted models (ONNX, CTranslate2, TensorRT); "" = model_cache.default_cache_dir()
     max_batch_size: int = 64  # largest batch the scheduler sends; sizes TensorRT optimization profiles
     compile: bool = False     # torch engine: torch.compile the model (dynamic shapes)
+    trust_remote_code: bool = False  # run model code from the model repository (config.json auto_map)
 
 
 class Backend(abc.ABC):
