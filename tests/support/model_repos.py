@@ -9,36 +9,36 @@ from pathlib import Path
 
 from encoderd.workers.model_spec import default_model_path
 
-# The repository code: MiniLM whose hidden states pass through tanh. Its own config class
-# (model_type "tanh_bert") keeps transformers' registration of it from replacing BertModel
+# The repository code: MiniLM whose hidden states pass through ReLU. Its own config class
+# (model_type "relu_bert") keeps transformers' registration of it from replacing BertModel
 # in the test process, which loads stock BERT models too.
 REMOTE_CODE = '''\
 import torch
 from transformers import BertConfig, BertModel
 
 
-class TanhBertConfig(BertConfig):
-    model_type = "tanh_bert"
+class ReluBertConfig(BertConfig):
+    model_type = "relu_bert"
 
 
-class TanhBertModel(BertModel):
-    config_class = TanhBertConfig
+class ReluBertModel(BertModel):
+    config_class = ReluBertConfig
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, **kwargs):
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
                               **kwargs)
-        out.last_hidden_state = torch.tanh(out.last_hidden_state)
+        out.last_hidden_state = torch.relu(out.last_hidden_state)
         return out
 '''
 
 
 def build_remote_code_model(out: Path) -> Path:
-    """The bundled MiniLM with its model class in `tanh_bert.py`, named by config.json's auto_map."""
+    """The bundled MiniLM with its model class in `relu_bert.py`, named by config.json's auto_map."""
     shutil.copytree(default_model_path(), out)
-    (out / "tanh_bert.py").write_text(REMOTE_CODE)
+    (out / "relu_bert.py").write_text(REMOTE_CODE)
     config = json.loads((out / "config.json").read_text())
-    config.update(model_type="tanh_bert", architectures=["TanhBertModel"],
-                  auto_map={"AutoConfig": "tanh_bert.TanhBertConfig", "AutoModel": "tanh_bert.TanhBertModel"})
+    config.update(model_type="relu_bert", architectures=["ReluBertModel"],
+                  auto_map={"AutoConfig": "relu_bert.ReluBertConfig", "AutoModel": "relu_bert.ReluBertModel"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
