@@ -99,20 +99,43 @@ def test_repository_code_is_refused_without_trust(tmp_path, remote_code_model, m
     assert "model relu ready" not in log
 
 
-def test_trusted_repository_code_is_served_as_sentence_transformers_runs_it(
-        tmp_path, remote_code_model, modules_env, reference):
+@pytest.fixture(scope="module")
+def remote_reference(remote_code_model) -> np.ndarray:
     from sentence_transformers import SentenceTransformer
 
+    return SentenceTransformer(remote_code_model, device="cpu", trust_remote_code=True).encode(TEXTS)
+
+
+def test_trusted_repository_code_is_served_as_sentence_transformers_runs_it(
+        tmp_path, remote_code_model, modules_env, reference, remote_reference):
     proc = ServerProcess("--model", f"relu={remote_code_model}", env={**modules_env, "ENCODERD_TRUST_REMOTE_CODE": "1"},
                          log_path=tmp_path / "trusted.log").start()
     try:
         got = _embed(proc.stub(), "relu")
     finally:
         assert proc.stop() == 0, proc.log_text()
-    want = SentenceTransformer(remote_code_model, device="cpu", trust_remote_code=True).encode(TEXTS)
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got, remote_reference, atol=1e-5)
     # The repository's ReLU ran: the stock BERT class would have served the bundled model's vectors.
     assert float(np.min(np.sum(got * reference, axis=1))) < 0.9
+
+
+def test_the_onnx_export_runs_trusted_repository_code(tmp_path, remote_code_model, remote_reference):
+    pytest.importorskip("onnxruntime")
+    from tokenizers import Tokenizer
+
+    from encoderd.workers.backends import BackendOptions, create_backend
+    from encoderd.workers.model_spec import load_model_spec
+    from encoderd.workers.protocol import TokenBatch
+
+    spec = load_model_spec("relu", remote_code_model, trust_remote_code=True)
+    backend = create_backend("onnx", spec, BackendOptions(threads=1, cache_dir=str(tmp_path), trust_remote_code=True))
+    backend.load()
+    tokenizer = Tokenizer.from_file(f"{remote_code_model}/tokenizer.json")
+    tokenizer.enable_truncation(spec.max_length)
+    tokenizer.no_padding()  # its tokenizer.json pads to 128
+    batch = TokenBatch.from_sequences(0, [e.ids for e in tokenizer.encode_batch(TEXTS)])
+    pooled = backend.forward(batch)
+    np.testing.assert_allclose(pooled / np.linalg.norm(pooled, axis=1, keepdims=True), remote_reference, atol=1e-5)
 
 
 def test_ctranslate2_refuses_repository_code(tmp_path, remote_code_model):
