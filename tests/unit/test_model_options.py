@@ -156,6 +156,31 @@ def test_trusted_repository_code_may_name_its_own_architecture(tmp_path):
     require_known_architectures(path, trust_remote_code=True)
 
 
+def _torch_load(path: str, _out) -> None:
+    from encoderd.workers.backends import BackendOptions, create_backend
+
+    create_backend("torch", load_model_spec("m", path), BackendOptions(threads=1)).load()
+
+
+def _onnx_export(path: str, out) -> None:
+    from encoderd.workers.backends.onnx_backend import export_onnx
+
+    export_onnx(path, ModelKind.EMBEDDING, 64, out)
+
+
+def _ct2_convert(path: str, out) -> None:
+    from encoderd.workers.backends.ct2_backend import convert
+
+    convert(path, ModelKind.EMBEDDING, "float32", out)
+
+
+@pytest.mark.parametrize("load", [_torch_load, _onnx_export, _ct2_convert])
+def test_every_engine_checks_the_architecture_before_loading_weights(tmp_path, load):
+    # A config.json only: the refusal must come before transformers looks for weights.
+    with pytest.raises(ModelLoadError, match="names architecture MysteryBertModel"):
+        load(_with_config(tmp_path, architectures=["MysteryBertModel"]), tmp_path / "out")
+
+
 def test_the_packed_bert_forward_never_replaces_repository_code():
     import torch
     from transformers import BertConfig

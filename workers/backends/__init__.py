@@ -8,7 +8,6 @@ import logging
 
 import msgspec
 
-from ..model_spec import require_known_architectures
 from .base import TEXT_KINDS, Backend, BackendOptions
 
 log = logging.getLogger(__name__)
@@ -66,8 +65,6 @@ def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
         engine = "torch"
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of auto, {', '.join(ENGINES)}")
-    # Before any engine loads weights: a checkpoint whose class transformers lacks would load as another class.
-    require_known_architectures(spec.path, options.trust_remote_code)
     module_name, class_name = ENGINES[engine]
     module = importlib.import_module(f"{__name__}.{module_name}")
     return getattr(module, class_name)(spec, options)

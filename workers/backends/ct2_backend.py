@@ -32,7 +32,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, require_text_kind
+from .base import Backend, from_pretrained, require_text_kind
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path, t
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     model_class = AutoModel if kind == ModelKind.EMBEDDING else AutoModelForSequenceClassification
-    model = model_class.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
+    model = from_pretrained(model_class, model_dir, trust_remote_code, dtype=torch.float32).eval()
     if not type(model).__module__.startswith("transformers."):
         # CTranslate2 converts the weights into its own implementation of the stock architecture:
         # whatever the repository's code computes differently would be lost.

@@ -33,7 +33,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind, ModelSpec
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, padded, require_text_kind
+from .base import Backend, from_pretrained, padded, require_text_kind
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ def export_onnx(model_dir: str, kind: ModelKind, max_length: int, out_dir: Path,
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     model_class = AutoModel if kind == ModelKind.EMBEDDING else AutoModelForSequenceClassification
-    model = model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa",
-                                        trust_remote_code=trust_remote_code).eval()
+    model = from_pretrained(model_class, model_dir, trust_remote_code, dtype=torch.float32,
+                            attn_implementation="sdpa").eval()
     names = _export_inputs(model)
     output = "last_hidden_state" if kind == ModelKind.EMBEDDING else "logits"
 
