@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+from collections.abc import Callable
 
 from ..workers.model_cache import default_cache_dir
-from ..workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from ..workers.model_spec import DEFAULT_MODEL_NAME, Pooling, default_model_path
 from ..gateway.cli import add_commands as add_gateway_commands
 from ..gateway.cli import run as run_gateway_command
 from .config import ModelConfig, ServerConfig
@@ -67,6 +69,68 @@ def parse_model(value: str) -> ModelConfig:
     return ModelConfig(name=name, source=source, kind=kind, device=device or None)
 
 
+def _pooling_mode(value: str) -> str:
+    try:
+        return Pooling(value).value
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown pooling {value!r}: choose one of {', '.join(p.value for p in Pooling)}") from None
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+    return int(value)
+
+
+# Per-model flags: `--FLAG [NAME=]VALUE`, repeatable. NAME is a served name (as --model gives it);
+# a bare VALUE applies to every model. ModelConfig field (= argparse dest) -> (flag, value parser).
+PER_MODEL_FLAGS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "revision": ("--revision", str),
+    "pooling": ("--pooling", _pooling_mode),
+    "max_length": ("--max-length", _positive_int),
+}
+
+
+def parse_per_model(flag: str, parse_value: Callable[[str], object]) -> Callable[[str], tuple[str | None, object]]:
+    """The argparse type of a per-model flag: `[NAME=]VALUE` -> (NAME or None for every model, value)."""
+    def parse(text: str) -> tuple[str | None, object]:
+        name, sep, value = text.partition("=")
+        if not sep:
+            name, value = None, text
+        if (sep and not name) or not value:
+            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: use [NAME=]VALUE")
+        try:
+            return name, parse_value(value)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: {exc}") from None
+    return parse
+
+
+def _env_per_model(flag: str, parse_value: Callable[[str], object]) -> list[tuple[str | None, object]]:
+    env = _env_name(flag)
+    try:
+        return [parse_per_model(flag, parse_value)(item) for item in _env_list(env)]
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"encoderd: {env}: {exc}") from None
+
+
+def apply_per_model(models: list[ModelConfig], flag: str, field: str,
+                    values: list[tuple[str | None, object]]) -> list[ModelConfig]:
+    """Set `field` of each model from `--flag [NAME=]VALUE` values; a named value beats a bare one."""
+    chosen: dict[str | None, object] = {}
+    for name, value in values:
+        if name in chosen:
+            raise SystemExit(f"encoderd: {flag} is given twice for {repr(name) if name else 'every model'}")
+        chosen[name] = value
+    served = [m.name for m in models]
+    for name in chosen:
+        if name is not None and name not in served:
+            raise SystemExit(f"encoderd: {flag} {name}=...: no --model is served as {name!r} "
+                             f"(served: {', '.join(served)})")
+    return [dataclasses.replace(m, **{field: chosen.get(m.name, chosen.get(None))}) for m in models]
+
+
 def default_batch_size(devices: str) -> int:
     # Measured with `encoderd bench` on 2 CPU cores (MiniLM, mixed 5-500 tokens): 16 inputs per
     # batch gave 5,982 tokens/s at 1.06 padding, 64 gave 4,638 at 1.23. GPUs want larger batches.
@@ -90,6 +154,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="[NAME=]PATH_OR_HUB_ID[:KIND][@DEVICES], repeatable; KIND forces "
                             f"{'|'.join(KINDS)}, DEVICES overrides --device for this model "
                             f"[env ENCODERD_MODEL, comma-separated; default: the bundled {DEFAULT_MODEL_NAME}]")
+    serve.add_argument("--revision", action="append", type=parse_per_model(*PER_MODEL_FLAGS["revision"]),
+                       default=None, metavar="[NAME=]REV",
+                       help="hub models: the branch, tag or commit to load; NAME= picks one model (its served "
+                            "name), a bare REV applies to every model; refused for local directories; repeatable "
+                            "[env ENCODERD_REVISION, comma-separated; default: the default branch]")
+    serve.add_argument("--pooling", action="append", type=parse_per_model(*PER_MODEL_FLAGS["pooling"]),
+                       default=None, metavar="[NAME=]MODE",
+                       help=f"embedding models: pool with MODE ({', '.join(p.value for p in Pooling)}) instead "
+                            "of the model's own 1_Pooling config; NAME= picks one model, a bare MODE applies to "
+                            "every model; repeatable [env ENCODERD_POOLING, comma-separated]")
+    serve.add_argument("--max-length", action="append", type=parse_per_model(*PER_MODEL_FLAGS["max_length"]),
+                       default=None, metavar="[NAME=]TOKENS",
+                       help="most tokens per input (longer ones are truncated) instead of the model's own "
+                            "maximum, up to its position limit; NAME= picks one model, a bare TOKENS applies to "
+                            "every model; repeatable [env ENCODERD_MAX_LENGTH, comma-separated]")
+    _add_switch(serve, "--trust-remote-code", "load models whose config.json points at Python code in the model "
+                "repository (auto_map). This RUNS THAT CODE in the worker processes, with this server's "
+                "permissions: only for repositories you trust (pin --revision). Without it such models are "
+                "refused at start")
     _add(serve, "--engine", "inference engine for every model (auto: torch on CUDA, onnx on CPU when onnxruntime "
          "is installed, else torch)", "torch", choices=ENGINES)
     _add(serve, "--device", "devices for the workers: cpu, cuda (all GPUs), cuda:N, or a comma-separated list; "
@@ -159,9 +242,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise SystemExit(f"encoderd: two --model flags serve the same name: {names}")
+    for field, (flag, parse_value) in PER_MODEL_FLAGS.items():
+        models = apply_per_model(models, flag, field, getattr(args, field) or _env_per_model(flag, parse_value))
     return ServerConfig(
         models=tuple(models), engine=args.engine, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
-        torch_compile=args.torch_compile,
+        torch_compile=args.torch_compile, trust_remote_code=args.trust_remote_code,
         replicas=args.replicas, max_queued_tokens=args.max_queued_tokens, bulk_batch_tokens=args.bulk_batch_tokens,
         api_keys=tuple(args.api_key or _env_list("ENCODERD_API_KEY")),
         bulk_api_keys=tuple(args.bulk_api_key or _env_list("ENCODERD_BULK_API_KEY")),

@@ -11,6 +11,9 @@ class ModelConfig:
     source: str                 # local directory or Hugging Face hub id
     kind: str | None = None     # force a kind (server/cli.py KINDS)
     device: str | None = None   # this model's devices; None = the server's --device
+    revision: str | None = None  # hub models: branch, tag or commit; None = the default branch
+    pooling: str | None = None   # a workers.model_spec.Pooling value instead of the model's own
+    max_length: int | None = None  # tokens per input instead of the model's own limit
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class ServerConfig:
     dtype: str = "float32"
     cpu_threads: int = 0
     torch_compile: bool = False          # torch engine: torch.compile each model during warm-up
+    trust_remote_code: bool = False      # run Python code shipped in model repositories (config.json auto_map)
     replicas: int = 1                    # worker processes per device
     max_batch_size: int = 64
     max_batch_tokens: int = 8192

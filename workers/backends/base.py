@@ -9,7 +9,7 @@ from collections.abc import Generator
 import msgspec
 import numpy as np
 
-from ..model_spec import ModelSpec
+from ..model_spec import ModelSpec, require_known_architectures
 from ..protocol import MediaBatch, TokenBatch
 
 
@@ -20,6 +20,14 @@ class BackendOptions(msgspec.Struct, frozen=True):
     cache_dir: str = ""       # converted models (ONNX, CTranslate2, TensorRT); "" = model_cache.default_cache_dir()
     max_batch_size: int = 64  # largest batch the scheduler sends; sizes TensorRT optimization profiles
     compile: bool = False     # torch engine: torch.compile the model (dynamic shapes)
+    trust_remote_code: bool = False  # run model code from the model repository (config.json auto_map)
+
+
+def from_pretrained(model_class, path: str, trust_remote_code: bool, **kwargs):
+    """`model_class.from_pretrained` (a transformers Auto class) with the operator's --trust-remote-code,
+    refusing a checkpoint that transformers would load as a class other than the one it was saved from."""
+    require_known_architectures(path, trust_remote_code)
+    return model_class.from_pretrained(path, trust_remote_code=trust_remote_code, **kwargs)
 
 
 class Backend(abc.ABC):

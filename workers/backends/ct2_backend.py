@@ -31,7 +31,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, require_family, require_text_kind
+from .base import Backend, from_pretrained, require_family, require_text_kind
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +104,20 @@ def _for_loader(model, model_class):
     return SimpleNamespace(**{model_class.base_model_prefix: model.base_model, "config": model.config})
 
 
-def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path) -> None:
+def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path, trust_remote_code: bool = False
+            ) -> None:
     """Convert with CTranslate2's TransformersConverter; for classifiers also save the head."""
     import torch
     from ctranslate2.converters import TransformersConverter
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     model_class = AutoModel if kind == ModelKind.EMBEDDING else AutoModelForSequenceClassification
-    model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = from_pretrained(model_class, model_dir, trust_remote_code, dtype=torch.float32).eval()
+    if not type(model).__module__.startswith("transformers."):
+        # CTranslate2 converts the weights into its own implementation of the stock architecture:
+        # whatever the repository's code computes differently would be lost.
+        raise ValueError(f"{type(model).__name__} is the model repository's own code, which CTranslate2 cannot "
+                         "reproduce; serve this model with --engine torch or onnx")
     head = extract_head(model) if kind != ModelKind.EMBEDDING else None
     if not hasattr(model.config, "position_embedding_type"):
         # transformers 5 dropped the attribute (absolute positions are all it implements);
@@ -128,7 +134,7 @@ def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path) -
         np.savez(out_dir / HEAD_FILE, **head)
 
 
-def ensure_converted(spec, ctype: str, cache_dir: str) -> tuple[Path, bool]:
+def ensure_converted(spec, ctype: str, cache_dir: str, trust_remote_code: bool = False) -> tuple[Path, bool]:
     key = {"model": fingerprint_model(spec.path), "kind": spec.kind.value, "dtype": ctype,
            "versions": library_versions("ctranslate2", "torch", "transformers")}
 
@@ -136,7 +142,7 @@ def ensure_converted(spec, ctype: str, cache_dir: str) -> tuple[Path, bool]:
         log.info("converting %s to CTranslate2 (%s) ...", spec.name, ctype)
         started = time.perf_counter()
         try:
-            convert(spec.path, spec.kind, ctype, out)
+            convert(spec.path, spec.kind, ctype, out, trust_remote_code)
         except ValueError as exc:  # CTranslate2's "No conversion is registered for ..." and ours
             raise ValueError(f"the ctranslate2 engine cannot convert {spec.name}: {exc}") from exc
         log.info("converted %s to CTranslate2 in %.1fs", spec.name, time.perf_counter() - started)
@@ -154,7 +160,8 @@ class CT2Backend(Backend):
         require_text_kind(self.spec, self.engine)
         require_family(self.spec, self.engine)
         ctype = compute_type(self.options.dtype, self.options.device)
-        path, self.cache_hit = ensure_converted(self.spec, ctype, self.options.cache_dir)
+        path, self.cache_hit = ensure_converted(self.spec, ctype, self.options.cache_dir,
+                                                self.options.trust_remote_code)
         self._on_gpu = self.options.device.startswith("cuda")
         self.encoder = ctranslate2.Encoder(
             str(path), device="cuda" if self._on_gpu else "cpu", compute_type=ctype,

@@ -34,7 +34,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind, ModelSpec
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, padded, require_family, require_text_kind
+from .base import Backend, from_pretrained, padded, require_family, require_text_kind
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +76,18 @@ def _export_inputs(model) -> list[str]:
     return names
 
 
-def export_onnx(model_dir: str, kind: ModelKind, max_length: int, out_dir: Path) -> None:
+def export_onnx(model_dir: str, kind: ModelKind, max_length: int, out_dir: Path, trust_remote_code: bool = False
+                ) -> None:
     """Write out_dir/model.onnx: float32, dynamic (batch, sequence) axes."""
     import torch
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     model_class = AutoModel if kind == ModelKind.EMBEDDING else AutoModelForSequenceClassification
     try:
-        model = model_class.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+        model = from_pretrained(model_class, model_dir, trust_remote_code, dtype=torch.float32,
+                                attn_implementation="sdpa").eval()
     except ValueError:  # no SDPA path (DeBERTa-v2): the model's own attention
-        model = model_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+        model = from_pretrained(model_class, model_dir, trust_remote_code, dtype=torch.float32).eval()
     names = _export_inputs(model)
     output = "last_hidden_state" if kind == ModelKind.EMBEDDING else "logits"
 
@@ -272,7 +274,8 @@ def _timed(what: str, step, *args) -> None:
     log.info("%s done in %.1fs", what, time.perf_counter() - started)
 
 
-def ensure_onnx_model(spec: ModelSpec, dtype: str, cache_dir: str) -> tuple[Path, bool]:
+def ensure_onnx_model(spec: ModelSpec, dtype: str, cache_dir: str, trust_remote_code: bool = False
+                      ) -> tuple[Path, bool]:
     """The cached graph for (model, dtype), exporting and converting on a miss.
 
     Returns (model.onnx path, whether it came from the cache untouched).
@@ -282,7 +285,7 @@ def ensure_onnx_model(spec: ModelSpec, dtype: str, cache_dir: str) -> tuple[Path
     key = {"model": fingerprint_model(spec.path), "kind": spec.kind.value, "max_length": spec.max_length,
            "versions": versions}
     base = cached_build(root, "onnx", f"{spec.name}-float32", {**key, "dtype": "float32"}, lambda out: _timed(
-        f"exporting {spec.name} to ONNX", export_onnx, spec.path, spec.kind, spec.max_length, out))
+        f"exporting {spec.name} to ONNX", export_onnx, spec.path, spec.kind, spec.max_length, out, trust_remote_code))
     if dtype == "float32":
         return base.path / MODEL_FILE, base.hit
     scheme = hardware.onnx_int8_recipe()
@@ -344,7 +347,8 @@ class OnnxBackend(Backend):
         check_onnxruntime_install()
         self._check_dtype()
         providers = self._providers()
-        model_file, self.cache_hit = ensure_onnx_model(self.spec, self.options.dtype, self.options.cache_dir)
+        model_file, self.cache_hit = ensure_onnx_model(self.spec, self.options.dtype, self.options.cache_dir,
+                                                             self.options.trust_remote_code)
         self.session = create_session(model_file, providers, self.options.threads)
         self._check_session(providers)
         self._inputs = {i.name for i in self.session.get_inputs()}

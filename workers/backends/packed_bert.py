@@ -29,6 +29,8 @@ def usable(model: torch.nn.Module, kind: ModelKind, device: torch.device, dtype:
     kernel launches than padding costs FLOPs."""
     if device.type == "cuda" and (dtype == torch.float32 or _varlen_kernel() is None):
         return False
+    if not type(model).__module__.startswith("transformers."):
+        return False  # the model repository's own class (--trust-remote-code), whatever its name: its forward runs
     config = model.config
     if config.model_type != "bert" or config.is_decoder or config.hidden_act not in ("gelu", "relu"):
         return False

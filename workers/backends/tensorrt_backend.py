@@ -102,7 +102,7 @@ class TensorRTBackend(OnnxBackend):
         index = device_index(self.options.device)
         key = {"gpu": gpu_name(index), "tensorrt": tensorrt_version()}
         # TensorRT compiles float16 itself from the float32 graph (trt_fp16_enable).
-        model_file, _ = ensure_onnx_model(self.spec, "float32", self.options.cache_dir)
+        model_file, _ = ensure_onnx_model(self.spec, "float32", self.options.cache_dir, self.options.trust_remote_code)
         names = self._input_names(model_file)
         # Provider option values as strings: that is what the provider parses ("1"/"0" for flags).
         trt_options = {"device_id": str(index), "trt_fp16_enable": "1" if self.options.dtype == "float16" else "0",

@@ -12,7 +12,7 @@ import torch
 from ..model_spec import ModelKind, Pooling, pooling_modes
 from ..protocol import MediaBatch, TokenBatch
 from . import packed_bert, packed_linear, torch_heads
-from .base import Backend, padded, run_to_end
+from .base import Backend, from_pretrained, padded, run_to_end
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,11 @@ class TorchBackend(Backend):
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
         model_class = torch_heads.model_class(self.spec.kind)
+        load = (model_class, self.spec.path, self.options.trust_remote_code)
         try:
-            model = model_class.from_pretrained(self.spec.path, dtype=DTYPES[self.options.dtype],
-                                                attn_implementation="sdpa")
+            model = from_pretrained(*load, dtype=DTYPES[self.options.dtype], attn_implementation="sdpa")
         except ValueError:  # some towers (CLAP's audio Swin) have no SDPA path: their own attention then
-            model = model_class.from_pretrained(self.spec.path, dtype=DTYPES[self.options.dtype])
+            model = from_pretrained(*load, dtype=DTYPES[self.options.dtype])
         self.model = model.to(self.device).eval()
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
         usable = (not self.options.compile
