@@ -325,3 +325,39 @@ def test_cohere_v2_defaults_to_float_and_reads_inputs(compat_server, http, refer
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "max_tokens": 16}), 400, "max_tokens")
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "images": ["data:image/png;base64,AA=="]}),
            400, "images")
+
+
+# ---------------------------------------------------------------------- gRPC
+@pytest.mark.parametrize("protocol", ["grpc-v1", "grpc-v1alpha"])
+def test_reflection_v1_and_v1alpha_with_buf_curl(compat_server, protocol):
+    import subprocess
+
+    from support.node import node_client_dir
+
+    buf = node_client_dir() / "node_modules" / ".bin" / "buf"
+    base = ["--protocol", "grpc", "--http2-prior-knowledge", "--reflect-protocol", protocol]
+    url = f"http://{compat_server.address}"
+    listed = subprocess.run([str(buf), "curl", *base, "--list-services", url], capture_output=True, text=True,
+                            timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert {"encoderd.v1.Encoder", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= set(listed.stdout.split())
+    # A call whose schema comes from reflection alone.
+    called = subprocess.run([str(buf), "curl", *base, "-d", '{"model": "reranker", "query": "q", "documents": ["a"]}',
+                             f"{url}/encoderd.v1.Encoder/Rerank"], capture_output=True, text=True, timeout=60)
+    assert called.returncode == 0, called.stderr
+    assert '"model": "reranker"' in called.stdout and '"relevanceScore"' in called.stdout
+
+
+def test_health_answers_for_the_service_names(compat_server):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(compat_server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "encoderd.v1.Encoder", "encoderd.v1.Compat", M, "reranker"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+                health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as unknown:
+            health.Check(health_pb2.HealthCheckRequest(service="encoderd.v1.Nope"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
