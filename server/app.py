@@ -8,10 +8,9 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from ..v1 import compat_pb2, encoderd_pb2
-from . import systemd, tracing
+from . import reflection_v1, systemd, tracing
 from .auth import ApiKeyInterceptor, load_keys
 from .config import ServerConfig
 from .engine import Engine
@@ -22,6 +21,9 @@ from .service import EncoderService
 log = logging.getLogger("encoderd")
 
 OVERALL = ""  # the health service's name for the server as a whole
+# Names that report the same status as OVERALL: generic gRPC probes ask for the service they call.
+OVERALL_ALIASES = (encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
+                   compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -53,18 +55,21 @@ class Server:
         line = f"serving {len(self.engine.models)} model(s) on {self.config.host}:{self.bound_port}"
         return line + (f"; unavailable (worker restarting): {', '.join(down)}" if down else "")
 
+    async def _set_overall(self, status) -> None:
+        for name in (OVERALL, *OVERALL_ALIASES):
+            await self.health.set(name, status)
+
     async def start(self) -> None:
         cfg = self.config
         tracing.configure(cfg.otel_endpoint)
-        await self.health.set(OVERALL, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_overall(health_pb2.HealthCheckResponse.NOT_SERVING)
         add_servicer(self.grpc, EncoderService(self.engine), encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"])
         add_servicer(self.grpc, CompatService(self.engine, self.health), compat_pb2.DESCRIPTOR.services_by_name["Compat"])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection((
+        reflection_v1.enable((
             encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
             compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME), self.grpc)
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
         self.bound_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         if not self.bound_port:
             raise SystemExit(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
@@ -78,7 +83,7 @@ class Server:
             start_http_server(cfg.metrics_port, addr=cfg.host)
         systemd.status(f"loading {len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)}")
         await self.engine.start()
-        await self.health.set(OVERALL, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_overall(health_pb2.HealthCheckResponse.SERVING)
         systemd.ready(self._status_line())
         self._serving = True
         log.info("encoderd ready: gRPC on %s:%d serving %s", cfg.host, self.bound_port, ", ".join(self.engine.models))

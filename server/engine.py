@@ -238,7 +238,7 @@ class Engine:
         tokens = Tokenized(ids, None, sum(len(a) for a in ids))
         return model, await model.compute(tokens), tokens.total_tokens
 
-    async def score_pairs(self, name: str, query: str, documents, *, truncate: bool = True,
+    async def score_pairs(self, name: str, query: str, documents, *, truncate: bool = True, side: str = "right",
                           priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
         """Cross-encoder logits (n,) of (query, document) pairs and the token count."""
         model = self.get(name, ModelKind.RERANKER)
@@ -247,25 +247,25 @@ class Engine:
         documents = self.check_inputs(documents, "documents")
 
         async def compute(indices: list[int]):
-            tokens = await model.tokenizer.encode([documents[i] for i in indices], truncate=truncate, pairs_with=query,
-                                                  bulk=priority == Priority.BULK)
+            tokens = await model.tokenizer.encode([documents[i] for i in indices], truncate=truncate, side=side,
+                                                  pairs_with=query, bulk=priority == Priority.BULK)
             return await model.compute(tokens, priority), tokens.lengths
 
-        keys = [result_key("pair", str(truncate), query, d) for d in documents]
+        keys = [result_key("pair", side, str(truncate), query, d) for d in documents]
         logits, n_tokens = await model.results.resolve(keys, compute)
         return model, logits[:, 0], n_tokens
 
-    async def classify(self, name: str, texts, *, truncate: bool = True,
+    async def classify(self, name: str, texts, *, truncate: bool = True, side: str = "right",
                        priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
         """Classifier logits (n, labels) and the token count."""
         model = self.get(name, ModelKind.CLASSIFIER)
         texts = self.check_inputs(texts)
 
         async def compute(indices: list[int]):
-            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate,
+            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate, side=side,
                                                   bulk=priority == Priority.BULK)
             return await model.compute(tokens, priority), tokens.lengths
 
-        keys = [result_key("classify", str(truncate), t) for t in texts]
+        keys = [result_key("classify", side, str(truncate), t) for t in texts]
         logits, n_tokens = await model.results.resolve(keys, compute)
         return model, logits, n_tokens

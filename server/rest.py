@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import uuid
 
 import numpy as np
@@ -21,14 +22,16 @@ from grpc_health.v1 import health_pb2
 from ..v1 import compat_pb2 as cpb
 from ..v1 import compat_pb2_grpc
 from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
-from . import multimodal, postprocess
+from . import cohere, multimodal, postprocess, tei
 from .engine import Engine, ServedModel
 from .errors import BackendError, InvalidInput, ModelNotFound, Unavailable
 from .media import Content
-from .scheduler import DEFAULT_PRIORITY
+from .scheduler import DEFAULT_PRIORITY, Priority
 from .service import model_info, rpc
 
 ENCODING_FORMATS = ("float", "base64")
+# What Infinity's client sends as `model` when the caller names none: like an absent model.
+INFINITY_NO_MODEL = "default/not-specified"
 MODALITIES = ("text", "image", "audio")
 INPUT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
@@ -90,6 +93,17 @@ def rerank_documents(value: struct_pb2.Value) -> list[str]:
     return documents
 
 
+def string_list(value: struct_pb2.Value, what: str) -> list[str]:
+    """A string or a non-empty list of strings."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return [value.string_value]
+    items = value.list_value.values if kind == "list_value" else []
+    if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
+        raise InvalidInput(f"`{what}` is required and must be a string or a non-empty list of strings")
+    return [v.string_value for v in items]
+
+
 def _positive(request, field: str) -> int:
     """An optional int field: 0 when absent, an error when given and < 1."""
     if not request.HasField(field):
@@ -106,8 +120,27 @@ def _json(document: dict) -> httpbody_pb2.HttpBody:
                                  data=json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode())
 
 
+def _infinity_id() -> dict:
+    return {"id": str(uuid.uuid4()), "created": int(time.time())}
+
+
 def _usage(tokens: int) -> dict:
     return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def float_rows(model: str, vectors: np.ndarray) -> list[str]:
+    """Each row of a 2-D float array as a JSON list, "%.9g" per value (see render_embeddings)."""
+    if not np.isfinite(vectors).all():  # "%.9g" would print nan, which is not JSON
+        raise BackendError(f"model {model} produced non-finite embedding values")
+    if vectors.shape[1] == 0:
+        return ["[]"] * len(vectors)
+    row_format = "[" + ",".join(["%.9g"] * vectors.shape[1]) + "]"
+    return [row_format % tuple(row) for row in vectors.tolist()]
+
+
+def base64_rows(vectors: np.ndarray) -> list[str]:
+    """Each row as a JSON string: base64 of its little-endian float32 bytes (what the OpenAI SDK decodes)."""
+    return ['"' + base64.b64encode(row.astype("<f4").tobytes()).decode() + '"' for row in vectors]
 
 
 def render_embeddings(model: str, vectors, encoding_format: str, tokens: int) -> httpbody_pb2.HttpBody:
@@ -116,13 +149,10 @@ def render_embeddings(model: str, vectors, encoding_format: str, tokens: int) ->
     Floats print as "%.9g", which round-trips float32 exactly: one `%` over a
     whole row is ~3x faster than json.dumps of the list (whose 17-digit doubles
     are also 60% bigger), and on par with Envoy printing a repeated float."""
-    if not np.isfinite(vectors).all():  # "%.9g" would print nan, which is not JSON
-        raise BackendError(f"model {model} produced non-finite embedding values")
     if encoding_format == "base64":
-        rows = ['"' + base64.b64encode(row.astype("<f4").tobytes()).decode() + '"' for row in vectors]
+        rows = base64_rows(vectors)
     else:
-        row_format = "[" + ",".join(["%.9g"] * vectors.shape[1]) + "]"
-        rows = [row_format % tuple(row) for row in vectors.tolist()]
+        rows = float_rows(model, vectors)
     data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in enumerate(rows))
     tail = json.dumps({"model": model, "usage": _usage(tokens)}, ensure_ascii=False, separators=(",", ":"))[1:]
     return httpbody_pb2.HttpBody(content_type="application/json",
@@ -148,22 +178,41 @@ def openai_model(model: ServedModel) -> dict:
     return {"id": info.pop("id"), "object": "model", "created": 0, "owned_by": "encoderd", **info}
 
 
+# Infinity's names for what a model can do, by kind.
+INFINITY_CAPABILITIES = {ModelKind.EMBEDDING: ["embed"], ModelKind.RERANKER: ["rerank"],
+                         ModelKind.CLASSIFIER: ["classify"], ModelKind.CLIP: ["embed", "image_embed"],
+                         ModelKind.CLAP: ["embed", "audio_embed"], ModelKind.COLBERT: ["embed"],
+                         ModelKind.COLPALI: ["embed", "image_embed"], ModelKind.SPARSE: []}
+
+
+def infinity_model(model: ServedModel) -> dict:
+    """openai_model plus Infinity's `stats`, `backend` and `capabilities`. `owned_by` is
+    "infinity" because Infinity's client parses it as an enum of that one value."""
+    scheduler = model.scheduler
+    stats = {"queue_fraction": scheduler.queued / max(scheduler.max_queued, 1), "queue_absolute": scheduler.queued,
+             "results_pending": sum(load.batches for load in scheduler.load.values()),
+             "batch_size": scheduler.limits[Priority.INTERACTIVE].max_batch_size}
+    return {**openai_model(model), "owned_by": "infinity", "stats": stats, "backend": model.engine,
+            "capabilities": INFINITY_CAPABILITIES.get(model.spec.kind, [])}
+
+
 # ------------------------------------------------------------------- service
 class CompatService(compat_pb2_grpc.CompatServicer):
     def __init__(self, engine: Engine, health):
         self.engine = engine
         self.health = health  # grpc_health's servicer: /health reports its overall status
 
-    def _model_name(self, name: str, kind: ModelKind) -> str:
+    def _model_name(self, name: str, kind: ModelKind | tuple[ModelKind, ...]) -> str:
         """REST callers may omit `model` when exactly one model of the needed kind is served."""
-        if name:
+        if name and name != INFINITY_NO_MODEL:
             return name
-        of_kind = [n for n, m in self.engine.models.items() if m.spec.kind == kind]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        of_kind = [n for n, m in self.engine.models.items() if m.spec.kind in kinds]
         return of_kind[0] if len(of_kind) == 1 else ""
 
     def _model_taking(self, name: str, modality: str) -> str:
         """Like _model_name, for the one served model that takes `modality` (clip for images...)."""
-        if name:
+        if name and name != INFINITY_NO_MODEL:
             return name
         takers = [n for n, m in self.engine.models.items() if modality in modalities(m.spec.kind)]
         return takers[0] if len(takers) == 1 else ""
@@ -173,6 +222,10 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return await self._embeddings(request, request.modality or "text")
 
     @rpc
+    async def CreateRootEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._embeddings(request, request.modality or "text", zero_is_full=True)
+
+    @rpc
     async def CreateImageEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
         return await self._embeddings(request, "image")
 
@@ -180,13 +233,15 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     async def CreateAudioEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
         return await self._embeddings(request, "audio")
 
-    async def _embeddings(self, request: cpb.OpenAIEmbeddingsRequest, modality: str) -> httpbody_pb2.HttpBody:
+    async def _embeddings(self, request: cpb.OpenAIEmbeddingsRequest, modality: str,
+                          zero_is_full: bool = False) -> httpbody_pb2.HttpBody:
         encoding_format = request.encoding_format or "float"
         if encoding_format not in ENCODING_FORMATS:
             raise InvalidInput(f"`encoding_format` must be \"float\" or \"base64\", not {encoding_format!r}")
         if modality not in MODALITIES:
             raise InvalidInput(f"`modality` must be one of {', '.join(MODALITIES)}, not {modality!r}")
-        dimensions = _positive(request, "dimensions")
+        # Infinity reads `dimensions: 0` as full size; OpenAI's API has no such value.
+        dimensions = 0 if zero_is_full and request.dimensions == 0 else _positive(request, "dimensions")
         served = self.engine.models.get(request.model)
         if served is not None and served.spec.kind in MULTI_VECTOR_KINDS:
             return await self._multivectors(request, modality, encoding_format, dimensions)
@@ -219,14 +274,20 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         model, rows, tokens = await multimodal.embed_multivector(self.engine, request.model, inputs)
         return render_multivectors(model.spec.name, rows, encoding_format, tokens)
 
+    async def _rerank(self, model_name: str, query: str, documents: list[str], *, raw_scores: bool,
+                      truncate: bool = True, side: str = "right"):
+        """(model, scores, tokens): a cross-encoder's scores (its activation), or its logits when asked."""
+        name = self._model_name(model_name, ModelKind.RERANKER)
+        model, logits, tokens = await self.engine.score_pairs(name, query, documents, truncate=truncate, side=side,
+                                                              priority=DEFAULT_PRIORITY.get())
+        return model, postprocess.scores(logits, model.spec.score_activation, raw_scores), tokens
+
     @rpc
     async def Rerank(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
         top_n = _positive(request, "top_n")
         documents = rerank_documents(request.documents)
-        name = self._model_name(request.model, ModelKind.RERANKER)
-        model, logits, tokens = await self.engine.score_pairs(name, request.query, documents,
-                                                              priority=DEFAULT_PRIORITY.get())
-        scores = postprocess.scores(logits, model.spec.score_activation, request.raw_scores)
+        model, scores, tokens = await self._rerank(request.model, request.query, documents,
+                                                   raw_scores=request.raw_scores)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
             result = {"index": i, "relevance_score": float(scores[i])}
@@ -237,8 +298,96 @@ class CompatService(compat_pb2_grpc.CompatServicer):
                       "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}})
 
     @rpc
+    async def RootRerank(self, request: cpb.RootRerankRequest, context) -> httpbody_pb2.HttpBody:
+        has_documents = request.HasField("documents")
+        if has_documents == bool(request.texts):
+            raise InvalidInput("send `documents` (Infinity's /rerank) or `texts` (TEI's /rerank), exactly one of them")
+        if has_documents:
+            return await self._infinity_rerank(request)
+        return await tei.rerank(self, request)
+
+    async def _infinity_rerank(self, request: cpb.RootRerankRequest) -> httpbody_pb2.HttpBody:
+        tei.reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
+        top_n = _positive(request, "top_n")
+        documents = rerank_documents(request.documents)
+        model, scores, tokens = await self._rerank(request.model, request.query, documents,
+                                                   raw_scores=request.raw_scores)
+        results = []
+        for i in postprocess.rank(scores, top_n).tolist():
+            result = {"relevance_score": float(scores[i]), "index": i}
+            if request.return_documents:
+                result["document"] = documents[i]  # Infinity's shape: the string itself
+            results.append(result)
+        return _json({"object": "rerank", "results": results, "model": model.spec.name, "usage": _usage(tokens),
+                      **_infinity_id()})
+
+    @rpc
+    async def InfinityClassify(self, request: cpb.InfinityClassifyRequest, context) -> httpbody_pb2.HttpBody:
+        texts = string_list(request.input, "input")
+        name = self._model_name(request.model, ModelKind.CLASSIFIER)
+        model, scores, tokens = await self._classify(name, texts, raw_scores=request.raw_scores)
+        return _json({"object": "classify", "data": scores, "model": model.spec.name, "usage": _usage(tokens),
+                      **_infinity_id()})
+
+    async def _classify(self, name: str, texts: list[str], *, raw_scores: bool, truncate: bool = True,
+                        side: str = "right") -> tuple[ServedModel, list[list[dict]], int]:
+        """Per input, every label with its score ({"score", "label"}), best first."""
+        model, logits, tokens = await self.engine.classify(name, texts, truncate=truncate, side=side,
+                                                           priority=DEFAULT_PRIORITY.get())
+        scores = postprocess.scores(logits, model.spec.score_activation, raw_scores)
+        labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
+        return model, [[{"score": float(row[j]), "label": labels[j]} for j in postprocess.rank(row, 0)]
+                       for row in scores], tokens
+
+    # Cohere embed: server/cohere.py.
+    @rpc
+    async def CohereEmbedV1(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await cohere.embed(self, request, "1")
+
+    @rpc
+    async def CohereEmbedV2(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await cohere.embed(self, request, "2")
+
+    # TEI's routes: server/tei.py.
+    @rpc
+    async def TeiEmbed(self, request: cpb.TeiEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.embed(self, request)
+
+    @rpc
+    async def TeiEmbedAll(self, request: cpb.TeiEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.embed_all(self, request)
+
+    @rpc
+    async def TeiEmbedSparse(self, request: cpb.TeiEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.embed_sparse(self, request)
+
+    @rpc
+    async def TeiPredict(self, request: cpb.TeiPredictRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.predict(self, request)
+
+    @rpc
+    async def TeiSimilarity(self, request: cpb.TeiSimilarityRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.similarity(self, request)
+
+    @rpc
+    async def TeiTokenize(self, request: cpb.TeiTokenizeRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.tokenize(self, request)
+
+    @rpc
+    async def TeiDecode(self, request: cpb.TeiDecodeRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.decode(self, request)
+
+    @rpc
+    async def TeiInfo(self, request: cpb.TeiInfoRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.info(self, request)
+
+    @rpc
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
         return _json({"object": "list", "data": [openai_model(m) for m in self.engine.models.values()]})
+
+    @rpc
+    async def ListRootModels(self, request, context) -> httpbody_pb2.HttpBody:
+        return _json({"object": "list", "data": [infinity_model(m) for m in self.engine.models.values()]})
 
     @rpc
     async def GetModel(self, request: cpb.GetModelRequest, context) -> httpbody_pb2.HttpBody:
@@ -253,4 +402,5 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         if status != health_pb2.HealthCheckResponse.SERVING:
             raise Unavailable("encoderd is not serving: models are loading or the server is draining")
         models = {name: "ready" if m.ready else "unavailable" for name, m in self.engine.models.items()}
-        return _json({"status": "serving", "models": models})
+        # `unix`: the server's clock, which Infinity's /health answers with.
+        return _json({"status": "serving", "models": models, "unix": time.time()})

@@ -155,8 +155,8 @@ def test_cohere_v1_sdk_and_raw_rerank_shapes(rest_server, http, cross_encoder_sc
     response = client.rerank(model="reranker", query=QUERY, documents=DOCS, return_documents=True)
     assert [r.document.text for r in response.results] == [DOCS[r.index] for r in response.results]
     assert len(response.results) == len(DOCS)
-    raw = http.post("/rerank", json={"model": "reranker", "query": QUERY, "raw_scores": True,
-                                     "documents": [{"text": d} for d in DOCS[:3]], "max_tokens_per_doc": 512})
+    raw = http.post("/v1/rerank", json={"model": "reranker", "query": QUERY, "raw_scores": True,
+                                        "documents": [{"text": d} for d in DOCS[:3]], "max_tokens_per_doc": 512})
     assert raw.status_code == 200, raw.text
     body = raw.json()
     assert set(body) >= {"id", "results", "model", "usage", "meta"}

@@ -28,7 +28,7 @@ from google.protobuf import empty_pb2 as google_dot_protobuf_dot_empty__pb2
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65ncoderd/v1/compat.proto\x12\x0b\x65ncoderd.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19google/api/httpbody.proto\x1a\x1bgoogle/protobuf/empty.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xb0\x01\n\x17OpenAIEmbeddingsRequest\x12%\n\x05input\x18\x01 \x01(\x0b\x32\x16.google.protobuf.Value\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x65ncoding_format\x18\x03 \x01(\t\x12\x17\n\ndimensions\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\x10\n\x08modality\x18\x06 \x01(\tB\r\n\x0b_dimensions\"\xe2\x01\n\x13\x43ohereRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12)\n\tdocuments\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x12\n\x05top_n\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x1a\n\x12max_tokens_per_doc\x18\x07 \x01(\x05\x12\x1a\n\x12max_chunks_per_doc\x18\x08 \x01(\x05\x42\x08\n\x06_top_n\"\x1d\n\x0fGetModelRequest\x12\n\n\x02id\x18\x01 \x01(\t2\xae\x06\n\x06\x43ompat\x12{\n\x10\x43reateEmbeddings\x12$.encoderd.v1.OpenAIEmbeddingsRequest\x1a\x14.google.api.HttpBody\"+\x82\xd3\xe4\x93\x02%\"\x0e/v1/embeddings:\x01*Z\x10\"\x0b/embeddings:\x01*\x12\x8c\x01\n\x15\x43reateImageEmbeddings\x12$.encoderd.v1.OpenAIEmbeddingsRequest\x1a\x14.google.api.HttpBody\"7\x82\xd3\xe4\x93\x02\x31\"\x11/embeddings_image:\x01*Z\x19\"\x14/v1/embeddings_image:\x01*\x12\x8c\x01\n\x15\x43reateAudioEmbeddings\x12$.encoderd.v1.OpenAIEmbeddingsRequest\x1a\x14.google.api.HttpBody\"7\x82\xd3\xe4\x93\x02\x31\"\x11/embeddings_audio:\x01*Z\x19\"\x14/v1/embeddings_audio:\x01*\x12v\n\x06Rerank\x12 .encoderd.v1.CohereRerankRequest\x1a\x14.google.api.HttpBody\"4\x82\xd3\xe4\x93\x02.\"\n/v1/rerank:\x01*Z\x0f\"\n/v2/rerank:\x01*Z\x0c\"\x07/rerank:\x01*\x12Y\n\nListModels\x12\x16.google.protobuf.Empty\x1a\x14.google.api.HttpBody\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\n/v1/modelsZ\t\x12\x07/models\x12m\n\x08GetModel\x12\x1c.encoderd.v1.GetModelRequest\x1a\x14.google.api.HttpBody\"-\x82\xd3\xe4\x93\x02\'\x12\x12/v1/models/{id=**}Z\x11\x12\x0f/models/{id=**}\x12G\n\x06Health\x12\x16.google.protobuf.Empty\x1a\x14.google.api.HttpBody\"\x0f\x82\xd3\xe4\x93\x02\t\x12\x07/healthBO\n\x0f\x64\x65v.encoderd.v1P\x01Z:github.com/encoderd/encoderd/gen/go/encoderd/v1;encoderdv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65ncoderd/v1/compat.proto\x12\x0b\x65ncoderd.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x19google/api/httpbody.proto\x1a\x1bgoogle/protobuf/empty.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xb0\x01\n\x17OpenAIEmbeddingsRequest\x12%\n\x05input\x18\x01 \x01(\x0b\x32\x16.google.protobuf.Value\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0f\x65ncoding_format\x18\x03 \x01(\t\x12\x17\n\ndimensions\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04user\x18\x05 \x01(\t\x12\x10\n\x08modality\x18\x06 \x01(\tB\r\n\x0b_dimensions\"\xe2\x01\n\x13\x43ohereRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12)\n\tdocuments\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x12\n\x05top_n\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x05 \x01(\x08\x12\x12\n\nraw_scores\x18\x06 \x01(\x08\x12\x1a\n\x12max_tokens_per_doc\x18\x07 \x01(\x05\x12\x1a\n\x12max_chunks_per_doc\x18\x08 \x01(\x05\x42\x08\n\x06_top_n\"\x1d\n\x0fGetModelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"\x8e\x02\n\x11RootRerankRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12)\n\tdocuments\x18\x03 \x01(\x0b\x32\x16.google.protobuf.Value\x12\r\n\x05texts\x18\x04 \x03(\t\x12\x12\n\x05top_n\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10return_documents\x18\x06 \x01(\x08\x12\x13\n\x0breturn_text\x18\x07 \x01(\x08\x12\x12\n\nraw_scores\x18\x08 \x01(\x08\x12\x15\n\x08truncate\x18\t \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14truncation_direction\x18\n \x01(\tB\x08\n\x06_top_nB\x0b\n\t_truncate\"c\n\x17InfinityClassifyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x05input\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x12\n\nraw_scores\x18\x03 \x01(\x08\"\x97\x02\n\x12\x43ohereEmbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x0e\n\x06images\x18\x03 \x03(\t\x12&\n\x06inputs\x18\x04 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x12\n\ninput_type\x18\x05 \x01(\t\x12\x17\n\x0f\x65mbedding_types\x18\x06 \x03(\t\x12\x10\n\x08truncate\x18\x07 \x01(\t\x12\x1d\n\x10output_dimension\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\n \x01(\x05\x42\x13\n\x11_output_dimensionB\r\n\x0b_max_tokens\"\xb4\x01\n\rTeiParameters\x12\x16\n\tnormalize\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\x08truncate\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\x1c\n\x14truncation_direction\x18\x03 \x01(\t\x12\x13\n\x0bprompt_name\x18\x04 \x01(\t\x12\x17\n\ndimensions\x18\x05 \x01(\x05H\x02\x88\x01\x01\x42\x0c\n\n_normalizeB\x0b\n\t_truncateB\r\n\x0b_dimensions\"\x9d\x02\n\x0fTeiEmbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06inputs\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x15\n\x08truncate\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14truncation_direction\x18\x04 \x01(\t\x12\x13\n\x0bprompt_name\x18\x05 \x01(\t\x12\x16\n\tnormalize\x18\x06 \x01(\x08H\x01\x88\x01\x01\x12\x17\n\ndimensions\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12.\n\nparameters\x18\x08 \x01(\x0b\x32\x1a.encoderd.v1.TeiParametersB\x0b\n\t_truncateB\x0c\n\n_normalizeB\r\n\x0b_dimensions\"\xd0\x01\n\x11TeiPredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06inputs\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x15\n\x08truncate\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x1c\n\x14truncation_direction\x18\x04 \x01(\t\x12\x12\n\nraw_scores\x18\x05 \x01(\x08\x12.\n\nparameters\x18\x06 \x01(\x0b\x32\x1a.encoderd.v1.TeiParametersB\x0b\n\t_truncate\"A\n\x13TeiSimilarityInputs\x12\x17\n\x0fsource_sentence\x18\x01 \x01(\t\x12\x11\n\tsentences\x18\x02 \x03(\t\"\x87\x01\n\x14TeiSimilarityRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x30\n\x06inputs\x18\x02 \x01(\x0b\x32 .encoderd.v1.TeiSimilarityInputs\x12.\n\nparameters\x18\x03 \x01(\x0b\x32\x1a.encoderd.v1.TeiParameters\"\x98\x01\n\x12TeiTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x06inputs\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x13\n\x0bprompt_name\x18\x04 \x01(\tB\x15\n\x13_add_special_tokens\"\x80\x01\n\x10TeiDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12#\n\x03ids\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12 \n\x13skip_special_tokens\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_skip_special_tokens\"\x1f\n\x0eTeiInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t2\x81\x10\n\x06\x43ompat\x12i\n\x10\x43reateEmbeddings\x12$.encoderd.v1.OpenAIEmbeddingsRequest\x1a\x14.google.api.HttpBody\"\x19\x82\xd3\xe4\x93\x02\x13\"\x0e/v1/embeddings:\x01*\x12j\n\x14\x43reateRootEmbeddings\x12$.encoderd.v1.OpenAIEmbeddingsRequest\x1a\x14.google.api.HttpBody\"\x16\x82\xd3\xe4\x93\x02\x10\"\x0b/embeddings:\x01*\x12\x8c\x01\n\x15\x43reateImageEmbeddings\x12$.encoderd.v1.OpenAIEmbeddingsRequest\x1a\x14.google.api.HttpBody\"7\x82\xd3\xe4\x93\x02\x31\"\x11/embeddings_image:\x01*Z\x19\"\x14/v1/embeddings_image:\x01*\x12\x8c\x01\n\x15\x43reateAudioEmbeddings\x12$.encoderd.v1.OpenAIEmbeddingsRequest\x1a\x14.google.api.HttpBody\"7\x82\xd3\xe4\x93\x02\x31\"\x11/embeddings_audio:\x01*Z\x19\"\x14/v1/embeddings_audio:\x01*\x12h\n\x06Rerank\x12 .encoderd.v1.CohereRerankRequest\x1a\x14.google.api.HttpBody\"&\x82\xd3\xe4\x93\x02 \"\n/v1/rerank:\x01*Z\x0f\"\n/v2/rerank:\x01*\x12V\n\nRootRerank\x12\x1e.encoderd.v1.RootRerankRequest\x1a\x14.google.api.HttpBody\"\x12\x82\xd3\xe4\x93\x02\x0c\"\x07/rerank:\x01*\x12\x64\n\x10InfinityClassify\x12$.encoderd.v1.InfinityClassifyRequest\x1a\x14.google.api.HttpBody\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/classify:\x01*\x12\\\n\rCohereEmbedV1\x12\x1f.encoderd.v1.CohereEmbedRequest\x1a\x14.google.api.HttpBody\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/v1/embed:\x01*\x12\\\n\rCohereEmbedV2\x12\x1f.encoderd.v1.CohereEmbedRequest\x1a\x14.google.api.HttpBody\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/v2/embed:\x01*\x12Q\n\x08TeiEmbed\x12\x1c.encoderd.v1.TeiEmbedRequest\x1a\x14.google.api.HttpBody\"\x11\x82\xd3\xe4\x93\x02\x0b\"\x06/embed:\x01*\x12X\n\x0bTeiEmbedAll\x12\x1c.encoderd.v1.TeiEmbedRequest\x1a\x14.google.api.HttpBody\"\x15\x82\xd3\xe4\x93\x02\x0f\"\n/embed_all:\x01*\x12^\n\x0eTeiEmbedSparse\x12\x1c.encoderd.v1.TeiEmbedRequest\x1a\x14.google.api.HttpBody\"\x18\x82\xd3\xe4\x93\x02\x12\"\r/embed_sparse:\x01*\x12W\n\nTeiPredict\x12\x1e.encoderd.v1.TeiPredictRequest\x1a\x14.google.api.HttpBody\"\x13\x82\xd3\xe4\x93\x02\r\"\x08/predict:\x01*\x12`\n\rTeiSimilarity\x12!.encoderd.v1.TeiSimilarityRequest\x1a\x14.google.api.HttpBody\"\x16\x82\xd3\xe4\x93\x02\x10\"\x0b/similarity:\x01*\x12Z\n\x0bTeiTokenize\x12\x1f.encoderd.v1.TeiTokenizeRequest\x1a\x14.google.api.HttpBody\"\x14\x82\xd3\xe4\x93\x02\x0e\"\t/tokenize:\x01*\x12T\n\tTeiDecode\x12\x1d.encoderd.v1.TeiDecodeRequest\x1a\x14.google.api.HttpBody\"\x12\x82\xd3\xe4\x93\x02\x0c\"\x07/decode:\x01*\x12K\n\x07TeiInfo\x12\x1b.encoderd.v1.TeiInfoRequest\x1a\x14.google.api.HttpBody\"\r\x82\xd3\xe4\x93\x02\x07\x12\x05/info\x12N\n\nListModels\x12\x16.google.protobuf.Empty\x1a\x14.google.api.HttpBody\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/models\x12O\n\x0eListRootModels\x12\x16.google.protobuf.Empty\x1a\x14.google.api.HttpBody\"\x0f\x82\xd3\xe4\x93\x02\t\x12\x07/models\x12m\n\x08GetModel\x12\x1c.encoderd.v1.GetModelRequest\x1a\x14.google.api.HttpBody\"-\x82\xd3\xe4\x93\x02\'\x12\x12/v1/models/{id=**}Z\x11\x12\x0f/models/{id=**}\x12G\n\x06Health\x12\x16.google.protobuf.Empty\x1a\x14.google.api.HttpBody\"\x0f\x82\xd3\xe4\x93\x02\t\x12\x07/healthBO\n\x0f\x64\x65v.encoderd.v1P\x01Z:github.com/encoderd/encoderd/gen/go/encoderd/v1;encoderdv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,15 +37,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.encoderd.v1P\001Z:github.com/encoderd/encoderd/gen/go/encoderd/v1;encoderdv1'
   _globals['_COMPAT'].methods_by_name['CreateEmbeddings']._loaded_options = None
-  _globals['_COMPAT'].methods_by_name['CreateEmbeddings']._serialized_options = b'\202\323\344\223\002%\"\016/v1/embeddings:\001*Z\020\"\013/embeddings:\001*'
+  _globals['_COMPAT'].methods_by_name['CreateEmbeddings']._serialized_options = b'\202\323\344\223\002\023\"\016/v1/embeddings:\001*'
+  _globals['_COMPAT'].methods_by_name['CreateRootEmbeddings']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['CreateRootEmbeddings']._serialized_options = b'\202\323\344\223\002\020\"\013/embeddings:\001*'
   _globals['_COMPAT'].methods_by_name['CreateImageEmbeddings']._loaded_options = None
   _globals['_COMPAT'].methods_by_name['CreateImageEmbeddings']._serialized_options = b'\202\323\344\223\0021\"\021/embeddings_image:\001*Z\031\"\024/v1/embeddings_image:\001*'
   _globals['_COMPAT'].methods_by_name['CreateAudioEmbeddings']._loaded_options = None
   _globals['_COMPAT'].methods_by_name['CreateAudioEmbeddings']._serialized_options = b'\202\323\344\223\0021\"\021/embeddings_audio:\001*Z\031\"\024/v1/embeddings_audio:\001*'
   _globals['_COMPAT'].methods_by_name['Rerank']._loaded_options = None
-  _globals['_COMPAT'].methods_by_name['Rerank']._serialized_options = b'\202\323\344\223\002.\"\n/v1/rerank:\001*Z\017\"\n/v2/rerank:\001*Z\014\"\007/rerank:\001*'
+  _globals['_COMPAT'].methods_by_name['Rerank']._serialized_options = b'\202\323\344\223\002 \"\n/v1/rerank:\001*Z\017\"\n/v2/rerank:\001*'
+  _globals['_COMPAT'].methods_by_name['RootRerank']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['RootRerank']._serialized_options = b'\202\323\344\223\002\014\"\007/rerank:\001*'
+  _globals['_COMPAT'].methods_by_name['InfinityClassify']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['InfinityClassify']._serialized_options = b'\202\323\344\223\002\016\"\t/classify:\001*'
+  _globals['_COMPAT'].methods_by_name['CohereEmbedV1']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['CohereEmbedV1']._serialized_options = b'\202\323\344\223\002\016\"\t/v1/embed:\001*'
+  _globals['_COMPAT'].methods_by_name['CohereEmbedV2']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['CohereEmbedV2']._serialized_options = b'\202\323\344\223\002\016\"\t/v2/embed:\001*'
+  _globals['_COMPAT'].methods_by_name['TeiEmbed']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['TeiEmbed']._serialized_options = b'\202\323\344\223\002\013\"\006/embed:\001*'
+  _globals['_COMPAT'].methods_by_name['TeiEmbedAll']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['TeiEmbedAll']._serialized_options = b'\202\323\344\223\002\017\"\n/embed_all:\001*'
+  _globals['_COMPAT'].methods_by_name['TeiEmbedSparse']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['TeiEmbedSparse']._serialized_options = b'\202\323\344\223\002\022\"\r/embed_sparse:\001*'
+  _globals['_COMPAT'].methods_by_name['TeiPredict']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['TeiPredict']._serialized_options = b'\202\323\344\223\002\r\"\010/predict:\001*'
+  _globals['_COMPAT'].methods_by_name['TeiSimilarity']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['TeiSimilarity']._serialized_options = b'\202\323\344\223\002\020\"\013/similarity:\001*'
+  _globals['_COMPAT'].methods_by_name['TeiTokenize']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['TeiTokenize']._serialized_options = b'\202\323\344\223\002\016\"\t/tokenize:\001*'
+  _globals['_COMPAT'].methods_by_name['TeiDecode']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['TeiDecode']._serialized_options = b'\202\323\344\223\002\014\"\007/decode:\001*'
+  _globals['_COMPAT'].methods_by_name['TeiInfo']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['TeiInfo']._serialized_options = b'\202\323\344\223\002\007\022\005/info'
   _globals['_COMPAT'].methods_by_name['ListModels']._loaded_options = None
-  _globals['_COMPAT'].methods_by_name['ListModels']._serialized_options = b'\202\323\344\223\002\027\022\n/v1/modelsZ\t\022\007/models'
+  _globals['_COMPAT'].methods_by_name['ListModels']._serialized_options = b'\202\323\344\223\002\014\022\n/v1/models'
+  _globals['_COMPAT'].methods_by_name['ListRootModels']._loaded_options = None
+  _globals['_COMPAT'].methods_by_name['ListRootModels']._serialized_options = b'\202\323\344\223\002\t\022\007/models'
   _globals['_COMPAT'].methods_by_name['GetModel']._loaded_options = None
   _globals['_COMPAT'].methods_by_name['GetModel']._serialized_options = b'\202\323\344\223\002\'\022\022/v1/models/{id=**}Z\021\022\017/models/{id=**}'
   _globals['_COMPAT'].methods_by_name['Health']._loaded_options = None
@@ -56,6 +84,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COHERERERANKREQUEST']._serialized_end=563
   _globals['_GETMODELREQUEST']._serialized_start=565
   _globals['_GETMODELREQUEST']._serialized_end=594
-  _globals['_COMPAT']._serialized_start=597
-  _globals['_COMPAT']._serialized_end=1411
+  _globals['_ROOTRERANKREQUEST']._serialized_start=597
+  _globals['_ROOTRERANKREQUEST']._serialized_end=867
+  _globals['_INFINITYCLASSIFYREQUEST']._serialized_start=869
+  _globals['_INFINITYCLASSIFYREQUEST']._serialized_end=968
+  _globals['_COHEREEMBEDREQUEST']._serialized_start=971
+  _globals['_COHEREEMBEDREQUEST']._serialized_end=1250
+  _globals['_TEIPARAMETERS']._serialized_start=1253
+  _globals['_TEIPARAMETERS']._serialized_end=1433
+  _globals['_TEIEMBEDREQUEST']._serialized_start=1436
+  _globals['_TEIEMBEDREQUEST']._serialized_end=1721
+  _globals['_TEIPREDICTREQUEST']._serialized_start=1724
+  _globals['_TEIPREDICTREQUEST']._serialized_end=1932
+  _globals['_TEISIMILARITYINPUTS']._serialized_start=1934
+  _globals['_TEISIMILARITYINPUTS']._serialized_end=1999
+  _globals['_TEISIMILARITYREQUEST']._serialized_start=2002
+  _globals['_TEISIMILARITYREQUEST']._serialized_end=2137
+  _globals['_TEITOKENIZEREQUEST']._serialized_start=2140
+  _globals['_TEITOKENIZEREQUEST']._serialized_end=2292
+  _globals['_TEIDECODEREQUEST']._serialized_start=2295
+  _globals['_TEIDECODEREQUEST']._serialized_end=2423
+  _globals['_TEIINFOREQUEST']._serialized_start=2425
+  _globals['_TEIINFOREQUEST']._serialized_end=2456
+  _globals['_COMPAT']._serialized_start=2459
+  _globals['_COMPAT']._serialized_end=4508
 # @@protoc_insertion_point(module_scope)

@@ -41,6 +41,11 @@ class CompatStub:
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.OpenAIEmbeddingsRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.CreateRootEmbeddings = channel.unary_unary(
+                '/encoderd.v1.Compat/CreateRootEmbeddings',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.OpenAIEmbeddingsRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.CreateImageEmbeddings = channel.unary_unary(
                 '/encoderd.v1.Compat/CreateImageEmbeddings',
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.OpenAIEmbeddingsRequest.SerializeToString,
@@ -56,8 +61,73 @@ class CompatStub:
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.RootRerank = channel.unary_unary(
+                '/encoderd.v1.Compat/RootRerank',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.RootRerankRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.InfinityClassify = channel.unary_unary(
+                '/encoderd.v1.Compat/InfinityClassify',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.InfinityClassifyRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.CohereEmbedV1 = channel.unary_unary(
+                '/encoderd.v1.Compat/CohereEmbedV1',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.CohereEmbedRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.CohereEmbedV2 = channel.unary_unary(
+                '/encoderd.v1.Compat/CohereEmbedV2',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.CohereEmbedRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.TeiEmbed = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiEmbed',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.TeiEmbedAll = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiEmbedAll',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.TeiEmbedSparse = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiEmbedSparse',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.TeiPredict = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiPredict',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiPredictRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.TeiSimilarity = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiSimilarity',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiSimilarityRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.TeiTokenize = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiTokenize',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiTokenizeRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.TeiDecode = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiDecode',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiDecodeRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.TeiInfo = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiInfo',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiInfoRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/encoderd.v1.Compat/ListModels',
+                request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.ListRootModels = channel.unary_unary(
+                '/encoderd.v1.Compat/ListRootModels',
                 request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
@@ -78,6 +148,15 @@ class CompatServicer:
 
     def CreateEmbeddings(self, request, context):
         """OpenAI `POST /v1/embeddings`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateRootEmbeddings(self, request, context):
+        """Infinity's `POST /embeddings` (Infinity serves at the root, without /v1),
+        also TEI's OpenAI route: as CreateEmbeddings, but `dimensions` 0 means
+        full size, which Infinity's client sends by default.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,8 +185,105 @@ class CompatServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RootRerank(self, request, context):
+        """`POST /rerank`, which Infinity and TEI both serve at the root: Infinity's
+        body has `documents` (answered in Infinity's shape: results with the
+        document as a string), TEI's has `texts` (answered as TEI's bare list of
+        {index, score, text}). The Cohere SDK never calls it (it posts to /v1 or /v2).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InfinityClassify(self, request, context):
+        """Infinity's `POST /classify`: every label with its score, per input.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CohereEmbedV1(self, request, context):
+        """Cohere embed v1: floats, or by type when `embedding_types` is given.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CohereEmbedV2(self, request, context):
+        """Cohere embed v2: always by type (float when `embedding_types` is not given).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TeiEmbed(self, request, context):
+        """TEI `POST /embed`: a bare list of vectors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TeiEmbedAll(self, request, context):
+        """TEI `POST /embed_all`: per input, one vector per token. Served by
+        multi-vector (colbert) models, whose token vectors these are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TeiEmbedSparse(self, request, context):
+        """TEI `POST /embed_sparse`: per input, its non-zero {index, value} pairs;
+        sparse (SPLADE) models only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TeiPredict(self, request, context):
+        """TEI `POST /predict`: a classifier's labels with scores, best first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TeiSimilarity(self, request, context):
+        """TEI `POST /similarity`: cosine similarity of a source sentence with each sentence.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TeiTokenize(self, request, context):
+        """TEI `POST /tokenize`: per input, its tokens with ids, text and offsets.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TeiDecode(self, request, context):
+        """TEI `POST /decode`: token ids back to text.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TeiInfo(self, request, context):
+        """TEI `GET /info` (`?model=NAME` when several models are served).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """OpenAI `GET /v1/models`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRootModels(self, request, context):
+        """Infinity's `GET /models`: the OpenAI list plus Infinity's `stats`,
+        `backend` and `capabilities`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,6 +311,11 @@ def add_CompatServicer_to_server(servicer, server):
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.OpenAIEmbeddingsRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
+            'CreateRootEmbeddings': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateRootEmbeddings,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.OpenAIEmbeddingsRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
             'CreateImageEmbeddings': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateImageEmbeddings,
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.OpenAIEmbeddingsRequest.FromString,
@@ -150,8 +331,73 @@ def add_CompatServicer_to_server(servicer, server):
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
+            'RootRerank': grpc.unary_unary_rpc_method_handler(
+                    servicer.RootRerank,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.RootRerankRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'InfinityClassify': grpc.unary_unary_rpc_method_handler(
+                    servicer.InfinityClassify,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.InfinityClassifyRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'CohereEmbedV1': grpc.unary_unary_rpc_method_handler(
+                    servicer.CohereEmbedV1,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.CohereEmbedRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'CohereEmbedV2': grpc.unary_unary_rpc_method_handler(
+                    servicer.CohereEmbedV2,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.CohereEmbedRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiEmbed': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiEmbed,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiEmbedAll': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiEmbedAll,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiEmbedSparse': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiEmbedSparse,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiPredict': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiPredict,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiPredictRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiSimilarity': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiSimilarity,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiSimilarityRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiTokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiTokenize,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiTokenizeRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiDecode,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiDecodeRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiInfo,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiInfoRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
+                    request_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'ListRootModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRootModels,
                     request_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
@@ -191,6 +437,33 @@ class Compat:
             request,
             target,
             '/encoderd.v1.Compat/CreateEmbeddings',
+            encoderd_dot_v1_dot_compat__pb2.OpenAIEmbeddingsRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateRootEmbeddings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/CreateRootEmbeddings',
             encoderd_dot_v1_dot_compat__pb2.OpenAIEmbeddingsRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
@@ -285,6 +558,330 @@ class Compat:
             _registered_method=True)
 
     @staticmethod
+    def RootRerank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/RootRerank',
+            encoderd_dot_v1_dot_compat__pb2.RootRerankRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InfinityClassify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/InfinityClassify',
+            encoderd_dot_v1_dot_compat__pb2.InfinityClassifyRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CohereEmbedV1(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/CohereEmbedV1',
+            encoderd_dot_v1_dot_compat__pb2.CohereEmbedRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CohereEmbedV2(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/CohereEmbedV2',
+            encoderd_dot_v1_dot_compat__pb2.CohereEmbedRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiEmbed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiEmbed',
+            encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiEmbedAll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiEmbedAll',
+            encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiEmbedSparse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiEmbedSparse',
+            encoderd_dot_v1_dot_compat__pb2.TeiEmbedRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiPredict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiPredict',
+            encoderd_dot_v1_dot_compat__pb2.TeiPredictRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiSimilarity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiSimilarity',
+            encoderd_dot_v1_dot_compat__pb2.TeiSimilarityRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiTokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiTokenize',
+            encoderd_dot_v1_dot_compat__pb2.TeiTokenizeRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiDecode',
+            encoderd_dot_v1_dot_compat__pb2.TeiDecodeRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiInfo',
+            encoderd_dot_v1_dot_compat__pb2.TeiInfoRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ListModels(request,
             target,
             options=(),
@@ -299,6 +896,33 @@ class Compat:
             request,
             target,
             '/encoderd.v1.Compat/ListModels',
+            google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRootModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/ListRootModels',
             google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,

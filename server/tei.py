@@ -1,0 +1,300 @@
+"""Text Embeddings Inference's REST routes (/embed, /embed_all, /embed_sparse, /predict,
+/similarity, /rerank with `texts`, /tokenize, /decode, /info) in TEI's shapes: bare
+JSON lists, rendered here for the Compat service (server/rest.py).
+
+TEI serves one model and its requests name none; here `model` (an extension) picks
+one when several of the route's kind are served. Options come either at the top
+level (TEI's API) or nested under `parameters` (huggingface_hub's InferenceClient);
+the nested ones win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from google.api import httpbody_pb2
+
+from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind
+from . import multimodal, postprocess
+from . import rest as compat
+from .errors import InvalidInput, WrongModelKind
+from .media import Content
+from .scheduler import DEFAULT_PRIORITY
+
+SIDES = {"": "right", "right": "right", "left": "left"}
+
+
+def reject_set(request, fields: tuple[str, ...], context: str) -> None:
+    """Fields of another API's shape that cannot apply here: a 400, never silently ignored."""
+    for field in fields:
+        descriptor = request.DESCRIPTOR.fields_by_name[field]
+        is_set = (request.HasField(field) if descriptor.has_presence
+                  else getattr(request, field) != descriptor.default_value)
+        if is_set:
+            raise InvalidInput(f"`{field}` does not apply {context}")
+
+
+def side(value: str) -> str:
+    """TEI's truncation_direction ("right" / "left", any case) as the tokenizer's side."""
+    if value.lower() not in SIDES:
+        raise InvalidInput(f"`truncation_direction` must be \"right\" or \"left\", not {value!r}")
+    return SIDES[value.lower()]
+
+
+@dataclass(frozen=True)
+class Options:
+    truncate: bool
+    side: str
+    prompt_name: str
+    normalize: bool | None   # None: not given
+    dimensions: int          # 0: not given
+
+
+def options(request) -> Options:
+    """The request's TEI options, `parameters` (huggingface_hub's nesting) over the top level."""
+    params = request.parameters if request.HasField("parameters") else None
+
+    def pick(field: str, default):
+        for source in (params, request):
+            if source is None or field not in source.DESCRIPTOR.fields_by_name:
+                continue
+            if source.DESCRIPTOR.fields_by_name[field].has_presence:
+                if source.HasField(field):
+                    return getattr(source, field)
+            elif getattr(source, field):
+                return getattr(source, field)
+        return default
+
+    dimensions = pick("dimensions", None)
+    if dimensions is not None and dimensions < 1:
+        raise InvalidInput(f"`dimensions` must be a positive integer, not {dimensions}")
+    return Options(truncate=pick("truncate", True), side=side(pick("truncation_direction", "")),
+                   prompt_name=pick("prompt_name", ""), normalize=pick("normalize", None),
+                   dimensions=dimensions or 0)
+
+
+def _body(text: str) -> httpbody_pb2.HttpBody:
+    return httpbody_pb2.HttpBody(content_type="application/json", data=text.encode())
+
+
+def _json(document) -> httpbody_pb2.HttpBody:
+    return compat._json(document)
+
+
+def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> str:
+    """The named model, else the one served model of `kinds`; a 400 when none is served."""
+    if name:
+        return name
+    of_kind = [n for n, m in service.engine.models.items() if m.spec.kind in kinds]
+    if not of_kind:
+        raise WrongModelKind(f"{route} needs a {' or '.join(k.value for k in kinds)} model, and none is served here "
+                             f"(served: {', '.join(sorted(service.engine.models))})")
+    return of_kind[0] if len(of_kind) == 1 else ""  # "": the engine asks for `model`
+
+
+def _no_embedding_options(opts: Options, route: str) -> None:
+    if opts.normalize is not None or opts.dimensions:
+        raise InvalidInput(f"`normalize` and `dimensions` apply to /embed, not {route}")
+
+
+# ------------------------------------------------------------------- routes
+async def embed(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    texts, token_ids = compat.embedding_inputs(request.inputs)
+    name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
+    if texts is not None:
+        model, pooled, _ = await service.engine.embed(name, texts, truncate=opts.truncate, side=opts.side,
+                                                      prompt_name=opts.prompt_name, priority=DEFAULT_PRIORITY.get())
+    else:
+        if opts.prompt_name or opts.side != "right" or not opts.truncate:
+            raise InvalidInput("token-id inputs are used as given: `prompt_name`, `truncate` and "
+                               "`truncation_direction` apply to text inputs only")
+        model, pooled, _ = await service.engine.embed_ids(name, token_ids)
+    # TEI normalizes unless told not to, whatever the model's own default.
+    vectors = postprocess.finish_embeddings(pooled, normalize=opts.normalize is not False,
+                                            dimensions=opts.dimensions)
+    return _body("[" + ",".join(compat.float_rows(model.spec.name, vectors)) + "]")
+
+
+def _texts(request, route: str) -> list[str]:
+    texts, _ = compat.embedding_inputs(request.inputs)
+    if texts is None:
+        raise InvalidInput(f"{route} takes text inputs, not token ids")
+    return texts
+
+
+async def embed_all(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    _no_embedding_options(opts, "/embed_all")
+    if opts.side != "right":
+        raise InvalidInput("/embed_all cuts over-long inputs on the right only")
+    texts = _texts(request, "/embed_all")
+    name = pick_model(service, request.model, tuple(MULTI_VECTOR_KINDS), "/embed_all")
+    prompt = service.engine.prompt_text(service.engine.get(name, tuple(MULTI_VECTOR_KINDS)), "", opts.prompt_name)
+    model, rows, _ = await multimodal.embed_multivector(service.engine, name, [Content(text=t) for t in texts],
+                                                        truncate=opts.truncate, prompt=prompt,
+                                                        priority=DEFAULT_PRIORITY.get())
+    rendered = ("[" + ",".join(compat.float_rows(model.spec.name, r)) + "]" for r in rows)
+    return _body("[" + ",".join(rendered) + "]")
+
+
+async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    _no_embedding_options(opts, "/embed_sparse")
+    texts = _texts(request, "/embed_sparse")
+    name = pick_model(service, request.model, (ModelKind.SPARSE,), "/embed_sparse")
+    prompt = service.engine.prompt_text(service.engine.get(name, ModelKind.SPARSE), "", opts.prompt_name)
+    _, vectors, _ = await multimodal.embed_sparse(service.engine, name, texts, truncate=opts.truncate,
+                                                  side=opts.side, prompt=prompt, priority=DEFAULT_PRIORITY.get())
+    return _json([[{"index": int(i), "value": float(v)} for i, v in zip(indices, values)]
+                  for indices, values in vectors])
+
+
+def predict_inputs(value) -> tuple[list[str], bool]:
+    """TEI's /predict `inputs` -> (texts, batched). A list of exactly two strings is one
+    text pair, as TEI reads it; [["a"], ["b"]] is a batch of two."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return [value.string_value], False
+    items = list(value.list_value.values) if kind == "list_value" else []
+    if len(items) == 2 and all(v.WhichOneof("kind") == "string_value" for v in items):
+        raise InvalidInput("/predict got a text pair (a list of two strings), and pairs are not supported: "
+                           "send [[\"a\"], [\"b\"]] for two single texts, or use /rerank to score pairs")
+    texts = []
+    for i, item in enumerate(items):
+        if item.WhichOneof("kind") == "string_value":
+            texts.append(item.string_value)
+        elif item.WhichOneof("kind") == "list_value" and len(item.list_value.values) == 1 \
+                and item.list_value.values[0].WhichOneof("kind") == "string_value":
+            texts.append(item.list_value.values[0].string_value)
+        elif item.WhichOneof("kind") == "list_value" and len(item.list_value.values) == 2:
+            raise InvalidInput(f"inputs[{i}] is a text pair, and /predict does not support pairs; use /rerank")
+        else:
+            raise InvalidInput(f"inputs[{i}] must be a string or a one-string list")
+    if not texts:
+        raise InvalidInput("`inputs` is required: a string or a non-empty list of strings")
+    return texts, True
+
+
+async def predict(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    _no_embedding_options(opts, "/predict")
+    if opts.prompt_name:
+        raise InvalidInput("`prompt_name` does not apply to /predict")
+    texts, batched = predict_inputs(request.inputs)
+    name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
+    _, results, _ = await service._classify(name, texts, raw_scores=request.raw_scores, truncate=opts.truncate,
+                                            side=opts.side)
+    return _json(results if batched else results[0])
+
+
+async def similarity(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    _no_embedding_options(opts, "/similarity")
+    source, sentences = request.inputs.source_sentence, list(request.inputs.sentences)
+    if not source or not sentences:
+        raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")
+    name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/similarity")
+    _, pooled, _ = await service.engine.embed(name, [source, *sentences], truncate=opts.truncate, side=opts.side,
+                                              prompt_name=opts.prompt_name, priority=DEFAULT_PRIORITY.get())
+    vectors = postprocess.finish_embeddings(pooled, normalize=True)
+    return _json([float(s) for s in vectors[1:] @ vectors[0]])
+
+
+async def rerank(service, request) -> httpbody_pb2.HttpBody:
+    """TEI's /rerank (`texts`): [{index, score, text?}], best first."""
+    reject_set(request, ("top_n", "return_documents"), "with `texts` (TEI's /rerank; it returns every text)")
+    name = pick_model(service, request.model, (ModelKind.RERANKER,), "/rerank")
+    texts = list(request.texts)
+    truncate = request.truncate if request.HasField("truncate") else True
+    _, scores, _ = await service._rerank(name, request.query, texts, raw_scores=request.raw_scores,
+                                         truncate=truncate, side=side(request.truncation_direction))
+    results = []
+    for i in postprocess.rank(scores, 0).tolist():
+        result = {"index": i, "score": float(scores[i])}
+        if request.return_text:
+            result["text"] = texts[i]
+        results.append(result)
+    return _json(results)
+
+
+async def tokenize(service, request) -> httpbody_pb2.HttpBody:
+    model = service.engine.get(request.model)
+    texts = service.engine.check_inputs(compat.string_list(request.inputs, "inputs"))
+    prefix = service.engine.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
+    texts = [prefix + t for t in texts]
+    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    encodings = await model.tokenizer.tokenize(texts, add_special)
+    return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings)])
+
+
+def _tokens(text: str, encoding) -> list[dict]:
+    """TEI's SimpleToken list: special tokens carry their own text and no offsets."""
+    out = []
+    for token_id, token, (start, stop), special in zip(encoding.ids, encoding.tokens, encoding.offsets,
+                                                       encoding.special_tokens_mask):
+        if special:
+            out.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
+        else:
+            out.append({"id": token_id, "text": text[start:stop], "special": False, "start": start, "stop": stop})
+    return out
+
+
+def decode_ids(value, vocab: int) -> list[list[int]]:
+    """TEI's /decode `ids`: a list of token ids or a list of such lists."""
+    kind = value.WhichOneof("kind")
+    items = list(value.list_value.values) if kind == "list_value" else []
+    if items and all(v.WhichOneof("kind") == "number_value" for v in items):
+        sequences = [[v.number_value for v in items]]
+    elif items and all(v.WhichOneof("kind") == "list_value" for v in items):
+        sequences = [[v.number_value if v.WhichOneof("kind") == "number_value" else -1.0
+                      for v in item.list_value.values] for item in items]
+    else:
+        raise InvalidInput("`ids` is required: a non-empty list of token ids, or a list of such lists")
+    for i, seq in enumerate(sequences):
+        values = np.asarray(seq, dtype=np.float64)
+        if not ((values >= 0) & (values < vocab) & (values == np.floor(values))).all():
+            raise InvalidInput(f"ids[{i}] holds a value that is not a token id: ids are integers in [0, {vocab})")
+    return [[int(v) for v in seq] for seq in sequences]
+
+
+async def decode(service, request) -> httpbody_pb2.HttpBody:
+    model = service.engine.get(request.model)
+    tokenizer = model.tokenizer.untruncated
+    sequences = decode_ids(request.ids, tokenizer.get_vocab_size(with_added_tokens=True))
+    skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    return _json(tokenizer.decode_batch(sequences, skip_special_tokens=skip))
+
+
+def _model_type(model) -> dict:
+    labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(model.output_dim))
+    head = {"id2label": {str(i): label for i, label in enumerate(labels)},
+            "label2id": {label: i for i, label in enumerate(labels)}}
+    if model.spec.kind == ModelKind.CLASSIFIER:
+        return {"classifier": head}
+    if model.spec.kind == ModelKind.RERANKER:
+        return {"reranker": head}
+    return {"embedding": {"pooling": getattr(model.spec.pooling, "value", str(model.spec.pooling))}}
+
+
+async def info(service, request) -> httpbody_pb2.HttpBody:
+    model = service.engine.get(request.model)
+    config = service.engine.config
+    return _json({
+        "model_id": model.spec.name, "model_sha": None, "model_dtype": model.dtype,
+        "served_model_name": model.spec.name, "model_type": _model_type(model),
+        "max_concurrent_requests": model.scheduler.max_queued, "max_input_length": model.spec.max_length,
+        "max_batch_tokens": config.max_batch_tokens, "max_batch_requests": config.max_batch_size,
+        "max_client_batch_size": config.max_inputs_per_request, "auto_truncate": True,
+        "tokenization_workers": config.tokenizer_threads, "version": _version(), "sha": None, "docker_label": None,
+    })
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("encoderd")
+    except PackageNotFoundError:
+        return "unknown"

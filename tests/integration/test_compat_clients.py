@@ -1,0 +1,363 @@
+"""Issue 17: clients of the engines people switch from work unchanged — Infinity's own
+client (infinity_client), TEI's API through huggingface_hub's InferenceClient and raw
+HTTP, the Cohere SDK's embed (v1 and v2) — against the real server behind its real
+Envoy, checked against sentence-transformers and the gRPC API."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+
+from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from support.corpus import sentences
+from support.multimodal_models import build_colbert, build_sparse
+from support.server import ServerProcess
+
+M = DEFAULT_MODEL_NAME
+TEXTS = sentences(6, max_words=30, seed=17)
+QUERY = "how do search engines rank documents"
+DOCS = sentences(5, max_words=30, seed=5) + ["a cross encoder reranks candidate documents for search engines"]
+QUERY_PROMPT = "query: "  # served as the prompt named search_query (Cohere's input_type)
+
+
+@pytest.fixture(scope="module")
+def compat_server(tmp_path_factory, models_dir, reranker_path, classifier_path):
+    log = tmp_path_factory.mktemp("compat") / "server.log"
+    proc = ServerProcess("--model", f"{M}={default_model_path()}", "--model", f"reranker={reranker_path}",
+                         "--model", f"classifier={classifier_path}",
+                         "--model", f"colbert={build_colbert(models_dir / 'mm-colbert')}",
+                         "--model", f"splade={build_sparse(models_dir / 'mm-sparse')}:sparse",
+                         "--prompt", f"search_query={QUERY_PROMPT}", "--cpu-threads", "1",
+                         rest=True, log_path=log)
+    proc.start()
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+
+
+@pytest.fixture(scope="module")
+def http(compat_server):
+    with httpx.Client(base_url=compat_server.rest_url, timeout=60, trust_env=False) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def stub(compat_server):
+    return compat_server.stub()
+
+
+@pytest.fixture(scope="module")
+def st_model(minilm_path):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(minilm_path, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def st_vectors(st_model):
+    return st_model.encode(TEXTS)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_scores(reranker_path):
+    from sentence_transformers import CrossEncoder
+
+    return CrossEncoder(reranker_path, device="cpu").predict([(QUERY, d) for d in DOCS])
+
+
+def _grpc_classes(stub, texts):
+    response = stub.Classify(pb.ClassifyRequest(model="classifier", inputs=texts))
+    return [[(ls.label, ls.score) for ls in result.labels] for result in response.results]
+
+
+def _error(response: httpx.Response, status: int, *words: str) -> None:
+    assert response.status_code == status, response.text
+    message = response.json()["error"]["message"]
+    assert all(w in message for w in words), message
+
+
+# ------------------------------------------------------------------ Infinity
+@pytest.fixture(scope="module")
+def infinity(compat_server):
+    from infinity_client import Client
+
+    # Infinity serves at the root (no /v1): the client's base URL is the server itself.
+    return Client(base_url=compat_server.rest_url, raise_on_unexpected_status=True, timeout=60)
+
+
+def test_infinity_client_embeddings_with_its_defaults(infinity, st_vectors):
+    from infinity_client.api.default import embeddings
+    from infinity_client.models import OpenAIEmbeddingInputText
+
+    body = OpenAIEmbeddingInputText(input_=TEXTS, model=M)
+    assert body.to_dict()["dimensions"] == 0  # what the client sends unless told otherwise
+    result = embeddings.sync(client=infinity, body=body)
+    np.testing.assert_allclose([d.embedding for d in result.data], st_vectors, atol=1e-5)
+    assert [d.index for d in result.data] == list(range(len(TEXTS))) and result.model == M
+    short = embeddings.sync(client=infinity, body=OpenAIEmbeddingInputText(input_=TEXTS[:2], model=M, dimensions=32))
+    want = st_vectors[:2, :32] / np.linalg.norm(st_vectors[:2, :32], axis=1, keepdims=True)
+    np.testing.assert_allclose([d.embedding for d in short.data], want, atol=1e-5)
+
+
+def test_dimensions_zero_is_full_size_at_the_root_only(http):
+    root = http.post("/embeddings", json={"model": M, "input": "x", "dimensions": 0})
+    assert root.status_code == 200 and len(root.json()["data"][0]["embedding"]) == 384
+    _error(http.post("/v1/embeddings", json={"model": M, "input": "x", "dimensions": 0}), 400, "dimensions")
+
+
+def test_infinity_client_rerank_without_naming_the_model(infinity, cross_encoder_scores):
+    from infinity_client.api.default import rerank
+    from infinity_client.models import RerankInput
+
+    result = rerank.sync(client=infinity, body=RerankInput(query=QUERY, documents=DOCS, return_documents=True,
+                                                          top_n=3))  # model: the client's "default/not-specified"
+    want = np.argsort(-cross_encoder_scores, kind="stable")[:3]
+    assert [r.index for r in result.results] == want.tolist()
+    np.testing.assert_allclose([r.relevance_score for r in result.results], cross_encoder_scores[want], atol=1e-5)
+    assert [r.document for r in result.results] == [DOCS[i] for i in want]  # strings, as Infinity answers
+    assert result.model == "reranker" and result.usage.total_tokens > 0
+
+
+def test_infinity_client_classify(infinity, stub):
+    from infinity_client.api.default import classify
+    from infinity_client.models import ClassifyInput
+
+    result = classify.sync(client=infinity, body=ClassifyInput(input_=TEXTS[:3], model="classifier"))
+    assert result.object_ == "classify" and result.model == "classifier"
+    got = [[(c.label, c.score) for c in row] for row in result.data]
+    for got_row, want_row in zip(got, _grpc_classes(stub, TEXTS[:3]), strict=True):
+        assert [label for label, _ in got_row] == [label for label, _ in want_row]
+        np.testing.assert_allclose([s for _, s in got_row], [s for _, s in want_row], atol=1e-6)
+
+
+def test_infinity_client_models_and_health(infinity):
+    from infinity_client.api.default import health, models
+
+    listed = models.sync(client=infinity)
+    by_id = {m.id: m for m in listed.data}
+    assert set(by_id) == {M, "reranker", "classifier", "colbert", "splade"}
+    assert by_id["reranker"].capabilities == ["rerank"] and by_id[M].capabilities == ["embed"]
+    stats = by_id[M].stats.additional_properties
+    assert stats["queue_absolute"] == 0 and stats["batch_size"] > 0
+    assert by_id[M].backend == "torch"
+    assert isinstance(health.sync(client=infinity)["unix"], float)
+
+
+# ----------------------------------------------------------------------- TEI
+@pytest.fixture
+def inference_client(monkeypatch, compat_server):
+    """huggingface_hub's InferenceClient aimed at one route; HF_HUB_OFFLINE (no hub in tests) would
+    refuse even loopback calls, so it is lifted for this client, which only calls our server."""
+    from huggingface_hub import InferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return lambda route: InferenceClient(base_url=compat_server.rest_url + route)
+
+
+def test_tei_inference_client_feature_extraction(inference_client, st_vectors):
+    client = inference_client("/embed")
+    got = client.feature_extraction(TEXTS[0])
+    assert got.shape == (1, 384)
+    np.testing.assert_allclose(got[0], st_vectors[0], atol=1e-5)
+    # Its options travel nested under "parameters": honoured, not dropped.
+    raw = client.feature_extraction(TEXTS[0], normalize=False, dimensions=64)
+    assert raw.shape == (1, 64) and abs(np.linalg.norm(raw[0]) - 1) > 1e-3
+
+
+def test_tei_inference_client_similarity_and_classification(inference_client, st_model, stub):
+    similarity = inference_client("/similarity").sentence_similarity(
+        TEXTS[0], other_sentences=TEXTS[1:4])
+    vectors = st_model.encode(TEXTS[:4], normalize_embeddings=True)
+    np.testing.assert_allclose(similarity, vectors[1:] @ vectors[0], atol=1e-5)
+    best = inference_client("/predict").text_classification(TEXTS[0])
+    label, score = _grpc_classes(stub, TEXTS[:1])[0][0]
+    # TEI answers a single input with a flat list, of which the client keeps the first (best) label.
+    assert best.label == label and best.score == pytest.approx(score, abs=1e-6)
+
+
+def test_tei_embed_shapes(http, st_vectors, st_model):
+    batch = http.post("/embed", json={"inputs": TEXTS[:3]})
+    assert batch.status_code == 200, batch.text
+    np.testing.assert_allclose(batch.json(), st_vectors[:3], atol=1e-5)
+    ids = http.post("/tokenize", json={"inputs": TEXTS[0], "model": M}).json()[0]
+    by_ids = http.post("/embed", json={"inputs": [[t["id"] for t in ids]]})
+    np.testing.assert_allclose(by_ids.json()[0], st_vectors[0], atol=1e-5)
+    left = http.post("/embed", json={"inputs": "word " * 600, "truncation_direction": "Left", "normalize": False})
+    got = np.array(left.json()[0])  # the raw mean pool: all "word", so either side cut is the same
+    assert abs(np.linalg.norm(got) - 1) > 0.1
+    np.testing.assert_allclose(got / np.linalg.norm(got), st_model.encode("word " * 600), atol=1e-5)
+    _error(http.post("/embed", json={"inputs": "word " * 600, "truncate": False}), 400, "longer")
+
+
+def test_tei_rerank_and_infinity_rerank_share_the_route(http, cross_encoder_scores):
+    tei = http.post("/rerank", json={"query": QUERY, "texts": DOCS, "return_text": True})
+    assert tei.status_code == 200, tei.text
+    order = np.argsort(-cross_encoder_scores, kind="stable")
+    assert [r["index"] for r in tei.json()] == order.tolist()
+    np.testing.assert_allclose([r["score"] for r in tei.json()], cross_encoder_scores[order], atol=1e-5)
+    assert [r["text"] for r in tei.json()] == [DOCS[i] for i in order]
+    raw = http.post("/rerank", json={"query": QUERY, "texts": DOCS[:2], "raw_scores": True}).json()
+    logits = np.log(cross_encoder_scores[:2] / (1 - cross_encoder_scores[:2]))
+    np.testing.assert_allclose([r["score"] for r in sorted(raw, key=lambda r: r["index"])], logits, atol=1e-4)
+    _error(http.post("/rerank", json={"query": QUERY, "texts": DOCS, "documents": DOCS}), 400, "exactly one")
+    _error(http.post("/rerank", json={"query": QUERY, "texts": DOCS, "top_n": 2}), 400, "top_n")
+    _error(http.post("/rerank", json={"query": QUERY, "documents": DOCS, "return_text": True}), 400, "return_text")
+
+
+def test_tei_predict_shapes(http, stub):
+    want = _grpc_classes(stub, TEXTS[:3])
+    single = http.post("/predict", json={"inputs": TEXTS[0]})
+    assert single.status_code == 200, single.text
+    assert [(p["label"], round(p["score"], 5)) for p in single.json()] == [(l, round(s, 5)) for l, s in want[0]]
+    batch = http.post("/predict", json={"inputs": [[TEXTS[0]], [TEXTS[1]], [TEXTS[2]]]}).json()
+    assert [[p["label"] for p in row] for row in batch] == [[l for l, _ in row] for row in want]
+    _error(http.post("/predict", json={"inputs": [TEXTS[0], TEXTS[1]]}), 400, "pair")
+
+
+def test_tei_tokenize_decode_info(http, minilm_path):
+    from tokenizers import Tokenizer
+
+    text = "Hello world, tokenizers!"
+    # Several models are served here, so the model-agnostic routes name one (TEI serves just one).
+    tokens = http.post("/tokenize", json={"inputs": [text], "model": M}).json()[0]
+    tokenizer = Tokenizer.from_file(f"{minilm_path}/tokenizer.json")
+    tokenizer.no_padding()
+    encoding = tokenizer.encode(text)
+    assert [t["id"] for t in tokens] == encoding.ids
+    assert tokens[0] == {"id": 101, "text": "[CLS]", "special": True, "start": None, "stop": None}
+    assert [text[t["start"]:t["stop"]] for t in tokens[1:-1]] == [t["text"] for t in tokens[1:-1]]
+    plain = http.post("/tokenize", json={"inputs": text, "add_special_tokens": False, "model": M}).json()[0]
+    assert [t["id"] for t in plain] == encoding.ids[1:-1]
+    decoded = http.post("/decode", json={"ids": encoding.ids, "model": M}).json()
+    assert decoded == ["hello world, tokenizers!"]
+    both = http.post("/decode", json={"ids": [encoding.ids, encoding.ids[:2]], "skip_special_tokens": False,
+                                      "model": M}).json()
+    assert both == ["[CLS] hello world, tokenizers! [SEP]", "[CLS] hello"]
+    _error(http.post("/decode", json={"ids": [1, 10**9], "model": M}), 400, "token id")
+    info = http.get("/info", params={"model": M}).json()
+    assert info["model_id"] == M and info["max_input_length"] == 256 and info["model_type"] == {
+        "embedding": {"pooling": "mean"}}
+    assert http.get("/info", params={"model": "reranker"}).json()["model_type"]["reranker"]["id2label"]
+    _error(http.get("/info"), 400, "model")  # several served: TEI's single-model route needs a name
+
+
+def test_tei_embed_all_and_sparse_equal_grpc(http, stub):
+    texts = ["late interaction", "sparse lexical retrieval"]
+    tokens = http.post("/embed_all", json={"inputs": texts})
+    assert tokens.status_code == 200, tokens.text
+    grpc = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(model="colbert", inputs=[pb.Content(text=t) for t in texts]))
+    for got, want in zip(tokens.json(), grpc.embeddings, strict=True):
+        np.testing.assert_allclose(got, np.reshape(want.values, (want.rows, grpc.dimensions)), atol=1e-6)
+    sparse = http.post("/embed_sparse", json={"inputs": texts})
+    assert sparse.status_code == 200, sparse.text
+    grpc = stub.EmbedSparse(pb.EmbedSparseRequest(model="splade", inputs=texts))
+    for got, want in zip(sparse.json(), grpc.embeddings, strict=True):
+        assert [v["index"] for v in got] == list(want.indices)
+        np.testing.assert_allclose([v["value"] for v in got], want.values, atol=1e-6)
+
+
+def test_tei_routes_refuse_what_they_cannot_do(http):
+    _error(http.post("/embed_sparse", json={"inputs": "x", "model": M}), 400, "sparse")
+    _error(http.post("/embed_all", json={"inputs": "x", "model": M}), 400, "colbert")
+    _error(http.post("/embed_all", json={"inputs": "x", "normalize": True}), 400, "normalize")
+    _error(http.post("/embed", json={"inputs": "x", "truncation_direction": "middle"}), 400, "truncation_direction")
+    _error(http.post("/embed", json={"inputs": "x", "dimensions": 0}), 400, "dimensions")
+
+
+# -------------------------------------------------------------------- Cohere
+@pytest.fixture(scope="module")
+def reference(st_model):
+    """sentence-transformers' vectors of TEXTS, with the search_query prompt and without."""
+    return {"search_query": st_model.encode([QUERY_PROMPT + t for t in TEXTS]), "plain": st_model.encode(TEXTS)}
+
+
+def test_cohere_v1_embed_floats_and_input_type(compat_server, reference):
+    import cohere
+
+    co = cohere.Client(base_url=compat_server.rest_url, api_key="test-key")
+    query = co.embed(texts=TEXTS, model=M, input_type="search_query")
+    assert query.response_type == "embeddings_floats" and query.texts == TEXTS
+    np.testing.assert_allclose(query.embeddings, reference["search_query"], atol=1e-5)
+    document = co.embed(texts=TEXTS, model=M, input_type="search_document")
+    np.testing.assert_allclose(document.embeddings, reference["plain"], atol=1e-5)
+    assert "no prompt named 'search_document'" in document.meta.warnings[0]
+    assert query.meta.billed_units.input_tokens > 0 and not query.meta.warnings
+
+
+def test_cohere_embedding_types_v1_and_v2(compat_server, reference):
+    import cohere
+    from sentence_transformers.quantization import quantize_embeddings
+
+    floats = reference["plain"]
+    types = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
+    v1 = cohere.Client(base_url=compat_server.rest_url, api_key="k").embed(
+        texts=TEXTS, model=M, input_type="clustering", embedding_types=types)
+    v2 = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k").embed(
+        texts=TEXTS, model=M, input_type="clustering", embedding_types=types)
+    for response in (v1, v2):
+        e = response.embeddings
+        np.testing.assert_allclose(e.float_, floats, atol=1e-5)
+        np.testing.assert_array_equal(e.int8, np.round(np.clip(floats, -1, 1) * 127))
+        np.testing.assert_array_equal(e.uint8, np.round((np.clip(floats, -1, 1) + 1) * 127.5))
+        np.testing.assert_array_equal(e.binary, quantize_embeddings(floats, precision="binary"))
+        np.testing.assert_array_equal(e.ubinary, quantize_embeddings(floats, precision="ubinary"))
+        np.testing.assert_array_equal([np.frombuffer(base64.b64decode(b), "<f4") for b in e.base64],
+                                      np.array(e.float_, dtype=np.float32))
+    assert v2.meta.api_version.version == "2" and v1.meta.api_version.version == "1"
+
+
+def test_cohere_v2_defaults_to_float_and_reads_inputs(compat_server, http, reference):
+    import cohere
+
+    co = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k")
+    response = co.embed(model=M, input_type="search_query", output_dimension=128,
+                        inputs=[{"content": [{"type": "text", "text": t}]} for t in TEXTS[:2]])
+    want = reference["search_query"][:2, :128]
+    np.testing.assert_allclose(response.embeddings.float_, want / np.linalg.norm(want, axis=1, keepdims=True),
+                               atol=1e-5)
+    assert response.embeddings.int8 is None
+    _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "embedding_types": ["int4"]}), 400, "int4")
+    _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "input_type": "query"}), 400, "input_type")
+    _error(http.post("/v1/embed", json={"model": M, "texts": ["word " * 600], "truncate": "NONE"}), 400, "longer")
+    _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "max_tokens": 16}), 400, "max_tokens")
+    _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "images": ["data:image/png;base64,AA=="]}),
+           400, "images")
+
+
+# ---------------------------------------------------------------------- gRPC
+@pytest.mark.parametrize("protocol", ["grpc-v1", "grpc-v1alpha"])
+def test_reflection_v1_and_v1alpha_with_buf_curl(compat_server, protocol):
+    import subprocess
+
+    from support.node import node_client_dir
+
+    buf = node_client_dir() / "node_modules" / ".bin" / "buf"
+    base = ["--protocol", "grpc", "--http2-prior-knowledge", "--reflect-protocol", protocol]
+    url = f"http://{compat_server.address}"
+    listed = subprocess.run([str(buf), "curl", *base, "--list-services", url], capture_output=True, text=True,
+                            timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert {"encoderd.v1.Encoder", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= set(listed.stdout.split())
+    # A call whose schema comes from reflection alone.
+    called = subprocess.run([str(buf), "curl", *base, "-d", '{"model": "reranker", "query": "q", "documents": ["a"]}',
+                             f"{url}/encoderd.v1.Encoder/Rerank"], capture_output=True, text=True, timeout=60)
+    assert called.returncode == 0, called.stderr
+    assert '"model": "reranker"' in called.stdout and '"relevanceScore"' in called.stdout
+
+
+def test_health_answers_for_the_service_names(compat_server):
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(compat_server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "encoderd.v1.Encoder", "encoderd.v1.Compat", M, "reranker"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
+                health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as unknown:
+            health.Check(health_pb2.HealthCheckRequest(service="encoderd.v1.Nope"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
