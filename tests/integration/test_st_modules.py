@@ -323,3 +323,14 @@ def test_served_through_grpc(st_server, references, heads):
     got = np.array([[{s.label: s.score for s in r.labels}[label] for label in labels] for r in response.results])
     want = transformers_logits(heads["multi-label"], TEXTS).sigmoid().numpy()
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_serve_refuses_at_start(embedders, tmp_path):
+    """`encoderd serve` with a model it cannot reproduce exits non-zero, the reason in its log."""
+    path = variant(embedders["cls-dense-new"], tmp_path / "layer-norm", REFUSALS["layer-norm"][1])
+    server = ServerProcess("--model", f"bad={path}", log_path=tmp_path / "server.log").launch()
+    try:
+        assert server.proc.wait(120) != 0
+    finally:
+        server.stop()
+    assert "ModelLoadError" in server.log_text() and "'sentence_transformers.models.LayerNorm'" in server.log_text()
