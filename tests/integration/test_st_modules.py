@@ -156,6 +156,34 @@ def test_lower_casing_matters_for_the_cased_model(embedders):
     np.testing.assert_allclose(vectors[0], vectors[1], atol=1e-6)
 
 
+POOLINGS = [(mode,) for mode in Pooling] + [(Pooling.CLS, Pooling.MAX, Pooling.MEAN, Pooling.MEAN_SQRT_LEN,
+                                              Pooling.WEIGHTED_MEAN, Pooling.LAST_TOKEN)]
+
+
+@pytest.mark.parametrize("modes", POOLINGS, ids=["+".join(m.value for m in modes) for modes in POOLINGS])
+def test_every_pooling_implementation_equals_sentence_transformers_pooling(modes):
+    """Each mode alone, and all concatenated, in all three places encoderd pools (numpy, padded
+    torch, packed torch), against sentence-transformers' Pooling module on the same hidden states.
+    Alone, because inside a model a small error in one mode can hide behind the others."""
+    import torch
+    from sentence_transformers.sentence_transformer.modules import Pooling as StPooling
+
+    from encoderd.workers.backends.packed_bert import PackedBert
+    from encoderd.workers.backends.torch_backend import pool as torch_pool
+    from encoderd.workers.pooling import pool as numpy_pool
+
+    lengths = torch.tensor([1, 7, 40, 3, 23])
+    hidden = torch.randn(len(lengths), int(lengths.max()), 16, generator=torch.Generator().manual_seed(5))
+    mask = (torch.arange(hidden.shape[1])[None] < lengths[:, None]).long()
+    reference = StPooling(16, pooling_mode=tuple(m.value for m in modes))(
+        {"token_embeddings": hidden, "attention_mask": mask})["sentence_embedding"]
+    packed = hidden[mask.bool()]  # row-major: the sequences back to back
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    for got in (torch.from_numpy(numpy_pool(hidden.numpy(), mask.numpy(), modes)), torch_pool(hidden, mask, modes),
+                PackedBert.pool(packed, cu_seqlens, modes)):
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------ classifier heads
 HEADS = {  # name -> (labels, problem_type, expected activation)
     "multi-label": (("sports", "politics", "science", "arts"), "multi_label_classification", ScoreActivation.SIGMOID),
