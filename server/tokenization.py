@@ -47,6 +47,8 @@ def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: b
 
 
 def _lowercases(normalizer) -> bool:
+    """Whether a Lowercase normalizer is there already; the same test sentence-transformers makes
+    (a BertNormalizer's own lowercase does not count: it adds a Lowercase then too, harmlessly)."""
     if isinstance(normalizer, normalizers.Sequence):
         return any(isinstance(n, normalizers.Lowercase) for n in normalizer)
     return isinstance(normalizer, normalizers.Lowercase)

@@ -296,9 +296,10 @@ def _embedding_pipeline(model_dir: Path, modules: list[dict], hidden_size: int) 
     if not modules:
         return _Pipeline()
     _check_transformer(model_dir, modules[0])
-    if len(modules) < 2 or _st_class(modules[1]) != "Pooling":
-        following = modules[1] if len(modules) > 1 else modules[0]
-        raise _module_error(model_dir, following, "is not followed by a Pooling module (or is not one)")
+    if len(modules) < 2:
+        raise _module_error(model_dir, modules[0], "is not followed by a Pooling module")
+    if _st_class(modules[1]) != "Pooling":
+        raise _module_error(model_dir, modules[1], "stands where a Pooling module must follow the Transformer")
     pooling, include_prompt = _read_pooling(model_dir, modules[1])
     dense, normalize_next = [], False
     for module in modules[2:]:

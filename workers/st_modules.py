@@ -70,14 +70,15 @@ def _load_dense(module: DenseModule):
 
 class _DenseLayer:
     def __init__(self, linear, activation, use_residual: bool, residual, normalize_input: bool):
-        self.linear, self.activation = linear, activation
-        self.use_residual, self.residual, self.normalize_input = use_residual, residual, normalize_input
-
-    def __call__(self, x):
         import torch.nn.functional as F
 
-        if self.normalize_input:
-            x = F.normalize(x, p=2, dim=-1)
+        self.linear, self.activation = linear, activation
+        self.use_residual, self.residual = use_residual, residual
+        self.normalize = (lambda x: F.normalize(x, p=2, dim=-1)) if normalize_input else None
+
+    def __call__(self, x):
+        if self.normalize is not None:
+            x = self.normalize(x)
         out = self.activation(self.linear(x))
         if self.use_residual:
             out = out + (x if self.residual is None else self.residual(x))

@@ -33,7 +33,8 @@ from support.server import ServerProcess
 from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
 CASED = ["Hello World from PARIS and Berlin", "The EU's GDP Grew in Q3", "iPhone USB-C CamelCaseIdentifier HTTPServer"]
-TEXTS = sentences(13, max_words=160, seed=23) + CASED  # 2 to 128+ tokens: some truncated at 128
+# 6 to 200+ tokens: the long ones are cut at the models' max_seq_length of 128
+TEXTS = sentences(11, max_words=160, seed=23) + sentences(2, min_words=140, max_words=200, seed=5) + CASED
 EMBEDDERS = {
     # LaBSE-style: CLS, Dense layers, Normalize; as sentence-transformers 6.2 writes it
     "cls-dense-new": dict(fmt="new", pooling=("cls",), modules=(Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)),
@@ -47,10 +48,12 @@ EMBEDDERS = {
                                 modules=(NORMALIZE, Dense(64, "Sigmoid", residual=True), NORMALIZE)),
     "max-new-plain": dict(fmt="new", pooling=("max",)),
 }
-# (engine, variant): the torch padding-free and padded forwards, and the numpy-pooling engines
-# on the models that exercise every numpy mode and a Dense stack.
-ENGINE_CASES = [(name, "torch", variant) for name in EMBEDDERS for variant in ("packed", "padded")] + [
-    (name, engine, "") for name in ("cls-dense-new", "concat-new-residual") for engine in ("onnx", "ctranslate2")]
+# (model, engine, variant): the torch padding-free forward on every model; the padded one, and the
+# numpy pooling of the other engines, on models that together hold every pooling mode and Dense shape.
+ENGINE_CASES = ([(name, "torch", "packed") for name in EMBEDDERS]
+                + [(name, "torch", "padded") for name in ("concat-old-lowercase", "concat-new-residual", "max-new-plain")]
+                + [("concat-new-residual", "onnx", ""), ("cls-dense-new", "ctranslate2", ""),
+                   ("concat-new-residual", "ctranslate2", "")])
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +154,34 @@ def test_lower_casing_matters_for_the_cased_model(embedders):
 
     vectors = SentenceTransformer(spec.path, device="cpu").encode([CASED[0], CASED[0].lower()])
     np.testing.assert_allclose(vectors[0], vectors[1], atol=1e-6)
+
+
+POOLINGS = [(mode,) for mode in Pooling] + [(Pooling.CLS, Pooling.MAX, Pooling.MEAN, Pooling.MEAN_SQRT_LEN,
+                                              Pooling.WEIGHTED_MEAN, Pooling.LAST_TOKEN)]
+
+
+@pytest.mark.parametrize("modes", POOLINGS, ids=["+".join(m.value for m in modes) for modes in POOLINGS])
+def test_every_pooling_implementation_equals_sentence_transformers_pooling(modes):
+    """Each mode alone, and all concatenated, in all three places encoderd pools (numpy, padded
+    torch, packed torch), against sentence-transformers' Pooling module on the same hidden states.
+    Alone, because inside a model a small error in one mode can hide behind the others."""
+    import torch
+    from sentence_transformers.sentence_transformer.modules import Pooling as StPooling
+
+    from encoderd.workers.backends.packed_bert import PackedBert
+    from encoderd.workers.backends.torch_backend import pool as torch_pool
+    from encoderd.workers.pooling import pool as numpy_pool
+
+    lengths = torch.tensor([1, 7, 40, 3, 23])
+    hidden = torch.randn(len(lengths), int(lengths.max()), 16, generator=torch.Generator().manual_seed(5))
+    mask = (torch.arange(hidden.shape[1])[None] < lengths[:, None]).long()
+    reference = StPooling(16, pooling_mode=tuple(m.value for m in modes))(
+        {"token_embeddings": hidden, "attention_mask": mask})["sentence_embedding"]
+    packed = hidden[mask.bool()]  # row-major: the sequences back to back
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    for got in (torch.from_numpy(numpy_pool(hidden.numpy(), mask.numpy(), modes)), torch_pool(hidden, mask, modes),
+                PackedBert.pool(packed, cu_seqlens, modes)):
+        torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ classifier heads
@@ -320,3 +351,14 @@ def test_served_through_grpc(st_server, references, heads):
     got = np.array([[{s.label: s.score for s in r.labels}[label] for label in labels] for r in response.results])
     want = transformers_logits(heads["multi-label"], TEXTS).sigmoid().numpy()
     np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_serve_refuses_at_start(embedders, tmp_path):
+    """`encoderd serve` with a model it cannot reproduce exits non-zero, the reason in its log."""
+    path = variant(embedders["cls-dense-new"], tmp_path / "layer-norm", REFUSALS["layer-norm"][1])
+    server = ServerProcess("--model", f"bad={path}", log_path=tmp_path / "server.log").launch()
+    try:
+        assert server.proc.wait(120) != 0
+    finally:
+        server.stop()
+    assert "ModelLoadError" in server.log_text() and "'sentence_transformers.models.LayerNorm'" in server.log_text()

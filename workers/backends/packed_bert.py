@@ -68,10 +68,10 @@ class PackedBert:
             yield
         return x
 
-    def pool(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: Pooling | tuple[Pooling, ...]
-             ) -> torch.Tensor:
+    @staticmethod
+    def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: Pooling | tuple[Pooling, ...]) -> torch.Tensor:
         """sentence-transformers Pooling over packed sequences; several modes concatenated."""
-        return torch.cat([self._pool_one(hidden, cu_seqlens, mode) for mode in pooling_modes(pooling)], dim=1)
+        return torch.cat([PackedBert._pool_one(hidden, cu_seqlens, mode) for mode in pooling_modes(pooling)], dim=1)
 
     @staticmethod
     def _pool_one(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: Pooling) -> torch.Tensor:
