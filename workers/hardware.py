@@ -4,8 +4,9 @@ One home for every hardware-dependent numeric decision (the backends only ask):
 
 * int8 on x86 CPUs without VNNI (AVX2-only hosts such as AMD Zen 2/3, AVX-512 Skylake) multiplies
   u8 activations by s8 weights with `vpmaddubsw`, which sums each adjacent pair of products into a
-  *saturating* int16: 2 x 255 x 127 = 64,770 > 32,767. Measured on a Zen 3, ONNX Runtime's default
-  int8 graph then served embeddings at cosine 0.19-0.79 to float32. VNNI (`vpdpbusd`) and AMX
+  *saturating* int16: 2 x 255 x 127 = 64,770 > 32,767. On a Zen 3 the signed-weight onnx int8
+  graph served embeddings at cosine 0.19-0.79 to float32 (an emulation of that kernel reproduces it
+  on any CPU: tests/integration/test_hardware_recipes.py). VNNI (`vpdpbusd`) and AMX
   accumulate in int32 and never saturate. So: ONNX Runtime int8 without VNNI uses unsigned weights
   (U8U8), for which MLAS has no vpmaddubsw kernel: it widens both operands to int16 and sums pairs
   of products in int32 (2 x 255 x 255 fits). Measured on all-MiniLM-L6-v2, broad corpus, batches
