@@ -136,23 +136,25 @@ def test_server_refuses_with_one_line_and_a_nonzero_exit(tmp_path):
 
 
 # ------------------------------------------------------------------ onnx int8: both recipes
+def choosing(recipe: str):
+    """As a CPU whose features select `recipe` (a mask can only take VNNI away, and the host
+    running these tests may have none to take)."""
+    from unittest import mock
+
+    return mock.patch.object(hardware, "onnx_int8_recipe", lambda info=None: recipe)
+
+
 @pytest.fixture(scope="module")
 def int8_graphs(minilm, tmp_path_factory) -> dict:
-    """recipe -> the cached int8 graph, each built under the mask that selects it."""
+    """recipe -> {"path": the cached int8 graph, "cache": its cache directory}."""
     pytest.importorskip("onnxruntime")
     from encoderd.workers.backends.onnx_backend import ensure_onnx_model
 
     cache = str(tmp_path_factory.mktemp("hardware-cache"))
     graphs = {}
-    for mask in ("", AVX2_HOST):
-        os.environ[hardware.MASK_ENV] = mask
-        hardware.cpu.cache_clear()
-        try:
-            graphs[hardware.onnx_int8_recipe()] = {"path": ensure_onnx_model(minilm, "int8", cache)[0], "cache": cache,
-                                                   "mask": mask}
-        finally:
-            os.environ.pop(hardware.MASK_ENV)
-            hardware.cpu.cache_clear()
+    for recipe in (hardware.ONNX_INT8_SIGNED, hardware.ONNX_INT8_UNSIGNED):
+        with choosing(recipe):
+            graphs[recipe] = {"path": ensure_onnx_model(minilm, "int8", cache)[0], "cache": cache}
     return graphs
 
 
@@ -186,14 +188,17 @@ def test_without_vnni_weights_are_unsigned(int8_graphs):
 
 
 @pytest.mark.parametrize("recipe", [hardware.ONNX_INT8_SIGNED, hardware.ONNX_INT8_UNSIGNED])
-def test_each_int8_recipe_is_accurate_on_a_broad_corpus(recipe, int8_graphs, minilm, reference, cpu_mask):
+def test_each_int8_recipe_is_accurate_on_a_broad_corpus(recipe, int8_graphs, minilm, reference):
     """Through the backend, as a host choosing that recipe loads it (its cache entry, not a rebuild).
+    The unsigned recipe is exact on every x86 CPU, so what it computes here an AVX2 host computes.
     Measured here (Zen 5): signed min/mean cosine 0.9954/0.9984, unsigned 0.9951/0.9984 (7-bit signed
     weights, the other saturation-free recipe, 0.9891: below the floor)."""
-    graph = int8_graphs[recipe]
-    cpu_mask(graph["mask"])
-    backend = create_backend("onnx", minilm, BackendOptions(dtype="int8", threads=1, cache_dir=graph["cache"]))
-    backend.load()
+    if recipe == hardware.ONNX_INT8_SIGNED and not hardware.cpu().int8_exact:
+        pytest.skip("signed int8 weights saturate on this CPU (test_emulated_avx2_kernel_... shows how)")
+    with choosing(recipe):
+        backend = create_backend("onnx", minilm, BackendOptions(dtype="int8", threads=1,
+                                                                 cache_dir=int8_graphs[recipe]["cache"]))
+        backend.load()
     assert backend.cache_hit
     cos = cosines(outputs(backend, minilm), reference)
     print(f"\nonnx int8 {recipe}: cosine min {cos.min():.4f} mean {cos.mean():.4f} ({len(cos)} texts)")
@@ -283,8 +288,9 @@ def test_emulated_avx2_kernel_saturates_signed_weights(int8_graphs, minilm, tmp_
     at_avx2 = cosines(_one_at_a_time(create_session(emulated, ["CPUExecutionProvider"], 1), minilm, texts), want)
     print(f"\nsigned int8 weights: cosine min {native.min():.4f} exact, {at_avx2.min():.3f} "
           f"(median {np.median(at_avx2):.3f}) on the emulated AVX2 kernel")
-    assert native.min() >= 0.99        # fine where products accumulate in int32
     assert np.median(at_avx2) < 0.9    # wrecked where pairs saturate
+    if hardware.cpu().int8_exact:
+        assert native.min() >= 0.99    # fine where products accumulate in int32
 
 
 # ------------------------------------------------------------------ the AVX2 path of oneDNN (torch, ctranslate2)
