@@ -4,11 +4,15 @@ One home for every hardware-dependent numeric decision (the backends only ask):
 
 * int8 on x86 CPUs without VNNI (AVX2-only hosts such as AMD Zen 2/3, AVX-512 Skylake) multiplies
   u8 activations by s8 weights with `vpmaddubsw`, which sums each adjacent pair of products into a
-  *saturating* int16: 2 x 255 x 127 = 64,770 > 32,767. Measured on a Zen 3, ONNX Runtime's default
-  int8 graph then served embeddings at cosine 0.19-0.79 to float32. VNNI (`vpdpbusd`) and AMX
-  accumulate in int32 and never saturate. So: ONNX Runtime int8 without VNNI uses 7-bit weights
-  (reduce_range: 2 x 255 x 64 = 32,640 fits int16, provably exact); CTranslate2, which has no such
-  option, refuses int8 there.
+  *saturating* int16: 2 x 255 x 127 = 64,770 > 32,767. On a Zen 3 the signed-weight onnx int8
+  graph served embeddings at cosine 0.19-0.79 to float32 (an emulation of that kernel reproduces it
+  on any CPU: tests/integration/test_hardware_recipes.py). VNNI (`vpdpbusd`) and AMX
+  accumulate in int32 and never saturate. So: ONNX Runtime int8 without VNNI uses unsigned weights
+  (U8U8), for which MLAS has no vpmaddubsw kernel: it widens both operands to int16 and sums pairs
+  of products in int32 (2 x 255 x 255 fits). Measured on all-MiniLM-L6-v2, broad corpus, batches
+  length-sorted: min cosine U8U8 0.9951, 7-bit signed weights (reduce_range, the other
+  saturation-free option) 0.9891, 8-bit signed 0.9954. CTranslate2, which has neither option,
+  refuses int8 there.
 * bfloat16 / float16 on CPU run at useful speed only with native instructions (avx512_bf16 /
   amx_bf16, avx512_fp16 / amx_fp16); elsewhere torch emulates them at ~1 GFLOP/s (bfloat16 on a
   Zen 3: ~80 for float32; a 512x512 float16 matmul on a Zen 5, which has avx512_bf16 but no
@@ -39,8 +43,8 @@ VNNI_INT8 = ("avx512_vnni", "avx_vnni", "amx_int8")
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
 NATIVE_FP16 = ("avx512_fp16", "amx_fp16")
 # ONNX Runtime int8 recipes (onnx_backend.quantize_int8 reads the name; it is part of the cache key).
-ONNX_INT8_FULL_RANGE = "s8-smooth"        # 8-bit weights: exact only where int8 products accumulate in int32
-ONNX_INT8_REDUCED_RANGE = "s8-7bit-smooth"  # 7-bit weights: cannot saturate vpmaddubsw's int16 pairs
+ONNX_INT8_SIGNED = "s8-smooth"      # u8 x s8: exact only where the products accumulate in int32 (VNNI, AMX)
+ONNX_INT8_UNSIGNED = "u8u8-smooth"   # u8 x u8: MLAS widens both to int16 and sums pairs in int32 (vpmaddwd)
 CUDA_BF16_CAPABILITY = (8, 0)
 
 
@@ -131,7 +135,7 @@ def cuda_capability(device: str) -> tuple[int, int] | None:
 
 # ------------------------------------------------------------------ policy
 _INT8_ALTERNATIVES = {
-    "ctranslate2": "use --engine onnx --dtype int8 (7-bit weights there, which cannot saturate) "
+    "ctranslate2": "use --engine onnx --dtype int8 (unsigned weights there, which cannot saturate) "
                    "or --dtype float32",
 }
 
@@ -141,9 +145,9 @@ def _missing(features: tuple[str, ...]) -> str:
 
 
 def onnx_int8_recipe(info: CpuInfo | None = None) -> str:
-    """Full-range 8-bit weights where int8 products accumulate in int32, else 7-bit weights."""
+    """Signed weights (the fast u8 x s8 kernels) where their products accumulate in int32, else unsigned."""
     info = info or cpu()
-    return ONNX_INT8_FULL_RANGE if info.int8_exact else ONNX_INT8_REDUCED_RANGE
+    return ONNX_INT8_SIGNED if info.int8_exact else ONNX_INT8_UNSIGNED
 
 
 def check_dtype(engine: str, dtype: str, device: str, info: CpuInfo | None = None,

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from encoderd.workers import hardware
 from encoderd.workers.backends import BackendOptions, create_backend, resolve_engine, resolve_options
 from encoderd.workers.model_cache import MANIFEST, cached_build, fingerprint_model
 from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
@@ -150,6 +151,10 @@ def check_equivalent(kind: str, got: np.ndarray, want: np.ndarray, int8: bool) -
 @pytest.mark.parametrize("engine,dtype,library", CPU_ENGINES, ids=[f"{e}-{d}" for e, d, _ in CPU_ENGINES])
 def test_engine_matches_torch(engine, dtype, library, kind, specs, inputs, reference, cache_dir):
     pytest.importorskip(library)
+    try:
+        hardware.check_dtype(engine, dtype, "cpu")
+    except hardware.UnsupportedOnHardware as refused:  # test_hardware_recipes checks the refusal and why
+        pytest.skip(f"not served on this CPU: {refused}")
     backend = load(engine, specs[kind], cache_dir, dtype)
     assert backend.is_padded and backend.engine == engine and backend.options.dtype == dtype
     assert backend.output_dim == reference[kind].shape[1]

@@ -88,7 +88,7 @@ def test_no_cpuinfo_is_unknown_and_conservative(monkeypatch, tmp_path):
     info = read_cpu(mask="", arch="x86_64")
     assert not info.known and info.flags == frozenset()
     assert "unknown" in info.describe()
-    assert onnx_int8_recipe(info) == hardware.ONNX_INT8_REDUCED_RANGE  # exact on every x86
+    assert onnx_int8_recipe(info) == hardware.ONNX_INT8_UNSIGNED  # exact on every x86
     with pytest.raises(UnsupportedOnHardware):
         check_dtype("torch", "bfloat16", "cpu", info)
 
@@ -114,17 +114,17 @@ def test_mask_comes_from_the_environment_and_the_result_is_cached(monkeypatch):
 
 # ------------------------------------------------------------------ recipes per CPU
 @pytest.mark.parametrize("name,recipe", [
-    ("zen3", hardware.ONNX_INT8_REDUCED_RANGE), ("skylake", hardware.ONNX_INT8_REDUCED_RANGE),
-    ("zen4", hardware.ONNX_INT8_FULL_RANGE), ("spr", hardware.ONNX_INT8_FULL_RANGE),
-    ("alderlake", hardware.ONNX_INT8_FULL_RANGE),
+    ("zen3", hardware.ONNX_INT8_UNSIGNED), ("skylake", hardware.ONNX_INT8_UNSIGNED),
+    ("zen4", hardware.ONNX_INT8_SIGNED), ("spr", hardware.ONNX_INT8_SIGNED),
+    ("alderlake", hardware.ONNX_INT8_SIGNED),
 ])
 def test_onnx_int8_recipe_follows_vnni(name, recipe):
     assert onnx_int8_recipe(host(name)) == recipe
 
 
 def test_masking_vnni_switches_the_onnx_recipe():
-    assert onnx_int8_recipe(host("spr", mask="avx512_vnni,avx_vnni,amx_int8")) == hardware.ONNX_INT8_REDUCED_RANGE
-    assert onnx_int8_recipe(host("spr", mask="avx512_vnni,avx_vnni")) == hardware.ONNX_INT8_FULL_RANGE  # AMX
+    assert onnx_int8_recipe(host("spr", mask="avx512_vnni,avx_vnni,amx_int8")) == hardware.ONNX_INT8_UNSIGNED
+    assert onnx_int8_recipe(host("spr", mask="avx512_vnni,avx_vnni")) == hardware.ONNX_INT8_SIGNED  # AMX
 
 
 # (cpu, engine, dtype) -> None if accepted, else words the refusal must contain
@@ -134,7 +134,7 @@ POLICY = [
     ("zen3", "ctranslate2", "int8", ["VNNI", "avx512_vnni", "--engine onnx --dtype int8"]),
     ("zen3", "ctranslate2", "int8_float32", ["saturate", "--engine onnx --dtype int8"]),
     ("skylake", "ctranslate2", "int8", ["avx_vnni"]),
-    ("zen3", "onnx", "int8", None),         # 7-bit weights there
+    ("zen3", "onnx", "int8", None),         # unsigned weights there
     ("zen3", "torch", "float32", None),
     ("zen4", "torch", "bfloat16", None),
     ("zen4", "torch", "float16", ["avx512_fp16", "or bfloat16 (this CPU has it)"]),

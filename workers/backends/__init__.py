@@ -82,6 +82,8 @@ def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
     module_name, class_name = ENGINES[engine]
     module = importlib.import_module(f"{__name__}.{module_name}")
     # After the import: the torch engine's module brings torch, which reads a GPU's compute capability.
+    if options.device == "cpu":
+        log.info("CPU %s", hardware.cpu().describe())
     hardware.check_dtype(engine, options.dtype, options.device)
     return getattr(module, class_name)(spec, options)
 
