@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-length", action="append", type=parse_per_model(*PER_MODEL_FLAGS["max_length"]),
                        default=None, metavar="[NAME=]TOKENS",
                        help="most tokens per input (longer ones are truncated) instead of the model's own "
-                            "maximum, up to its position limit; NAME= picks one model, a bare TOKENS applies to "
+                            "maximum: 8 up to its position limit; NAME= picks one model, a bare TOKENS applies to "
                             "every model; repeatable [env ENCODERD_MAX_LENGTH, comma-separated]")
     _add_switch(serve, "--trust-remote-code", "load models whose config.json points at Python code in the model "
                 "repository (auto_map). This RUNS THAT CODE in the worker processes, with this server's "

@@ -411,6 +411,9 @@ def _max_length(model_dir: Path, config: dict) -> int:
     return min(lengths[0] if lengths else position_limit, position_limit)
 
 
+# The least --max-length: a pair's special tokens take up to 4 ([CLS] a [SEP] b [SEP], <s> a </s></s> b </s>),
+# and `tokenizers` stops truncating at all when they alone exceed the limit.
+MIN_MAX_LENGTH = 8
 TRUST_REMOTE_CODE_FLAG = "--trust-remote-code (env ENCODERD_TRUST_REMOTE_CODE=1)"
 # Architecture names transformers has no class for that encoderd loads by model_type on purpose.
 _OWN_ARCHITECTURES = ("HF_ColBERT",)
@@ -453,9 +456,9 @@ def _with_overrides(spec: ModelSpec, config: dict, pooling: Pooling | None, max_
                              f"and {spec.name} is a {spec.kind.value} model")
     if max_length is not None:
         limit = _position_limit(config)
-        if not 0 < max_length <= limit:
+        if not MIN_MAX_LENGTH <= max_length <= limit:
             raise ModelLoadError(f"--max-length {max_length} for {spec.name}: its position table holds {limit} "
-                                 f"tokens; choose 1..{limit}")
+                                 f"tokens; choose {MIN_MAX_LENGTH}..{limit}")
     if pooling is not None:
         # One mode instead of the model's own: the pooled width changes with the number of modes.
         if spec.dense and len(spec.pooling) != 1:

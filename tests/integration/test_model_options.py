@@ -78,7 +78,7 @@ def test_a_revision_for_a_local_directory_is_refused(tmp_path, minilm_path):
 
 def test_a_max_length_beyond_the_position_table_is_refused(tmp_path, minilm_path):
     log = _exit_log(tmp_path, "--model", f"m={minilm_path}", "--max-length", "1024")
-    assert "--max-length 1024 for m: its position table holds 512 tokens" in log
+    assert "--max-length 1024 for m: its position table holds 512 tokens; choose 8..512" in log
 
 
 @pytest.fixture(scope="module")

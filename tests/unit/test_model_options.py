@@ -109,9 +109,12 @@ def test_overrides_replace_what_the_model_files_say():
     assert load_model_spec("m", default_model_path(), max_length=512).max_length == 512
 
 
-def test_a_max_length_beyond_the_position_table_is_refused():
-    with pytest.raises(ModelLoadError, match=r"--max-length 513 for m: its position table holds 512 tokens"):
-        load_model_spec("m", default_model_path(), max_length=513)
+@pytest.mark.parametrize("tokens", [513, 7])
+def test_a_max_length_outside_the_position_table_or_below_the_special_tokens_is_refused(tokens):
+    with pytest.raises(ModelLoadError, match=rf"--max-length {tokens} for m: its position table holds 512 tokens; "
+                                             r"choose 8\.\.512"):
+        load_model_spec("m", default_model_path(), max_length=tokens)
+    assert load_model_spec("m", default_model_path(), max_length=8).max_length == 8
 
 
 def test_pooling_is_refused_for_models_that_do_not_pool():

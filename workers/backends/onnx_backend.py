@@ -348,7 +348,7 @@ class OnnxBackend(Backend):
         self._check_dtype()
         providers = self._providers()
         model_file, self.cache_hit = ensure_onnx_model(self.spec, self.options.dtype, self.options.cache_dir,
-                                                             self.options.trust_remote_code)
+                                                       self.options.trust_remote_code)
         self.session = create_session(model_file, providers, self.options.threads)
         self._check_session(providers)
         self._inputs = {i.name for i in self.session.get_inputs()}
