@@ -9,7 +9,7 @@ score (query, passage) pairs of the same material.
 
 Inputs are tokenized here, in the worker, from the model's own tokenizer with truncation to
 spec.max_length, and batched as the scheduler batches traffic: sorted by length, then cut into
-batches of BATCH_SIZE, whose lengths still differ (padded engines pad them; int8 activation scales
+batches of at most BATCH_SIZE inputs and BATCH_TOKENS padded tokens, whose lengths still differ (padded engines pad them; int8 activation scales
 are set per batch). Sorting keeps the check cheap: the long inputs share one batch instead of
 padding every batch to the maximum length. Changing anything here changes the reference: bump
 VERSION.
@@ -24,7 +24,8 @@ from .model_spec import ModelKind, ModelSpec
 from .protocol import TokenBatch
 
 VERSION = 1
-BATCH_SIZE = 8
+BATCH_SIZE = 8      # most inputs per batch
+BATCH_TOKENS = 1024  # most padded tokens (size x longest) per batch, unless one input is longer
 
 QUERIES = (
     "capital of australia",
@@ -137,9 +138,16 @@ def batches(spec: ModelSpec, batch_size: int = BATCH_SIZE) -> list[TokenBatch]:
     encodings.sort(key=lambda e: len(e.ids))  # stable: a fixed order for a given tokenizer
     ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
     types = [np.asarray(e.type_ids, dtype=np.int32) for e in encodings] if spec.kind == ModelKind.RERANKER else None
-    size = max(1, min(batch_size, BATCH_SIZE))
-    out = []
-    for start in range(0, len(ids), size):
-        chunk = slice(start, start + size)
-        out.append(TokenBatch.from_sequences(-1, ids[chunk], None if types is None else types[chunk]))
-    return out
+    return [TokenBatch.from_sequences(-1, [ids[i] for i in rows], None if types is None else [types[i] for i in rows])
+            for rows in _batch_rows([len(i) for i in ids], min(batch_size, BATCH_SIZE))]
+
+
+def _batch_rows(lengths: list[int], batch_size: int) -> list[range]:
+    """Consecutive rows of length-sorted inputs, cut where a batch would exceed batch_size
+    inputs or BATCH_TOKENS padded tokens (the scheduler's padded budget, scaled down)."""
+    batches, start = [], 0
+    for end in range(1, len(lengths) + 1):
+        if end - start > max(1, batch_size) or (end - start > 1 and (end - start) * lengths[end - 1] > BATCH_TOKENS):
+            batches.append(range(start, end - 1))
+            start = end - 1
+    return batches + [range(start, len(lengths))] if lengths else []
