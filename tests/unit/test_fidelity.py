@@ -192,3 +192,16 @@ def test_kinds_outside_the_calibration_set_are_reported_unchecked(minilm_spec):
     clip = msgspec.structs.replace(minilm_spec, kind=ModelKind.CLIP)
     report = fidelity.self_check(_Backend(np.zeros((1, 1)), 0.0, "float32"), clip, allow_low=False)
     assert report.status == fidelity.UNCHECKED and report.figures == ()
+
+
+# --------------------------------------------------------------------- flag
+@pytest.mark.parametrize("argv, env, allowed", [([], {}, False), (["--allow-low-fidelity"], {}, True),
+                                                ([], {"ENCODERD_ALLOW_LOW_FIDELITY": "1"}, True)])
+def test_allow_low_fidelity_flag_and_env(monkeypatch, argv, env, allowed):
+    from encoderd.server.cli import build_parser, config_from_args
+
+    monkeypatch.delenv("ENCODERD_ALLOW_LOW_FIDELITY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = config_from_args(build_parser().parse_args(["serve", *argv]))
+    assert config.allow_low_fidelity is allowed
