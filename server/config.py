@@ -25,6 +25,7 @@ class ServerConfig:
     cpu_threads: int = 0
     torch_compile: bool = False          # torch engine: torch.compile each model during warm-up
     trust_remote_code: bool = False      # run Python code shipped in model repositories (config.json auto_map)
+    allow_low_fidelity: bool = False     # serve models that fail the start-up fidelity self-check
     replicas: int = 1                    # worker processes per device
     max_batch_size: int = 64
     max_batch_tokens: int = 8192

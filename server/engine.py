@@ -45,6 +45,8 @@ class ServedModel:
     results: ResultCache
     prompts: dict[str, str]
     media: dict = field(default_factory=dict)  # modality -> preprocessor (server/media.py), media kinds only
+    fidelity_status: str = ""                  # the first replica's start-up self-check (workers/fidelity.py)
+    fidelity: tuple = ()                       # its protocol.FidelityFigure's
 
     @property
     def ready(self) -> bool:
@@ -102,12 +104,15 @@ class Engine:
         started = time.perf_counter()
         log.info("starting %d worker(s) for %s (%s, kind=%s)", len(replicas), spec.name, path, spec.kind.value)
         infos = await asyncio.gather(*(replica.start() for replica in replicas))
-        log.info("model %s ready in %.1fs (pids %s, %s/%s)", spec.name, time.perf_counter() - started,
-                 ",".join(str(i.pid) for i in infos), infos[0].engine, infos[0].dtype)
+        log.info("model %s ready in %.1fs (pids %s, %s/%s; fidelity %s%s)", spec.name, time.perf_counter() - started,
+                 ",".join(str(i.pid) for i in infos), infos[0].engine, infos[0].dtype, infos[0].fidelity_status,
+                 "".join(f", {f.metric} {f.value:.5f}" for f in infos[0].fidelity))
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
+        metrics.observe_fidelity(spec.name, infos[0].fidelity)
         scheduler = self._scheduler(spec, replicas, padded=any(i.is_padded for i in infos))
         return ServedModel(spec, tokenizer, replicas, scheduler, infos[0].engine, infos[0].dtype,
-                           ResultCache(spec.name, cfg.cache_size), prompts, await media)
+                           ResultCache(spec.name, cfg.cache_size), prompts, await media,
+                           infos[0].fidelity_status, infos[0].fidelity)
 
     def _scheduler(self, spec: ModelSpec, replicas: list[WorkerClient], padded: bool) -> ModelScheduler:
         cfg = self.config
@@ -130,7 +135,8 @@ class Engine:
 
         def make_config(batch_address: str, result_address: str) -> WorkerConfig:
             return WorkerConfig(spec, cfg.engine, options, batch_address, result_address, cfg.log_level, label,
-                                cpu_affinity=placement.cores, log_format=cfg.log_format)
+                                cpu_affinity=placement.cores, log_format=cfg.log_format,
+                                allow_low_fidelity=cfg.allow_low_fidelity)
 
         restarts_counted = 0
         metrics.WORKER_RESTARTS.labels(spec.name, label)  # export the series at 0, so increase() sees the first

@@ -56,6 +56,11 @@ WORKER_UP = Gauge("encoderd_worker_up", "1 while this worker of the model is rea
 MODEL_LOAD_SECONDS = Gauge("encoderd_model_load_seconds",
                            "Seconds from spawning the model's workers at start-up until all were loaded and warm",
                            ["model"])
+# The start-up fidelity self-check (workers/fidelity.py): one series per figure of the model's kind.
+MODEL_FIDELITY = Gauge("encoderd_model_fidelity", "Start-up fidelity self-check against float32 of the same weights "
+                       "(metric: min_cosine, max_prob_diff, kendall_tau, top1_agreement)", ["model", "metric"])
+MODEL_FIDELITY_BOUND = Gauge("encoderd_model_fidelity_bound", "The dtype's floor for that figure (max_prob_diff: "
+                             "its ceiling)", ["model", "metric"])
 
 
 def model_label(served, name: str) -> str:
@@ -65,6 +70,12 @@ def model_label(served, name: str) -> str:
     if not name and len(served) == 1:
         return next(iter(served))
     return "" if not name else UNKNOWN_MODEL
+
+
+def observe_fidelity(model: str, figures) -> None:
+    for figure in figures:
+        MODEL_FIDELITY.labels(model, figure.metric).set(figure.value)
+        MODEL_FIDELITY_BOUND.labels(model, figure.metric).set(figure.bound)
 
 
 def observe_batch(model: str, replica: str, batch, padded: bool, seconds: float) -> None:

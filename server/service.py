@@ -232,4 +232,6 @@ def model_info(model) -> pb.ModelInfo:
         id=model.spec.name, kind=model.spec.kind.value, max_input_tokens=model.spec.max_length,
         dimensions=model.output_dim, engine=model.engine, device=",".join(sorted({r.device for r in replicas})),
         dtype=model.dtype, labels=list(model.spec.labels), status="ready" if model.ready else "unavailable",
-        replicas=replicas)
+        replicas=replicas, fidelity_status=model.fidelity_status,
+        fidelity=[pb.FidelityFigure(metric=f.metric, value=f.value, bound=f.bound, passed=f.passed)
+                  for f in model.fidelity])

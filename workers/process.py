@@ -25,7 +25,7 @@ import numpy as np
 import zmq
 
 from ..server.logs import configure_logging
-from . import protocol
+from . import fidelity, protocol
 from .backends import BackendOptions, create_backend
 from .hardware import UnsupportedOnHardware
 from .model_spec import ModelSpec
@@ -44,6 +44,7 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     label: str = ""
     cpu_affinity: tuple[int, ...] = ()   # pin this worker to these cores
     log_format: str = "text"             # "json": JSON lines, as the frontend's --log-format
+    allow_low_fidelity: bool = False     # serve below the fidelity floors (with a warning)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -104,12 +105,12 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     results.setsockopt(zmq.LINGER, 2000)
     results.connect(config.result_address)
     try:
-        backend = _load(config)
+        backend, check = _load(config)
         modules = SentenceModules(config.spec)  # Dense layers after pooling, for every engine
     except Exception as exc:
         if isinstance(exc, UnsupportedOnHardware):  # a refusal, not a bug: its message is the whole story
             log.error("model load refused: %s", exc)
-        else:
+        elif not isinstance(exc, fidelity.LowFidelity):  # that one has logged its one clear line
             log.exception("model load failed")
         results.send_multipart(protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}")))
         results.close()
@@ -122,12 +123,13 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     results.send_multipart(protocol.encode_control(protocol.WorkerReady(
         # The backend's own engine/options: `auto` engine and dtype are resolved by then.
         os.getpid(), modules.output_dim(backend.output_dim), backend.engine, backend.options.device,
-        backend.options.dtype, backend.is_padded)))
+        backend.options.dtype, backend.is_padded, check.status, check.figures)))
     while True:
         _run(backend, modules, inbox.get(), inbox, results)
 
 
-def _load(config: WorkerConfig):
+def _load(config: WorkerConfig) -> tuple:
+    """The loaded, warmed-up backend and its fidelity report (fidelity.LowFidelity: not servable)."""
     started = time.perf_counter()
     log.info("loading %s from %s (engine=%s device=%s dtype=%s)", config.spec.name, config.spec.path,
              config.engine, config.options.device, config.options.dtype)
@@ -136,8 +138,10 @@ def _load(config: WorkerConfig):
     log.info("loaded in %.1fs; warming up", time.perf_counter() - started)
     warm_start = time.perf_counter()
     backend.warmup(config.spec.max_length)
-    log.info("warm-up done in %.1fs; ready", time.perf_counter() - warm_start)
-    return backend
+    log.info("warm-up done in %.1fs", time.perf_counter() - warm_start)
+    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity)
+    log.info("ready")
+    return backend, check
 
 
 def is_out_of_memory(exc: Exception) -> bool:

@@ -57,6 +57,14 @@ class ResultHeader(msgspec.Struct, array_like=True, gc=False):
     sparse: bool = False
 
 
+class FidelityFigure(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One figure of the start-up fidelity self-check (workers/fidelity.py)."""
+    metric: str    # min_cosine, max_prob_diff, kendall_tau, top1_agreement
+    value: float
+    bound: float   # this dtype's floor (max_prob_diff: its ceiling)
+    passed: bool
+
+
 class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     pid: int
     output_dim: int
@@ -64,6 +72,8 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     device: str
     dtype: str
     is_padded: bool
+    fidelity_status: str = ""    # passed, low (served with --allow-low-fidelity), unchecked
+    fidelity: tuple[FidelityFigure, ...] = ()
 
 
 class WorkerFatal(msgspec.Struct, array_like=True, gc=False):

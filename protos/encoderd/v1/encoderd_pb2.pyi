@@ -249,7 +249,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "kind", "max_input_tokens", "dimensions", "engine", "device", "dtype", "labels", "status", "replicas")
+    __slots__ = ("id", "kind", "max_input_tokens", "dimensions", "engine", "device", "dtype", "labels", "status", "replicas", "fidelity_status", "fidelity")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,8 @@ class ModelInfo(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_STATUS_FIELD_NUMBER: _ClassVar[int]
+    FIDELITY_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     max_input_tokens: int
@@ -270,7 +272,21 @@ class ModelInfo(_message.Message):
     labels: _containers.RepeatedScalarFieldContainer[str]
     status: str
     replicas: _containers.RepeatedCompositeFieldContainer[ModelReplica]
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., dimensions: _Optional[int] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ModelReplica, _Mapping]]] = ...) -> None: ...
+    fidelity_status: str
+    fidelity: _containers.RepeatedCompositeFieldContainer[FidelityFigure]
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., max_input_tokens: _Optional[int] = ..., dimensions: _Optional[int] = ..., engine: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., labels: _Optional[_Iterable[str]] = ..., status: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ModelReplica, _Mapping]]] = ..., fidelity_status: _Optional[str] = ..., fidelity: _Optional[_Iterable[_Union[FidelityFigure, _Mapping]]] = ...) -> None: ...
+
+class FidelityFigure(_message.Message):
+    __slots__ = ("metric", "value", "bound", "passed")
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOUND_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    metric: str
+    value: float
+    bound: float
+    passed: bool
+    def __init__(self, metric: _Optional[str] = ..., value: _Optional[float] = ..., bound: _Optional[float] = ..., passed: _Optional[bool] = ...) -> None: ...
 
 class ModelReplica(_message.Message):
     __slots__ = ("device", "pid", "status", "restarts")

@@ -1,0 +1,207 @@
+"""The fidelity self-check's metrics, floors and verdicts, and its calibration set (workers/fidelity.py,
+workers/calibration.py). The self-check on real servers: tests/integration/test_fidelity.py."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from encoderd.workers import calibration, fidelity
+from encoderd.workers.backends.base import BackendOptions
+from encoderd.workers.model_spec import ModelKind, default_model_path, load_model_spec
+
+
+# ------------------------------------------------------------------ metrics
+def test_min_cosine_is_scale_free_and_reports_the_worst_row():
+    rng = np.random.default_rng(0)
+    want = rng.normal(size=(5, 16))
+    got = want * np.array([[1.0], [3.0], [0.5], [2.0], [7.0]])  # norms differ, directions equal
+    assert fidelity.min_cosine(got, want) == pytest.approx(1.0, abs=1e-12)
+    bent = got.copy()
+    orthogonal = rng.normal(size=16)
+    orthogonal -= orthogonal @ want[3] / (want[3] @ want[3]) * want[3]
+    bent[3] = want[3] + orthogonal * np.linalg.norm(want[3]) / np.linalg.norm(orthogonal)  # 45 degrees off
+    assert fidelity.min_cosine(bent, want) == pytest.approx(np.sqrt(0.5), abs=1e-9)
+
+
+def test_probabilities_are_what_the_frontend_serves():
+    logits = np.array([[0.0], [2.0], [-3.0]])
+    np.testing.assert_allclose(fidelity.probabilities(logits, ModelKind.RERANKER)[:, 0], 1 / (1 + np.exp([0, -2, 3])))
+    three = np.array([[1.0, 2.0, 3.0], [1000.0, 0.0, 0.0]])  # a large logit must not overflow
+    probs = fidelity.probabilities(three, ModelKind.CLASSIFIER)
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0)
+    np.testing.assert_allclose(probs[0], np.exp([1, 2, 3]) / np.exp([1, 2, 3]).sum())
+    assert probs[1, 0] == pytest.approx(1.0)
+
+
+def test_kendall_tau():
+    scores = np.arange(10.0)
+    assert fidelity.kendall_tau(scores, scores * 2 + 1) == 1.0
+    assert fidelity.kendall_tau(scores, -scores) == -1.0
+    swapped = scores.copy()
+    swapped[[4, 5]] = swapped[[5, 4]]  # one discordant pair of 45
+    assert fidelity.kendall_tau(swapped, scores) == pytest.approx(1 - 2 / 45)
+
+
+def test_top1_agreement():
+    want = np.array([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+    got = want.copy()
+    got[2] = [0.9, 0.1]
+    assert fidelity.top1_agreement(want, want) == 1.0
+    assert fidelity.top1_agreement(got, want) == 0.75
+
+
+def test_measure_gives_each_kind_its_metrics():
+    rng = np.random.default_rng(1)
+    vectors = rng.normal(size=(6, 8))
+    logits1, logits3 = rng.normal(size=(6, 1)), rng.normal(size=(6, 3))
+    assert fidelity.measure(ModelKind.EMBEDDING, vectors, vectors) == {"min_cosine": pytest.approx(1.0)}
+    reranker = fidelity.measure(ModelKind.RERANKER, logits1 + 0.1, logits1)
+    assert set(reranker) == {"max_prob_diff", "kendall_tau"} and reranker["kendall_tau"] == 1.0
+    assert 0 < reranker["max_prob_diff"] <= 0.025  # sigmoid's slope is at most 1/4
+    classifier = fidelity.measure(ModelKind.CLASSIFIER, logits3, logits3)
+    assert classifier == {"max_prob_diff": 0.0, "top1_agreement": 1.0}
+
+
+# ------------------------------------------------------------------- floors
+@pytest.mark.parametrize("dtype, row", [("float32", "float32"), ("float16", "half"), ("bfloat16", "half"),
+                                        ("int8", "int8"), ("int8_float32", "int8"), ("int8_float16", "int8")])
+def test_every_dtype_has_a_floor_row(dtype, row):
+    assert fidelity.precision(dtype) == row
+    assert set(fidelity.FLOORS[row]) == {m for metrics in fidelity.METRICS.values() for m in metrics}
+
+
+def test_floors_are_the_documented_ones_and_tighten_with_precision():
+    assert fidelity.FLOORS["float32"]["min_cosine"] == 0.9999
+    assert fidelity.FLOORS["half"]["min_cosine"] == 0.999
+    assert fidelity.FLOORS["int8"]["min_cosine"] == 0.99
+    for metric in fidelity.FLOORS["float32"]:
+        ceiling = metric in fidelity.CEILING_METRICS
+        f32, half, int8 = (fidelity.FLOORS[row][metric] for row in ("float32", "half", "int8"))
+        assert (f32 < half < int8) if ceiling else (f32 > half > int8), metric
+
+
+def test_judge_applies_floors_and_ceilings_by_dtype():
+    [ok] = fidelity.judge({"min_cosine": 0.995}, "int8")
+    assert ok.passed and ok.bound == 0.99 and ok.value == 0.995
+    [low] = fidelity.judge({"min_cosine": 0.995}, "float32")
+    assert not low.passed and low.bound == 0.9999
+    assert fidelity.judge({"min_cosine": 0.9999}, "float32")[0].passed  # the floor itself passes
+    diff, tau = fidelity.judge({"max_prob_diff": 0.02, "kendall_tau": 0.95}, "bfloat16")
+    assert not diff.passed and diff.bound == 0.01  # a ceiling: above it fails
+    assert not tau.passed
+    diff, tau = fidelity.judge({"max_prob_diff": 0.02, "kendall_tau": 0.95}, "int8")
+    assert diff.passed and tau.passed
+
+
+# ------------------------------------------------------------- calibration
+@pytest.fixture(scope="module")
+def minilm_spec():
+    return load_model_spec("minilm", default_model_path())
+
+
+def test_calibration_batches_reach_the_maximum_length_and_mix_lengths(minilm_spec):
+    batches = calibration.batches(minilm_spec)
+    lengths = np.concatenate([b.lengths for b in batches])
+    assert all(b.size <= calibration.BATCH_SIZE for b in batches)
+    assert lengths.max() == minilm_spec.max_length  # long passages, cut
+    assert (lengths == minilm_spec.max_length).sum() == 2
+    assert lengths.min() <= 8  # short queries
+    assert sum(len(set(b.lengths.tolist())) > 1 for b in batches) >= len(batches) - 1  # padding exercised
+    assert all(b.token_type_ids is None for b in batches)
+    assert len(calibration.batches(minilm_spec, batch_size=3)[0].lengths) == 3
+
+
+def test_calibration_texts_cover_scripts_code_and_emoji(minilm_spec):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{minilm_spec.path}/tokenizer.json")
+    texts = calibration.texts(tokenizer, minilm_spec.max_length)
+    joined = "".join(texts)
+    for first, last in [(0x4E00, 0x9FFF), (0x0600, 0x06FF), (0x0400, 0x04FF), (0x0900, 0x097F),
+                        (0x0370, 0x03FF), (0xAC00, 0xD7AF), (0x0E00, 0x0E7F), (0x1F300, 0x1FAFF)]:
+        assert any(first <= ord(c) <= last for c in joined), hex(first)
+    assert any("def " in t for t in texts) and any("SELECT" in t for t in texts)
+
+
+def test_reranker_calibration_is_pairs_with_token_types(reranker_path):
+    spec = load_model_spec("reranker", reranker_path)
+    batches = calibration.batches(spec)
+    assert sum(b.size for b in batches) == len(calibration.PAIR_QUERIES) * 6 + 2
+    assert all(b.token_type_ids is not None and b.token_type_ids.max() == 1 for b in batches)
+    assert max(int(b.lengths.max()) for b in batches) == spec.max_length
+
+
+# ------------------------------------------------------------------ verdict
+class _Backend:
+    """Serves the reference, bent by `noise` (relative, per row)."""
+
+    engine = "fake"
+
+    def __init__(self, want: np.ndarray, noise: float, dtype: str):
+        self.want, self.noise, self.row = want, noise, 0
+        self.options = BackendOptions(dtype=dtype)
+
+    def forward(self, batch):
+        rows = self.want[self.row:self.row + batch.size]
+        self.row += batch.size
+        bend = np.random.default_rng(self.row).normal(size=rows.shape) * np.linalg.norm(rows, axis=1, keepdims=True)
+        return (rows + self.noise * bend / np.sqrt(rows.shape[1])).astype(np.float32)
+
+
+@pytest.fixture
+def fake_reference(monkeypatch, minilm_spec):
+    n = sum(b.size for b in calibration.batches(minilm_spec))
+    want = np.random.default_rng(2).normal(size=(n, 384)).astype(np.float32)
+    monkeypatch.setattr(fidelity, "reference", lambda spec, batches, cache_dir: (want, True))
+    return want
+
+
+def test_self_check_passes_a_faithful_backend(fake_reference, minilm_spec):
+    report = fidelity.self_check(_Backend(fake_reference, 0.0, "float32"), minilm_spec, allow_low=False)
+    assert report.status == fidelity.PASSED and report.inputs == len(fake_reference)
+    assert [f.metric for f in report.figures] == ["min_cosine"] and report.figures[0].value == pytest.approx(1.0)
+
+
+def test_self_check_refuses_below_the_floor_with_one_clear_line(fake_reference, minilm_spec, caplog):
+    backend = _Backend(fake_reference, 0.3, "int8")  # cosine ~0.96: below int8's 0.99
+    with caplog.at_level(logging.INFO, "encoderd.fidelity"), pytest.raises(fidelity.LowFidelity) as refused:
+        fidelity.self_check(backend, minilm_spec, allow_low=False)
+    [line] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    text = line.getMessage()
+    assert "\n" not in text
+    assert "minilm (fake int8 on cpu)" in text and "min_cosine 0.9" in text and "(floor 0.99)" in text
+    assert "--dtype float32" in text and "--allow-low-fidelity" in text
+    assert "min_cosine" in str(refused.value)
+
+
+def test_self_check_serves_low_fidelity_when_allowed(fake_reference, minilm_spec, caplog):
+    with caplog.at_level(logging.WARNING, "encoderd.fidelity"):
+        report = fidelity.self_check(_Backend(fake_reference, 0.3, "int8"), minilm_spec, allow_low=True)
+    assert report.status == fidelity.LOW
+    [figure] = report.figures
+    assert 0.9 < figure.value < 0.99 and not figure.passed
+    assert any(r.levelno == logging.WARNING and "serving it anyway" in r.getMessage() for r in caplog.records)
+
+
+def test_kinds_outside_the_calibration_set_are_reported_unchecked(minilm_spec):
+    import msgspec
+
+    clip = msgspec.structs.replace(minilm_spec, kind=ModelKind.CLIP)
+    report = fidelity.self_check(_Backend(np.zeros((1, 1)), 0.0, "float32"), clip, allow_low=False)
+    assert report.status == fidelity.UNCHECKED and report.figures == ()
+
+
+# --------------------------------------------------------------------- flag
+@pytest.mark.parametrize("argv, env, allowed", [([], {}, False), (["--allow-low-fidelity"], {}, True),
+                                                ([], {"ENCODERD_ALLOW_LOW_FIDELITY": "1"}, True)])
+def test_allow_low_fidelity_flag_and_env(monkeypatch, argv, env, allowed):
+    from encoderd.server.cli import build_parser, config_from_args
+
+    monkeypatch.delenv("ENCODERD_ALLOW_LOW_FIDELITY", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = config_from_args(build_parser().parse_args(["serve", *argv]))
+    assert config.allow_low_fidelity is allowed

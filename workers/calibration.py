@@ -1,0 +1,153 @@
+"""The fixed calibration set of the start-up fidelity self-check (workers/fidelity.py).
+
+Texts of the shapes real traffic has, each chosen because engines tend to fail on it differently:
+short queries (a handful of tokens, where the special tokens dominate), prose, passages longer
+than the model's maximum length (cut at spec.max_length: the longest attention and the largest
+activations), source code and markup (unusual token statistics), several scripts (CJK, Arabic,
+Cyrillic, Devanagari, Greek, Hangul, Thai: rare and byte-fallback tokens) and emoji. Rerankers
+score (query, passage) pairs of the same material.
+
+Inputs are tokenized here, in the worker, from the model's own tokenizer with truncation to
+spec.max_length, and batched as the scheduler batches traffic: sorted by length, then cut into
+batches of at most BATCH_SIZE inputs and BATCH_TOKENS padded tokens, whose lengths still differ (padded engines pad them; int8 activation scales
+are set per batch). Sorting keeps the check cheap: the long inputs share one batch instead of
+padding every batch to the maximum length. Changing anything here changes the reference: bump
+VERSION.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from .model_spec import ModelKind, ModelSpec
+from .protocol import TokenBatch
+
+VERSION = 1
+BATCH_SIZE = 8      # most inputs per batch
+BATCH_TOKENS = 1024  # most padded tokens (size x longest) per batch, unless one input is longer
+
+QUERIES = (
+    "capital of australia",
+    "how do I reset my router",
+    "symptoms of vitamin d deficiency",
+    "best way to learn linear algebra",
+    "python sort list of dicts by key",
+    "why is the sky blue",
+    "cheap flights to lisbon in may",
+    "what does a cross-encoder do",
+)
+
+PROSE = (
+    "The bridge was closed for repairs through the winter, so the ferry ran twice as often and the "
+    "morning crossing filled with commuters holding coffee against the cold.",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen; the light reactions "
+    "happen in the thylakoid membranes, the Calvin cycle in the stroma.",
+    "Our quarterly revenue grew 4.2% year over year to $18.7M, while operating expenses fell after the "
+    "consolidation of two data centres in Q3.",
+    "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT "
+    "NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT.",
+    "She kept the letters in a biscuit tin under the stairs: forty years of birthdays, two wars, one "
+    "long argument about a dog, and a recipe for plum jam nobody ever made again.",
+    "To replace the filter, switch the unit off at the wall, unclip the front grille, slide the old "
+    "cartridge out and push the new one in until it clicks.",
+)
+
+CODE = (
+    "def merge(intervals):\n    intervals.sort(key=lambda iv: iv[0])\n    out = [intervals[0]]\n"
+    "    for lo, hi in intervals[1:]:\n        if lo <= out[-1][1]:\n            out[-1][1] = max(out[-1][1], hi)\n"
+    "        else:\n            out.append([lo, hi])\n    return out",
+    "SELECT c.name, COUNT(o.id) AS orders FROM customers c LEFT JOIN orders o ON o.customer_id = c.id "
+    "WHERE o.created_at >= '2024-01-01' GROUP BY c.name HAVING COUNT(o.id) > 3 ORDER BY orders DESC;",
+    "#include <stdio.h>\nint main(void) { for (int i = 0; i < 10; ++i) printf(\"%d\\n\", i * i); return 0; }",
+    "<div class=\"card\"><h2>{{ title }}</h2><p>{{ body | truncate(120) }}</p></div>",
+)
+
+MULTILINGUAL = (
+    "东京是日本的首都，也是世界上人口最多的都市圈之一。",
+    "猫はこたつの中で丸くなって眠っている。",
+    "القاهرة هي عاصمة مصر وأكبر مدنها، وتقع على ضفاف نهر النيل.",
+    "Москва — столица России, крупнейший по численности населения город страны.",
+    "भारत की राजधानी नई दिल्ली है और यह यमुना नदी के किनारे स्थित है।",
+    "Η Αθήνα είναι η πρωτεύουσα της Ελλάδας και μία από τις αρχαιότερες πόλεις του κόσμου.",
+    "서울은 대한민국의 수도이며 한강이 도시를 가로질러 흐른다.",
+    "กรุงเทพมหานครเป็นเมืองหลวงของประเทศไทย",
+    "Die Straßenbahn fährt heute wegen Bauarbeiten nur bis zur Haltestelle Müllerstraße.",
+    "¿Dónde está la estación de tren más cercana? Necesito llegar a Sevilla antes del mediodía.",
+)
+
+EMOJI = (
+    "great pizza 🍕🍕 but the service 😤😤 two stars ⭐⭐",
+    "🚀 launch day! thanks team 🙌🎉 #shipit",
+    "🌧️☔️ → 🌈",
+)
+
+# Rerank queries; every query is paired with every passage of PAIR_PASSAGES, relevant or not.
+PAIR_QUERIES = (
+    "how does photosynthesis work",
+    "merge overlapping intervals in python",
+    "what is the capital of egypt",
+    "software licence warranty disclaimer",
+)
+
+
+def _long_passage(rotation: int) -> str:
+    """Every prose, code and multilingual text, in a rotated order."""
+    pieces = PROSE + CODE + MULTILINGUAL
+    shift = rotation % len(pieces)
+    return "\n\n".join(pieces[shift:] + pieces[:shift])
+
+
+def long_passages(tokenizer, max_length: int, count: int = 2) -> list[str]:
+    """`count` passages longer than max_length tokens (rotations repeated as often as needed),
+    so truncation always bites."""
+    counter = Tokenizer.from_str(tokenizer.to_str())
+    counter.no_truncation()
+    passages = []
+    for rotation in range(count):
+        one = _long_passage(rotation * 7)
+        repeats = max_length // max(1, len(counter.encode(one).ids)) + 1
+        passages.append("\n\n".join([one] * repeats))
+    return passages
+
+
+def texts(tokenizer, max_length: int) -> list[str]:
+    """The single-text inputs (embedding and classifier models)."""
+    return [*QUERIES, *PROSE, *CODE, *MULTILINGUAL, *EMOJI, *long_passages(tokenizer, max_length)]
+
+
+def pairs(tokenizer, max_length: int) -> list[tuple[str, str]]:
+    """(query, passage) pairs for rerankers: each query against relevant and unrelated passages,
+    and two of them against a passage cut at the maximum length."""
+    passages = [PROSE[1], CODE[0], MULTILINGUAL[2], PROSE[3], PROSE[0], EMOJI[0]]
+    long = long_passages(tokenizer, max_length, count=1)[0]
+    return [(query, passage) for query in PAIR_QUERIES for passage in passages] + [
+        (query, long) for query in PAIR_QUERIES[:2]]
+
+
+def batches(spec: ModelSpec, batch_size: int = BATCH_SIZE) -> list[TokenBatch]:
+    """The calibration set of this model, tokenized and cut into batches of at most `batch_size`
+    (no more than the backend accepts: TensorRT profiles end at --batch-size)."""
+    from ..server.tokenization import load_tokenizer
+
+    tokenizer = load_tokenizer(spec.path)
+    tokenizer.no_padding()
+    inputs = pairs(tokenizer, spec.max_length) if spec.kind == ModelKind.RERANKER else texts(tokenizer, spec.max_length)
+    tokenizer.enable_truncation(spec.max_length)
+    encodings = tokenizer.encode_batch(inputs)
+    encodings.sort(key=lambda e: len(e.ids))  # stable: a fixed order for a given tokenizer
+    ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+    types = [np.asarray(e.type_ids, dtype=np.int32) for e in encodings] if spec.kind == ModelKind.RERANKER else None
+    return [TokenBatch.from_sequences(-1, [ids[i] for i in rows], None if types is None else [types[i] for i in rows])
+            for rows in _batch_rows([len(i) for i in ids], min(batch_size, BATCH_SIZE))]
+
+
+def _batch_rows(lengths: list[int], batch_size: int) -> list[range]:
+    """Consecutive rows of length-sorted inputs, cut where a batch would exceed batch_size
+    inputs or BATCH_TOKENS padded tokens (the scheduler's padded budget, scaled down)."""
+    batches, start = [], 0
+    for end in range(1, len(lengths) + 1):
+        if end - start > max(1, batch_size) or (end - start > 1 and (end - start) * lengths[end - 1] > BATCH_TOKENS):
+            batches.append(range(start, end - 1))
+            start = end - 1
+    return batches + [range(start, len(lengths))] if lengths else []

@@ -1,0 +1,219 @@
+"""The start-up fidelity self-check: does the configured engine x dtype compute what the model
+computes?
+
+After load and warm-up every worker runs the calibration set (workers/calibration.py) through
+its backend's `forward` and compares the outputs with a float32 reference of the same weights:
+the plain transformers forward, padded, float32, on CPU; pooled in numpy with the model's
+pooling (embeddings) or its logits (rerankers, classifiers). The reference is deliberately not
+the torch engine's own padding-free path, so a torch float32 worker checks that path too. It is
+computed once and cached with workers/model_cache.py under the kind "fidelity", keyed by
+everything it depends on; a cached reference costs a file read, not a torch import.
+
+Floors, by the precision the backend computes in (FLOORS):
+
+  metric          kinds                     float32   float16/bfloat16   int8*
+  min_cosine      embedding                 0.9999    0.999              0.99     (>=)
+  max_prob_diff   reranker, classifier      0.001     0.01               0.06     (<=)
+  kendall_tau     reranker                  0.99      0.97               0.88     (>=)
+  top1_agreement  classifier                0.97      0.94               0.9      (>=)
+
+min_cosine: the worst cosine over the set between served (pooled, unnormalized: cosine is
+scale-free) and reference vectors. max_prob_diff: the largest absolute difference of a sigmoid
+(reranker) or softmax (classifier) probability. kendall_tau: rank agreement of all the pairs'
+scores (one swapped pair of the 26 is 0.994). top1_agreement: the share of inputs whose best
+label is the reference's (one flip of 33 is 0.97).
+
+Multi-modal (clip, clap), multi-vector (colbert, colpali) and sparse models are not checked:
+the torch engine is the only one computing them, and the report says "unchecked".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from . import calibration
+from .model_cache import cached_build, default_cache_dir, fingerprint_model, library_versions
+from .model_spec import ModelKind, ModelSpec
+from .protocol import FidelityFigure, TokenBatch
+
+log = logging.getLogger("encoderd.fidelity")
+
+REFERENCE_FILE = "reference.npy"
+CHECKED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
+METRICS = {
+    ModelKind.EMBEDDING: ("min_cosine",),
+    ModelKind.RERANKER: ("max_prob_diff", "kendall_tau"),
+    ModelKind.CLASSIFIER: ("max_prob_diff", "top1_agreement"),
+}
+# A bound on these metrics is a ceiling; on every other metric it is a floor.
+CEILING_METRICS = ("max_prob_diff",)
+FLOORS = {
+    "float32": {"min_cosine": 0.9999, "max_prob_diff": 0.001, "kendall_tau": 0.99, "top1_agreement": 0.97},
+    "half": {"min_cosine": 0.999, "max_prob_diff": 0.01, "kendall_tau": 0.97, "top1_agreement": 0.94},
+    "int8": {"min_cosine": 0.99, "max_prob_diff": 0.06, "kendall_tau": 0.88, "top1_agreement": 0.9},
+}
+PASSED, LOW, UNCHECKED = "passed", "low", "unchecked"
+REMEDY = ("use --dtype float32, another --engine, or pass --allow-low-fidelity "
+          "(ENCODERD_ALLOW_LOW_FIDELITY=1) to serve it anyway")
+
+
+class LowFidelity(Exception):
+    """The model computes too far from its float32 reference to be served."""
+
+
+@dataclass(frozen=True)
+class Report:
+    status: str                           # PASSED, LOW (served: --allow-low-fidelity) or UNCHECKED
+    figures: tuple[FidelityFigure, ...]
+    inputs: int = 0
+    seconds: float = 0.0
+    reference_cached: bool = False
+
+
+# ------------------------------------------------------------------ metrics
+def precision(dtype: str) -> str:
+    """The FLOORS row of a resolved --dtype."""
+    if dtype.startswith("int8"):
+        return "int8"
+    return "half" if dtype in ("float16", "bfloat16") else "float32"
+
+
+def min_cosine(got: np.ndarray, want: np.ndarray) -> float:
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    norms = np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1)
+    return float(np.min((got * want).sum(axis=1) / np.maximum(norms, 1e-30)))
+
+
+def probabilities(logits: np.ndarray, kind: ModelKind) -> np.ndarray:
+    """What the frontend turns logits into: sigmoid of a reranker's one logit, softmax over labels."""
+    logits = logits.astype(np.float64)
+    if kind == ModelKind.RERANKER:
+        return 1 / (1 + np.exp(-logits))
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def kendall_tau(got: np.ndarray, want: np.ndarray) -> float:
+    """(concordant - discordant) / all pairs; a pair tied in either ranking counts as neither."""
+    got, want = np.ravel(got), np.ravel(want)
+    upper = np.triu_indices(len(got), k=1)
+    agreement = np.sign(got[:, None] - got[None, :]) * np.sign(want[:, None] - want[None, :])
+    return float(agreement[upper].mean()) if len(got) > 1 else 1.0
+
+
+def top1_agreement(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.mean(got.argmax(axis=1) == want.argmax(axis=1)))
+
+
+def measure(kind: ModelKind, got: np.ndarray, want: np.ndarray) -> dict[str, float]:
+    """The kind's metrics (METRICS) of served outputs against the reference."""
+    if kind == ModelKind.EMBEDDING:
+        return {"min_cosine": min_cosine(got, want)}
+    p_got, p_want = probabilities(got, kind), probabilities(want, kind)
+    figures = {"max_prob_diff": float(np.max(np.abs(p_got - p_want)))}
+    if kind == ModelKind.RERANKER:
+        figures["kendall_tau"] = kendall_tau(got[:, 0], want[:, 0])
+    else:
+        figures["top1_agreement"] = top1_agreement(got, want)
+    return figures
+
+
+def judge(figures: dict[str, float], dtype: str) -> tuple[FidelityFigure, ...]:
+    """Each figure with its bound for this dtype and whether it holds."""
+    bounds = FLOORS[precision(dtype)]
+    judged = []
+    for metric, value in figures.items():
+        bound = bounds[metric]
+        ok = value <= bound if metric in CEILING_METRICS else value >= bound
+        judged.append(FidelityFigure(metric, round(value, 6), bound, bool(ok)))
+    return tuple(judged)
+
+
+def describe(figures: tuple[FidelityFigure, ...]) -> str:
+    """'min_cosine 0.99712 (floor 0.99)' for the log."""
+    return ", ".join(f"{f.metric} {f.value:.5f} ({'ceiling' if f.metric in CEILING_METRICS else 'floor'} {f.bound})"
+                     for f in figures)
+
+
+# ---------------------------------------------------------------- reference
+def reference(spec: ModelSpec, batches: list[TokenBatch], cache_dir: str,
+              trust_remote_code: bool = False) -> tuple[np.ndarray, bool]:
+    """The float32 reference outputs of the calibration set, and whether they came from the cache."""
+    key = {"model": fingerprint_model(spec.path), "model_kind": spec.kind.value,
+           "pooling": msgspec.json.encode(spec.pooling).decode(), "max_length": spec.max_length,
+           "calibration": calibration.VERSION, "versions": library_versions("torch", "transformers", "tokenizers")}
+    entry = cached_build(cache_dir or default_cache_dir(), "fidelity", f"{spec.name}-reference", key,
+                         lambda out: np.save(out / REFERENCE_FILE,
+                                                    _compute_reference(spec, batches, trust_remote_code)))
+    return np.load(entry.path / REFERENCE_FILE), entry.hit
+
+
+def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_code: bool) -> np.ndarray:
+    """transformers' own padded forward in float32 on CPU."""
+    import inspect
+
+    import torch
+
+    from .backends.base import from_pretrained, padded
+    from .backends.torch_heads import model_class
+    from .pooling import pool
+
+    log.info("computing the float32 reference of %s for the fidelity self-check (once; cached)", spec.name)
+    model = from_pretrained(model_class(spec.kind), spec.path, trust_remote_code, dtype=torch.float32).eval()
+    pad_id = model.config.pad_token_id or 0  # decoder classifiers read the last non-pad token
+    takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    outputs = []
+    with torch.inference_mode():
+        for batch in batches:
+            ids, mask, types = padded(batch)
+            ids[mask == 0] = pad_id
+            inputs = {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+            if takes_types:
+                inputs["token_type_ids"] = torch.from_numpy(types if types is not None else np.zeros_like(ids))
+            out = model(**inputs)
+            if spec.kind == ModelKind.EMBEDDING:
+                outputs.append(pool(out.last_hidden_state.numpy(), mask, spec.pooling))
+            else:
+                outputs.append(out.logits.float().numpy())
+    return np.concatenate(outputs).astype(np.float32)
+
+
+# ---------------------------------------------------------------- the check
+def self_check(backend, spec: ModelSpec, allow_low: bool) -> Report:
+    """Run the calibration set through `backend`, compare with the reference, log the verdict.
+
+    Raises LowFidelity below a floor unless `allow_low` (then it warns and reports LOW)."""
+    what = f"{spec.name} ({backend.engine} {backend.options.dtype} on {backend.options.device})"
+    if spec.kind not in CHECKED_KINDS:
+        log.info("fidelity self-check: %s not checked: the calibration set covers embedding, reranker and "
+                 "classifier models, not %s", what, spec.kind.value)
+        return Report(UNCHECKED, ())
+    started = time.perf_counter()
+    batches = calibration.batches(spec, backend.options.max_batch_size)
+    want, cached = reference(spec, batches, backend.options.cache_dir, backend.options.trust_remote_code)
+    got = np.concatenate([backend.forward(batch) for batch in batches])
+    figures = judge(measure(spec.kind, got, want), backend.options.dtype)
+    report = Report(PASSED if all(f.passed for f in figures) else LOW, figures, len(want),
+                    time.perf_counter() - started, cached)
+    _log_verdict(report, what, allow_low)
+    return report
+
+
+def _log_verdict(report: Report, what: str, allow_low: bool) -> None:
+    timing = f"{report.inputs} inputs, {report.seconds:.1f}s, reference {'cached' if report.reference_cached else 'computed'}"
+    if report.status == PASSED:
+        log.info("fidelity self-check passed: %s: %s [%s]", what, describe(report.figures), timing)
+        return
+    failed = describe(tuple(f for f in report.figures if not f.passed))
+    line = f"fidelity self-check FAILED: {what} computes too far from float32: {failed} [{timing}]"
+    if not allow_low:
+        log.error("%s; not serving it: %s", line, REMEDY)
+        raise LowFidelity(f"{line}; {REMEDY}")
+    log.warning("%s; serving it anyway (--allow-low-fidelity)", line)
