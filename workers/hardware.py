@@ -176,6 +176,14 @@ def _check_cpu(engine: str, dtype: str, info: CpuInfo) -> None:
             f"--engine {engine} --dtype {dtype} on this CPU ({info.describe()}) would run int8 matrix products "
             f"without VNNI ({_missing(VNNI_INT8)}), whose int16 intermediate sums saturate and corrupt the "
             f"output (measured min cosine 0.97 on an AVX2-only CPU); {_INT8_ALTERNATIVES[engine]}.")
+    if dtype.startswith("int8") and engine == "ctranslate2":
+        # Even exact (VNNI) int8 GEMMs leave CTranslate2's per-tensor activation scales too coarse for
+        # short and non-Latin inputs: worst cosine 0.9869 on the fidelity calibration set and 0.9886 on
+        # tests/support/broad_corpus.py (Zen 5, avx512_vnni), under the 0.99 int8 floor.
+        raise UnsupportedOnHardware(
+            f"--engine ctranslate2 --dtype {dtype} on CPU ({info.describe()}) falls below the int8 accuracy floor "
+            f"(min cosine 0.99 to float32) on short and non-English inputs even with VNNI (measured 0.987); "
+            f"{_INT8_ALTERNATIVES[engine]}.")
 
 
 def _check_cuda(engine: str, dtype: str, device: str, capability: tuple[int, int] | None) -> None:

@@ -155,7 +155,7 @@ class _Backend:
 def fake_reference(monkeypatch, minilm_spec):
     n = sum(b.size for b in calibration.batches(minilm_spec))
     want = np.random.default_rng(2).normal(size=(n, 384)).astype(np.float32)
-    monkeypatch.setattr(fidelity, "reference", lambda spec, batches, cache_dir: (want, True))
+    monkeypatch.setattr(fidelity, "reference", lambda spec, batches, cache_dir, trust_remote_code=False: (want, True))
     return want
 
 

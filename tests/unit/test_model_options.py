@@ -102,9 +102,9 @@ def test_a_malformed_environment_value_names_the_variable(monkeypatch):
 # ------------------------------------------------------- spec overrides
 def test_overrides_replace_what_the_model_files_say():
     own = load_model_spec("m", default_model_path())
-    assert (own.pooling, own.max_length) == (Pooling.MEAN, 256)
+    assert (own.pooling, own.max_length) == ((Pooling.MEAN,), 256)
     spec = load_model_spec("m", default_model_path(), pooling=Pooling.CLS, max_length=64)
-    assert (spec.pooling, spec.max_length) == (Pooling.CLS, 64)
+    assert (spec.pooling, spec.max_length) == ((Pooling.CLS,), 64)
     # Up to the position table, past the model's own sentence-transformers maximum.
     assert load_model_spec("m", default_model_path(), max_length=512).max_length == 512
 
@@ -117,9 +117,10 @@ def test_a_max_length_outside_the_position_table_or_below_the_special_tokens_is_
     assert load_model_spec("m", default_model_path(), max_length=8).max_length == 8
 
 
-def test_pooling_is_refused_for_models_that_do_not_pool():
+def test_pooling_is_refused_for_models_that_do_not_pool(tmp_path):
+    reranker = _with_config(tmp_path, architectures=["BertForSequenceClassification"], id2label={"0": "LABEL_0"})
     with pytest.raises(ModelLoadError, match="pooling applies to embedding models, and r is a reranker model"):
-        load_model_spec("r", default_model_path(), ModelKind.RERANKER, pooling=Pooling.CLS)
+        load_model_spec("r", reranker, pooling=Pooling.CLS)
 
 
 # ----------------------------------------------------------- remote code
