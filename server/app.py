@@ -17,7 +17,6 @@ from .engine import Engine
 from .handlers import add_servicer
 from .rest import CompatService
 from .service import EncoderService
-from .worker_client import WorkerStartError
 
 log = logging.getLogger("encoderd")
 
@@ -146,8 +145,4 @@ def serve(config: ServerConfig) -> None:
         from uvloop import run
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         run = asyncio.run
-    try:
-        run(_serve(config))
-    except WorkerStartError as exc:  # the worker has logged why (a traceback, or the fidelity verdict's one line)
-        log.error("encoderd stops: a model did not start: %s", exc)
-        raise SystemExit(1) from None
+    run(_serve(config))  # a WorkerStartError reaches cli.main, which says it in one line

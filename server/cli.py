@@ -284,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             serve(config)
         except WorkerStartError as exc:
-            # A model that cannot start (a dtype this hardware cannot run, a broken model) is the
-            # operator's to fix: one line that says why, not a traceback through the event loop.
+            # A model that cannot start (a dtype this hardware cannot run, a failed fidelity self-check,
+            # a broken model) is the operator's to fix: one line that says why (the worker logged the
+            # details), not a traceback through the event loop.
             print(f"encoderd: cannot start {exc}", file=sys.stderr)
             return 2
     elif args.command == "gateway":
