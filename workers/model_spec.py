@@ -161,6 +161,11 @@ def _output_size(config: dict, kind: ModelKind) -> int:
     return int(config.get("hidden_size") or config.get("d_model") or config.get("dim") or 0)  # dim: DistilBERT
 
 
+def _pad_token_id(config: dict) -> int:
+    pad = (config.get("text_config") or config).get("pad_token_id")
+    return pad if isinstance(pad, int) else 0
+
+
 def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> ModelSpec:
     model_dir = Path(path)
     config = _read_json(model_dir / "config.json")
@@ -185,5 +190,5 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> Mode
         prompts={str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()},
         default_prompt_name=st_config.get("default_prompt_name") or None,
         model_type=str(config.get("model_type") or ""),
-        pad_token_id=int((config.get("text_config") or config).get("pad_token_id") or 0),
+        pad_token_id=_pad_token_id(config),
     )

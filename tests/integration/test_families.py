@@ -155,6 +155,22 @@ def test_torch_padded_path_of_packed_families(family, kind, references, models_d
     assert_matches(outputs(backend), want, kind)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_frontend_tokenizer_gives_the_reference_ids(family, references, models_dir):
+    """The frontend encodes with the raw tokenizer.json; the references with AutoTokenizer (the family's
+    tokenizer class), which may rebuild parts of it. Same ids, singles and pairs, or the vectors differ."""
+    from transformers import AutoTokenizer
+
+    from encoderd.server.tokenization import load_tokenizer
+
+    spec, _ = case(references, models_dir, family, "reranker")
+    raw, auto = load_tokenizer(spec.path), AutoTokenizer.from_pretrained(spec.path)
+    raw.no_truncation()  # the frontend drops both, then truncates to the spec's maximum
+    raw.no_padding()
+    assert [e.ids for e in raw.encode_batch(TEXTS)] == auto(TEXTS)["input_ids"]
+    assert [e.ids for e in raw.encode_batch([(QUERY, t) for t in TEXTS])] == auto([QUERY] * len(TEXTS), TEXTS)["input_ids"]
+
+
 # ------------------------------------------------------------------ other engines: match or refuse
 def _engine_cases() -> list[tuple[str, str, str]]:
     """(engine, family, kind) for every case but ONNX classifiers other than Qwen3's: a classifier's
