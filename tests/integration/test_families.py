@@ -30,7 +30,9 @@ from encoderd.workers.protocol import TokenBatch
 from support.corpus import sentences
 from support.families import FAMILIES, KINDS, MAX_POSITIONS, build
 
-TEXTS = sentences(24, max_words=300, seed=11)   # 2 to 512 tokens: some are truncated
+_SHORT = sentences(22, max_words=300, seed=11)   # 5 to ~380 tokens
+_LONG = sentences(2, min_words=600, max_words=700, seed=5)  # past every family's 512 tokens: truncated
+TEXTS = _SHORT[:3] + _LONG[:1] + _SHORT[3:12] + _LONG[1:] + _SHORT[12:]  # each batch of 8 mixes lengths
 QUERY = "how do search engines rank documents"
 BATCH = 8
 CONVERTING_ENGINES = [("onnx", "onnxruntime"), ("ctranslate2", "ctranslate2")]
