@@ -51,6 +51,7 @@ class Family:
     config: dict             # architecture settings beyond the shared tiny sizes
     pooling: str             # sentence-transformers pooling mode of the embedder
     tokenizer: str           # key of TOKENIZERS
+    by_kind: dict = None     # kind -> config.json settings of that kind only
 
 
 def _tiny(**extra) -> dict:
@@ -76,7 +77,9 @@ FAMILIES = {f.name: f for f in [
     Family("modernbert", "ModernBertConfig", "ModernBertModel", "ModernBertForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS, local_attention=64, layer_types=["full_attention",
                  "sliding_attention"], pad_token_id=3, cls_token_id=1, sep_token_id=2, bos_token_id=1,
-                 eos_token_id=2), "mean", "bert-style-bpe"),
+                 eos_token_id=2), "mean", "bert-style-bpe",
+           # The head pools itself: mean over the mask for the reranker (gte-reranker-modernbert), CLS otherwise.
+           {"reranker": {"classifier_pooling": "mean"}, "classifier": {"classifier_pooling": "cls"}}),
     Family("deberta-v2", "DebertaV2Config", "DebertaV2Model", "DebertaV2ForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS, type_vocab_size=0, relative_attention=True,
                  position_buckets=64, max_relative_positions=-1, position_biased_input=False,
@@ -84,7 +87,9 @@ FAMILIES = {f.name: f for f in [
            "mean", "deberta-v2"),
     Family("qwen3", "Qwen3Config", "Qwen3Model", "Qwen3ForSequenceClassification",
            _tiny(num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-                 hidden_act="silu", rms_norm_eps=1e-6, use_cache=False), "lasttoken", "qwen3"),
+                 hidden_act="silu", rms_norm_eps=1e-6, use_cache=False), "lasttoken", "qwen3",
+           # Qwen3-Embedding's config.json names the causal LM it was trained from.
+           {"embedding": {"architectures": ["Qwen3ForCausalLM"]}}),
 ]}
 
 
@@ -236,6 +241,10 @@ def _sentence_transformers_files(out: Path, pooling: str) -> None:
     (out / "2_Normalize").mkdir()
 
 
+def _update_json(path: Path, settings: dict) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}, indent=1))
+
+
 def build(family_name: str, kind: str, out_dir: Path) -> Path:
     """The tiny `family_name` model of `kind` in out_dir (reused when already built)."""
     import torch
@@ -257,6 +266,7 @@ def build(family_name: str, kind: str, out_dir: Path) -> Path:
     torch.manual_seed(0)
     model = getattr(transformers, family.classifier_class if labels else family.base_class)(config).eval()
     model.save_pretrained(tmp)
+    _update_json(tmp / "config.json", (family.by_kind or {}).get(kind, {}))  # after save_pretrained, which sets architectures
     if not labels:
         _sentence_transformers_files(tmp, family.pooling)
     tmp.rename(out_dir)
