@@ -15,9 +15,11 @@ AutoTokenizer reads), saved as:
   xlm-roberta  Unigram, `<s> A </s></s> B </s>`, CLS pooling (bge-m3, bge-reranker)
   roberta      byte-level BPE, RobertaProcessing, mean pooling
   distilbert   MiniLM's WordPiece tokenizer, no token types, mean pooling (msmarco-distilbert)
-  mpnet        WordPiece, `<s> A </s></s> B </s>`, relative position buckets, mean pooling (all-mpnet-base-v2)
+  mpnet        WordPiece, `<s> A </s></s> B </s>`, relative position buckets, mean pooling
+               (all-mpnet-base-v2)
   modernbert   byte-level BPE, `[CLS] A [SEP] B [SEP]`, mean pooling; one global and one
-               sliding-window (local) attention layer, like ModernBERT's alternation
+               sliding-window (local) attention layer, like ModernBERT's alternation; heads
+               pooling by mean (reranker) and CLS (classifier)
   deberta-v2   Unigram, `[CLS] A [SEP] B [SEP]`, relative attention (DeBERTa-v3 settings)
   qwen3        byte-level BPE, text then `<|endoftext|>`, last-token pooling, left padding
                (Qwen3-Embedding); Qwen3ForSequenceClassification scores the last non-pad token
@@ -51,7 +53,7 @@ class Family:
     config: dict             # architecture settings beyond the shared tiny sizes
     pooling: str             # sentence-transformers pooling mode of the embedder
     tokenizer: str           # key of TOKENIZERS
-    by_kind: dict = None     # kind -> config.json settings of that kind only
+    by_kind: dict | None = None  # kind -> config.json settings of that kind only
 
 
 def _tiny(**extra) -> dict:
@@ -112,15 +114,21 @@ def _bpe(specials: list[str]):
 
 
 def _unigram(specials: list[str], unk: str):
-    """SentencePiece-style Unigram over Metaspace (XLM-R, DeBERTa-v3)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    """SentencePiece-style Unigram over Metaspace (XLM-R, DeBERTa-v3). The vocabulary is written, not
+    trained (the trainer breaks ties by hash order, so two builds would differ): the corpus words,
+    likelier than any split of them, and every character, so any other word splits into pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    tok = Tokenizer(models.Unigram())
+    from .corpus import WORDS
+
+    chars = sorted(set("".join(_training_text())) - {" "})
+    pieces = ([(s, 0.0) for s in specials] + [(f"\u2581{w}", -5.0) for w in sorted(set(WORDS))]
+              + [("\u2581", -8.0)] + [(c, -10.0 - i / 100) for i, c in enumerate(chars)])
+    tok = Tokenizer(models.Unigram(pieces, unk_id=specials.index(unk)))
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(_training_text(), trainers.UnigramTrainer(
-        vocab_size=400, special_tokens=specials, unk_token=unk, show_progress=False))
+    tok.add_special_tokens(specials)
     return tok
 
 
@@ -176,15 +184,21 @@ def _qwen3_tokenizer():
 
 
 def _mpnet_tokenizer():
-    """MPNet's: lower-cased WordPiece with RoBERTa's special tokens and template."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    """MPNet's: lower-cased WordPiece with RoBERTa's special tokens and template. The vocabulary is
+    written, not trained (the WordPiece trainer breaks ties by hash order): the corpus words whole,
+    and every character alone and as a continuation, so any other word splits into pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    from .corpus import WORDS
+
+    chars = sorted(set("".join(_training_text()).lower()) - {" "})
+    pieces = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"] + chars + [f"##{c}" for c in chars] + sorted(set(WORDS))
+    pieces = list(dict.fromkeys(pieces))  # one-letter words are characters already
+    tok = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(_training_text(), trainers.WordPieceTrainer(
-        vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], show_progress=False))
+    tok.add_special_tokens(pieces[:5])
     _template(tok, "<s> $A </s>", "<s> $A </s> </s> $B </s>", ["<s>", "</s>"])
     return tok, {"tokenizer_class": "MPNetTokenizer", "bos_token": "<s>", "eos_token": "</s>", "cls_token": "<s>",
                  "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>",
