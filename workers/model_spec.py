@@ -104,6 +104,11 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
 
 
+def _pad_token_id(config: dict) -> int:
+    pad = (config.get("text_config") or config).get("pad_token_id")
+    return pad if isinstance(pad, int) else 0
+
+
 def detect_kind(config: dict, modules: list[dict] = ()) -> ModelKind:
     architectures = config.get("architectures") or []
     module_types = [m.get("type", "") for m in modules]
@@ -159,11 +164,6 @@ def _output_size(config: dict, kind: ModelKind) -> int:
     if kind == ModelKind.SPARSE:
         return int(config.get("vocab_size") or 0)
     return int(config.get("hidden_size") or config.get("d_model") or config.get("dim") or 0)  # dim: DistilBERT
-
-
-def _pad_token_id(config: dict) -> int:
-    pad = (config.get("text_config") or config).get("pad_token_id")
-    return pad if isinstance(pad, int) else 0
 
 
 def load_model_spec(name: str, path: str, kind: ModelKind | None = None) -> ModelSpec:
