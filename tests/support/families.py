@@ -13,6 +13,7 @@ AutoTokenizer reads), saved as:
 
   bert         MiniLM's WordPiece tokenizer, mean pooling (all-MiniLM, e5)
   xlm-roberta  Unigram, `<s> A </s></s> B </s>`, CLS pooling (bge-m3, bge-reranker)
+  camembert    XLM-R's tokenizer and code path under its own model_type, mean pooling (sentence-camembert)
   roberta      byte-level BPE, RobertaProcessing, mean pooling
   distilbert   MiniLM's WordPiece tokenizer, no token types, mean pooling (msmarco-distilbert)
   mpnet        WordPiece, `<s> A </s></s> B </s>`, relative position buckets, mean pooling
@@ -67,6 +68,9 @@ FAMILIES = {f.name: f for f in [
     Family("xlm-roberta", "XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                  eos_token_id=2), "cls", "xlm-roberta"),
+    Family("camembert", "CamembertConfig", "CamembertModel", "CamembertForSequenceClassification",
+           _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
+                 eos_token_id=2), "mean", "camembert"),
     Family("roberta", "RobertaConfig", "RobertaModel", "RobertaForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                  eos_token_id=2), "mean", "roberta"),
@@ -147,6 +151,11 @@ def _xlm_roberta_tokenizer():
                  "mask_token": "<mask>"}
 
 
+def _camembert_tokenizer():
+    tok, config = _xlm_roberta_tokenizer()  # CamemBERT's is XLM-R's (SentencePiece, same template)
+    return tok, {**config, "tokenizer_class": "CamembertTokenizer"}
+
+
 def _roberta_tokenizer():
     from tokenizers import processors
 
@@ -207,7 +216,7 @@ def _mpnet_tokenizer():
 
 TOKENIZERS = {"xlm-roberta": _xlm_roberta_tokenizer, "roberta": _roberta_tokenizer,
               "bert-style-bpe": _bert_style_bpe_tokenizer, "deberta-v2": _deberta_tokenizer,
-              "qwen3": _qwen3_tokenizer, "mpnet": _mpnet_tokenizer}
+              "qwen3": _qwen3_tokenizer, "mpnet": _mpnet_tokenizer, "camembert": _camembert_tokenizer}
 
 
 def _minilm_tokenizer(out: Path, tokenizer_class: str) -> int:
