@@ -149,6 +149,11 @@ def _read_json(path: Path) -> dict:
         raise ModelLoadError(f"cannot read {path}: {exc}") from exc
 
 
+def _pad_token_id(config: dict) -> int:
+    pad = (config.get("text_config") or config).get("pad_token_id")
+    return pad if isinstance(pad, int) else 0
+
+
 def detect_kind(config: dict, modules: list[dict] = ()) -> ModelKind:
     architectures = config.get("architectures") or []
     module_types = [m.get("type", "") for m in modules]
@@ -518,7 +523,7 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None, *, pool
         lowercase=_lowercase(model_dir),
         score_activation=_score_activation(model_dir, config, kind),
         model_type=str(config.get("model_type") or ""),
-        pad_token_id=int((config.get("text_config") or config).get("pad_token_id") or 0),
+        pad_token_id=_pad_token_id(config),
     )
     spec = _with_overrides(spec, config, pooling, max_length)
     check_prompts(spec, spec.prompts)

@@ -30,7 +30,9 @@ from encoderd.workers.protocol import TokenBatch
 from support.corpus import sentences
 from support.families import FAMILIES, KINDS, MAX_POSITIONS, build
 
-TEXTS = sentences(24, max_words=300, seed=11)   # 2 to 512 tokens: some are truncated
+_SHORT = sentences(22, max_words=300, seed=11)   # 5 to ~380 tokens
+_LONG = sentences(2, min_words=600, max_words=700, seed=5)  # past every family's 512 tokens: truncated
+TEXTS = _SHORT[:3] + _LONG[:1] + _SHORT[3:12] + _LONG[1:] + _SHORT[12:]  # each batch of 8 mixes lengths
 QUERY = "how do search engines rank documents"
 BATCH = 8
 CONVERTING_ENGINES = [("onnx", "onnxruntime"), ("ctranslate2", "ctranslate2")]
@@ -136,7 +138,8 @@ def test_torch_matches_reference(family, kind, references, models_dir):
     assert spec.kind.value == kind and spec.model_type == family
     assert spec.max_length == MAX_POSITIONS
     if kind == "embedding":
-        assert spec.pooling == POOLING[FAMILIES[family].pooling] and spec.normalize
+        pooling = POOLING[FAMILIES[family].pooling]
+        assert spec.pooling in (pooling, (pooling,)) and spec.normalize  # one mode, or a tuple of concatenated ones
     backend = load("torch", spec)
     assert (backend.packed is not None) == (family in PACKED_FAMILIES), "packed_bert.usable() claims a non-BERT model"
     assert backend.output_dim == want.shape[1]
@@ -155,13 +158,33 @@ def test_torch_padded_path_of_packed_families(family, kind, references, models_d
     assert_matches(outputs(backend), want, kind)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_frontend_tokenizer_gives_the_reference_ids(family, references, models_dir):
+    """The frontend encodes with the raw tokenizer.json; the references with AutoTokenizer (the family's
+    tokenizer class), which may rebuild parts of it. Same ids, singles and pairs, or the vectors differ."""
+    from transformers import AutoTokenizer
+
+    from encoderd.server.tokenization import load_tokenizer
+
+    spec, _ = case(references, models_dir, family, "reranker")
+    raw, auto = load_tokenizer(spec.path), AutoTokenizer.from_pretrained(spec.path)
+    raw.no_truncation()  # the frontend drops both, then truncates to the spec's maximum
+    raw.no_padding()
+    assert [e.ids for e in raw.encode_batch(TEXTS)] == auto(TEXTS)["input_ids"]
+    assert [e.ids for e in raw.encode_batch([(QUERY, t) for t in TEXTS])] == auto([QUERY] * len(TEXTS), TEXTS)["input_ids"]
+
+
 # ------------------------------------------------------------------ other engines: match or refuse
+# Families whose classifier graph is not their reranker's with a wider last layer: ModernBERT's heads
+# pool differently here (CLS vs mean), Qwen3's picks the token to score from the ids (see base.padded).
+ONNX_CLASSIFIERS = ("modernbert", "qwen3")
+
+
 def _engine_cases() -> list[tuple[str, str, str]]:
-    """(engine, family, kind) for every case but ONNX classifiers other than Qwen3's: a classifier's
-    graph is its family's reranker graph with a wider last layer, and each export costs 3-10 s on 2
-    cores. Qwen3's stays: its head picks the token to score from the ids (see base.padded)."""
+    """(engine, family, kind) for every case but the ONNX classifiers that repeat their reranker's graph:
+    each export costs 3-10 s on 2 shared cores."""
     return [(engine, family, kind) for engine, _ in CONVERTING_ENGINES for family, kind in CASES
-            if not (engine == "onnx" and kind == "classifier" and family != "qwen3"
+            if not (engine == "onnx" and kind == "classifier" and family not in ONNX_CLASSIFIERS
                     and kind in ENGINE_FAMILIES[engine].get(family, ()))]
 
 

@@ -13,11 +13,14 @@ AutoTokenizer reads), saved as:
 
   bert         MiniLM's WordPiece tokenizer, mean pooling (all-MiniLM, e5)
   xlm-roberta  Unigram, `<s> A </s></s> B </s>`, CLS pooling (bge-m3, bge-reranker)
+  camembert    XLM-R's tokenizer and code path under its own model_type, mean pooling (sentence-camembert)
   roberta      byte-level BPE, RobertaProcessing, mean pooling
   distilbert   MiniLM's WordPiece tokenizer, no token types, mean pooling (msmarco-distilbert)
-  mpnet        WordPiece, `<s> A </s></s> B </s>`, relative position buckets, mean pooling (all-mpnet-base-v2)
+  mpnet        WordPiece, `<s> A </s></s> B </s>`, relative position buckets, mean pooling
+               (all-mpnet-base-v2)
   modernbert   byte-level BPE, `[CLS] A [SEP] B [SEP]`, mean pooling; one global and one
-               sliding-window (local) attention layer, like ModernBERT's alternation
+               sliding-window (local) attention layer, like ModernBERT's alternation; heads
+               pooling by mean (reranker) and CLS (classifier)
   deberta-v2   Unigram, `[CLS] A [SEP] B [SEP]`, relative attention (DeBERTa-v3 settings)
   qwen3        byte-level BPE, text then `<|endoftext|>`, last-token pooling, left padding
                (Qwen3-Embedding); Qwen3ForSequenceClassification scores the last non-pad token
@@ -51,6 +54,7 @@ class Family:
     config: dict             # architecture settings beyond the shared tiny sizes
     pooling: str             # sentence-transformers pooling mode of the embedder
     tokenizer: str           # key of TOKENIZERS
+    by_kind: dict | None = None  # kind -> config.json settings of that kind only
 
 
 def _tiny(**extra) -> dict:
@@ -64,6 +68,9 @@ FAMILIES = {f.name: f for f in [
     Family("xlm-roberta", "XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                  eos_token_id=2), "cls", "xlm-roberta"),
+    Family("camembert", "CamembertConfig", "CamembertModel", "CamembertForSequenceClassification",
+           _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
+                 eos_token_id=2), "mean", "camembert"),
     Family("roberta", "RobertaConfig", "RobertaModel", "RobertaForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                  eos_token_id=2), "mean", "roberta"),
@@ -76,7 +83,9 @@ FAMILIES = {f.name: f for f in [
     Family("modernbert", "ModernBertConfig", "ModernBertModel", "ModernBertForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS, local_attention=64, layer_types=["full_attention",
                  "sliding_attention"], pad_token_id=3, cls_token_id=1, sep_token_id=2, bos_token_id=1,
-                 eos_token_id=2), "mean", "bert-style-bpe"),
+                 eos_token_id=2), "mean", "bert-style-bpe",
+           # The head pools itself: mean over the mask for the reranker (gte-reranker-modernbert), CLS otherwise.
+           {"reranker": {"classifier_pooling": "mean"}, "classifier": {"classifier_pooling": "cls"}}),
     Family("deberta-v2", "DebertaV2Config", "DebertaV2Model", "DebertaV2ForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS, type_vocab_size=0, relative_attention=True,
                  position_buckets=64, max_relative_positions=-1, position_biased_input=False,
@@ -84,7 +93,9 @@ FAMILIES = {f.name: f for f in [
            "mean", "deberta-v2"),
     Family("qwen3", "Qwen3Config", "Qwen3Model", "Qwen3ForSequenceClassification",
            _tiny(num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-                 hidden_act="silu", rms_norm_eps=1e-6, use_cache=False), "lasttoken", "qwen3"),
+                 hidden_act="silu", rms_norm_eps=1e-6, use_cache=False), "lasttoken", "qwen3",
+           # Qwen3-Embedding's config.json names the causal LM it was trained from.
+           {"embedding": {"architectures": ["Qwen3ForCausalLM"]}}),
 ]}
 
 
@@ -107,15 +118,21 @@ def _bpe(specials: list[str]):
 
 
 def _unigram(specials: list[str], unk: str):
-    """SentencePiece-style Unigram over Metaspace (XLM-R, DeBERTa-v3)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    """SentencePiece-style Unigram over Metaspace (XLM-R, DeBERTa-v3). The vocabulary is written, not
+    trained (the trainer breaks ties by hash order, so two builds would differ): the corpus words,
+    likelier than any split of them, and every character, so any other word splits into pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    tok = Tokenizer(models.Unigram())
+    from .corpus import WORDS
+
+    chars = sorted(set("".join(_training_text())) - {" "})
+    pieces = ([(s, 0.0) for s in specials] + [(f"\u2581{w}", -5.0) for w in sorted(set(WORDS))]
+              + [("\u2581", -8.0)] + [(c, -10.0 - i / 100) for i, c in enumerate(chars)])
+    tok = Tokenizer(models.Unigram(pieces, unk_id=specials.index(unk)))
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
-    tok.train_from_iterator(_training_text(), trainers.UnigramTrainer(
-        vocab_size=400, special_tokens=specials, unk_token=unk, show_progress=False))
+    tok.add_special_tokens(specials)
     return tok
 
 
@@ -132,6 +149,11 @@ def _xlm_roberta_tokenizer():
     return tok, {"tokenizer_class": "XLMRobertaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
                  "cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
                  "mask_token": "<mask>"}
+
+
+def _camembert_tokenizer():
+    tok, config = _xlm_roberta_tokenizer()  # CamemBERT's is XLM-R's (SentencePiece, same template)
+    return tok, {**config, "tokenizer_class": "CamembertTokenizer"}
 
 
 def _roberta_tokenizer():
@@ -171,15 +193,21 @@ def _qwen3_tokenizer():
 
 
 def _mpnet_tokenizer():
-    """MPNet's: lower-cased WordPiece with RoBERTa's special tokens and template."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    """MPNet's: lower-cased WordPiece with RoBERTa's special tokens and template. The vocabulary is
+    written, not trained (the WordPiece trainer breaks ties by hash order): the corpus words whole,
+    and every character alone and as a continuation, so any other word splits into pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    from .corpus import WORDS
+
+    chars = sorted(set("".join(_training_text()).lower()) - {" "})
+    pieces = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"] + chars + [f"##{c}" for c in chars] + sorted(set(WORDS))
+    pieces = list(dict.fromkeys(pieces))  # one-letter words are characters already
+    tok = Tokenizer(models.WordPiece({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(_training_text(), trainers.WordPieceTrainer(
-        vocab_size=400, special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], show_progress=False))
+    tok.add_special_tokens(pieces[:5])
     _template(tok, "<s> $A </s>", "<s> $A </s> </s> $B </s>", ["<s>", "</s>"])
     return tok, {"tokenizer_class": "MPNetTokenizer", "bos_token": "<s>", "eos_token": "</s>", "cls_token": "<s>",
                  "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>",
@@ -188,7 +216,7 @@ def _mpnet_tokenizer():
 
 TOKENIZERS = {"xlm-roberta": _xlm_roberta_tokenizer, "roberta": _roberta_tokenizer,
               "bert-style-bpe": _bert_style_bpe_tokenizer, "deberta-v2": _deberta_tokenizer,
-              "qwen3": _qwen3_tokenizer, "mpnet": _mpnet_tokenizer}
+              "qwen3": _qwen3_tokenizer, "mpnet": _mpnet_tokenizer, "camembert": _camembert_tokenizer}
 
 
 def _minilm_tokenizer(out: Path, tokenizer_class: str) -> int:
@@ -236,6 +264,10 @@ def _sentence_transformers_files(out: Path, pooling: str) -> None:
     (out / "2_Normalize").mkdir()
 
 
+def _update_json(path: Path, settings: dict) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **settings}, indent=1))
+
+
 def build(family_name: str, kind: str, out_dir: Path) -> Path:
     """The tiny `family_name` model of `kind` in out_dir (reused when already built)."""
     import torch
@@ -257,6 +289,7 @@ def build(family_name: str, kind: str, out_dir: Path) -> Path:
     torch.manual_seed(0)
     model = getattr(transformers, family.classifier_class if labels else family.base_class)(config).eval()
     model.save_pretrained(tmp)
+    _update_json(tmp / "config.json", (family.by_kind or {}).get(kind, {}))  # after save_pretrained, which sets architectures
     if not labels:
         _sentence_transformers_files(tmp, family.pooling)
     tmp.rename(out_dir)
