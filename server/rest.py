@@ -378,6 +378,10 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return await tei.decode(self, request)
 
     @rpc
+    async def TeiRoot(self, request: cpb.TeiRootRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.root(self, request)
+
+    @rpc
     async def TeiInfo(self, request: cpb.TeiInfoRequest, context) -> httpbody_pb2.HttpBody:
         return await tei.info(self, request)
 

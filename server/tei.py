@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from google.api import httpbody_pb2
+from google.protobuf import json_format
 
+from ..v1 import compat_pb2 as cpb
 from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from . import multimodal, postprocess
 from . import rest as compat
@@ -207,6 +209,8 @@ async def rerank(service, request) -> httpbody_pb2.HttpBody:
     reject_set(request, ("top_n", "return_documents"), "with `texts` (TEI's /rerank; it returns every text)")
     name = pick_model(service, request.model, (ModelKind.RERANKER,), "/rerank")
     texts = list(request.texts)
+    if not texts:
+        raise InvalidInput("`texts` is required: a non-empty list of strings")
     truncate = request.truncate if request.HasField("truncate") else True
     _, scores, _ = await service._rerank(name, request.query, texts, raw_scores=request.raw_scores,
                                          truncate=truncate, side=side(request.truncation_direction))
@@ -268,14 +272,11 @@ async def decode(service, request) -> httpbody_pb2.HttpBody:
 
 
 def _model_type(model) -> dict:
+    if model.spec.kind not in (ModelKind.CLASSIFIER, ModelKind.RERANKER):
+        return {"embedding": {"pooling": model.spec.pooling.value}}
     labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(model.output_dim))
-    head = {"id2label": {str(i): label for i, label in enumerate(labels)},
-            "label2id": {label: i for i, label in enumerate(labels)}}
-    if model.spec.kind == ModelKind.CLASSIFIER:
-        return {"classifier": head}
-    if model.spec.kind == ModelKind.RERANKER:
-        return {"reranker": head}
-    return {"embedding": {"pooling": getattr(model.spec.pooling, "value", str(model.spec.pooling))}}
+    return {model.spec.kind.value: {"id2label": {str(i): label for i, label in enumerate(labels)},
+                                    "label2id": {label: i for i, label in enumerate(labels)}}}
 
 
 async def info(service, request) -> httpbody_pb2.HttpBody:
@@ -289,6 +290,37 @@ async def info(service, request) -> httpbody_pb2.HttpBody:
         "max_client_batch_size": config.max_inputs_per_request, "auto_truncate": True,
         "tokenization_workers": config.tokenizer_threads, "version": _version(), "sha": None, "docker_label": None,
     })
+
+
+# POST /: per model kind, the route (its request message, handler and path) TEI would pick.
+ROOT_ROUTES = {
+    ModelKind.EMBEDDING: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLIP: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLAP: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLASSIFIER: (cpb.TeiPredictRequest, predict, "/predict"),
+    ModelKind.RERANKER: (cpb.RootRerankRequest, rerank, "/rerank"),
+    ModelKind.SPARSE: (cpb.TeiEmbedRequest, embed_sparse, "/embed_sparse"),
+    ModelKind.COLBERT: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
+    ModelKind.COLPALI: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
+}
+
+
+async def root(service, request: cpb.TeiRootRequest) -> httpbody_pb2.HttpBody:
+    """TEI's POST /: the request, narrowed to the message of the model's route (a field that
+    route does not take is a 400), handled by that route."""
+    if not request.model and len(service.engine.models) > 1:
+        raise InvalidInput(f"POST / needs `model` when several models are served (here: "
+                           f"{', '.join(sorted(service.engine.models))}); or post to /embed, /predict, /rerank")
+    model = service.engine.get(request.model)
+    message_class, handler, path = ROOT_ROUTES[model.spec.kind]
+    fields = json_format.MessageToDict(request, preserving_proto_field_name=True)
+    fields["model"] = model.spec.name
+    try:
+        narrowed = json_format.ParseDict(fields, message_class())
+    except json_format.ParseError as exc:
+        raise InvalidInput(f"POST / serves {model.spec.name!r} as TEI's {path}, which does not take this request: "
+                           f"{exc}") from None
+    return await handler(service, narrowed)
 
 
 def _version() -> str:

@@ -259,6 +259,26 @@ def test_tei_embed_all_and_sparse_equal_grpc(http, stub):
         np.testing.assert_allclose([v["value"] for v in got], want.values, atol=1e-6)
 
 
+def test_tei_root_route_dispatches_by_model_kind(http, st_vectors, cross_encoder_scores):
+    embedded = http.post("/", json={"model": M, "inputs": TEXTS[:2], "parameters": {"truncate": True}})
+    assert embedded.status_code == 200, embedded.text
+    np.testing.assert_allclose(embedded.json(), st_vectors[:2], atol=1e-5)
+    ranked = http.post("/", json={"model": "reranker", "query": QUERY, "texts": DOCS})
+    assert [r["index"] for r in ranked.json()] == np.argsort(-cross_encoder_scores, kind="stable").tolist()
+    _error(http.post("/", json={"model": M, "inputs": "x", "query": "q"}), 400, "/embed", "query")
+    _error(http.post("/", json={"inputs": "x"}), 400, "several models")
+
+
+def test_tei_inference_client_at_the_root_of_a_one_model_server(tmp_path, monkeypatch, st_vectors):
+    """What TEI users run: InferenceClient(base_url=server) posts to "/" itself."""
+    from huggingface_hub import InferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # see inference_client
+    with ServerProcess("--cpu-threads", "1", rest=True, log_path=tmp_path / "server.log") as server:
+        got = InferenceClient(base_url=server.rest_url).feature_extraction(TEXTS[:2])
+    np.testing.assert_allclose(got, st_vectors[:2], atol=1e-5)
+
+
 def test_tei_routes_refuse_what_they_cannot_do(http):
     _error(http.post("/embed_sparse", json={"inputs": "x", "model": M}), 400, "sparse")
     _error(http.post("/embed_all", json={"inputs": "x", "model": M}), 400, "colbert")

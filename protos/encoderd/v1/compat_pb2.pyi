@@ -205,3 +205,31 @@ class TeiInfoRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class TeiRootRequest(_message.Message):
+    __slots__ = ("model", "inputs", "truncate", "truncation_direction", "prompt_name", "normalize", "dimensions", "parameters", "raw_scores", "query", "texts", "return_text")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _struct_pb2.Value
+    truncate: bool
+    truncation_direction: str
+    prompt_name: str
+    normalize: bool
+    dimensions: int
+    parameters: TeiParameters
+    raw_scores: bool
+    query: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    return_text: bool
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[str] = ..., prompt_name: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., parameters: _Optional[_Union[TeiParameters, _Mapping]] = ..., raw_scores: _Optional[bool] = ..., query: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., return_text: _Optional[bool] = ...) -> None: ...

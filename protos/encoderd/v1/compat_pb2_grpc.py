@@ -116,6 +116,11 @@ class CompatStub:
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiDecodeRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.TeiRoot = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiRoot',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiRootRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.TeiInfo = channel.unary_unary(
                 '/encoderd.v1.Compat/TeiInfo',
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiInfoRequest.SerializeToString,
@@ -267,6 +272,16 @@ class CompatServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TeiRoot(self, request, context):
+        """TEI's `POST /`: the route of the model's kind (/embed, /predict, /rerank
+        with `texts`, /embed_sparse, /embed_all), where huggingface_hub's
+        InferenceClient posts when its base URL is the server itself. The model is
+        `model`, else the only one served (a TEI server serves one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def TeiInfo(self, request, context):
         """TEI `GET /info` (`?model=NAME` when several models are served).
         """
@@ -384,6 +399,11 @@ def add_CompatServicer_to_server(servicer, server):
             'TeiDecode': grpc.unary_unary_rpc_method_handler(
                     servicer.TeiDecode,
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiDecodeRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'TeiRoot': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiRoot,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiRootRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
             'TeiInfo': grpc.unary_unary_rpc_method_handler(
@@ -843,6 +863,33 @@ class Compat:
             target,
             '/encoderd.v1.Compat/TeiDecode',
             encoderd_dot_v1_dot_compat__pb2.TeiDecodeRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TeiRoot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiRoot',
+            encoderd_dot_v1_dot_compat__pb2.TeiRootRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,
