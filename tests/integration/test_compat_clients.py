@@ -381,3 +381,40 @@ def test_health_answers_for_the_service_names(compat_server):
         with pytest.raises(grpc.RpcError) as unknown:
             health.Check(health_pb2.HealthCheckRequest(service="encoderd.v1.Nope"))
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# ---------------------------------------------------------------------- fuzz
+def _fuzz_bodies():
+    from hypothesis import strategies as st
+
+    text = st.text(max_size=20) | st.sampled_from(["", "a" * 2000, "\x00", "🙂"])
+    value = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | text,
+                         lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=3),
+                         max_leaves=12)
+    model = st.sampled_from([M, "reranker", "classifier", "colbert", "splade", "", "nope",
+                             "default/not-specified"]) | value
+    keys = ["input", "inputs", "texts", "documents", "query", "ids", "embedding_types", "input_type", "truncate",
+            "truncation_direction", "parameters", "normalize", "dimensions", "output_dimension", "top_n",
+            "return_documents", "return_text", "raw_scores", "add_special_tokens", "skip_special_tokens",
+            "max_tokens", "prompt_name", "images", "encoding_format", "modality"]
+    return st.fixed_dictionaries({"model": model}, optional={k: value for k in keys}) | value
+
+
+COMPAT_POSTS = ["/embeddings", "/rerank", "/classify", "/embed", "/embed_all", "/embed_sparse", "/predict",
+                "/similarity", "/tokenize", "/decode", "/", "/v1/embed", "/v2/embed"]
+
+
+def test_compat_routes_fuzz(http):
+    """Generated bodies on every route added here: client errors (4xx, JSON) or answers, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(path=st.sampled_from(COMPAT_POSTS), body=_fuzz_bodies())
+    def check(path, body):
+        response = http.post(path, json=body)
+        assert response.status_code < 500, (path, body, response.status_code, response.text)
+        if response.status_code >= 400:
+            assert "error" in response.json(), response.text
+
+    check()
