@@ -202,7 +202,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         self.engine = engine
         self.health = health  # grpc_health's servicer: /health reports its overall status
 
-    def _model_name(self, name: str, kind: ModelKind | tuple[ModelKind, ...]) -> str:
+    def model_name(self, name: str, kind: ModelKind | tuple[ModelKind, ...]) -> str:
         """REST callers may omit `model` when exactly one model of the needed kind is served."""
         if name and name != INFINITY_NO_MODEL:
             return name
@@ -211,7 +211,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return of_kind[0] if len(of_kind) == 1 else ""
 
     def _model_taking(self, name: str, modality: str) -> str:
-        """Like _model_name, for the one served model that takes `modality` (clip for images...)."""
+        """Like model_name, for the one served model that takes `modality` (clip for images...)."""
         if name and name != INFINITY_NO_MODEL:
             return name
         takers = [n for n, m in self.engine.models.items() if modality in modalities(m.spec.kind)]
@@ -252,7 +252,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
             return render_embeddings(model.spec.name, vectors, encoding_format, tokens)
         texts, token_ids = embedding_inputs(request.input)
-        name = self._model_name(request.model, ModelKind.EMBEDDING)
+        name = self.model_name(request.model, ModelKind.EMBEDDING)
         if texts is not None:
             model, pooled, tokens = await self.engine.embed(name, texts, priority=DEFAULT_PRIORITY.get())
         else:
@@ -274,10 +274,10 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         model, rows, tokens = await multimodal.embed_multivector(self.engine, request.model, inputs)
         return render_multivectors(model.spec.name, rows, encoding_format, tokens)
 
-    async def _rerank(self, model_name: str, query: str, documents: list[str], *, raw_scores: bool,
+    async def rerank_scores(self, name: str, query: str, documents: list[str], *, raw_scores: bool,
                       truncate: bool = True, side: str = "right"):
         """(model, scores, tokens): sigmoid scores of a cross-encoder, or its logits when asked."""
-        name = self._model_name(model_name, ModelKind.RERANKER)
+        name = self.model_name(name, ModelKind.RERANKER)
         model, logits, tokens = await self.engine.score_pairs(name, query, documents, truncate=truncate, side=side,
                                                               priority=DEFAULT_PRIORITY.get())
         return model, logits if raw_scores else postprocess.sigmoid(logits), tokens
@@ -286,7 +286,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     async def Rerank(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
         top_n = _positive(request, "top_n")
         documents = rerank_documents(request.documents)
-        model, scores, tokens = await self._rerank(request.model, request.query, documents,
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, documents,
                                                    raw_scores=request.raw_scores)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
@@ -310,7 +310,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         tei.reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
         top_n = _positive(request, "top_n")
         documents = rerank_documents(request.documents)
-        model, scores, tokens = await self._rerank(request.model, request.query, documents,
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, documents,
                                                    raw_scores=request.raw_scores)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
@@ -324,12 +324,12 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     @rpc
     async def InfinityClassify(self, request: cpb.InfinityClassifyRequest, context) -> httpbody_pb2.HttpBody:
         texts = string_list(request.input, "input")
-        name = self._model_name(request.model, ModelKind.CLASSIFIER)
-        model, scores, tokens = await self._classify(name, texts, raw_scores=request.raw_scores)
+        name = self.model_name(request.model, ModelKind.CLASSIFIER)
+        model, scores, tokens = await self.classifications(name, texts, raw_scores=request.raw_scores)
         return _json({"object": "classify", "data": scores, "model": model.spec.name, "usage": _usage(tokens),
                       **_infinity_id()})
 
-    async def _classify(self, name: str, texts: list[str], *, raw_scores: bool, truncate: bool = True,
+    async def classifications(self, name: str, texts: list[str], *, raw_scores: bool, truncate: bool = True,
                         side: str = "right") -> tuple[ServedModel, list[list[dict]], int]:
         """Per input, every label with its score ({"score", "label"}), best first."""
         model, logits, tokens = await self.engine.classify(name, texts, truncate=truncate, side=side,

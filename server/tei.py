@@ -186,8 +186,8 @@ async def predict(service, request) -> httpbody_pb2.HttpBody:
         raise InvalidInput("`prompt_name` does not apply to /predict")
     texts, batched = predict_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
-    _, results, _ = await service._classify(name, texts, raw_scores=request.raw_scores, truncate=opts.truncate,
-                                            side=opts.side)
+    _, results, _ = await service.classifications(name, texts, raw_scores=request.raw_scores,
+                                                  truncate=opts.truncate, side=opts.side)
     return _json(results if batched else results[0])
 
 
@@ -212,7 +212,7 @@ async def rerank(service, request) -> httpbody_pb2.HttpBody:
     if not texts:
         raise InvalidInput("`texts` is required: a non-empty list of strings")
     truncate = request.truncate if request.HasField("truncate") else True
-    _, scores, _ = await service._rerank(name, request.query, texts, raw_scores=request.raw_scores,
+    _, scores, _ = await service.rerank_scores(name, request.query, texts, raw_scores=request.raw_scores,
                                          truncate=truncate, side=side(request.truncation_direction))
     results = []
     for i in postprocess.rank(scores, 0).tolist():

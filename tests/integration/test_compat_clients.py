@@ -248,7 +248,8 @@ def test_tei_embed_all_and_sparse_equal_grpc(http, stub):
     texts = ["late interaction", "sparse lexical retrieval"]
     tokens = http.post("/embed_all", json={"inputs": texts})
     assert tokens.status_code == 200, tokens.text
-    grpc = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(model="colbert", inputs=[pb.Content(text=t) for t in texts]))
+    contents = [pb.Content(text=t) for t in texts]
+    grpc = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(model="colbert", inputs=contents))
     for got, want in zip(tokens.json(), grpc.embeddings, strict=True):
         np.testing.assert_allclose(got, np.reshape(want.values, (want.rows, grpc.dimensions)), atol=1e-6)
     sparse = http.post("/embed_sparse", json={"inputs": texts})
