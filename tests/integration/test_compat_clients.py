@@ -419,3 +419,51 @@ def test_compat_routes_fuzz(http):
             assert "error" in response.json(), response.text
 
     check()
+
+
+# ------------------------------------------------------------- HTTP habits
+def test_gzip_responses_and_compressed_requests_refused(http, st_vectors):
+    import gzip
+    import json
+
+    body = {"model": M, "input": TEXTS, "encoding_format": "float"}
+    response = http.post("/v1/embeddings", json=body, headers={"accept-encoding": "gzip"})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-encoding"] == "gzip"
+    assert response.num_bytes_downloaded < 0.8 * len(response.content)  # sent compressed, inflated by httpx
+    np.testing.assert_allclose([d["embedding"] for d in response.json()["data"]], st_vectors, atol=1e-5)
+    plain = http.post("/v1/embeddings", json=body, headers={"accept-encoding": "identity"})
+    assert "content-encoding" not in plain.headers and plain.json() == response.json()
+    compressed = http.post("/v1/embeddings", content=gzip.compress(json.dumps(body).encode()),
+                           headers={"content-type": "application/json", "content-encoding": "gzip"})
+    _error(compressed, 415, "Content-Encoding gzip", "uncompressed")
+    assert compressed.json()["error"]["code"] == "unsupported_media_type"
+
+
+def _raw_http(port: int, request: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):  # HTTP/1.0: the server closes after the response
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_http_1_0_and_head(compat_server, http):
+    health = _raw_http(compat_server.rest_port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert health.split(b"\r\n")[0].endswith(b" 200 OK"), health[:200]
+    assert b'"status":"serving"' in health
+    body = b'{"model": "%s", "input": "hello"}' % M.encode()
+    embedded = _raw_http(compat_server.rest_port, b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert embedded.split(b"\r\n")[0].endswith(b" 200 OK") and b'"embedding":[' in embedded, embedded[:300]
+    for path in ("/health", "/v1/models"):
+        head = http.head(path, headers={"accept-encoding": "gzip"})
+        assert head.status_code == 200 and head.content == b"", head.content[:100]
+        assert int(head.headers["content-length"]) > 0 and "content-encoding" not in head.headers
+    identity = {"accept-encoding": "identity"}  # else GET /v1/models comes gzipped, chunked
+    assert http.head("/v1/models").headers["content-length"] == \
+        http.get("/v1/models", headers=identity).headers["content-length"]
+    assert http.get("/health").status_code == 200  # the connection is still in step
