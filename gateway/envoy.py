@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shutil
 import textwrap
 from dataclasses import dataclass
@@ -93,13 +94,47 @@ def _endpoints(addresses: tuple[str, ...]) -> tuple[str, str]:
     return "\n".join(lines), cluster_type
 
 
+def http_routes() -> dict[str, set[str]]:
+    """Each REST path template -> its HTTP methods, from the google.api.http rules the
+    transcoder routes by (so 405 + Allow never disagrees with what is served)."""
+    from google.api import annotations_pb2
+
+    from ..v1 import compat_pb2, encoderd_pb2
+
+    routes: dict[str, set[str]] = {}
+    for module in (encoderd_pb2, compat_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                rule = method.GetOptions().Extensions[annotations_pb2.http]
+                for binding in (rule, *rule.additional_bindings):
+                    verb = binding.WhichOneof("pattern")
+                    if verb and verb != "custom":
+                        routes.setdefault(getattr(binding, verb), set()).add(verb.upper())
+    return routes
+
+
+def lua_pattern(template: str) -> str:
+    """A path template as an anchored Lua pattern: {x} is one segment, {x=**} the rest."""
+    parts = re.split(r"(\{[^}]*\})", template)
+    return "^" + "".join((".+" if "**" in part else "[^/]+") if part.startswith("{")
+                         else re.sub(r"[%^$().\[\]*+\-?]", lambda m: "%" + m.group(0), part)
+                         for part in parts) + "$"
+
+
+def _lua_routes(indent: int) -> str:
+    rows = [f'{{"{lua_pattern(path)}", {{{", ".join(f"{m}=true" for m in sorted(methods))}}}}},'
+            for path, methods in sorted(http_routes().items())]
+    return "\n".join(" " * indent + row for row in rows)
+
+
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
     admin = ("" if not settings.admin_port else
              f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n")
     lua = textwrap.indent((HERE / "errors.lua").read_text(), " " * 18)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(
-        admin=admin, lua=lua.rstrip("\n"), descriptor=str(descriptor.resolve()), endpoints=endpoints,
+        admin=admin, lua=lua.rstrip("\n"), routes=_lua_routes(20), descriptor=str(descriptor.resolve()),
+        endpoints=endpoints,
         cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,
         max_body_bytes=settings.max_body_bytes, max_response_bytes=settings.max_response_bytes,
         timeout=f"{settings.timeout_s:g}s")

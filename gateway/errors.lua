@@ -101,7 +101,8 @@ function envoy_on_response(handle)
   headers:remove("grpc-status")
   headers:remove("grpc-message")
   headers:remove("grpc-accept-encoding")
-  if status < 400 then return end
+  -- HEAD (marked by the request filter before this one): the status and headers say it all.
+  if status < 400 or handle:streamInfo():dynamicMetadata():get("encoderd.head") then return end
   local body = handle:body(true)
   local json = error_body(status, grpc, body:length() > 0 and body:getBytes(0, body:length()) or "")
   body:setBytes(json)

@@ -467,3 +467,17 @@ def test_http_1_0_and_head(compat_server, http):
     assert http.head("/v1/models").headers["content-length"] == \
         http.get("/v1/models", headers=identity).headers["content-length"]
     assert http.get("/health").status_code == 200  # the connection is still in step
+
+
+def test_wrong_method_is_405_with_allow(http):
+    for method, path, allow in [("GET", "/v1/embeddings", "POST"), ("POST", "/health", "GET, HEAD"),
+                                ("DELETE", "/v1/models/x/y", "GET, HEAD"), ("HEAD", "/embed", "POST"),
+                                ("GET", "/", "POST")]:
+        response = http.request(method, path)
+        assert response.status_code == 405, (method, path, response.text)
+        assert response.headers["allow"] == allow
+        if method != "HEAD":
+            error = response.json()["error"]
+            assert error["code"] == "method_not_allowed" and allow.replace(", ", " or ") in error["message"]
+    assert http.get("/v1/no-such-route").status_code == 404
+    assert http.get("/v1/models?limit=3").status_code == 200  # a query string is not part of the route
