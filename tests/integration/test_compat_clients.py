@@ -310,7 +310,7 @@ def test_cohere_v1_embed_floats_and_input_type(compat_server, reference):
 
 def test_cohere_embedding_types_v1_and_v2(compat_server, reference):
     import cohere
-    from sentence_transformers.quantization import quantize_embeddings
+    from sentence_transformers.util.quantization import quantize_embeddings
 
     floats = reference["plain"]
     types = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
