@@ -9,6 +9,7 @@ the files Envoy needs, for `encoderd serve` (its own child) and for operators
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ class GatewaySettings:
     max_response_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 300.0        # per request; 0 = none
     admin_port: int = 0             # Envoy's admin interface on 127.0.0.1 (0 = none)
+    cors_allow_origins: tuple[str, ...] = ()   # browser origins allowed ("*": any); () = no CORS
 
 
 def build_descriptor(out: Path) -> Path:
@@ -127,6 +129,30 @@ def _lua_routes(indent: int) -> str:
     return "\n".join(" " * indent + row for row in rows)
 
 
+CORS_FILTER = """\
+          # CORS (--cors-allow-origin): answers preflights for the allowed origins, first so
+          # they never reach the method check; the policy is the virtual host's.
+          - name: envoy.filters.http.cors
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors
+"""
+
+
+def _cors_policy(origins: tuple[str, ...]) -> str:
+    """The virtual host's CorsPolicy for `origins` ("*": any origin, echoed back)."""
+    matches = ", ".join(json.dumps({"safe_regex": {"regex": ".*"}} if o == "*" else {"exact": o}) for o in origins)
+    return textwrap.indent(textwrap.dedent(f"""\
+        typed_per_filter_config:
+          envoy.filters.http.cors:
+            "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy
+            allow_origin_string_match: [{matches}]
+            allow_methods: "GET, HEAD, POST, OPTIONS"
+            allow_headers: "authorization, content-type, x-request-id"
+            expose_headers: "x-request-id"
+            max_age: "86400"
+        """), " " * 14)
+
+
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
     admin = ("" if not settings.admin_port else
@@ -134,7 +160,8 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     lua = textwrap.indent((HERE / "errors.lua").read_text(), " " * 18)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(
         admin=admin, lua=lua.rstrip("\n"), routes=_lua_routes(20), descriptor=str(descriptor.resolve()),
-        endpoints=endpoints,
+        endpoints=endpoints, cors_filter=CORS_FILTER if settings.cors_allow_origins else "",
+        cors_policy=_cors_policy(settings.cors_allow_origins) if settings.cors_allow_origins else "",
         cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,
         max_body_bytes=settings.max_body_bytes, max_response_bytes=settings.max_response_bytes,
         timeout=f"{settings.timeout_s:g}s")

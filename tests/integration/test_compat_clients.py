@@ -22,6 +22,7 @@ TEXTS = sentences(6, max_words=30, seed=17)
 QUERY = "how do search engines rank documents"
 DOCS = sentences(5, max_words=30, seed=5) + ["a cross encoder reranks candidate documents for search engines"]
 QUERY_PROMPT = "query: "  # served as the prompt named search_query (Cohere's input_type)
+ORIGIN = "https://app.example"  # the browser origin the server allows (CORS)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def compat_server(tmp_path_factory, models_dir, reranker_path, classifier_path):
                          "--model", f"colbert={build_colbert(models_dir / 'mm-colbert')}",
                          "--model", f"splade={build_sparse(models_dir / 'mm-sparse')}:sparse",
                          "--prompt", f"search_query={QUERY_PROMPT}", "--cpu-threads", "1",
+                         "--cors-allow-origin", ORIGIN,
                          rest=True, log_path=log)
     proc.start()
     yield proc
@@ -277,7 +279,11 @@ def test_tei_inference_client_at_the_root_of_a_one_model_server(tmp_path, monkey
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # see inference_client
     with ServerProcess("--cpu-threads", "1", rest=True, log_path=tmp_path / "server.log") as server:
         got = InferenceClient(base_url=server.rest_url).feature_extraction(TEXTS[:2])
+        # No --cors-allow-origin: no CORS at all (a preflight is just a method not served).
+        preflight = httpx.options(server.rest_url + "/embed", headers={
+            "origin": ORIGIN, "access-control-request-method": "POST"})
     np.testing.assert_allclose(got, st_vectors[:2], atol=1e-5)
+    assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
 
 
 def test_tei_routes_refuse_what_they_cannot_do(http):
@@ -481,3 +487,20 @@ def test_wrong_method_is_405_with_allow(http):
             assert error["code"] == "method_not_allowed" and allow.replace(", ", " or ") in error["message"]
     assert http.get("/v1/no-such-route").status_code == 404
     assert http.get("/v1/models?limit=3").status_code == 200  # a query string is not part of the route
+
+
+def test_cors_for_the_allowed_origin_only(http):
+    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
+    allowed = http.options("/v1/embeddings", headers={"origin": ORIGIN, **preflight})
+    assert allowed.status_code == 200, allowed.text
+    assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    assert "authorization" in allowed.headers["access-control-allow-headers"]
+    call = http.post("/embed", json={"model": M, "inputs": "hi"}, headers={"origin": ORIGIN})
+    assert call.status_code == 200 and call.headers["access-control-allow-origin"] == ORIGIN
+    assert "x-request-id" in call.headers["access-control-expose-headers"]
+    other = {"origin": "https://elsewhere.example"}
+    refused = http.options("/v1/embeddings", headers={**other, **preflight})
+    assert refused.status_code == 405 and "access-control-allow-origin" not in refused.headers
+    plain = http.post("/embed", json={"model": M, "inputs": "hi"}, headers=other)
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
