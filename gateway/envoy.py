@@ -38,6 +38,7 @@ class GatewaySettings:
     timeout_s: float = 300.0        # per request; 0 = none
     admin_port: int = 0             # Envoy's admin interface on 127.0.0.1 (0 = none)
     cors_allow_origins: tuple[str, ...] = ()   # browser origins allowed ("*": any); () = no CORS
+    url_prefix: str = ""            # REST routes under this path ("/api": /api/v1/embeddings); /health stays
 
 
 def build_descriptor(out: Path) -> Path:
@@ -153,6 +154,17 @@ def _cors_policy(origins: tuple[str, ...]) -> str:
         """), " " * 14)
 
 
+URL_PREFIX = re.compile(r"(/[A-Za-z0-9._~-]+)+")
+
+
+def check_url_prefix(prefix: str) -> str:
+    """"" or /segment[/segment...]: no trailing slash, nothing that needs escaping."""
+    if prefix and not URL_PREFIX.fullmatch(prefix):
+        raise GatewayError(f"bad --url-prefix {prefix!r}: use /name or /name/name (letters, digits, . _ ~ -), "
+                           f"no trailing slash")
+    return prefix
+
+
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
     admin = ("" if not settings.admin_port else
@@ -160,7 +172,8 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     lua = textwrap.indent((HERE / "errors.lua").read_text(), " " * 18)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(
         admin=admin, lua=lua.rstrip("\n"), routes=_lua_routes(20), descriptor=str(descriptor.resolve()),
-        endpoints=endpoints, cors_filter=CORS_FILTER if settings.cors_allow_origins else "",
+        endpoints=endpoints, url_prefix=check_url_prefix(settings.url_prefix),
+        cors_filter=CORS_FILTER if settings.cors_allow_origins else "",
         cors_policy=_cors_policy(settings.cors_allow_origins) if settings.cors_allow_origins else "",
         cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,
         max_body_bytes=settings.max_body_bytes, max_response_bytes=settings.max_response_bytes,

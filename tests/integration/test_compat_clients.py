@@ -272,16 +272,22 @@ def test_tei_root_route_dispatches_by_model_kind(http, st_vectors, cross_encoder
     _error(http.post("/", json={"inputs": "x"}), 400, "several models")
 
 
-def test_tei_inference_client_at_the_root_of_a_one_model_server(tmp_path, monkeypatch, st_vectors):
-    """What TEI users run: InferenceClient(base_url=server) posts to "/" itself."""
+def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_prefix(tmp_path, monkeypatch,
+                                                                                    st_vectors):
+    """What TEI users run: InferenceClient(base_url=server) posts to "/" itself; here the server's
+    root is --url-prefix /api."""
     from huggingface_hub import InferenceClient, constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # see inference_client
-    with ServerProcess("--cpu-threads", "1", rest=True, log_path=tmp_path / "server.log") as server:
-        got = InferenceClient(base_url=server.rest_url).feature_extraction(TEXTS[:2])
+    with ServerProcess("--cpu-threads", "1", "--url-prefix", "/api", rest=True,
+                       log_path=tmp_path / "server.log") as server, \
+            httpx.Client(base_url=server.rest_url, trust_env=False) as http:
+        got = InferenceClient(base_url=server.rest_url + "/api").feature_extraction(TEXTS[:2])
+        assert http.get("/api/v1/models").json()["data"][0]["id"] == M
+        _error(http.get("/v1/models"), 404, "under /api")
+        assert http.get("/api/health").status_code == http.get("/health").status_code == 200
         # No --cors-allow-origin: no CORS at all (a preflight is just a method not served).
-        preflight = httpx.options(server.rest_url + "/embed", headers={
-            "origin": ORIGIN, "access-control-request-method": "POST"})
+        preflight = http.options("/api/embed", headers={"origin": ORIGIN, "access-control-request-method": "POST"})
     np.testing.assert_allclose(got, st_vectors[:2], atol=1e-5)
     assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
 
