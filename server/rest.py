@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from ..v1 import compat_pb2 as cpb
 from ..v1 import compat_pb2_grpc
 from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
-from . import cohere, multimodal, postprocess, tei
+from . import cohere, multimodal, openapi, postprocess, tei
 from .engine import Engine, ServedModel
 from .errors import BackendError, InvalidInput, ModelNotFound, Unavailable
 from .media import Content
@@ -399,6 +399,10 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         if model is None:
             raise ModelNotFound(f"model {request.id!r} is not served here")
         return _json(openai_model(model))
+
+    @rpc
+    async def GetOpenApi(self, request, context) -> httpbody_pb2.HttpBody:
+        return _json(openapi.document())
 
     @rpc
     async def Health(self, request, context) -> httpbody_pb2.HttpBody:

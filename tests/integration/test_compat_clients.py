@@ -510,3 +510,22 @@ def test_cors_for_the_allowed_origin_only(http):
     assert refused.status_code == 405 and "access-control-allow-origin" not in refused.headers
     plain = http.post("/embed", json={"model": M, "inputs": "hi"}, headers=other)
     assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
+def test_openapi_document_is_valid_and_every_route_in_it_is_served(http):
+    from openapi_spec_validator import validate
+
+    document = http.get("/openapi.json").json()
+    validate(document)
+    paths = document["paths"]
+    assert {"/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v2/embed", "/info", "/openapi.json",
+            "/v1/encoderd/embed"} <= set(paths)
+    assert paths["/v1/models/{id}"]["get"]["parameters"][0]["name"] == "id"
+    schema = document["components"]["schemas"]["encoderd.v1.CohereEmbedRequest"]["properties"]
+    assert schema["embedding_types"] == {"type": "array", "items": {"type": "string"}}
+    for path, operations in paths.items():
+        url = path.replace("{id}", M)
+        for verb in operations:
+            # Served: an answer or a client error about the body, never "no such route" / "wrong method".
+            response = http.request(verb.upper(), url, **({"json": {}} if verb == "post" else {}))
+            assert response.status_code not in (404, 405), (verb, path, response.text)

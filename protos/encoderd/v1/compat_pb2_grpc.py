@@ -141,6 +141,11 @@ class CompatStub:
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.GetOpenApi = channel.unary_unary(
+                '/encoderd.v1.Compat/GetOpenApi',
+                request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/encoderd.v1.Compat/Health',
                 request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
@@ -311,6 +316,14 @@ class CompatServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetOpenApi(self, request, context):
+        """`GET /openapi.json`: this REST API as an OpenAPI 3.1 document, derived
+        from these google.api.http rules and messages (server/openapi.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """`GET /health`: 200 while the server is SERVING, 503 (UNAVAILABLE) otherwise.
         """
@@ -424,6 +437,11 @@ def add_CompatServicer_to_server(servicer, server):
             'GetModel': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModel,
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.GetModelRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'GetOpenApi': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOpenApi,
+                    request_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
@@ -998,6 +1016,33 @@ class Compat:
             target,
             '/encoderd.v1.Compat/GetModel',
             encoderd_dot_v1_dot_compat__pb2.GetModelRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOpenApi(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/GetOpenApi',
+            google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,
