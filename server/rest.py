@@ -77,20 +77,34 @@ def media_inputs(value: struct_pb2.Value, modality: str) -> list[Content]:
     return [Content(modality, url=v.string_value) for v in items]
 
 
-def rerank_documents(value: struct_pb2.Value) -> list[str]:
-    """Cohere `documents`: strings, or {"text": ...} objects (the v1 API)."""
+def rerank_documents(value: struct_pb2.Value, rank_fields=()) -> tuple[list[str], list]:
+    """Cohere `documents` -> (the texts ranked, the documents as given): strings, or objects
+    (the v1 API) ranked on their `text`, or on `rank_fields` as "key: value" lines."""
     if value.WhichOneof("kind") != "list_value":
         raise InvalidInput("`documents` is required and must be a list of strings or of {\"text\": ...} objects")
-    documents = []
+    texts, originals = [], []
     for i, item in enumerate(value.list_value.values):
         kind = item.WhichOneof("kind")
         if kind == "string_value":
-            documents.append(item.string_value)
-        elif kind == "struct_value" and item.struct_value.fields.get("text", struct_pb2.Value()).HasField("string_value"):
-            documents.append(item.struct_value.fields["text"].string_value)
+            texts.append(item.string_value)
+            originals.append({"text": item.string_value})
+        elif kind == "struct_value":
+            texts.append(_document_text(item.struct_value, rank_fields, i))
+            originals.append(json_format.MessageToDict(item.struct_value))
         else:
             raise InvalidInput(f"documents[{i}] must be a string or an object with a string \"text\" field")
-    return documents
+    return texts, originals
+
+
+def _document_text(document: struct_pb2.Struct, rank_fields, index: int) -> str:
+    fields = document.fields
+    for key in rank_fields or ("text",):
+        if key not in fields or fields[key].WhichOneof("kind") != "string_value":
+            raise InvalidInput(f"documents[{index}] must be a string or an object with a string {key!r} field" +
+                               (" (one of `rank_fields`)" if rank_fields else ""))
+    if not rank_fields:
+        return fields["text"].string_value
+    return "\n".join(f"{key}: {fields[key].string_value}" for key in rank_fields)
 
 
 def string_list(value: struct_pb2.Value, what: str) -> list[str]:
@@ -284,18 +298,25 @@ class CompatService(compat_pb2_grpc.CompatServicer):
 
     @rpc
     async def Rerank(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._cohere_rerank(request, "1")
+
+    @rpc
+    async def RerankV2(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._cohere_rerank(request, "2")
+
+    async def _cohere_rerank(self, request: cpb.CohereRerankRequest, version: str) -> httpbody_pb2.HttpBody:
         top_n = _positive(request, "top_n")
-        documents = rerank_documents(request.documents)
-        model, scores, tokens = await self.rerank_scores(request.model, request.query, documents,
-                                                   raw_scores=request.raw_scores)
+        texts, documents = rerank_documents(request.documents, tuple(request.rank_fields))
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, texts,
+                                                         raw_scores=request.raw_scores)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
             result = {"index": i, "relevance_score": float(scores[i])}
             if request.return_documents:
-                result["document"] = {"text": documents[i]}
+                result["document"] = documents[i]  # every field of an object document, as Cohere v1 returns
             results.append(result)
         return _json({"id": str(uuid.uuid4()), "results": results, "model": model.spec.name, "usage": _usage(tokens),
-                      "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}})
+                      "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}}})
 
     @rpc
     async def RootRerank(self, request: cpb.RootRerankRequest, context) -> httpbody_pb2.HttpBody:
@@ -309,9 +330,9 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     async def _infinity_rerank(self, request: cpb.RootRerankRequest) -> httpbody_pb2.HttpBody:
         tei.reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
         top_n = _positive(request, "top_n")
-        documents = rerank_documents(request.documents)
+        documents, _ = rerank_documents(request.documents)
         model, scores, tokens = await self.rerank_scores(request.model, request.query, documents,
-                                                   raw_scores=request.raw_scores)
+                                                         raw_scores=request.raw_scores)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
             result = {"relevance_score": float(scores[i]), "index": i}

@@ -529,3 +529,25 @@ def test_openapi_document_is_valid_and_every_route_in_it_is_served(http):
             # Served: an answer or a client error about the body, never "no such route" / "wrong method".
             response = http.request(verb.upper(), url, **({"json": {}} if verb == "post" else {}))
             assert response.status_code not in (404, 405), (verb, path, response.text)
+
+
+def test_cohere_v1_rerank_object_documents_and_rank_fields(compat_server, reranker_path):
+    import cohere
+    from sentence_transformers import CrossEncoder
+
+    documents = [{"title": f"doc {i}", "text": d, "source": "corpus"} for i, d in enumerate(DOCS[:4])]
+    co = cohere.Client(base_url=compat_server.rest_url, api_key="k")
+    response = co.rerank(model="reranker", query=QUERY, documents=documents, rank_fields=["title", "text"],
+                         return_documents=True)
+    ranked_texts = [f"title: {d['title']}\ntext: {d['text']}" for d in documents]
+    want = CrossEncoder(reranker_path, device="cpu").predict([(QUERY, t) for t in ranked_texts])
+    assert [r.index for r in response.results] == np.argsort(-want, kind="stable").tolist()
+    np.testing.assert_allclose([r.relevance_score for r in response.results],
+                               np.sort(want)[::-1], atol=1e-5)
+    # Every field of an object document comes back, not only `text` (the SDK keeps extra fields).
+    assert [(r.document.text, r.document.title, r.document.source) for r in response.results] == \
+        [(documents[r.index]["text"], documents[r.index]["title"], "corpus") for r in response.results]
+    assert response.meta.api_version.version == "1"
+    v2 = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k").rerank(model="reranker", query=QUERY,
+                                                                               documents=DOCS[:2])
+    assert v2.meta.api_version.version == "2"

@@ -27,7 +27,7 @@ class OpenAIEmbeddingsRequest(_message.Message):
     def __init__(self, input: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., model: _Optional[str] = ..., encoding_format: _Optional[str] = ..., dimensions: _Optional[int] = ..., user: _Optional[str] = ..., modality: _Optional[str] = ...) -> None: ...
 
 class CohereRerankRequest(_message.Message):
-    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "max_tokens_per_doc", "max_chunks_per_doc")
+    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "max_tokens_per_doc", "max_chunks_per_doc", "rank_fields")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class CohereRerankRequest(_message.Message):
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_DOC_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNKS_PER_DOC_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     query: str
     documents: _struct_pb2.Value
@@ -44,7 +45,8 @@ class CohereRerankRequest(_message.Message):
     raw_scores: bool
     max_tokens_per_doc: int
     max_chunks_per_doc: int
-    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., max_tokens_per_doc: _Optional[int] = ..., max_chunks_per_doc: _Optional[int] = ...) -> None: ...
+    rank_fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., max_tokens_per_doc: _Optional[int] = ..., max_chunks_per_doc: _Optional[int] = ..., rank_fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
     __slots__ = ("id",)

@@ -61,6 +61,11 @@ class CompatStub:
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.RerankV2 = channel.unary_unary(
+                '/encoderd.v1.Compat/RerankV2',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.RootRerank = channel.unary_unary(
                 '/encoderd.v1.Compat/RootRerank',
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.RootRerankRequest.SerializeToString,
@@ -189,7 +194,14 @@ class CompatServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rerank(self, request, context):
-        """Cohere rerank, v1 and v2 request shapes.
+        """Cohere rerank v1: documents may be objects, ranked on `rank_fields`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RerankV2(self, request, context):
+        """Cohere rerank v2 (same request; its documents are strings).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -356,6 +368,11 @@ def add_CompatServicer_to_server(servicer, server):
             ),
             'Rerank': grpc.unary_unary_rpc_method_handler(
                     servicer.Rerank,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'RerankV2': grpc.unary_unary_rpc_method_handler(
+                    servicer.RerankV2,
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
@@ -583,6 +600,33 @@ class Compat:
             request,
             target,
             '/encoderd.v1.Compat/Rerank',
+            encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RerankV2(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/RerankV2',
             encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
