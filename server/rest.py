@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from ..v1 import compat_pb2 as cpb
 from ..v1 import compat_pb2_grpc
 from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
-from . import cohere, multimodal, openapi, postprocess, tei
+from . import cohere_embed, multimodal, openapi, postprocess, tei
 from .engine import Engine, ServedModel
 from .errors import BackendError, InvalidInput, ModelNotFound, Unavailable
 from .media import Content
@@ -360,14 +360,14 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return model, [[{"score": float(row[j]), "label": labels[j]} for j in postprocess.rank(row, 0)]
                        for row in scores], tokens
 
-    # Cohere embed: server/cohere.py.
+    # Cohere embed: server/cohere_embed.py.
     @rpc
     async def CohereEmbedV1(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
-        return await cohere.embed(self, request, "1")
+        return await cohere_embed.embed(self, request, "1")
 
     @rpc
     async def CohereEmbedV2(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
-        return await cohere.embed(self, request, "2")
+        return await cohere_embed.embed(self, request, "2")
 
     # TEI's routes: server/tei.py.
     @rpc
