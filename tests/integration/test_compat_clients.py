@@ -551,3 +551,21 @@ def test_cohere_v1_rerank_object_documents_and_rank_fields(compat_server, rerank
     v2 = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k").rerank(model="reranker", query=QUERY,
                                                                                documents=DOCS[:2])
     assert v2.meta.api_version.version == "2"
+
+
+def test_token_ids_without_special_tokens_get_them(compat_server, http, minilm_path, st_vectors, st_model):
+    """OpenAI-style ids (tokenized without [CLS] / [SEP]) embed as their text does."""
+    import openai
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{minilm_path}/tokenizer.json")
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    ids = [tokenizer.encode(t, add_special_tokens=False).ids for t in TEXTS[:3]]
+    client = openai.OpenAI(base_url=compat_server.rest_url + "/v1", api_key="k", max_retries=0)
+    response = client.embeddings.create(model=M, input=ids)
+    np.testing.assert_allclose([d.embedding for d in response.data], st_vectors[:3], atol=1e-5)
+    assert response.usage.prompt_tokens == sum(len(i) + 2 for i in ids)
+    long = tokenizer.encode("word " * 600, add_special_tokens=False).ids  # cut to 256 between [CLS] and [SEP]
+    got = http.post("/embed", json={"model": M, "inputs": [long]}).json()[0]
+    np.testing.assert_allclose(got, st_model.encode("word " * 600), atol=1e-5)
