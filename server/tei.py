@@ -25,6 +25,9 @@ from .media import Content
 from .scheduler import DEFAULT_PRIORITY
 
 SIDES = {"": "right", "right": "right", "left": "left"}
+# huggingface_hub's function_to_apply for /predict, over a row of logits ("": the model's default).
+ACTIVATIONS = {"": None, "none": lambda row: row, "sigmoid": postprocess.sigmoid,
+               "softmax": lambda row: postprocess.softmax(row[None, :])[0]}
 
 
 def reject_set(request, fields: tuple[str, ...], context: str) -> None:
@@ -51,6 +54,8 @@ class Options:
     prompt_name: str
     normalize: bool | None   # None: not given
     dimensions: int          # 0: not given
+    function_to_apply: str   # "": not given
+    top_k: int               # 0: not given
 
 
 def options(request) -> Options:
@@ -68,12 +73,16 @@ def options(request) -> Options:
                 return getattr(source, field)
         return default
 
-    dimensions = pick("dimensions", None)
-    if dimensions is not None and dimensions < 1:
-        raise InvalidInput(f"`dimensions` must be a positive integer, not {dimensions}")
+    positive = {field: pick(field, None) for field in ("dimensions", "top_k")}
+    for field, value in positive.items():
+        if value is not None and value < 1:
+            raise InvalidInput(f"`{field}` must be a positive integer, not {value}")
+    function = pick("function_to_apply", "").lower()
+    if function not in ACTIVATIONS:
+        raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {function!r}")
     return Options(truncate=pick("truncate", True), side=side(pick("truncation_direction", "")),
                    prompt_name=pick("prompt_name", ""), normalize=pick("normalize", None),
-                   dimensions=dimensions or 0)
+                   dimensions=positive["dimensions"] or 0, function_to_apply=function, top_k=positive["top_k"] or 0)
 
 
 def _body(text: str) -> httpbody_pb2.HttpBody:
@@ -100,9 +109,15 @@ def _no_embedding_options(opts: Options, route: str) -> None:
         raise InvalidInput(f"`normalize` and `dimensions` apply to /embed, not {route}")
 
 
+def _no_predict_options(opts: Options, route: str) -> None:
+    if opts.function_to_apply or opts.top_k:
+        raise InvalidInput(f"`function_to_apply` and `top_k` apply to /predict, not {route}")
+
+
 # ------------------------------------------------------------------- routes
 async def embed(service, request) -> httpbody_pb2.HttpBody:
     opts = options(request)
+    _no_predict_options(opts, "/embed")
     texts, token_ids = compat.embedding_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
     if texts is not None:
@@ -129,6 +144,7 @@ def _texts(request, route: str) -> list[str]:
 async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     opts = options(request)
     _no_embedding_options(opts, "/embed_all")
+    _no_predict_options(opts, "/embed_all")
     if opts.side != "right":
         raise InvalidInput("/embed_all cuts over-long inputs on the right only")
     texts = _texts(request, "/embed_all")
@@ -144,6 +160,7 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
 async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
     opts = options(request)
     _no_embedding_options(opts, "/embed_sparse")
+    _no_predict_options(opts, "/embed_sparse")
     texts = _texts(request, "/embed_sparse")
     name = pick_model(service, request.model, (ModelKind.SPARSE,), "/embed_sparse")
     prompt = service.engine.prompt_text(service.engine.get(name, ModelKind.SPARSE), "", opts.prompt_name)
@@ -184,16 +201,28 @@ async def predict(service, request) -> httpbody_pb2.HttpBody:
     _no_embedding_options(opts, "/predict")
     if opts.prompt_name:
         raise InvalidInput("`prompt_name` does not apply to /predict")
+    if request.raw_scores and opts.function_to_apply:
+        raise InvalidInput("set `raw_scores` or `function_to_apply`, not both")
     texts, batched = predict_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
-    _, results, _ = await service.classifications(name, texts, raw_scores=request.raw_scores,
+    activation = ACTIVATIONS[opts.function_to_apply]
+    _, results, _ = await service.classifications(name, texts, raw_scores=request.raw_scores or bool(activation),
                                                   truncate=opts.truncate, side=opts.side)
+    if activation:  # monotonic within a row: the best-first order of the logits holds
+        results = [_activated(row, activation) for row in results]
+    results = [row[:opts.top_k or None] for row in results]
     return _json(results if batched else results[0])
+
+
+def _activated(row: list[dict], activation) -> list[dict]:
+    scores = activation(np.array([label["score"] for label in row], dtype=np.float32))
+    return [{**label, "score": float(score)} for label, score in zip(row, scores)]
 
 
 async def similarity(service, request) -> httpbody_pb2.HttpBody:
     opts = options(request)
     _no_embedding_options(opts, "/similarity")
+    _no_predict_options(opts, "/similarity")
     source, sentences = request.inputs.source_sentence, list(request.inputs.sentences)
     if not source or not sentences:
         raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")

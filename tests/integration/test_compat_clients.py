@@ -178,6 +178,11 @@ def test_tei_inference_client_similarity_and_classification(inference_client, st
     label, score = _grpc_classes(stub, TEXTS[:1])[0][0]
     # TEI answers a single input with a flat list, of which the client keeps the first (best) label.
     assert best.label == label and best.score == pytest.approx(score, abs=1e-6)
+    # Its options (nested under "parameters") apply, not silently dropped.
+    logits = stub.Classify(pb.ClassifyRequest(model="classifier", inputs=TEXTS[:1], raw_scores=True)).results[0]
+    sigmoid = inference_client("/predict").text_classification(TEXTS[0], function_to_apply="sigmoid", top_k=1)
+    assert sigmoid.label == logits.labels[0].label
+    assert sigmoid.score == pytest.approx(1 / (1 + np.exp(-logits.labels[0].score)), abs=1e-6)
 
 
 def test_tei_embed_shapes(http, st_vectors, st_model):
@@ -207,6 +212,17 @@ def test_tei_rerank_and_infinity_rerank_share_the_route(http, cross_encoder_scor
     _error(http.post("/rerank", json={"query": QUERY, "texts": DOCS, "documents": DOCS}), 400, "exactly one")
     _error(http.post("/rerank", json={"query": QUERY, "texts": DOCS, "top_n": 2}), 400, "top_n")
     _error(http.post("/rerank", json={"query": QUERY, "documents": DOCS, "return_text": True}), 400, "return_text")
+
+
+def test_tei_predict_top_k_and_activations(http, stub):
+    logits = [ls.score for ls in stub.Classify(pb.ClassifyRequest(model="classifier", inputs=TEXTS[:1],
+                                                                  raw_scores=True)).results[0].labels]
+    top = http.post("/predict", json={"inputs": TEXTS[0], "parameters": {"top_k": 2, "function_to_apply": "none"}})
+    np.testing.assert_allclose([p["score"] for p in top.json()], logits[:2], atol=1e-6)
+    _error(http.post("/predict", json={"inputs": "x", "parameters": {"function_to_apply": "relu"}}), 400, "relu")
+    _error(http.post("/predict", json={"inputs": "x", "raw_scores": True, "parameters": {"function_to_apply": "none"}}),
+           400, "not both")
+    _error(http.post("/embed", json={"model": M, "inputs": "x", "parameters": {"top_k": 2}}), 400, "/predict")
 
 
 def test_tei_predict_shapes(http, stub):

@@ -113,18 +113,22 @@ class CohereEmbedRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., images: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., input_type: _Optional[str] = ..., embedding_types: _Optional[_Iterable[str]] = ..., truncate: _Optional[str] = ..., output_dimension: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TeiParameters(_message.Message):
-    __slots__ = ("normalize", "truncate", "truncation_direction", "prompt_name", "dimensions")
+    __slots__ = ("normalize", "truncate", "truncation_direction", "prompt_name", "dimensions", "function_to_apply", "top_k")
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_TO_APPLY_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     normalize: bool
     truncate: bool
     truncation_direction: str
     prompt_name: str
     dimensions: int
-    def __init__(self, normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[str] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ...) -> None: ...
+    function_to_apply: str
+    top_k: int
+    def __init__(self, normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[str] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ..., function_to_apply: _Optional[str] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class TeiEmbedRequest(_message.Message):
     __slots__ = ("model", "inputs", "truncate", "truncation_direction", "prompt_name", "normalize", "dimensions", "parameters")
