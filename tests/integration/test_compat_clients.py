@@ -512,7 +512,8 @@ def test_wrong_method_is_405_with_allow(http):
 
 
 def test_cors_for_the_allowed_origin_only(http):
-    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
+    preflight = {"access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization,content-type"}
     allowed = http.options("/v1/embeddings", headers={"origin": ORIGIN, **preflight})
     assert allowed.status_code == 200, allowed.text
     assert allowed.headers["access-control-allow-origin"] == ORIGIN
