@@ -25,6 +25,10 @@ def add_commands(commands) -> None:
                                                                   "[default: %(default)s]")
     out.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MiB; bigger ones "
                                                                       "get 413 [default: %(default)s]")
+    out.add_argument("--cors-allow-origin", action="append", default=None, metavar="ORIGIN",
+                     help="let browser pages from ORIGIN (or * for any) call the REST API; repeatable [default: off]")
+    out.add_argument("--url-prefix", default="", help="serve the REST routes under this path (/api: "
+                                                  "/api/v1/embeddings); /health answers with and without it")
     out.add_argument("--timeout", type=float, default=300.0, help="seconds per request before 504 (0 = no limit) "
                                                                    "[default: %(default)s]")
 
@@ -33,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     settings = GatewaySettings(
         grpc_addresses=tuple(args.grpc_address or ["127.0.0.1:50051"]), rest_host=args.rest_host,
         rest_port=args.rest_port, admin_port=args.admin_port, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        timeout_s=args.timeout)
+        timeout_s=args.timeout, cors_allow_origins=tuple(args.cors_allow_origin or ()), url_prefix=args.url_prefix)
     try:
         config = render(args.out, settings)
     except GatewayError as exc:

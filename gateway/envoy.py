@@ -9,7 +9,9 @@ the files Envoy needs, for `encoderd serve` (its own child) and for operators
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
+import re
 import shutil
 import textwrap
 from dataclasses import dataclass
@@ -35,6 +37,8 @@ class GatewaySettings:
     max_response_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 300.0        # per request; 0 = none
     admin_port: int = 0             # Envoy's admin interface on 127.0.0.1 (0 = none)
+    cors_allow_origins: tuple[str, ...] = ()   # browser origins allowed ("*": any); () = no CORS
+    url_prefix: str = ""            # REST routes under this path ("/api": /api/v1/embeddings); /health stays
 
 
 def build_descriptor(out: Path) -> Path:
@@ -93,13 +97,84 @@ def _endpoints(addresses: tuple[str, ...]) -> tuple[str, str]:
     return "\n".join(lines), cluster_type
 
 
+def http_routes() -> dict[str, set[str]]:
+    """Each REST path template -> its HTTP methods, from the google.api.http rules the
+    transcoder routes by (so 405 + Allow never disagrees with what is served)."""
+    from google.api import annotations_pb2
+
+    from ..v1 import compat_pb2, encoderd_pb2
+
+    routes: dict[str, set[str]] = {}
+    for module in (encoderd_pb2, compat_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                rule = method.GetOptions().Extensions[annotations_pb2.http]
+                for binding in (rule, *rule.additional_bindings):
+                    verb = binding.WhichOneof("pattern")
+                    if verb and verb != "custom":
+                        routes.setdefault(getattr(binding, verb), set()).add(verb.upper())
+    return routes
+
+
+def lua_pattern(template: str) -> str:
+    """A path template as an anchored Lua pattern: {x} is one segment, {x=**} the rest."""
+    parts = re.split(r"(\{[^}]*\})", template)
+    return "^" + "".join((".+" if "**" in part else "[^/]+") if part.startswith("{")
+                         else re.sub(r"[%^$().\[\]*+\-?]", lambda m: "%" + m.group(0), part)
+                         for part in parts) + "$"
+
+
+def _lua_routes(indent: int) -> str:
+    rows = [f'{{"{lua_pattern(path)}", {{{", ".join(f"{m}=true" for m in sorted(methods))}}}}},'
+            for path, methods in sorted(http_routes().items())]
+    return "\n".join(" " * indent + row for row in rows)
+
+
+CORS_FILTER = """\
+          # CORS (--cors-allow-origin): answers preflights for the allowed origins, first so
+          # they never reach the method check; the policy is the virtual host's.
+          - name: envoy.filters.http.cors
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors
+"""
+
+
+def _cors_policy(origins: tuple[str, ...]) -> str:
+    """The virtual host's CorsPolicy for `origins` ("*": any origin, echoed back)."""
+    matches = ", ".join(json.dumps({"safe_regex": {"regex": ".*"}} if o == "*" else {"exact": o}) for o in origins)
+    return textwrap.indent(textwrap.dedent(f"""\
+        typed_per_filter_config:
+          envoy.filters.http.cors:
+            "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy
+            allow_origin_string_match: [{matches}]
+            allow_methods: "GET, HEAD, POST, OPTIONS"
+            allow_headers: "authorization, content-type, x-request-id"
+            expose_headers: "x-request-id"
+            max_age: "86400"
+        """), " " * 14)
+
+
+URL_PREFIX = re.compile(r"(/[A-Za-z0-9._~-]+)+")
+
+
+def check_url_prefix(prefix: str) -> str:
+    """"" or /segment[/segment...]: no trailing slash, nothing that needs escaping."""
+    if prefix and not URL_PREFIX.fullmatch(prefix):
+        raise GatewayError(f"bad --url-prefix {prefix!r}: use /name or /name/name (letters, digits, . _ ~ -), "
+                           f"no trailing slash")
+    return prefix
+
+
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
     admin = ("" if not settings.admin_port else
              f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n")
     lua = textwrap.indent((HERE / "errors.lua").read_text(), " " * 18)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(
-        admin=admin, lua=lua.rstrip("\n"), descriptor=str(descriptor.resolve()), endpoints=endpoints,
+        admin=admin, lua=lua.rstrip("\n"), routes=_lua_routes(20), descriptor=str(descriptor.resolve()),
+        endpoints=endpoints, url_prefix=check_url_prefix(settings.url_prefix),
+        cors_filter=CORS_FILTER if settings.cors_allow_origins else "",
+        cors_policy=_cors_policy(settings.cors_allow_origins) if settings.cors_allow_origins else "",
         cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,
         max_body_bytes=settings.max_body_bytes, max_response_bytes=settings.max_response_bytes,
         timeout=f"{settings.timeout_s:g}s")

@@ -17,7 +17,7 @@ local GRPC_CODES = {
 -- For errors Envoy makes itself, which carry no gRPC code.
 local HTTP_CODES = {
   [400] = "invalid_argument", [401] = "unauthenticated", [403] = "permission_denied",
-  [404] = "not_found", [405] = "method_not_allowed", [413] = "payload_too_large",
+  [404] = "not_found", [405] = "method_not_allowed", [413] = "payload_too_large", [415] = "unsupported_media_type",
   [429] = "resource_exhausted", [431] = "headers_too_large", [500] = "internal",
   [501] = "unimplemented", [502] = "unavailable", [503] = "unavailable", [504] = "deadline_exceeded",
 }
@@ -101,7 +101,8 @@ function envoy_on_response(handle)
   headers:remove("grpc-status")
   headers:remove("grpc-message")
   headers:remove("grpc-accept-encoding")
-  if status < 400 then return end
+  -- HEAD (marked by the request filter before this one): the status and headers say it all.
+  if status < 400 or handle:streamInfo():dynamicMetadata():get("encoderd.head") then return end
   local body = handle:body(true)
   local json = error_body(status, grpc, body:length() > 0 and body:getBytes(0, body:length()) or "")
   body:setBytes(json)

@@ -127,7 +127,8 @@ async def start_gateway(cfg: ServerConfig, grpc_port: int):
     grpc_host = local_address(cfg.host)
     settings = GatewaySettings(grpc_addresses=(f"{grpc_host}:{grpc_port}",), rest_host=cfg.host,
                                rest_port=cfg.rest_port, max_body_bytes=cfg.rest_max_body_bytes,
-                               timeout_s=cfg.rest_timeout)
+                               timeout_s=cfg.rest_timeout, cors_allow_origins=cfg.cors_allow_origins,
+                               url_prefix=cfg.url_prefix)
     envoy = EnvoyProcess(settings, cfg.envoy_bin, cfg.log_level)
     await envoy.start()
     log.info("REST gateway: Envoy %s (pid %d) on %s -> gRPC %s:%d", envoy.binary, envoy.pid, envoy.url,

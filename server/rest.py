@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from ..v1 import compat_pb2 as cpb
 from ..v1 import compat_pb2_grpc
 from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
-from . import cohere, multimodal, postprocess, tei
+from . import cohere_embed, multimodal, openapi, postprocess, tei
 from .engine import Engine, ServedModel
 from .errors import BackendError, InvalidInput, ModelNotFound, Unavailable
 from .media import Content
@@ -77,20 +77,34 @@ def media_inputs(value: struct_pb2.Value, modality: str) -> list[Content]:
     return [Content(modality, url=v.string_value) for v in items]
 
 
-def rerank_documents(value: struct_pb2.Value) -> list[str]:
-    """Cohere `documents`: strings, or {"text": ...} objects (the v1 API)."""
+def rerank_documents(value: struct_pb2.Value, rank_fields=()) -> tuple[list[str], list]:
+    """Cohere `documents` -> (the texts ranked, the documents as given): strings, or objects
+    (the v1 API) ranked on their `text`, or on `rank_fields` as "key: value" lines."""
     if value.WhichOneof("kind") != "list_value":
         raise InvalidInput("`documents` is required and must be a list of strings or of {\"text\": ...} objects")
-    documents = []
+    texts, originals = [], []
     for i, item in enumerate(value.list_value.values):
         kind = item.WhichOneof("kind")
         if kind == "string_value":
-            documents.append(item.string_value)
-        elif kind == "struct_value" and item.struct_value.fields.get("text", struct_pb2.Value()).HasField("string_value"):
-            documents.append(item.struct_value.fields["text"].string_value)
+            texts.append(item.string_value)
+            originals.append({"text": item.string_value})
+        elif kind == "struct_value":
+            texts.append(_document_text(item.struct_value, rank_fields, i))
+            originals.append(json_format.MessageToDict(item.struct_value))
         else:
             raise InvalidInput(f"documents[{i}] must be a string or an object with a string \"text\" field")
-    return documents
+    return texts, originals
+
+
+def _document_text(document: struct_pb2.Struct, rank_fields, index: int) -> str:
+    fields = document.fields
+    for key in rank_fields or ("text",):
+        if key not in fields or fields[key].WhichOneof("kind") != "string_value":
+            raise InvalidInput(f"documents[{index}] must be a string or an object with a string {key!r} field" +
+                               (" (one of `rank_fields`)" if rank_fields else ""))
+    if not rank_fields:
+        return fields["text"].string_value
+    return "\n".join(f"{key}: {fields[key].string_value}" for key in rank_fields)
 
 
 def string_list(value: struct_pb2.Value, what: str) -> list[str]:
@@ -202,7 +216,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         self.engine = engine
         self.health = health  # grpc_health's servicer: /health reports its overall status
 
-    def _model_name(self, name: str, kind: ModelKind | tuple[ModelKind, ...]) -> str:
+    def model_name(self, name: str, kind: ModelKind | tuple[ModelKind, ...]) -> str:
         """REST callers may omit `model` when exactly one model of the needed kind is served."""
         if name and name != INFINITY_NO_MODEL:
             return name
@@ -211,7 +225,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return of_kind[0] if len(of_kind) == 1 else ""
 
     def _model_taking(self, name: str, modality: str) -> str:
-        """Like _model_name, for the one served model that takes `modality` (clip for images...)."""
+        """Like model_name, for the one served model that takes `modality` (clip for images...)."""
         if name and name != INFINITY_NO_MODEL:
             return name
         takers = [n for n, m in self.engine.models.items() if modality in modalities(m.spec.kind)]
@@ -252,7 +266,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
             return render_embeddings(model.spec.name, vectors, encoding_format, tokens)
         texts, token_ids = embedding_inputs(request.input)
-        name = self._model_name(request.model, ModelKind.EMBEDDING)
+        name = self.model_name(request.model, ModelKind.EMBEDDING)
         if texts is not None:
             model, pooled, tokens = await self.engine.embed(name, texts, priority=DEFAULT_PRIORITY.get())
         else:
@@ -274,28 +288,35 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         model, rows, tokens = await multimodal.embed_multivector(self.engine, request.model, inputs)
         return render_multivectors(model.spec.name, rows, encoding_format, tokens)
 
-    async def _rerank(self, model_name: str, query: str, documents: list[str], *, raw_scores: bool,
+    async def rerank_scores(self, name: str, query: str, documents: list[str], *, raw_scores: bool,
                       truncate: bool = True, side: str = "right"):
         """(model, scores, tokens): a cross-encoder's scores (its activation), or its logits when asked."""
-        name = self._model_name(model_name, ModelKind.RERANKER)
+        name = self.model_name(name, ModelKind.RERANKER)
         model, logits, tokens = await self.engine.score_pairs(name, query, documents, truncate=truncate, side=side,
                                                               priority=DEFAULT_PRIORITY.get())
         return model, postprocess.scores(logits, model.spec.score_activation, raw_scores), tokens
 
     @rpc
     async def Rerank(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._cohere_rerank(request, "1")
+
+    @rpc
+    async def RerankV2(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._cohere_rerank(request, "2")
+
+    async def _cohere_rerank(self, request: cpb.CohereRerankRequest, version: str) -> httpbody_pb2.HttpBody:
         top_n = _positive(request, "top_n")
-        documents = rerank_documents(request.documents)
-        model, scores, tokens = await self._rerank(request.model, request.query, documents,
-                                                   raw_scores=request.raw_scores)
+        texts, documents = rerank_documents(request.documents, tuple(request.rank_fields))
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, texts,
+                                                         raw_scores=request.raw_scores)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
             result = {"index": i, "relevance_score": float(scores[i])}
             if request.return_documents:
-                result["document"] = {"text": documents[i]}
+                result["document"] = documents[i]  # every field of an object document, as Cohere v1 returns
             results.append(result)
         return _json({"id": str(uuid.uuid4()), "results": results, "model": model.spec.name, "usage": _usage(tokens),
-                      "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}}})
+                      "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}}})
 
     @rpc
     async def RootRerank(self, request: cpb.RootRerankRequest, context) -> httpbody_pb2.HttpBody:
@@ -309,9 +330,9 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     async def _infinity_rerank(self, request: cpb.RootRerankRequest) -> httpbody_pb2.HttpBody:
         tei.reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
         top_n = _positive(request, "top_n")
-        documents = rerank_documents(request.documents)
-        model, scores, tokens = await self._rerank(request.model, request.query, documents,
-                                                   raw_scores=request.raw_scores)
+        documents, _ = rerank_documents(request.documents)
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, documents,
+                                                         raw_scores=request.raw_scores)
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
             result = {"relevance_score": float(scores[i]), "index": i}
@@ -324,12 +345,12 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     @rpc
     async def InfinityClassify(self, request: cpb.InfinityClassifyRequest, context) -> httpbody_pb2.HttpBody:
         texts = string_list(request.input, "input")
-        name = self._model_name(request.model, ModelKind.CLASSIFIER)
-        model, scores, tokens = await self._classify(name, texts, raw_scores=request.raw_scores)
+        name = self.model_name(request.model, ModelKind.CLASSIFIER)
+        model, scores, tokens = await self.classifications(name, texts, raw_scores=request.raw_scores)
         return _json({"object": "classify", "data": scores, "model": model.spec.name, "usage": _usage(tokens),
                       **_infinity_id()})
 
-    async def _classify(self, name: str, texts: list[str], *, raw_scores: bool, truncate: bool = True,
+    async def classifications(self, name: str, texts: list[str], *, raw_scores: bool, truncate: bool = True,
                         side: str = "right") -> tuple[ServedModel, list[list[dict]], int]:
         """Per input, every label with its score ({"score", "label"}), best first."""
         model, logits, tokens = await self.engine.classify(name, texts, truncate=truncate, side=side,
@@ -339,14 +360,14 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return model, [[{"score": float(row[j]), "label": labels[j]} for j in postprocess.rank(row, 0)]
                        for row in scores], tokens
 
-    # Cohere embed: server/cohere.py.
+    # Cohere embed: server/cohere_embed.py.
     @rpc
     async def CohereEmbedV1(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
-        return await cohere.embed(self, request, "1")
+        return await cohere_embed.embed(self, request, "1")
 
     @rpc
     async def CohereEmbedV2(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
-        return await cohere.embed(self, request, "2")
+        return await cohere_embed.embed(self, request, "2")
 
     # TEI's routes: server/tei.py.
     @rpc
@@ -378,6 +399,10 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return await tei.decode(self, request)
 
     @rpc
+    async def TeiRoot(self, request: cpb.TeiRootRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.root(self, request)
+
+    @rpc
     async def TeiInfo(self, request: cpb.TeiInfoRequest, context) -> httpbody_pb2.HttpBody:
         return await tei.info(self, request)
 
@@ -395,6 +420,10 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         if model is None:
             raise ModelNotFound(f"model {request.id!r} is not served here")
         return _json(openai_model(model))
+
+    @rpc
+    async def GetOpenApi(self, request, context) -> httpbody_pb2.HttpBody:
+        return _json(openapi.document())
 
     @rpc
     async def Health(self, request, context) -> httpbody_pb2.HttpBody:

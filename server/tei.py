@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from google.api import httpbody_pb2
+from google.protobuf import json_format
 
+from ..v1 import compat_pb2 as cpb
 from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from . import multimodal, postprocess
 from . import rest as compat
@@ -23,6 +25,9 @@ from .media import Content
 from .scheduler import DEFAULT_PRIORITY
 
 SIDES = {"": "right", "right": "right", "left": "left"}
+# huggingface_hub's function_to_apply for /predict, over a row of logits ("": the model's default).
+ACTIVATIONS = {"": None, "none": lambda row: row, "sigmoid": postprocess.sigmoid,
+               "softmax": lambda row: postprocess.softmax(row[None, :])[0]}
 
 
 def reject_set(request, fields: tuple[str, ...], context: str) -> None:
@@ -49,6 +54,8 @@ class Options:
     prompt_name: str
     normalize: bool | None   # None: not given
     dimensions: int          # 0: not given
+    function_to_apply: str   # "": not given
+    top_k: int               # 0: not given
 
 
 def options(request) -> Options:
@@ -66,12 +73,16 @@ def options(request) -> Options:
                 return getattr(source, field)
         return default
 
-    dimensions = pick("dimensions", None)
-    if dimensions is not None and dimensions < 1:
-        raise InvalidInput(f"`dimensions` must be a positive integer, not {dimensions}")
+    positive = {field: pick(field, None) for field in ("dimensions", "top_k")}
+    for field, value in positive.items():
+        if value is not None and value < 1:
+            raise InvalidInput(f"`{field}` must be a positive integer, not {value}")
+    function = pick("function_to_apply", "").lower()
+    if function not in ACTIVATIONS:
+        raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {function!r}")
     return Options(truncate=pick("truncate", True), side=side(pick("truncation_direction", "")),
                    prompt_name=pick("prompt_name", ""), normalize=pick("normalize", None),
-                   dimensions=dimensions or 0)
+                   dimensions=positive["dimensions"] or 0, function_to_apply=function, top_k=positive["top_k"] or 0)
 
 
 def _body(text: str) -> httpbody_pb2.HttpBody:
@@ -98,9 +109,15 @@ def _no_embedding_options(opts: Options, route: str) -> None:
         raise InvalidInput(f"`normalize` and `dimensions` apply to /embed, not {route}")
 
 
+def _no_predict_options(opts: Options, route: str) -> None:
+    if opts.function_to_apply or opts.top_k:
+        raise InvalidInput(f"`function_to_apply` and `top_k` apply to /predict, not {route}")
+
+
 # ------------------------------------------------------------------- routes
 async def embed(service, request) -> httpbody_pb2.HttpBody:
     opts = options(request)
+    _no_predict_options(opts, "/embed")
     texts, token_ids = compat.embedding_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
     if texts is not None:
@@ -127,6 +144,7 @@ def _texts(request, route: str) -> list[str]:
 async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     opts = options(request)
     _no_embedding_options(opts, "/embed_all")
+    _no_predict_options(opts, "/embed_all")
     if opts.side != "right":
         raise InvalidInput("/embed_all cuts over-long inputs on the right only")
     texts = _texts(request, "/embed_all")
@@ -142,6 +160,7 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
 async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
     opts = options(request)
     _no_embedding_options(opts, "/embed_sparse")
+    _no_predict_options(opts, "/embed_sparse")
     texts = _texts(request, "/embed_sparse")
     name = pick_model(service, request.model, (ModelKind.SPARSE,), "/embed_sparse")
     prompt = service.engine.prompt_text(service.engine.get(name, ModelKind.SPARSE), "", opts.prompt_name)
@@ -182,16 +201,28 @@ async def predict(service, request) -> httpbody_pb2.HttpBody:
     _no_embedding_options(opts, "/predict")
     if opts.prompt_name:
         raise InvalidInput("`prompt_name` does not apply to /predict")
+    if request.raw_scores and opts.function_to_apply:
+        raise InvalidInput("set `raw_scores` or `function_to_apply`, not both")
     texts, batched = predict_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
-    _, results, _ = await service._classify(name, texts, raw_scores=request.raw_scores, truncate=opts.truncate,
-                                            side=opts.side)
+    activation = ACTIVATIONS[opts.function_to_apply]
+    _, results, _ = await service.classifications(name, texts, raw_scores=request.raw_scores or bool(activation),
+                                                  truncate=opts.truncate, side=opts.side)
+    if activation:  # monotonic within a row: the best-first order of the logits holds
+        results = [_activated(row, activation) for row in results]
+    results = [row[:opts.top_k or None] for row in results]
     return _json(results if batched else results[0])
+
+
+def _activated(row: list[dict], activation) -> list[dict]:
+    scores = activation(np.array([label["score"] for label in row], dtype=np.float32))
+    return [{**label, "score": float(score)} for label, score in zip(row, scores)]
 
 
 async def similarity(service, request) -> httpbody_pb2.HttpBody:
     opts = options(request)
     _no_embedding_options(opts, "/similarity")
+    _no_predict_options(opts, "/similarity")
     source, sentences = request.inputs.source_sentence, list(request.inputs.sentences)
     if not source or not sentences:
         raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")
@@ -207,8 +238,10 @@ async def rerank(service, request) -> httpbody_pb2.HttpBody:
     reject_set(request, ("top_n", "return_documents"), "with `texts` (TEI's /rerank; it returns every text)")
     name = pick_model(service, request.model, (ModelKind.RERANKER,), "/rerank")
     texts = list(request.texts)
+    if not texts:
+        raise InvalidInput("`texts` is required: a non-empty list of strings")
     truncate = request.truncate if request.HasField("truncate") else True
-    _, scores, _ = await service._rerank(name, request.query, texts, raw_scores=request.raw_scores,
+    _, scores, _ = await service.rerank_scores(name, request.query, texts, raw_scores=request.raw_scores,
                                          truncate=truncate, side=side(request.truncation_direction))
     results = []
     for i in postprocess.rank(scores, 0).tolist():
@@ -268,14 +301,11 @@ async def decode(service, request) -> httpbody_pb2.HttpBody:
 
 
 def _model_type(model) -> dict:
+    if model.spec.kind not in (ModelKind.CLASSIFIER, ModelKind.RERANKER):
+        return {"embedding": {"pooling": model.spec.pooling.value}}
     labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(model.output_dim))
-    head = {"id2label": {str(i): label for i, label in enumerate(labels)},
-            "label2id": {label: i for i, label in enumerate(labels)}}
-    if model.spec.kind == ModelKind.CLASSIFIER:
-        return {"classifier": head}
-    if model.spec.kind == ModelKind.RERANKER:
-        return {"reranker": head}
-    return {"embedding": {"pooling": getattr(model.spec.pooling, "value", str(model.spec.pooling))}}
+    return {model.spec.kind.value: {"id2label": {str(i): label for i, label in enumerate(labels)},
+                                    "label2id": {label: i for i, label in enumerate(labels)}}}
 
 
 async def info(service, request) -> httpbody_pb2.HttpBody:
@@ -289,6 +319,37 @@ async def info(service, request) -> httpbody_pb2.HttpBody:
         "max_client_batch_size": config.max_inputs_per_request, "auto_truncate": True,
         "tokenization_workers": config.tokenizer_threads, "version": _version(), "sha": None, "docker_label": None,
     })
+
+
+# POST /: per model kind, the route (its request message, handler and path) TEI would pick.
+ROOT_ROUTES = {
+    ModelKind.EMBEDDING: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLIP: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLAP: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLASSIFIER: (cpb.TeiPredictRequest, predict, "/predict"),
+    ModelKind.RERANKER: (cpb.RootRerankRequest, rerank, "/rerank"),
+    ModelKind.SPARSE: (cpb.TeiEmbedRequest, embed_sparse, "/embed_sparse"),
+    ModelKind.COLBERT: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
+    ModelKind.COLPALI: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
+}
+
+
+async def root(service, request: cpb.TeiRootRequest) -> httpbody_pb2.HttpBody:
+    """TEI's POST /: the request, narrowed to the message of the model's route (a field that
+    route does not take is a 400), handled by that route."""
+    if not request.model and len(service.engine.models) > 1:
+        raise InvalidInput(f"POST / needs `model` when several models are served (here: "
+                           f"{', '.join(sorted(service.engine.models))}); or post to /embed, /predict, /rerank")
+    model = service.engine.get(request.model)
+    message_class, handler, path = ROOT_ROUTES[model.spec.kind]
+    fields = json_format.MessageToDict(request, preserving_proto_field_name=True)
+    fields["model"] = model.spec.name
+    try:
+        narrowed = json_format.ParseDict(fields, message_class())
+    except json_format.ParseError as exc:
+        raise InvalidInput(f"POST / serves {model.spec.name!r} as TEI's {path}, which does not take this request: "
+                           f"{exc}") from None
+    return await handler(service, narrowed)
 
 
 def _version() -> str:

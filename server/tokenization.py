@@ -7,6 +7,7 @@ keeps the event loop free while batches are tokenized.
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,26 @@ class ModelTokenizer:
         self.untruncated = base
         # One tokenizer object per truncation side: their settings are global state.
         self._by_side = {side: self._truncating_copy(base, side) for side in ("right", "left")}
+
+    @functools.cached_property
+    def special_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a single text ([CLS] and [SEP], <s> and
+        </s>, a trailing EOS...), read off how it encodes a probe with and without them."""
+        full = self.untruncated.encode("a").ids
+        plain = self.untruncated.encode("a", add_special_tokens=False).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start], full[start + len(plain):]
+        return [], []
+
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """Token ids as the model expects them: its special tokens added unless the ids already
+        carry them, cut to the maximum length between them (as the text path truncates)."""
+        prefix, suffix = self.special_affixes
+        start = len(prefix) if ids[:len(prefix)] == prefix else 0
+        end = len(ids) - len(suffix) if suffix and ids[-len(suffix):] == suffix else len(ids)
+        body = ids[start:max(start, end)]
+        return prefix + body[:max(self.max_length - len(prefix) - len(suffix), 0)] + suffix
 
     def _truncating_copy(self, base: Tokenizer, side: str) -> Tokenizer:
         tok = Tokenizer.from_str(base.to_str())

@@ -22,6 +22,7 @@ TEXTS = sentences(6, max_words=30, seed=17)
 QUERY = "how do search engines rank documents"
 DOCS = sentences(5, max_words=30, seed=5) + ["a cross encoder reranks candidate documents for search engines"]
 QUERY_PROMPT = "query: "  # served as the prompt named search_query (Cohere's input_type)
+ORIGIN = "https://app.example"  # the browser origin the server allows (CORS)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def compat_server(tmp_path_factory, models_dir, reranker_path, classifier_path):
                          "--model", f"colbert={build_colbert(models_dir / 'mm-colbert')}",
                          "--model", f"splade={build_sparse(models_dir / 'mm-sparse')}:sparse",
                          "--prompt", f"search_query={QUERY_PROMPT}", "--cpu-threads", "1",
+                         "--cors-allow-origin", ORIGIN,
                          rest=True, log_path=log)
     proc.start()
     yield proc
@@ -176,6 +178,11 @@ def test_tei_inference_client_similarity_and_classification(inference_client, st
     label, score = _grpc_classes(stub, TEXTS[:1])[0][0]
     # TEI answers a single input with a flat list, of which the client keeps the first (best) label.
     assert best.label == label and best.score == pytest.approx(score, abs=1e-6)
+    # Its options (nested under "parameters") apply, not silently dropped.
+    logits = stub.Classify(pb.ClassifyRequest(model="classifier", inputs=TEXTS[:1], raw_scores=True)).results[0]
+    sigmoid = inference_client("/predict").text_classification(TEXTS[0], function_to_apply="sigmoid", top_k=1)
+    assert sigmoid.label == logits.labels[0].label
+    assert sigmoid.score == pytest.approx(1 / (1 + np.exp(-logits.labels[0].score)), abs=1e-6)
 
 
 def test_tei_embed_shapes(http, st_vectors, st_model):
@@ -205,6 +212,17 @@ def test_tei_rerank_and_infinity_rerank_share_the_route(http, cross_encoder_scor
     _error(http.post("/rerank", json={"query": QUERY, "texts": DOCS, "documents": DOCS}), 400, "exactly one")
     _error(http.post("/rerank", json={"query": QUERY, "texts": DOCS, "top_n": 2}), 400, "top_n")
     _error(http.post("/rerank", json={"query": QUERY, "documents": DOCS, "return_text": True}), 400, "return_text")
+
+
+def test_tei_predict_top_k_and_activations(http, stub):
+    logits = [ls.score for ls in stub.Classify(pb.ClassifyRequest(model="classifier", inputs=TEXTS[:1],
+                                                                  raw_scores=True)).results[0].labels]
+    top = http.post("/predict", json={"inputs": TEXTS[0], "parameters": {"top_k": 2, "function_to_apply": "none"}})
+    np.testing.assert_allclose([p["score"] for p in top.json()], logits[:2], atol=1e-6)
+    _error(http.post("/predict", json={"inputs": "x", "parameters": {"function_to_apply": "relu"}}), 400, "relu")
+    _error(http.post("/predict", json={"inputs": "x", "raw_scores": True, "parameters": {"function_to_apply": "none"}}),
+           400, "not both")
+    _error(http.post("/embed", json={"model": M, "inputs": "x", "parameters": {"top_k": 2}}), 400, "/predict")
 
 
 def test_tei_predict_shapes(http, stub):
@@ -248,7 +266,8 @@ def test_tei_embed_all_and_sparse_equal_grpc(http, stub):
     texts = ["late interaction", "sparse lexical retrieval"]
     tokens = http.post("/embed_all", json={"inputs": texts})
     assert tokens.status_code == 200, tokens.text
-    grpc = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(model="colbert", inputs=[pb.Content(text=t) for t in texts]))
+    contents = [pb.Content(text=t) for t in texts]
+    grpc = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(model="colbert", inputs=contents))
     for got, want in zip(tokens.json(), grpc.embeddings, strict=True):
         np.testing.assert_allclose(got, np.reshape(want.values, (want.rows, grpc.dimensions)), atol=1e-6)
     sparse = http.post("/embed_sparse", json={"inputs": texts})
@@ -257,6 +276,36 @@ def test_tei_embed_all_and_sparse_equal_grpc(http, stub):
     for got, want in zip(sparse.json(), grpc.embeddings, strict=True):
         assert [v["index"] for v in got] == list(want.indices)
         np.testing.assert_allclose([v["value"] for v in got], want.values, atol=1e-6)
+
+
+def test_tei_root_route_dispatches_by_model_kind(http, st_vectors, cross_encoder_scores):
+    embedded = http.post("/", json={"model": M, "inputs": TEXTS[:2], "parameters": {"truncate": True}})
+    assert embedded.status_code == 200, embedded.text
+    np.testing.assert_allclose(embedded.json(), st_vectors[:2], atol=1e-5)
+    ranked = http.post("/", json={"model": "reranker", "query": QUERY, "texts": DOCS})
+    assert [r["index"] for r in ranked.json()] == np.argsort(-cross_encoder_scores, kind="stable").tolist()
+    _error(http.post("/", json={"model": M, "inputs": "x", "query": "q"}), 400, "/embed", "query")
+    _error(http.post("/", json={"inputs": "x"}), 400, "several models")
+
+
+def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_prefix(tmp_path, monkeypatch,
+                                                                                    st_vectors):
+    """What TEI users run: InferenceClient(base_url=server) posts to "/" itself; here the server's
+    root is --url-prefix /api."""
+    from huggingface_hub import InferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # see inference_client
+    with ServerProcess("--cpu-threads", "1", "--url-prefix", "/api", rest=True,
+                       log_path=tmp_path / "server.log") as server, \
+            httpx.Client(base_url=server.rest_url, trust_env=False) as http:
+        got = InferenceClient(base_url=server.rest_url + "/api").feature_extraction(TEXTS[:2])
+        assert http.get("/api/v1/models").json()["data"][0]["id"] == M
+        _error(http.get("/v1/models"), 404, "under /api")
+        assert http.get("/api/health").status_code == http.get("/health").status_code == 200
+        # No --cors-allow-origin: no CORS at all (a preflight is just a method not served).
+        preflight = http.options("/api/embed", headers={"origin": ORIGIN, "access-control-request-method": "POST"})
+    np.testing.assert_allclose(got, st_vectors[:2], atol=1e-5)
+    assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
 
 
 def test_tei_routes_refuse_what_they_cannot_do(http):
@@ -289,7 +338,7 @@ def test_cohere_v1_embed_floats_and_input_type(compat_server, reference):
 
 def test_cohere_embedding_types_v1_and_v2(compat_server, reference):
     import cohere
-    from sentence_transformers.quantization import quantize_embeddings
+    from sentence_transformers.util.quantization import quantize_embeddings
 
     floats = reference["plain"]
     types = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
@@ -361,3 +410,179 @@ def test_health_answers_for_the_service_names(compat_server):
         with pytest.raises(grpc.RpcError) as unknown:
             health.Check(health_pb2.HealthCheckRequest(service="encoderd.v1.Nope"))
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# ---------------------------------------------------------------------- fuzz
+def _fuzz_bodies():
+    from hypothesis import strategies as st
+
+    text = st.text(max_size=20) | st.sampled_from(["", "a" * 2000, "\x00", "🙂"])
+    value = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | text,
+                         lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=3),
+                         max_leaves=12)
+    model = st.sampled_from([M, "reranker", "classifier", "colbert", "splade", "", "nope",
+                             "default/not-specified"]) | value
+    keys = ["input", "inputs", "texts", "documents", "query", "ids", "embedding_types", "input_type", "truncate",
+            "truncation_direction", "parameters", "normalize", "dimensions", "output_dimension", "top_n",
+            "return_documents", "return_text", "raw_scores", "add_special_tokens", "skip_special_tokens",
+            "max_tokens", "prompt_name", "images", "encoding_format", "modality"]
+    return st.fixed_dictionaries({"model": model}, optional={k: value for k in keys}) | value
+
+
+COMPAT_POSTS = ["/embeddings", "/rerank", "/classify", "/embed", "/embed_all", "/embed_sparse", "/predict",
+                "/similarity", "/tokenize", "/decode", "/", "/v1/embed", "/v2/embed"]
+
+
+def test_compat_routes_fuzz(http):
+    """Generated bodies on every route added here: client errors (4xx, JSON) or answers, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(path=st.sampled_from(COMPAT_POSTS), body=_fuzz_bodies())
+    def check(path, body):
+        response = http.post(path, json=body)
+        assert response.status_code < 500, (path, body, response.status_code, response.text)
+        if response.status_code >= 400:
+            assert "error" in response.json(), response.text
+
+    check()
+
+
+# ------------------------------------------------------------- HTTP habits
+def test_gzip_responses_and_compressed_requests_refused(http, st_vectors):
+    import gzip
+    import json
+
+    body = {"model": M, "input": TEXTS, "encoding_format": "float"}
+    response = http.post("/v1/embeddings", json=body, headers={"accept-encoding": "gzip"})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-encoding"] == "gzip"
+    assert response.num_bytes_downloaded < 0.8 * len(response.content)  # sent compressed, inflated by httpx
+    np.testing.assert_allclose([d["embedding"] for d in response.json()["data"]], st_vectors, atol=1e-5)
+    plain = http.post("/v1/embeddings", json=body, headers={"accept-encoding": "identity"})
+    assert "content-encoding" not in plain.headers and plain.json() == response.json()
+    compressed = http.post("/v1/embeddings", content=gzip.compress(json.dumps(body).encode()),
+                           headers={"content-type": "application/json", "content-encoding": "gzip"})
+    _error(compressed, 415, "Content-Encoding gzip", "uncompressed")
+    assert compressed.json()["error"]["code"] == "unsupported_media_type"
+
+
+def _raw_http(port: int, request: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(request)
+        chunks = []
+        while chunk := sock.recv(65536):  # HTTP/1.0: the server closes after the response
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_http_1_0_and_head(compat_server, http):
+    health = _raw_http(compat_server.rest_port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert health.split(b"\r\n")[0].endswith(b" 200 OK"), health[:200]
+    assert b'"status":"serving"' in health
+    body = b'{"model": "%s", "input": "hello"}' % M.encode()
+    embedded = _raw_http(compat_server.rest_port, b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert embedded.split(b"\r\n")[0].endswith(b" 200 OK") and b'"embedding":[' in embedded, embedded[:300]
+    for path in ("/health", "/v1/models"):
+        head = http.head(path, headers={"accept-encoding": "gzip"})
+        assert head.status_code == 200 and head.content == b"", head.content[:100]
+        assert int(head.headers["content-length"]) > 0 and "content-encoding" not in head.headers
+    identity = {"accept-encoding": "identity"}  # else GET /v1/models comes gzipped, chunked
+    assert http.head("/v1/models").headers["content-length"] == \
+        http.get("/v1/models", headers=identity).headers["content-length"]
+    assert http.get("/health").status_code == 200  # the connection is still in step
+
+
+def test_wrong_method_is_405_with_allow(http):
+    for method, path, allow in [("GET", "/v1/embeddings", "POST"), ("POST", "/health", "GET, HEAD"),
+                                ("DELETE", "/v1/models/x/y", "GET, HEAD"), ("HEAD", "/embed", "POST"),
+                                ("GET", "/", "POST")]:
+        response = http.request(method, path)
+        assert response.status_code == 405, (method, path, response.text)
+        assert response.headers["allow"] == allow
+        if method != "HEAD":
+            error = response.json()["error"]
+            assert error["code"] == "method_not_allowed" and allow.replace(", ", " or ") in error["message"]
+    assert http.get("/v1/no-such-route").status_code == 404
+    assert http.get("/v1/models?limit=3").status_code == 200  # a query string is not part of the route
+
+
+def test_cors_for_the_allowed_origin_only(http):
+    preflight = {"access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization,content-type"}
+    allowed = http.options("/v1/embeddings", headers={"origin": ORIGIN, **preflight})
+    assert allowed.status_code == 200, allowed.text
+    assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in allowed.headers["access-control-allow-methods"]
+    assert "authorization" in allowed.headers["access-control-allow-headers"]
+    call = http.post("/embed", json={"model": M, "inputs": "hi"}, headers={"origin": ORIGIN})
+    assert call.status_code == 200 and call.headers["access-control-allow-origin"] == ORIGIN
+    assert "x-request-id" in call.headers["access-control-expose-headers"]
+    other = {"origin": "https://elsewhere.example"}
+    refused = http.options("/v1/embeddings", headers={**other, **preflight})
+    assert refused.status_code == 405 and "access-control-allow-origin" not in refused.headers
+    plain = http.post("/embed", json={"model": M, "inputs": "hi"}, headers=other)
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
+def test_openapi_document_is_valid_and_every_route_in_it_is_served(http):
+    from openapi_spec_validator import validate
+
+    document = http.get("/openapi.json").json()
+    validate(document)
+    paths = document["paths"]
+    assert {"/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v2/embed", "/info", "/openapi.json",
+            "/v1/encoderd/embed"} <= set(paths)
+    assert paths["/v1/models/{id}"]["get"]["parameters"][0]["name"] == "id"
+    schema = document["components"]["schemas"]["encoderd.v1.CohereEmbedRequest"]["properties"]
+    assert schema["embedding_types"] == {"type": "array", "items": {"type": "string"}}
+    for path, operations in paths.items():
+        url = path.replace("{id}", M)
+        for verb in operations:
+            # Served: an answer or a client error about the body, never "no such route" / "wrong method".
+            response = http.request(verb.upper(), url, **({"json": {}} if verb == "post" else {}))
+            assert response.status_code not in (404, 405), (verb, path, response.text)
+
+
+def test_cohere_v1_rerank_object_documents_and_rank_fields(compat_server, reranker_path):
+    import cohere
+    from sentence_transformers import CrossEncoder
+
+    documents = [{"title": f"doc {i}", "text": d, "source": "corpus"} for i, d in enumerate(DOCS[:4])]
+    co = cohere.Client(base_url=compat_server.rest_url, api_key="k")
+    response = co.rerank(model="reranker", query=QUERY, documents=documents, rank_fields=["title", "text"],
+                         return_documents=True)
+    ranked_texts = [f"title: {d['title']}\ntext: {d['text']}" for d in documents]
+    want = CrossEncoder(reranker_path, device="cpu").predict([(QUERY, t) for t in ranked_texts])
+    assert [r.index for r in response.results] == np.argsort(-want, kind="stable").tolist()
+    np.testing.assert_allclose([r.relevance_score for r in response.results],
+                               np.sort(want)[::-1], atol=1e-5)
+    # Every field of an object document comes back, not only `text` (the SDK keeps extra fields).
+    assert [(r.document.text, r.document.title, r.document.source) for r in response.results] == \
+        [(documents[r.index]["text"], documents[r.index]["title"], "corpus") for r in response.results]
+    assert response.meta.api_version.version == "1"
+    v2 = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k").rerank(model="reranker", query=QUERY,
+                                                                               documents=DOCS[:2])
+    assert v2.meta.api_version.version == "2"
+
+
+def test_token_ids_without_special_tokens_get_them(compat_server, http, minilm_path, st_vectors, st_model):
+    """OpenAI-style ids (tokenized without [CLS] / [SEP]) embed as their text does."""
+    import openai
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{minilm_path}/tokenizer.json")
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    ids = [tokenizer.encode(t, add_special_tokens=False).ids for t in TEXTS[:3]]
+    client = openai.OpenAI(base_url=compat_server.rest_url + "/v1", api_key="k", max_retries=0)
+    response = client.embeddings.create(model=M, input=ids)
+    np.testing.assert_allclose([d.embedding for d in response.data], st_vectors[:3], atol=1e-5)
+    assert response.usage.prompt_tokens == sum(len(i) + 2 for i in ids)
+    long = tokenizer.encode("word " * 600, add_special_tokens=False).ids  # cut to 256 between [CLS] and [SEP]
+    got = http.post("/embed", json={"model": M, "inputs": [long]}).json()[0]
+    np.testing.assert_allclose(got, st_model.encode("word " * 600), atol=1e-5)

@@ -27,7 +27,7 @@ class OpenAIEmbeddingsRequest(_message.Message):
     def __init__(self, input: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., model: _Optional[str] = ..., encoding_format: _Optional[str] = ..., dimensions: _Optional[int] = ..., user: _Optional[str] = ..., modality: _Optional[str] = ...) -> None: ...
 
 class CohereRerankRequest(_message.Message):
-    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "max_tokens_per_doc", "max_chunks_per_doc")
+    __slots__ = ("model", "query", "documents", "top_n", "return_documents", "raw_scores", "max_tokens_per_doc", "max_chunks_per_doc", "rank_fields")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class CohereRerankRequest(_message.Message):
     RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_DOC_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNKS_PER_DOC_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     query: str
     documents: _struct_pb2.Value
@@ -44,7 +45,8 @@ class CohereRerankRequest(_message.Message):
     raw_scores: bool
     max_tokens_per_doc: int
     max_chunks_per_doc: int
-    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., max_tokens_per_doc: _Optional[int] = ..., max_chunks_per_doc: _Optional[int] = ...) -> None: ...
+    rank_fields: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., query: _Optional[str] = ..., documents: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ..., raw_scores: _Optional[bool] = ..., max_tokens_per_doc: _Optional[int] = ..., max_chunks_per_doc: _Optional[int] = ..., rank_fields: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
     __slots__ = ("id",)
@@ -111,18 +113,22 @@ class CohereEmbedRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., images: _Optional[_Iterable[str]] = ..., inputs: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., input_type: _Optional[str] = ..., embedding_types: _Optional[_Iterable[str]] = ..., truncate: _Optional[str] = ..., output_dimension: _Optional[int] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TeiParameters(_message.Message):
-    __slots__ = ("normalize", "truncate", "truncation_direction", "prompt_name", "dimensions")
+    __slots__ = ("normalize", "truncate", "truncation_direction", "prompt_name", "dimensions", "function_to_apply", "top_k")
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_TO_APPLY_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     normalize: bool
     truncate: bool
     truncation_direction: str
     prompt_name: str
     dimensions: int
-    def __init__(self, normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[str] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ...) -> None: ...
+    function_to_apply: str
+    top_k: int
+    def __init__(self, normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[str] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ..., function_to_apply: _Optional[str] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class TeiEmbedRequest(_message.Message):
     __slots__ = ("model", "inputs", "truncate", "truncation_direction", "prompt_name", "normalize", "dimensions", "parameters")
@@ -205,3 +211,31 @@ class TeiInfoRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class TeiRootRequest(_message.Message):
+    __slots__ = ("model", "inputs", "truncate", "truncation_direction", "prompt_name", "normalize", "dimensions", "parameters", "raw_scores", "query", "texts", "return_text")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    RAW_SCORES_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _struct_pb2.Value
+    truncate: bool
+    truncation_direction: str
+    prompt_name: str
+    normalize: bool
+    dimensions: int
+    parameters: TeiParameters
+    raw_scores: bool
+    query: str
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    return_text: bool
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ..., truncate: _Optional[bool] = ..., truncation_direction: _Optional[str] = ..., prompt_name: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., parameters: _Optional[_Union[TeiParameters, _Mapping]] = ..., raw_scores: _Optional[bool] = ..., query: _Optional[str] = ..., texts: _Optional[_Iterable[str]] = ..., return_text: _Optional[bool] = ...) -> None: ...

@@ -61,6 +61,11 @@ class CompatStub:
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.RerankV2 = channel.unary_unary(
+                '/encoderd.v1.Compat/RerankV2',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.RootRerank = channel.unary_unary(
                 '/encoderd.v1.Compat/RootRerank',
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.RootRerankRequest.SerializeToString,
@@ -116,6 +121,11 @@ class CompatStub:
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiDecodeRequest.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.TeiRoot = channel.unary_unary(
+                '/encoderd.v1.Compat/TeiRoot',
+                request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiRootRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.TeiInfo = channel.unary_unary(
                 '/encoderd.v1.Compat/TeiInfo',
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.TeiInfoRequest.SerializeToString,
@@ -134,6 +144,11 @@ class CompatStub:
         self.GetModel = channel.unary_unary(
                 '/encoderd.v1.Compat/GetModel',
                 request_serializer=encoderd_dot_v1_dot_compat__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
+        self.GetOpenApi = channel.unary_unary(
+                '/encoderd.v1.Compat/GetOpenApi',
+                request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
@@ -179,7 +194,14 @@ class CompatServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Rerank(self, request, context):
-        """Cohere rerank, v1 and v2 request shapes.
+        """Cohere rerank v1: documents may be objects, ranked on `rank_fields`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RerankV2(self, request, context):
+        """Cohere rerank v2 (same request; its documents are strings).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -267,6 +289,16 @@ class CompatServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TeiRoot(self, request, context):
+        """TEI's `POST /`: the route of the model's kind (/embed, /predict, /rerank
+        with `texts`, /embed_sparse, /embed_all), where huggingface_hub's
+        InferenceClient posts when its base URL is the server itself. The model is
+        `model`, else the only one served (a TEI server serves one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def TeiInfo(self, request, context):
         """TEI `GET /info` (`?model=NAME` when several models are served).
         """
@@ -291,6 +323,14 @@ class CompatServicer:
 
     def GetModel(self, request, context):
         """OpenAI `GET /v1/models/{id}`; ids may contain slashes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetOpenApi(self, request, context):
+        """`GET /openapi.json`: this REST API as an OpenAPI 3.1 document, derived
+        from these google.api.http rules and messages (server/openapi.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -328,6 +368,11 @@ def add_CompatServicer_to_server(servicer, server):
             ),
             'Rerank': grpc.unary_unary_rpc_method_handler(
                     servicer.Rerank,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'RerankV2': grpc.unary_unary_rpc_method_handler(
+                    servicer.RerankV2,
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
@@ -386,6 +431,11 @@ def add_CompatServicer_to_server(servicer, server):
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiDecodeRequest.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
+            'TeiRoot': grpc.unary_unary_rpc_method_handler(
+                    servicer.TeiRoot,
+                    request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiRootRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
             'TeiInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.TeiInfo,
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.TeiInfoRequest.FromString,
@@ -404,6 +454,11 @@ def add_CompatServicer_to_server(servicer, server):
             'GetModel': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModel,
                     request_deserializer=encoderd_dot_v1_dot_compat__pb2.GetModelRequest.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'GetOpenApi': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetOpenApi,
+                    request_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
@@ -545,6 +600,33 @@ class Compat:
             request,
             target,
             '/encoderd.v1.Compat/Rerank',
+            encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RerankV2(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/RerankV2',
             encoderd_dot_v1_dot_compat__pb2.CohereRerankRequest.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
@@ -855,6 +937,33 @@ class Compat:
             _registered_method=True)
 
     @staticmethod
+    def TeiRoot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/TeiRoot',
+            encoderd_dot_v1_dot_compat__pb2.TeiRootRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def TeiInfo(request,
             target,
             options=(),
@@ -951,6 +1060,33 @@ class Compat:
             target,
             '/encoderd.v1.Compat/GetModel',
             encoderd_dot_v1_dot_compat__pb2.GetModelRequest.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetOpenApi(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/GetOpenApi',
+            google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
             channel_credentials,

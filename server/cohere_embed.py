@@ -48,17 +48,18 @@ def _list(value, what: str):
 def _input_text(item, index: int) -> str:
     """One v2 input, {"content": [{"type": "text", "text": ...}, ...]}: its text parts, joined."""
     fields = item.struct_value.fields if item.WhichOneof("kind") == "struct_value" else {}
-    parts = []
-    for part in _list(fields["content"], f"inputs[{index}].content") if "content" in fields else []:
-        part_fields = part.struct_value.fields if part.WhichOneof("kind") == "struct_value" else {}
-        if part_fields.get("type") is None or part_fields["type"].string_value != "text" \
-                or not part_fields.get("text") or part_fields["text"].WhichOneof("kind") != "string_value":
-            raise InvalidInput(f"inputs[{index}].content holds a part that is not {{\"type\": \"text\", \"text\": ...}}; "
-                               f"image parts are not supported here")
-        parts.append(part_fields["text"].string_value)
-    if not parts:
+    if "content" not in fields:
         raise InvalidInput(f"inputs[{index}] must be an object with a non-empty `content` list")
-    return " ".join(parts)
+    return " ".join(_text_part(part, index) for part in _list(fields["content"], f"inputs[{index}].content"))
+
+
+def _text_part(part, index: int) -> str:
+    fields = part.struct_value.fields if part.WhichOneof("kind") == "struct_value" else {}
+    kind, text = fields.get("type"), fields.get("text")
+    if kind is None or kind.string_value != "text" or text is None or text.WhichOneof("kind") != "string_value":
+        raise InvalidInput(f"inputs[{index}].content holds a part that is not "
+                           f"{{\"type\": \"text\", \"text\": ...}}; image parts are not supported here")
+    return text.string_value
 
 
 def embedding_types(request: cpb.CohereEmbedRequest, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -90,7 +91,7 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     types = embedding_types(request, () if version == "1" else ("float",))
     texts = texts_of(request)
     side, truncate = TRUNCATE[request.truncate.upper()]
-    name = service._model_name(request.model, ModelKind.EMBEDDING)
+    name = service.model_name(request.model, ModelKind.EMBEDDING)
     model = service.engine.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP))
     _check_max_tokens(request, model.spec.max_length)
     warnings = []
