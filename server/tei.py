@@ -300,9 +300,14 @@ async def decode(service, request) -> httpbody_pb2.HttpBody:
     return _json(tokenizer.decode_batch(sequences, skip_special_tokens=skip))
 
 
+# TEI's name for a pooling mode where it differs from sentence-transformers'.
+TEI_POOLING = {"lasttoken": "last_token"}
+
+
 def _model_type(model) -> dict:
     if model.spec.kind not in (ModelKind.CLASSIFIER, ModelKind.RERANKER):
-        return {"embedding": {"pooling": model.spec.pooling.value}}
+        modes = [TEI_POOLING.get(mode.value, mode.value) for mode in model.spec.pooling]
+        return {"embedding": {"pooling": "+".join(modes)}}  # several: concatenated, in this order
     labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(model.output_dim))
     return {model.spec.kind.value: {"id2label": {str(i): label for i, label in enumerate(labels)},
                                     "label2id": {label: i for i, label in enumerate(labels)}}}

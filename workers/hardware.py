@@ -134,6 +134,9 @@ def cuda_capability(device: str) -> tuple[int, int] | None:
 
 
 # ------------------------------------------------------------------ policy
+# The engines that compute on a CPU; tensorrt runs on NVIDIA GPUs only.
+CPU_ENGINES = ("torch", "onnx", "ctranslate2")
+
 _INT8_ALTERNATIVES = {
     "ctranslate2": "use --engine onnx --dtype int8 (unsigned weights there, which cannot saturate) "
                    "or --dtype float32",
@@ -156,7 +159,7 @@ def check_dtype(engine: str, dtype: str, device: str, info: CpuInfo | None = Non
     `capability` overrides the CUDA compute capability read from torch (tests)."""
     if device.startswith("cuda"):
         _check_cuda(engine, dtype, device, capability or cuda_capability(device))
-    elif device == "cpu":
+    elif device == "cpu" and engine in CPU_ENGINES:  # tensorrt refuses a CPU itself, more plainly
         _check_cpu(engine, dtype, info or cpu())
 
 

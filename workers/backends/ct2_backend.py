@@ -117,7 +117,7 @@ def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path, t
         # CTranslate2 converts the weights into its own implementation of the stock architecture:
         # whatever the repository's code computes differently would be lost.
         raise ValueError(f"{type(model).__name__} is the model repository's own code, which CTranslate2 cannot "
-                         "reproduce; serve this model with --engine torch or onnx")
+                         "reproduce; serve this model with --engine torch")
     head = extract_head(model) if kind != ModelKind.EMBEDDING else None
     if not hasattr(model.config, "position_embedding_type"):
         # transformers 5 dropped the attribute (absolute positions are all it implements);
