@@ -21,7 +21,7 @@ import numpy as np
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from . import bulk
-from .retry import RetryPolicy, acall_with_retry, call_with_retry
+from .retry import RetryPolicy, acall_with_retry, call_with_retry, channel_options
 from . import vectors
 
 
@@ -175,7 +175,7 @@ class EncoderClient(_Methods):
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
                  retry: RetryPolicy = RetryPolicy(), channel: grpc.Channel | None = None):
-        self._channel = channel or grpc.insecure_channel(target)
+        self._channel = channel or grpc.insecure_channel(target, options=channel_options(retry))
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)
         self._api_key = api_key
         self._timeout = timeout
@@ -207,7 +207,7 @@ class AsyncEncoderClient(_Methods):
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
                  retry: RetryPolicy = RetryPolicy(), channel: grpc.aio.Channel | None = None):
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options(retry))
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)
         self._api_key = api_key
         self._timeout = timeout

@@ -99,3 +99,12 @@ async def acall_with_retry(send: Callable[[float | None], Awaitable[T]], policy:
             if delay is None:
                 raise from_rpc_error(error, attempts.count) from None
         await asyncio.sleep(delay)
+
+
+def channel_options(policy: RetryPolicy) -> list[tuple[str, int]]:
+    """Reconnect as often as the policy retries. After a failed connect gRPC waits 1 s (growing
+    to 2 min) before it tries again and fails every call meanwhile, so retries of a server that
+    is restarting would all be spent before the channel looked at it again."""
+    initial_ms = max(int(policy.initial_backoff * 1000), 1)
+    return [("grpc.initial_reconnect_backoff_ms", initial_ms),
+            ("grpc.max_reconnect_backoff_ms", max(int(policy.max_backoff * 1000), initial_ms))]
