@@ -94,6 +94,14 @@ def _ranked(results, documents: bool) -> list[RerankResult]:
     return [RerankResult(r.index, r.relevance_score, r.document if documents else None) for r in results]
 
 
+def _open_channel(grpc_module, target: str, credentials: grpc.ChannelCredentials | None, retry: RetryPolicy):
+    """A channel of grpc (blocking) or grpc.aio: TLS with `credentials`, else plaintext."""
+    options = channel_options(retry)
+    if credentials is None:
+        return grpc_module.insecure_channel(target, options=options)
+    return grpc_module.secure_channel(target, credentials, options=options)
+
+
 class _Methods:
     """The API, written once for both clients: each method builds a request and names the RPC and
     the conversion of its response; `_invoke` (blocking, or a coroutine in the async client) sends it."""
@@ -171,11 +179,13 @@ class _Methods:
 
 class EncoderClient(_Methods):
     """Blocking client. `timeout` is each call's deadline in seconds (None: none), retries included;
-    `retry` the policy for UNAVAILABLE / RESOURCE_EXHAUSTED (retry.NO_RETRY: fail at once)."""
+    `retry` the policy for UNAVAILABLE / RESOURCE_EXHAUSTED (retry.NO_RETRY: fail at once);
+    `credentials` (grpc.ssl_channel_credentials(...)) for TLS; `channel` to bring your own."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
-                 retry: RetryPolicy = RetryPolicy(), channel: grpc.Channel | None = None):
-        self._channel = channel or grpc.insecure_channel(target, options=channel_options(retry))
+                 retry: RetryPolicy = RetryPolicy(), credentials: grpc.ChannelCredentials | None = None,
+                 channel: grpc.Channel | None = None):
+        self._channel = channel or _open_channel(grpc, target, credentials, retry)
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)
         self._api_key = api_key
         self._timeout = timeout
@@ -206,8 +216,9 @@ class AsyncEncoderClient(_Methods):
     """asyncio client over grpc.aio; create it inside a running event loop. Same methods, awaited."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
-                 retry: RetryPolicy = RetryPolicy(), channel: grpc.aio.Channel | None = None):
-        self._channel = channel or grpc.aio.insecure_channel(target, options=channel_options(retry))
+                 retry: RetryPolicy = RetryPolicy(), credentials: grpc.ChannelCredentials | None = None,
+                 channel: grpc.aio.Channel | None = None):
+        self._channel = channel or _open_channel(grpc.aio, target, credentials, retry)
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)
         self._api_key = api_key
         self._timeout = timeout

@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent('''
         out["classify"] = [c.labels for c in client.classify(texts, model="classifier")]
         out["tokenize"] = [[t.ids, t.tokens, t.offsets] for t in client.tokenize(texts, model=model)]
         out["models"] = sorted(m.id for m in client.list_models())
-        out["stream"] = sorted((r.id, r.vector.tolist()) for r in client.embed_stream(((str(i), t) for i, t in enumerate(texts)), model=model))
+        items = [(str(i), text) for i, text in enumerate(texts)]
+        out["stream"] = sorted((r.id, r.vector.tolist()) for r in client.embed_stream(items, model=model))
         try:
             client.embed(texts, model="no-such-model")
         except NotFound as error:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
+import subprocess
 import threading
 import time
 
@@ -12,8 +14,8 @@ import grpc
 import numpy as np
 import pytest
 
-from encoderd.clients import (AsyncEncoderClient, EncoderClient, InvalidArgument, NotFound, ResourceExhausted,
-                              RetryPolicy, Unavailable)
+from encoderd.clients import (NO_RETRY, AsyncEncoderClient, EncoderClient, InvalidArgument, NotFound,
+                              ResourceExhausted, RetryPolicy, Unavailable)
 from encoderd.clients.errors import DeadlineExceeded, EncoderdError
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
@@ -32,9 +34,11 @@ class ScriptedEncoder(encoderd_pb2_grpc.EncoderServicer):
         self.failures = list(failures)
         self.delay = delay
         self.calls: list[tuple[float, float | None]] = []   # (arrival, the deadline's time remaining)
+        self.authorization: list[str | None] = []
 
     async def Embed(self, request, context):
         self.calls.append((time.monotonic(), context.time_remaining()))
+        self.authorization.append(dict(context.invocation_metadata()).get("authorization"))
         await asyncio.sleep(self.delay)
         if self.failures:
             await context.abort(*self.failures.pop(0))
@@ -50,9 +54,10 @@ class ScriptedEncoder(encoderd_pb2_grpc.EncoderServicer):
 class ServerThread:
     """A grpc.aio server on its own event loop thread, so blocking clients can call it too."""
 
-    def __init__(self, servicer, port: int = 0):
+    def __init__(self, servicer, port: int = 0, credentials: grpc.ServerCredentials | None = None):
         self.servicer = servicer
         self.port = port
+        self.credentials = credentials
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -62,7 +67,9 @@ class ServerThread:
     async def _start(self) -> int:
         self.server = grpc.aio.server()
         encoderd_pb2_grpc.add_EncoderServicer_to_server(self.servicer, self.server)
-        port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
+        address = f"127.0.0.1:{self.port}"
+        port = (self.server.add_secure_port(address, self.credentials) if self.credentials
+                else self.server.add_insecure_port(address))
         await self.server.start()
         return port
 
@@ -185,6 +192,34 @@ def test_a_server_that_comes_up_during_the_retries_is_reached():
     finally:
         timer.join()
         late.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_pair(tmp_path_factory) -> tuple[bytes, bytes]:
+    """A self-signed (key, certificate) for 127.0.0.1."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is needed to make a test certificate")
+    tmp = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp / "key.pem"),
+                    "-out", str(tmp / "cert.pem")], check=True, capture_output=True, timeout=60)
+    return (tmp / "key.pem").read_bytes(), (tmp / "cert.pem").read_bytes()
+
+
+def test_tls_credentials_and_api_key(tls_pair):
+    key, cert = tls_pair
+    servicer = ScriptedEncoder()
+    tls_server = ServerThread(servicer, credentials=grpc.ssl_server_credentials([(key, cert)]))
+    address = tls_server.start()
+    try:
+        with EncoderClient(address, api_key="k1", credentials=grpc.ssl_channel_credentials(cert)) as client:
+            assert client.embed(["a"]).vectors.shape == (1, 2)
+        with EncoderClient(address, retry=NO_RETRY, timeout=5) as plaintext:
+            with pytest.raises(Unavailable):
+                plaintext.embed(["a"])
+    finally:
+        tls_server.stop()
+    assert servicer.authorization == ["Bearer k1"]
 
 
 async def test_async_client_retries_then_succeeds(encoder):
