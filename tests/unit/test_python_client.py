@@ -1,5 +1,6 @@
-"""The client's retry policy and typed errors against a real in-process grpc.aio server
-that fails a scripted number of times, then answers."""
+"""The Python client against a real in-process grpc.aio server that fails a scripted number of
+times, then answers: the retry policy, typed errors, TLS, and the request / response mapping of
+the methods the shared test server cannot serve (multi-modal, multi-vector, sparse)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from encoderd.clients import (NO_RETRY, AsyncEncoderClient, EncoderClient, InvalidArgument, NotFound,
-                              ResourceExhausted, RetryPolicy, Unavailable)
+                              ResourceExhausted, RetryPolicy, Unavailable, audio, image)
 from encoderd.clients.errors import DeadlineExceeded, EncoderdError
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
@@ -35,6 +36,7 @@ class ScriptedEncoder(encoderd_pb2_grpc.EncoderServicer):
         self.delay = delay
         self.calls: list[tuple[float, float | None]] = []   # (arrival, the deadline's time remaining)
         self.authorization: list[str | None] = []
+        self.requests: list = []
 
     async def Embed(self, request, context):
         self.calls.append((time.monotonic(), context.time_remaining()))
@@ -43,6 +45,24 @@ class ScriptedEncoder(encoderd_pb2_grpc.EncoderServicer):
         if self.failures:
             await context.abort(*self.failures.pop(0))
         return pb.EmbedResponse(model="m", embeddings=[pb.Embedding(values=[i, 1]) for i in range(len(request.inputs))])
+
+    async def EmbedMultimodal(self, request, context):
+        self.requests.append(request)
+        return pb.EmbedMultimodalResponse(embeddings=[pb.Embedding(values=[i, 0]) for i in range(len(request.inputs))])
+
+    async def EmbedMultiVector(self, request, context):
+        # Input i gets i + 1 rows of 2 values: 0, 1, 2, ...
+        return pb.EmbedMultiVectorResponse(dimensions=2, embeddings=[
+            pb.MultiVector(rows=i + 1, values=range(2 * (i + 1))) for i in range(len(request.inputs))])
+
+    async def MaxSim(self, request, context):
+        self.requests.append(request)
+        return pb.MaxSimResponse(results=[pb.RerankResult(index=i, relevance_score=float(i), document=f"doc {i}")
+                                          for i in reversed(range(len(request.documents)))])
+
+    async def EmbedSparse(self, request, context):
+        return pb.EmbedSparseResponse(dimensions=30522, embeddings=[
+            pb.SparseEmbedding(indices=[1, 5], values=[0.5, 0.25]) for _ in request.inputs])
 
     async def EmbedStream(self, request_iterator, context):
         async for request in request_iterator:
@@ -254,6 +274,24 @@ async def test_async_bulk_stream(encoder):
         assert [r.vector.tolist() for r in results] == [[1.0, 2.0]] * 2
         with pytest.raises(NotFound):
             [r async for r in client.embed_stream([("a", "x")], model="nope")]
+
+
+def test_multimodal_requests_and_responses(encoder):
+    servicer, address = encoder
+    with EncoderClient(address) as client:
+        got = client.embed_multimodal(["a cat", image(b"\x89PNG..."), audio("https://example.com/a.wav")])
+        sent = servicer.requests[-1].inputs
+        assert [c.WhichOneof("content") for c in sent] == ["text", "image", "audio"]
+        assert sent[1].image.data == b"\x89PNG..." and sent[2].audio.url == "https://example.com/a.wav"
+        assert got.vectors.tolist() == [[0, 0], [1, 0], [2, 0]]
+        rows = client.embed_multivector(["q", "longer"])
+        assert [r.shape for r in rows] == [(1, 2), (2, 2)] and rows[1].tolist() == [[0, 1], [2, 3]]
+        ranked = client.maxsim("q", ["a", image("data:image/png;base64,AA==")], top_n=2, return_documents=True)
+        assert [(r.index, r.document) for r in ranked] == [(1, "doc 1"), (0, "doc 0")]
+        assert servicer.requests[-1].top_n == 2
+        sparse = client.embed_sparse(["x"])[0]
+        assert sparse.indices.tolist() == [1, 5] and sparse.values.tolist() == [0.5, 0.25]
+        assert sparse.dimensions == 30522
 
 
 def test_backoff_grows_to_its_cap_with_jitter_below_it():
