@@ -1,5 +1,15 @@
-"""Python clients for encoderd over the generated gRPC stubs."""
+"""Python clients for encoderd over the generated gRPC stubs.
 
-from .client import AsyncEncoderClient, Classification, EncoderClient, Embeddings, RerankResult
+Installed with the server (`encoderd`) or alone (`encoderd-client`: grpcio, protobuf, numpy only).
+"""
 
-__all__ = ["AsyncEncoderClient", "Classification", "EncoderClient", "Embeddings", "RerankResult"]
+from .client import (AsyncEncoderClient, Classification, EncoderClient, Embeddings, RerankResult, SparseVector,
+                     Tokens, audio, image)
+from .errors import (Cancelled, DeadlineExceeded, EncoderdError, FailedPrecondition, Internal, InvalidArgument,
+                     NotFound, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable, Unimplemented)
+from .retry import NO_RETRY, RetryPolicy
+
+__all__ = ["AsyncEncoderClient", "Classification", "EncoderClient", "Embeddings", "RerankResult", "SparseVector",
+           "Tokens", "audio", "image", "RetryPolicy", "NO_RETRY",
+           "EncoderdError", "InvalidArgument", "NotFound", "FailedPrecondition", "ResourceExhausted", "Unavailable",
+           "DeadlineExceeded", "Unauthenticated", "PermissionDenied", "Cancelled", "Unimplemented", "Internal"]

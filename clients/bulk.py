@@ -16,13 +16,15 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import AsyncIterator, Iterable, Iterator
 
 import grpc
 import numpy as np
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
+from . import vectors
+from .errors import from_rpc_error
 
 
 @dataclass(frozen=True)
@@ -67,28 +69,61 @@ def _requests(items: Iterable[tuple[str, str]], model: str, skip: set[str], opti
         first = False
 
 
+def _result(response: pb.EmbedStreamResponse, dtype: int) -> StreamResult:
+    if response.HasField("error"):
+        return StreamResult(response.id, None, response.error.message)
+    return StreamResult(response.id, vectors.decode(response.embedding, dtype))
+
+
+def _prepare(options: dict) -> tuple[int, tuple | None]:
+    """Normalizes `output_dtype` in place; returns it and the call metadata."""
+    api_key = options.pop("api_key", None)
+    if "output_dtype" in options:
+        options["output_dtype"] = vectors.output_dtype(options["output_dtype"])
+    dtype = options.get("output_dtype", pb.OUTPUT_DTYPE_UNSPECIFIED)
+    return dtype, ((("authorization", f"Bearer {api_key}"),) if api_key else None)
+
+
 def embed_iterable(target: str | grpc.Channel, items: Iterable[tuple[str, str]], *, model: str = "",
                    skip_ids: Iterable[str] = (), progress: bool = True, total: int | None = None,
-                   api_key: str | None = None, **options) -> Iterator[StreamResult]:
+                   **options) -> Iterator[StreamResult]:
     """Yield a StreamResult per (id, text) item, in completion order.
 
-    `options` are EmbedStreamRequest fields (normalize, dimensions, prompt_name, ...).
+    `options` are EmbedStreamRequest fields (normalize, dimensions, prompt_name, output_dtype as
+    a name such as "int8" or the enum, ...) and `api_key`. A failed stream raises an EncoderdError
+    (not retried: run embed_to_jsonl again to resume).
     """
+    dtype, metadata = _prepare(options)
     channel = grpc.insecure_channel(target) if isinstance(target, str) else target
     stub = encoderd_pb2_grpc.EncoderStub(channel)
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     bar = Progress(total, progress)
+    call = stub.EmbedStream(_requests(items, model, set(skip_ids), options), metadata=metadata)
     try:
-        for response in stub.EmbedStream(_requests(items, model, set(skip_ids), options), metadata=metadata):
+        for response in call:
             bar.step()
-            if response.HasField("error"):
-                yield StreamResult(response.id, None, response.error.message)
-            else:
-                yield StreamResult(response.id, np.asarray(response.embedding.values, dtype=np.float32))
+            yield _result(response, dtype)
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from None
     finally:
+        call.cancel()      # an abandoned iteration must not leave the stream open
         bar.close()
         if isinstance(target, str):
             channel.close()
+
+
+async def aembed_iterable(channel: grpc.aio.Channel, items: Iterable[tuple[str, str]], *, model: str = "",
+                          skip_ids: Iterable[str] = (), **options) -> AsyncIterator[StreamResult]:
+    """embed_iterable for asyncio, over a grpc.aio channel."""
+    dtype, metadata = _prepare(options)
+    call = encoderd_pb2_grpc.EncoderStub(channel).EmbedStream(_requests(items, model, set(skip_ids), options),
+                                                              metadata=metadata)
+    try:
+        async for response in call:
+            yield _result(response, dtype)
+    except grpc.RpcError as error:
+        raise from_rpc_error(error) from None
+    finally:
+        call.cancel()      # an abandoned iteration must not leave the stream open
 
 
 def done_ids(path: str) -> set[str]:

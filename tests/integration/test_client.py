@@ -1,8 +1,9 @@
 """The Python clients against the shared live server."""
 
 import numpy as np
+import pytest
 
-from encoderd.clients import AsyncEncoderClient, EncoderClient
+from encoderd.clients import AsyncEncoderClient, EncoderClient, FailedPrecondition, InvalidArgument, NotFound
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
 
@@ -27,3 +28,37 @@ async def test_async_client(server):
         assert got.vectors.shape == (1, 32)
         assert abs(np.linalg.norm(got.vectors[0]) - 1) < 1e-5
         assert len(await client.rerank("q", ["a", "b"], model="reranker", top_n=1)) == 1
+
+
+def test_output_dtypes_tokenize_and_typed_errors(server):
+    texts = ["quantize this sentence", "and this other one, a bit longer"]
+    with EncoderClient(server.address) as client:
+        ref = client.embed(texts, model=DEFAULT_MODEL_NAME).vectors
+        half = client.embed(texts, model=DEFAULT_MODEL_NAME, output_dtype="float16").vectors
+        np.testing.assert_array_equal(half, ref.astype(np.float16))
+        int8 = client.embed(texts, model=DEFAULT_MODEL_NAME, output_dtype="int8").vectors
+        assert int8.dtype == np.int8
+        np.testing.assert_array_equal(int8, np.round(np.clip(ref, -1, 1) * 127).astype(np.int8))
+        ubinary = client.embed(texts, model=DEFAULT_MODEL_NAME, output_dtype="ubinary").vectors
+        np.testing.assert_array_equal(ubinary, np.packbits(ref > 0, axis=-1))
+        tokens = client.tokenize(["hello world"], model=DEFAULT_MODEL_NAME)[0]
+        assert tokens.tokens == ["[CLS]", "hello", "world", "[SEP]"] and tokens.offsets[1:3] == [(0, 5), (6, 11)]
+        assert client.tokenize(["hello"], model=DEFAULT_MODEL_NAME, add_special_tokens=False)[0].tokens == ["hello"]
+        with pytest.raises(NotFound, match="nope"):
+            client.embed(["a"], model="nope")
+        with pytest.raises(FailedPrecondition):
+            client.rerank("q", ["a"], model=DEFAULT_MODEL_NAME)
+        with pytest.raises(InvalidArgument) as err:
+            client.embed([""], model=DEFAULT_MODEL_NAME)
+        assert err.value.attempts == 1 and err.value.message
+
+
+async def test_async_bulk_stream_matches_the_sync_one(server):
+    items = [(f"id-{i}", f"text number {i}") for i in range(20)]
+    with EncoderClient(server.address) as client:
+        want = {r.id: r.vector for r in client.embed_stream(items, model=DEFAULT_MODEL_NAME)}
+    async with AsyncEncoderClient(server.address) as client:
+        got = {r.id: r.vector async for r in client.embed_stream(items, model=DEFAULT_MODEL_NAME)}
+    assert got.keys() == want.keys()
+    for key, vector in got.items():
+        np.testing.assert_allclose(vector, want[key], atol=1e-6)
