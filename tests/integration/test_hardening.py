@@ -48,14 +48,20 @@ def _timed_code(call) -> tuple[grpc.StatusCode, float]:
 
 
 def test_a_stopped_worker_is_found_failed_fast_killed_and_replaced(tmp_path, minilm_path):
-    server = ServerProcess("--model", f"a={minilm_path}", "--model", f"b={minilm_path}",
-                           "--worker-stall-timeout", str(STALL_TIMEOUT), log_path=tmp_path / "s.log").start()
+    # Batches big enough that one forward pass outlasts the stall timeout.
+    server = ServerProcess("--model", f"a={minilm_path}", "--model", f"b={minilm_path}", "--batch-size", "256",
+                           "--max-batch-tokens", "65536", "--worker-stall-timeout", str(STALL_TIMEOUT),
+                           log_path=tmp_path / "s.log").start()
     stub = server.stub()
     pids = _pids(stub)
     embed = {m: (lambda m=m: stub.Embed(pb.EmbedRequest(model=m, inputs=["still here?"]), timeout=60)) for m in "ab"}
     try:
-        embed["a"]()
-        time.sleep(1)  # a few quiet heartbeats: silence between calls is not a stall
+        long_inputs = sentences(256, min_words=150, max_words=200, seed=16)
+        started = time.monotonic()
+        assert len(stub.Embed(pb.EmbedRequest(model="a", inputs=long_inputs), timeout=120).embeddings) == 256
+        assert time.monotonic() - started > STALL_TIMEOUT  # computing is not stalling: the beats went on
+        assert _pids(stub) == pids and "stalled" not in server.log_path.read_text()
+        time.sleep(1)  # a few quiet heartbeats: silence between calls is not a stall either
         assert _health(server, "a") == health_pb2.HealthCheckResponse.SERVING
         os.kill(pids["a"], signal.SIGSTOP)
         in_flight = stub.Embed.future(pb.EmbedRequest(model="a", inputs=["sent to a stopped worker"]), timeout=60)
