@@ -278,6 +278,9 @@ def test_api_keys_over_grpc_and_rest(tmp_path):
             assert wrong.status_code == 401 and wrong.json()["error"]["message"]
             ok = http.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer file-key"})
             assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+            bad_enum = http.post("/v1/encoderd/embed", json={"inputs": ["x"], "priority": 99},  # issue 16: refused
+                                 headers={"Authorization": "Bearer file-key"})          # on REST too
+            assert bad_enum.status_code == 400 and "priority = 99" in bad_enum.json()["error"]["message"]
             assert http.get("/health").status_code == 200
         log = server.log_path.read_text()
         assert "flag-key" not in log and "file-key" not in log and "nope" not in log
