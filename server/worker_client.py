@@ -160,8 +160,12 @@ class WorkerClient:
 
     async def _watch_heartbeats(self) -> None:
         loop = asyncio.get_running_loop()
+        period = min(0.5, self._stall_timeout / 4)
         while not self._stopping:
-            await asyncio.sleep(min(0.5, self._stall_timeout / 4))
+            asleep_at = loop.time()
+            await asyncio.sleep(period)
+            if loop.time() - asleep_at > 2 * period:
+                continue  # this event loop was blocked, not the worker: let the reader take its beats first
             silent = loop.time() - self._last_heartbeat
             if self.ready and silent > self._stall_timeout:
                 self._on_stall(silent)
