@@ -8,6 +8,8 @@ import logging
 
 import grpc
 
+from . import metrics
+
 log = logging.getLogger("encoderd.auth")
 
 # The REST /health route is Compat/Health behind Envoy.
@@ -50,6 +52,11 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if not self._keys or self._is_open(details.method) or self._authorized(details.invocation_metadata):
             return await continuation(details)
         handler = await continuation(details)
+        # An unknown method stays UNIMPLEMENTED; its name is client text, never a label.
+        route = details.method if handler is not None else "(unknown)"
+        presented = "a wrong key" if presented_key(details.invocation_metadata) else "no key"
+        log.warning("authentication failed on %s: %s", route, presented)  # never the key itself
+        metrics.AUTH_FAILURES.labels(route).inc()
         return _refusing(handler, "missing or wrong API key: send `authorization: Bearer <key>`")
 
 

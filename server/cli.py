@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from ..workers.model_cache import default_cache_dir
 from ..workers.model_spec import DEFAULT_MODEL_NAME, Pooling, default_model_path
+from ..workers.protocol import HEARTBEAT_INTERVAL
 from ..gateway.cli import add_commands as add_gateway_commands
 from ..gateway.cli import run as run_gateway_command
 from .config import ModelConfig, ServerConfig
@@ -231,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--drain-delay", "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
          "load balancers stop sending before calls are refused (their health-check window)", 0.0, float)
     _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, float)
+    _add(serve, "--worker-stall-timeout", "seconds a ready worker may go without a heartbeat (sent every 0.5s, "
+         "computing or not) before its model is NOT_SERVING, its calls UNAVAILABLE and it is killed and "
+         "restarted (0 = off)", 10.0, _stall_timeout)
     _add(serve, "--log-level", "DEBUG, INFO, WARNING or ERROR", "INFO")
     _add(serve, "--log-format", "log lines as text, or json (one object a line; frontend and workers)", "text",
          choices=LOG_FORMATS)
@@ -240,6 +244,13 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by encoderd.server.bench itself (main() hands it the rest of the command line).
     commands.add_parser("bench", add_help=False, help="benchmark encoderd (and Infinity) [encoderd bench --help]")
     return parser
+
+
+def _stall_timeout(value: str) -> float:
+    seconds = float(value)
+    if seconds != 0 and not seconds >= 2 * HEARTBEAT_INTERVAL:  # nan too; one late beat must not kill a healthy worker
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least {2 * HEARTBEAT_INTERVAL:g} seconds")
+    return seconds
 
 
 def _url_prefix(prefix: str) -> str:
@@ -276,6 +287,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         batch_delay_ms=args.batch_delay_ms,
         max_queued_inputs=args.max_queued_inputs, max_inputs_per_request=args.max_inputs_per_request,
         host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        worker_stall_timeout=args.worker_stall_timeout,
         drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         log_format=args.log_format, otel_endpoint=args.otel_endpoint,
         rest_port=0 if args.no_rest else args.rest_port, envoy_bin=args.envoy_bin,

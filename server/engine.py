@@ -20,6 +20,7 @@ from ..workers.backends.base import BackendOptions
 from ..workers.model_spec import (ModelKind, ModelSpec, Pooling, check_prompts, load_model_spec, modalities,
                                   resolve_model_path)
 from ..workers.process import WorkerConfig
+from ..workers.protocol import HEARTBEAT_INTERVAL
 from . import metrics
 from .batching import BatchLimits, WorkItem
 from .config import ModelConfig, ServerConfig
@@ -136,7 +137,8 @@ class Engine:
         def make_config(batch_address: str, result_address: str) -> WorkerConfig:
             return WorkerConfig(spec, cfg.engine, options, batch_address, result_address, cfg.log_level, label,
                                 cpu_affinity=placement.cores, log_format=cfg.log_format,
-                                allow_low_fidelity=cfg.allow_low_fidelity)
+                                allow_low_fidelity=cfg.allow_low_fidelity,
+                                heartbeat_interval=HEARTBEAT_INTERVAL if cfg.worker_stall_timeout else 0.0)
 
         restarts_counted = 0
         metrics.WORKER_RESTARTS.labels(spec.name, label)  # export the series at 0, so increase() sees the first
@@ -150,7 +152,8 @@ class Engine:
                 restarts_counted = worker.restarts
             self._on_model_state(spec.name, self.models[spec.name].ready if spec.name in self.models else ready)
 
-        worker = WorkerClient(make_config, label, on_state, start_timeout=cfg.worker_start_timeout)
+        worker = WorkerClient(make_config, label, on_state, start_timeout=cfg.worker_start_timeout,
+                              stall_timeout=cfg.worker_stall_timeout)
         return worker
 
     async def stop(self) -> None:

@@ -26,6 +26,8 @@ REQUESTS = Counter("encoderd_requests", "Finished RPCs, by status code (errors a
                    ["model", "rpc", "code"])
 REQUEST_SECONDS = Histogram("encoderd_request_duration_seconds", "RPC latency, end to end in the frontend",
                             ["model", "rpc"], buckets=_LATENCY_BUCKETS)
+AUTH_FAILURES = Counter("encoderd_auth_failures", "Calls refused for a missing or wrong API key, by route "
+                        "(the gRPC method; REST routes arrive as theirs)", ["route"])
 REJECTED = Counter("encoderd_rejected_requests", "Requests refused before queueing", ["model", "reason"])
 
 # --------------------------------------------------------------- scheduler

@@ -51,8 +51,10 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             log.exception("%s failed", name)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log",
                                 rid_metadata)
-        except BaseException:  # cancelled by the client, or the server stopping
-            code = grpc.StatusCode.CANCELLED
+        except BaseException:  # cancelled: the client's deadline passed, it hung up, or the server is stopping
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         finally:
             elapsed = time.perf_counter() - started

@@ -4,7 +4,9 @@ The frontend binds a PUSH socket (batches) and a PULL socket (results) on
 fresh ipc:// endpoints per worker incarnation, so nothing meant for a dead
 worker ever reaches its successor. Death is noticed through the process
 sentinel; every pending batch then fails with Unavailable at once, and the
-worker is restarted with back-off.
+worker is restarted with back-off. A worker that is alive but silent (no
+heartbeat for `stall_timeout` seconds: stopped, deadlocked, stuck) is marked
+down the same way and killed, so the same supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ class WorkerStartError(Exception):
 class WorkerClient:
     def __init__(self, make_config: Callable[[str, str], WorkerConfig], label: str,
                  on_state: Callable[[bool], None] = lambda ready: None,
-                 start_timeout: float = 900.0, max_backoff: float = 30.0):
+                 start_timeout: float = 900.0, max_backoff: float = 30.0, stall_timeout: float = 0.0):
         self._make_config = make_config   # (batch_address, result_address) -> WorkerConfig
         self.label = label
         self._on_state = on_state
         self._start_timeout = start_timeout
         self._max_backoff = max_backoff
+        self._stall_timeout = stall_timeout   # 0 = no heartbeat check
+        self._last_heartbeat = 0.0            # loop.time() of the last message from the worker
+        self._stalled = False                 # killed by the heartbeat check, not dead on its own
+        self._watchdog: asyncio.Task | None = None
         self._zmq = zmq.asyncio.Context.instance()
         self._pending: dict[int, asyncio.Future] = {}
         self._next_batch_id = 0
@@ -77,6 +83,8 @@ class WorkerClient:
         """Spawn the worker, wait until its model is loaded and warm, then supervise it."""
         info = await self._spawn_and_wait()
         self._supervisor = asyncio.create_task(self._supervise(), name=f"supervise[{self.label}]")
+        if self._stall_timeout:
+            self._watchdog = asyncio.create_task(self._watch_heartbeats(), name=f"heartbeats[{self.label}]")
         return info
 
     async def _spawn_and_wait(self) -> protocol.WorkerReady:
@@ -91,6 +99,8 @@ class WorkerClient:
         done, _ = await asyncio.wait({ready, died}, timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED)
         if ready in done and ready.exception() is None:
             died.cancel()
+            self._last_heartbeat = asyncio.get_running_loop().time()
+            self._stalled = False
             self._set_ready(ready.result())
             return self.ready_info
         reason = (ready.exception() if ready in done else
@@ -99,7 +109,7 @@ class WorkerClient:
         raise WorkerStartError(f"{self.label}: {reason}")
 
     def _open_sockets(self) -> None:
-        tag = self.label.replace("/", "_").replace(":", "_")[:24]
+        tag = self.label.rpartition("/")[2].replace(":", "_")[:16]  # the directory is this frontend's: short
         self._batch_address = protocol.new_ipc_address(tag + "-in")
         self._result_address = protocol.new_ipc_address(tag + "-out")
         self._batches = self._zmq.socket(zmq.PUSH)
@@ -132,8 +142,9 @@ class WorkerClient:
             if self._stopping:
                 return
             self.restarts += 1
-            log.error("worker %s (pid %s) died with exit code %s; failing its %d pending batches",
-                      self.label, self.pid, self._process.exitcode, len(self._pending))
+            if not self._stalled:  # a stall was logged when it was found
+                log.error("worker %s (pid %s) died with exit code %s; failing its %d pending batches",
+                          self.label, self.pid, self._process.exitcode, len(self._pending))
             await self._teardown()
             while not self._stopping:
                 await asyncio.sleep(backoff)
@@ -147,20 +158,40 @@ class WorkerClient:
                     log.error("restart of %s failed: %s", self.label, exc)
                     backoff = min(backoff * 2, self._max_backoff)
 
-    async def _teardown(self) -> None:
+    async def _watch_heartbeats(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = min(0.5, self._stall_timeout / 4)
+        while not self._stopping:
+            asleep_at = loop.time()
+            await asyncio.sleep(period)
+            if loop.time() - asleep_at > 2 * period:
+                continue  # this event loop was blocked, not the worker: let the reader take its beats first
+            silent = loop.time() - self._last_heartbeat
+            if self.ready and silent > self._stall_timeout:
+                self._on_stall(silent)
+
+    def _on_stall(self, silent: float) -> None:
+        """Down at once (health, callers), then SIGKILL: the supervisor sees the exit and restarts it."""
+        log.warning("worker %s (pid %s) stalled: no heartbeat for %.1fs (--worker-stall-timeout %.1fs); "
+                    "failing its %d pending batches, killing and restarting it",
+                    self.label, self.pid, silent, self._stall_timeout, len(self._pending))
+        self._stalled = True
+        self._mark_down(Unavailable(f"model worker {self.label} stopped responding; it is being restarted"))
+        self._process.kill()
+
+    def _mark_down(self, error: Exception) -> None:
         self._set_ready(None)
-        self._fail_pending(Unavailable(f"model worker {self.label} is unavailable (crashed or restarting)"))
+        self._fail_pending(error)
+
+    async def _teardown(self) -> None:
+        self._mark_down(Unavailable(f"model worker {self.label} is unavailable (crashed or restarting)"))
         if self._reader:
             self._reader.cancel()
         for sock in (self._batches, self._results):
             if sock is not None:
                 sock.close(linger=0)
         self._batches = self._results = None
-        for address in (getattr(self, "_batch_address", ""), getattr(self, "_result_address", "")):
-            try:
-                os.unlink(address.removeprefix("ipc://"))
-            except OSError:
-                pass
+        protocol.remove_ipc_files(getattr(self, "_batch_address", ""), getattr(self, "_result_address", ""))
         if self._process and self._process.is_alive():
             self._process.kill()
         if self._process:
@@ -174,8 +205,9 @@ class WorkerClient:
 
     async def stop(self) -> None:
         self._stopping = True
-        if self._supervisor:
-            self._supervisor.cancel()
+        for task in (self._supervisor, self._watchdog):
+            if task:
+                task.cancel()
         if self._process and self._process.is_alive():
             self._process.terminate()
             await asyncio.get_running_loop().run_in_executor(None, self._process.join, 5)
@@ -201,6 +233,7 @@ class WorkerClient:
         while True:
             frames = await results.recv_multipart(copy=False)
             kind, header, rest = protocol.decode(frames)
+            self._last_heartbeat = asyncio.get_running_loop().time()  # any message shows it alive
             if kind == protocol.MessageType.RESULT:
                 future = self._pending.get(header.batch_id)
                 if future is None or future.done():

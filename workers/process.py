@@ -7,7 +7,10 @@ Started by the frontend with multiprocessing's `spawn` method. Threads:
     go first, and run in the pauses of a bulk batch computed in steps (the torch
     padding-free forward pauses after each layer): a live query waits for one
     layer of bulk work, not for a whole batch;
-  * parent watch: exits the process when the frontend is gone.
+  * parent watch: exits the process when the frontend is gone;
+  * heartbeat: tells the frontend every HEARTBEAT_INTERVAL that this process is alive, on its
+    own socket (ZeroMQ sockets are not thread-safe), while main computes too. A worker that
+    stops beating (stopped, deadlocked, stuck holding the GIL) is killed by the frontend.
 """
 
 from __future__ import annotations
@@ -45,13 +48,43 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     cpu_affinity: tuple[int, ...] = ()   # pin this worker to these cores
     log_format: str = "text"             # "json": JSON lines, as the frontend's --log-format
     allow_low_fidelity: bool = False     # serve below the fidelity floors (with a warning)
+    heartbeat_interval: float = protocol.HEARTBEAT_INTERVAL   # 0 = no heartbeats (stall check off)
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A worker never outlives its frontend, however the frontend died (even SIGKILL).
+def _watch_parent(parent_pid: int, addresses: tuple[str, ...]) -> None:
+    # A worker never outlives its frontend, however the frontend died (even SIGKILL); nor do
+    # the socket files the frontend could not remove.
     while os.getppid() == parent_pid:
         time.sleep(0.25)
+    protocol.remove_ipc_files(*addresses, with_directory=True)
     os._exit(3)
+
+
+def _beat(ctx: zmq.Context, address: str, interval: float) -> None:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 4)  # beats are worthless once late: never queue many
+    sock.connect(address)
+    beat = protocol.encode_control(protocol.WorkerHeartbeat(os.getpid()))
+    while True:
+        try:
+            sock.send_multipart(beat, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the frontend is not reading; it will notice the silence, not a queue of beats
+        except zmq.ContextTerminated:
+            return
+        time.sleep(interval)
+
+
+def _quiet_multiprocessing_locks() -> None:
+    """tqdm (transformers' "Loading weights" bar) makes a multiprocessing RLock: a named
+    semaphore registered with the frontend's resource tracker, which a killed worker never
+    unregisters ("leaked semaphore objects" at shutdown). A thread lock is all a worker needs."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 class Inbox:
@@ -98,7 +131,9 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         # the frontend, a replica, anything); sleeping waiters cost little. Set before torch loads.
         if "GOMP_SPINCOUNT" not in os.environ:  # an operator's own spin setting wins
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, (config.batch_address, config.result_address)),
+                     name="parent-watch", daemon=True).start()
+    _quiet_multiprocessing_locks()
 
     ctx = zmq.Context()
     results = ctx.socket(zmq.PUSH)
@@ -120,6 +155,9 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     batch_socket = ctx.socket(zmq.PULL)
     batch_socket.connect(config.batch_address)
     threading.Thread(target=_receive_loop, args=(batch_socket, inbox), name="receiver", daemon=True).start()
+    if config.heartbeat_interval > 0:  # from READY on: loading has its own (start) timeout
+        threading.Thread(target=_beat, args=(ctx, config.result_address, config.heartbeat_interval),
+                         name="heartbeat", daemon=True).start()
     results.send_multipart(protocol.encode_control(protocol.WorkerReady(
         # The backend's own engine/options: `auto` engine and dtype are resolved by then.
         os.getpid(), modules.output_dim(backend.output_dim), backend.engine, backend.options.device,

@@ -20,8 +20,10 @@ dimension of each value.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import os
+import shutil
 import tempfile
 import uuid
 
@@ -34,6 +36,10 @@ class MessageType(enum.IntEnum):
     RESULT = 2   # worker -> frontend: one batch's outputs, or its error
     READY = 3    # worker -> frontend: loaded and warmed up
     FATAL = 4    # worker -> frontend: cannot go on (load failed); the process exits
+    HEARTBEAT = 5  # worker -> frontend: alive, sent every HEARTBEAT_INTERVAL seconds while it computes too
+
+
+HEARTBEAT_INTERVAL = 0.5  # seconds; the frontend's --worker-stall-timeout is a multiple of it
 
 
 class BatchHeader(msgspec.Struct, array_like=True, gc=False):
@@ -79,6 +85,10 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
 class WorkerFatal(msgspec.Struct, array_like=True, gc=False):
     pid: int
     message: str
+
+
+class WorkerHeartbeat(msgspec.Struct, array_like=True, gc=False):
+    pid: int
 
 
 class TokenBatch(msgspec.Struct, gc=False):
@@ -162,7 +172,10 @@ _HEADER_TYPES = {
     MessageType.RESULT: ResultHeader,
     MessageType.READY: WorkerReady,
     MessageType.FATAL: WorkerFatal,
+    MessageType.HEARTBEAT: WorkerHeartbeat,
 }
+_CONTROL_TYPES = {WorkerReady: MessageType.READY, WorkerFatal: MessageType.FATAL,
+                  WorkerHeartbeat: MessageType.HEARTBEAT}
 _decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in _HEADER_TYPES.items()}
 
 
@@ -214,9 +227,8 @@ def encode_error(batch_id: int, message: str) -> list:
     return [_type_frame(MessageType.RESULT), _encoder.encode(ResultHeader(batch_id, error=message or "error"))]
 
 
-def encode_control(message: WorkerReady | WorkerFatal) -> list:
-    kind = MessageType.READY if isinstance(message, WorkerReady) else MessageType.FATAL
-    return [_type_frame(kind), _encoder.encode(message)]
+def encode_control(message: WorkerReady | WorkerFatal | WorkerHeartbeat) -> list:
+    return [_type_frame(_CONTROL_TYPES[type(message)]), _encoder.encode(message)]
 
 
 def decode(frames: list) -> tuple[MessageType, msgspec.Struct, list]:
@@ -249,10 +261,39 @@ def result_array(header: ResultHeader, frames: list) -> np.ndarray | list:
     return Ragged(values, _array(frames[1], np.int32), indices).split()
 
 
+_private_dir: str | None = None
+
+
+def _ipc_directory() -> str:
+    """This frontend's own socket directory (mode 0700, so no other user can connect), made on
+    first use under ENCODERD_RPC_DIR or the temp dir, and removed at exit. After a kill -9 of
+    the frontend its workers remove their sockets and the directory (remove_ipc_files)."""
+    global _private_dir
+    if _private_dir is None:
+        base = os.environ.get("ENCODERD_RPC_DIR") or tempfile.gettempdir()
+        _private_dir = tempfile.mkdtemp(prefix="encoderd-", dir=base)
+        atexit.register(shutil.rmtree, _private_dir, ignore_errors=True)
+    return _private_dir
+
+
 def new_ipc_address(tag: str) -> str:
     """A fresh ipc:// endpoint; unix socket paths must stay under ~107 bytes."""
-    directory = os.environ.get("ENCODERD_RPC_DIR") or tempfile.gettempdir()
-    path = os.path.join(directory, f"encoderd-{tag}-{uuid.uuid4().hex[:12]}")
+    path = os.path.join(_ipc_directory(), f"{tag}-{uuid.uuid4().hex[:8]}")
     if len(path.encode()) > 100:
         raise ValueError(f"IPC path too long for a unix socket ({len(path)} bytes): set ENCODERD_RPC_DIR to a shorter directory")
     return "ipc://" + path
+
+
+def remove_ipc_files(*addresses: str, with_directory: bool = False) -> None:
+    """Unlink these ipc:// sockets and, with_directory, their directory once it is empty."""
+    paths = [address.removeprefix("ipc://") for address in addresses if address]
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass  # gone already
+    for directory in {os.path.dirname(p) for p in paths} if with_directory else ():
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass  # it still holds another worker's sockets: the last worker out removes it

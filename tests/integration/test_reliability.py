@@ -9,10 +9,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import httpx
@@ -181,10 +184,46 @@ def test_expired_work_is_never_computed(server, stub):
     assert 0 < _metric(server, "encoderd_dropped_inputs_total") - dropped_before <= 20  # dropped from the queue
 
 
-def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path):
-    server = ServerProcess("--drain-timeout", "20", log_path=tmp_path / "s.log").start()
+def _children(pid: int) -> list[int]:
+    """Every process whose parent is `pid` (workers, multiprocessing's resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rpartition(")")[2].split()[1]) == pid:
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def _ours(parent) -> list[str]:
+    """encoderd's entries in `parent` (torch keeps its own cache in the temp dir)."""
+    return [name for name in os.listdir(parent) if name.startswith("encoderd")]
+
+
+def _socket_dir(parent) -> str:
+    """The server's private ipc socket directory under `parent`: one, owner-only."""
+    (name,) = _ours(parent)
+    assert os.stat(parent / name).st_mode & 0o777 == 0o700
+    return name
+
+
+@pytest.fixture
+def sockets():
+    """A short directory (unix socket paths are limited to ~107 bytes; tmp_path is long)."""
+    path = Path(tempfile.mkdtemp(prefix="ed-"))
+    yield path
+    shutil.rmtree(path)
+
+
+def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets):  # sockets: as the default temp dir
+    server = ServerProcess("--drain-timeout", "20", env={"TMPDIR": str(sockets)}, log_path=tmp_path / "s.log").start()
     stub = server.stub()
     worker_pids = list(_pids(stub).values())
+    children = _children(server.proc.pid)
+    assert set(worker_pids) <= set(children)
+    _socket_dir(sockets)
     inputs = [" ".join([t] * 3) for t in TEXTS[:32]]
     in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=inputs), timeout=60) for _ in range(6)]
     time.sleep(0.2)
@@ -192,15 +231,20 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path):
     assert server.proc.wait(60) == 0
     for future in in_flight:
         assert len(future.result().embeddings) == 32  # accepted before SIGTERM: finished, not dropped
-    assert not _wait_gone([*worker_pids, server.proc.pid])
+    assert not _wait_gone([*children, server.proc.pid], timeout=1)  # reaped, none lingering
+    assert _ours(sockets) == []  # no socket file, no directory
+    log = server.log_path.read_text()
+    assert "leaked semaphore" not in log and "resource_tracker" not in log, log
 
 
-def test_sigkill_of_the_frontend_leaves_no_worker(tmp_path):
-    server = ServerProcess(log_path=tmp_path / "s.log").start()
+def test_sigkill_of_the_frontend_leaves_no_worker_and_no_socket(tmp_path, sockets):  # as ENCODERD_RPC_DIR
+    server = ServerProcess(env={"ENCODERD_RPC_DIR": str(sockets)}, log_path=tmp_path / "s.log").start()
     worker_pids = list(_pids(server.stub()).values())
+    assert len(os.listdir(sockets / _socket_dir(sockets))) == 2  # its worker's two sockets
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait()
     assert not _wait_gone(worker_pids)
+    assert _ours(sockets) == []  # the worker removed what its frontend could not
 
 
 def test_api_keys_over_grpc_and_rest(tmp_path):
@@ -234,8 +278,18 @@ def test_api_keys_over_grpc_and_rest(tmp_path):
             assert wrong.status_code == 401 and wrong.json()["error"]["message"]
             ok = http.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer file-key"})
             assert ok.status_code == 200 and len(ok.json()["data"]) == 1
+            bad_enum = http.post("/v1/encoderd/embed", json={"inputs": ["x"], "priority": 99},  # issue 16: refused
+                                 headers={"Authorization": "Bearer file-key"})          # on REST too
+            assert bad_enum.status_code == 400 and "priority = 99" in bad_enum.json()["error"]["message"]
             assert http.get("/health").status_code == 200
-        assert "flag-key" not in server.log_text() and "file-key" not in server.log_text()
+        log = server.log_path.read_text()
+        assert "flag-key" not in log and "file-key" not in log and "nope" not in log
+        failures = re.findall(r"WARNING encoderd.auth: authentication failed on (\S+): (.*)", log)
+        embed, rest = "/encoderd.v1.Encoder/Embed", "/encoderd.v1.Compat/CreateEmbeddings"
+        assert failures == [(embed, "no key"), (embed, "a wrong key"), (embed, "no key"),
+                            (rest, "no key"), (rest, "a wrong key")], failures
+        assert _metric(server, f'encoderd_auth_failures_total{{route="{embed}"}}') == 3
+        assert _metric(server, f'encoderd_auth_failures_total{{route="{rest}"}}') == 2
     finally:
         server.stop()
 
