@@ -164,10 +164,16 @@ def test_expired_work_is_never_computed(server, stub):
     model = "sentence-transformers/all-MiniLM-L6-v2"
     computed_before = _metric(server, "encoderd_real_tokens_total")
     dropped_before = _metric(server, "encoderd_dropped_inputs_total")
+    queued_before = _metric(server, "encoderd_queued_inputs_total")
     long_text = " ".join(TEXTS)  # 256 tokens after truncation: both worker slots busy for a while
     blocker = stub.Embed.future(pb.EmbedRequest(model=model, inputs=[long_text + f" {i}" for i in range(48)]))
-    # Tokenized and computing: both worker slots hold a 16-input batch of 256-token inputs (~0.7 s each).
-    time.sleep(0.3)
+    # Wait until all 48 are tokenized and queued (not a fixed sleep: on a fast host a short request sent
+    # while the blocker still tokenizes finds the worker idle): both worker slots then hold a 16-input
+    # batch of 256-token inputs (~0.5 s each) and a third waits in the queue, ahead of what follows.
+    deadline = time.monotonic() + 30
+    while _metric(server, "encoderd_queued_inputs_total") - queued_before < 48:
+        assert time.monotonic() < deadline, "the blocker was never queued"
+        time.sleep(0.01)
     # Long enough to be tokenized and queued, too short to see the first batch finish.
     doomed = [stub.Embed.future(pb.EmbedRequest(model=model, inputs=[f"expired {i}", f"also expired {i}"]),
                                 timeout=0.15) for i in range(10)]
