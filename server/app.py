@@ -113,10 +113,24 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         try:
-            await self.start()
+            await self._start_unless_stopped()
             await self._stop.wait()
         finally:
             await self.drain_and_stop()
+
+    async def _start_unless_stopped(self) -> None:
+        """start(), abandoned when SIGTERM comes first: a server still loading models stops at
+        once (the workers it started die with it) instead of finishing the load or tracing back."""
+        starting = asyncio.create_task(self.start(), name="start")
+        stopping = asyncio.create_task(self._stop.wait(), name="stop-requested")
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            log.info("[shutdown] stop requested while loading models")
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return
+        starting.result()  # a failed start raises here
 
 
 async def start_gateway(cfg: ServerConfig, grpc_port: int):

@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--bulk-batch-tokens", "token budget of bulk-priority batches while interactive requests are "
          "arriving (small keeps their latency low; bulk alone gets full batches)", 256, int)
     _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
+    _add(serve, "--max-request-tokens", "most tokens one request may compute or tokenize (after truncation; "
+         "a cheap estimate refuses bigger ones before any work; 0 = no bound)", 262144, int)
     _add(serve, "--media-max-mb", "largest image / audio input in MiB (encoded bytes, sent or fetched)", 20.0, float)
     _add(serve, "--media-fetch-timeout", "seconds an http(s) image / audio URL may take to fetch", 10.0, float)
     _add_switch(serve, "--no-media-urls", "never fetch http(s) media URLs (data: URIs and bytes still work); for "
@@ -275,6 +277,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_batch_size=args.batch_size or default_batch_size(args.device), max_batch_tokens=args.max_batch_tokens,
         batch_delay_ms=args.batch_delay_ms,
         max_queued_inputs=args.max_queued_inputs, max_inputs_per_request=args.max_inputs_per_request,
+        max_request_tokens=args.max_request_tokens,
         host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         log_format=args.log_format, otel_endpoint=args.otel_endpoint,
