@@ -287,6 +287,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         url_prefix=_url_prefix(args.url_prefix))
 
 
+def _startup_errors() -> tuple[type[Exception], ...]:
+    from ..gateway.envoy import GatewayError
+    from ..workers.model_spec import ModelLoadError
+    from .startup import StartupError
+    from .worker_client import WorkerStartError
+
+    return StartupError, ModelLoadError, WorkerStartError, GatewayError
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -298,15 +307,17 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         configure_logging(config.log_level, config.log_format)
         from .app import serve
-        from .worker_client import WorkerStartError
 
         try:
             serve(config)
-        except WorkerStartError as exc:
-            # A model that cannot start (a dtype this hardware cannot run, a failed fidelity self-check,
-            # a broken model) is the operator's to fix: one line that says why (the worker logged the
-            # details), not a traceback through the event loop.
-            print(f"encoderd: cannot start {exc}", file=sys.stderr)
+        except _startup_errors() as exc:
+            # The operator's to fix (a port taken, a broken model, a dtype this hardware cannot run, a
+            # failed fidelity self-check): one line that says why, not a traceback through the event
+            # loop; the traceback only at --log-level debug.
+            if config.log_level == "DEBUG":
+                raise
+            what = "cannot start " if type(exc).__name__ == "WorkerStartError" else ""  # it names the worker
+            print(f"encoderd: {what}{exc}", file=sys.stderr)
             return 2
     elif args.command == "gateway":
         return run_gateway_command(args)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer, normalizers
 
+from ..workers.model_spec import ModelLoadError
 from .errors import InvalidInput
 
 
@@ -34,7 +35,11 @@ def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: b
     first, as sentence-transformers does: a Lowercase normalizer ahead of the tokenizer's own."""
     path = Path(model_dir) / "tokenizer.json"
     if path.exists():
-        tokenizer = Tokenizer.from_file(str(path))
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library names no file in its parse errors
+            raise ModelLoadError(f"{path}: not a readable tokenizer.json ({exc}); replace it from the model's "
+                                 "repository") from None
     else:  # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
         from transformers import AutoTokenizer
 

@@ -5,7 +5,10 @@ bounded in count and time (timings are in the notes, not asserted)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import signal
+import socket
 import time
 
 import grpc
@@ -173,3 +176,55 @@ def test_while_loading_calls_get_unavailable_and_sigterm_exits_cleanly(tmp_path)
         assert "Traceback" not in (tmp_path / "server.log").read_text()
     finally:
         proc.stop()
+
+
+# ------------------------------------------------------------ finding 5: start-up errors in one line
+def _failed_start(tmp_path, *args: str, rest: bool = False) -> str:
+    """The server's output when it must refuse to start: it exits non-zero, fast, without a traceback."""
+    proc = ServerProcess(*args, rest=rest, log_path=tmp_path / "server.log").launch()
+    try:
+        code = proc.proc.wait(timeout=60)
+    finally:
+        proc.stop()
+    output = (tmp_path / "server.log").read_text()
+    assert code != 0 and "Traceback" not in output, output
+    return output.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag", ["--grpc-port", "--rest-port", "--metrics-port"])
+def test_a_taken_port_is_one_line_naming_port_and_flag(tmp_path, flag):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        line = _failed_start(tmp_path, flag, str(port), rest=True)
+        elapsed = time.monotonic() - started
+    assert line.startswith("encoderd: cannot listen on") and f"127.0.0.1:{port} ({flag})" in line, line
+    assert "Address already in use" in line
+    assert elapsed < 30  # checked before any model loads (a load takes longer on this host)
+
+
+def test_a_missing_model_directory_is_one_line(tmp_path):
+    line = _failed_start(tmp_path, "--model", f"x={tmp_path}/no-such-model")
+    assert line.startswith("encoderd: ") and f"{tmp_path}/no-such-model" in line and "does not exist" in line
+
+
+def test_a_garbage_tokenizer_json_is_one_line_naming_the_file(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(_minilm(), model)
+    (model / "tokenizer.json").write_text("garbage")
+    line = _failed_start(tmp_path, "--model", f"x={model}")
+    assert line.startswith("encoderd: ") and f"{model}/tokenizer.json" in line, line
+
+
+def test_listens_on_tells_which_process_holds_the_port():
+    from encoderd.gateway.process import listens_on
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        port = holder.getsockname()[1]
+        assert not listens_on(os.getpid(), port)  # bound, not listening
+        holder.listen()
+        assert listens_on(os.getpid(), port)
+        assert not listens_on(os.getppid(), port)  # someone else's listener is not ours
