@@ -228,3 +228,42 @@ def test_listens_on_tells_which_process_holds_the_port():
         holder.listen()
         assert listens_on(os.getpid(), port)
         assert not listens_on(os.getppid(), port)  # someone else's listener is not ours
+
+
+def _envoy_pid(server_pid: int) -> int:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if int(stat[1]) == server_pid and b"envoy" in cmdline:
+                return int(entry)
+    raise AssertionError("no Envoy child")
+
+
+def test_envoy_supervisor_gives_up_when_its_port_is_taken(server):
+    """Finding 5: Envoy killed and its port taken by another process; the supervisor must not take
+    that listener for its Envoy nor respawn forever. Runs last: it leaves this server without REST."""
+    with socket.socket() as thief:
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        os.kill(_envoy_pid(server.proc.pid), signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while True:  # the port frees once the kernel has closed the dead Envoy's listener
+            try:
+                thief.bind(("127.0.0.1", server.rest_port))
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        thief.listen()
+        deadline = time.monotonic() + 60
+        while "giving up" not in server.log_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log = server.log_text()
+        assert "giving up: REST on port" in log, log
+        restarts = log.count("restarting it in")
+        time.sleep(2)
+        assert server.log_text().count("restarting it in") == restarts  # no respawn after giving up
+    assert server.stub().Embed(pb.EmbedRequest(model="embedder", inputs=["still serving"]), timeout=30).embeddings
