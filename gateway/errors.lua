@@ -107,6 +107,8 @@ function envoy_on_response(handle)
   local json = error_body(status, grpc, body:length() > 0 and body:getBytes(0, body:length()) or "")
   body:setBytes(json)
   headers = handle:headers()
+  -- Overload and loading / restarting are temporary: say when to come back (RFC 9110 Retry-After).
+  if status == 429 or status == 503 then headers:replace("retry-after", "1") end
   headers:replace("content-type", "application/json")
   headers:replace("content-length", tostring(#json))
 end

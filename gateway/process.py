@@ -36,6 +36,8 @@ _LAUNCHER = (
     "if os.getppid() != int(sys.argv[1]): os._exit(1)  # the parent died before prctl\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
+MAX_FAST_FAILURES = 5   # restarts in a row that die within FAST_FAILURE_S before the supervisor gives up
+FAST_FAILURE_S = 10.0
 _ENVOY_LOG_LEVELS = {"DEBUG": "info", "INFO": "warning", "WARNING": "warning", "ERROR": "error"}
 
 
@@ -83,20 +85,18 @@ class EnvoyProcess:
             shutil.rmtree(workdir, ignore_errors=True)
 
     async def _wait_listening(self, timeout: float) -> None:
+        """Until *this* Envoy holds a listening socket on the REST port: a connection that succeeds
+        proves nothing when another process has the port (Envoy then exits on its bind error)."""
         deadline = time.monotonic() + timeout
-        host = local_address(self.settings.rest_host)
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise GatewayError(f"Envoy exited with code {self._proc.returncode} at start "
-                                   f"(port {self.settings.rest_port} taken? see its log above)")
-            try:
-                _, writer = await asyncio.open_connection(host, self.settings.rest_port)
-                writer.close()
+                                   f"(--rest-port {self.settings.rest_port} taken? see its log above)")
+            if listens_on(self._proc.pid, self.settings.rest_port):
                 return
-            except OSError:
-                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)
         self._kill()
-        raise GatewayError(f"Envoy did not listen on {host}:{self.settings.rest_port} within {timeout:.0f}s")
+        raise GatewayError(f"Envoy did not listen on port {self.settings.rest_port} within {timeout:.0f}s")
 
     async def _wait_exit(self) -> int:
         """Wait for the child without holding a thread: its pidfd becomes readable at exit."""
@@ -114,23 +114,36 @@ class EnvoyProcess:
         return self._proc.wait()
 
     async def _supervise(self) -> None:
-        backoff = 0.5
+        backoff, fast_failures = 0.5, 0
         while not self._stopping:
+            started = time.monotonic()
             code = await self._wait_exit()
             if self._stopping:
                 return
             self.restarts += 1
-            log.error("Envoy (pid %d) exited with code %s; restarting it in %.1fs", self._proc.pid, code, backoff)
-            await asyncio.sleep(backoff)
-            if self._stopping:
-                return
-            try:
-                await self._spawn_and_wait(30.0)
-                log.info("Envoy restarted (pid %d)", self._proc.pid)
-                backoff = 0.5
-            except GatewayError as exc:
-                log.error("%s", exc)
+            # One that ran a while died of something transient; one that dies at once will again.
+            fast_failures = fast_failures + 1 if time.monotonic() - started < FAST_FAILURE_S else 1
+            while not self._stopping:
+                if fast_failures > MAX_FAST_FAILURES:
+                    log.error("Envoy failed %d times in a row within %.0fs of starting; giving up: REST on port %d "
+                              "is down (gRPC still serves). Fix the cause in Envoy's log above and restart "
+                              "encoderd", fast_failures - 1, FAST_FAILURE_S, self.settings.rest_port)
+                    return
+                log.error("Envoy (pid %d) exited with code %s; restarting it in %.1fs", self._proc.pid, code, backoff)
+                await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
+                if self._stopping:
+                    return
+                try:
+                    started = time.monotonic()
+                    await self._spawn_and_wait(30.0)
+                    log.info("Envoy restarted (pid %d)", self._proc.pid)
+                    backoff = 0.5
+                    break
+                except GatewayError as exc:
+                    log.error("%s", exc)
+                    code = self._proc.returncode
+                    fast_failures += 1
 
     def _kill(self) -> None:
         if self._proc and self._proc.poll() is None:
@@ -151,3 +164,30 @@ class EnvoyProcess:
                 await asyncio.wait_for(self._wait_exit(), timeout)
             except asyncio.TimeoutError:
                 self._kill()
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a TCP socket listening on `port` (Linux /proc): its listener,
+    not whatever else answers there."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                next(rows)
+                for row in rows:
+                    fields = row.split()
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                        inodes.add(f"socket:[{fields[9]}]")
+        except OSError:
+            continue
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False

@@ -17,6 +17,7 @@ from .engine import Engine
 from .handlers import add_servicer
 from .rest import CompatService
 from .service import EncoderService
+from .startup import StartupError, check_ports
 
 log = logging.getLogger("encoderd")
 
@@ -70,9 +71,14 @@ class Server:
             encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
             compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
-        self.bound_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        check_ports(cfg.host, {"--grpc-port": cfg.grpc_port, "--rest-port": cfg.rest_port,
+                               "--metrics-port": cfg.metrics_port})
+        try:
+            self.bound_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        except RuntimeError:  # taken between the check and now
+            self.bound_port = 0
         if not self.bound_port:
-            raise SystemExit(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
+            raise StartupError(f"cannot listen on {cfg.host}:{cfg.grpc_port} (--grpc-port)")
         # Listen first so health checks answer NOT_SERVING while models load.
         await self.grpc.start()
         if cfg.rest_port:  # before the models load, so REST /health answers 503 meanwhile
@@ -80,7 +86,11 @@ class Server:
         if cfg.metrics_port:
             from prometheus_client import start_http_server
 
-            start_http_server(cfg.metrics_port, addr=cfg.host)
+            try:
+                start_http_server(cfg.metrics_port, addr=cfg.host)
+            except OSError as exc:
+                raise StartupError(f"cannot listen on {cfg.host}:{cfg.metrics_port} (--metrics-port): "
+                                   f"{exc.strerror}") from None
         systemd.status(f"loading {len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)}")
         await self.engine.start()
         await self._set_overall(health_pb2.HealthCheckResponse.SERVING)
@@ -113,10 +123,24 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         try:
-            await self.start()
+            await self._start_unless_stopped()
             await self._stop.wait()
         finally:
             await self.drain_and_stop()
+
+    async def _start_unless_stopped(self) -> None:
+        """start(), abandoned when SIGTERM comes first: a server still loading models stops at
+        once (the workers it started die with it) instead of finishing the load or tracing back."""
+        starting = asyncio.create_task(self.start(), name="start")
+        stopping = asyncio.create_task(self._stop.wait(), name="stop-requested")
+        await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            log.info("[shutdown] stop requested while loading models")
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return
+        starting.result()  # a failed start raises here
 
 
 async def start_gateway(cfg: ServerConfig, grpc_port: int):

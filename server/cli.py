@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--bulk-batch-tokens", "token budget of bulk-priority batches while interactive requests are "
          "arriving (small keeps their latency low; bulk alone gets full batches)", 256, int)
     _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
+    _add(serve, "--max-request-tokens", "most tokens one request may compute or tokenize (after truncation; "
+         "a cheap estimate refuses bigger ones before any work; 0 = no bound)", 262144, int)
     _add(serve, "--media-max-mb", "largest image / audio input in MiB (encoded bytes, sent or fetched)", 20.0, float)
     _add(serve, "--media-fetch-timeout", "seconds an http(s) image / audio URL may take to fetch", 10.0, float)
     _add_switch(serve, "--no-media-urls", "never fetch http(s) media URLs (data: URIs and bytes still work); for "
@@ -286,6 +288,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_batch_size=args.batch_size or default_batch_size(args.device), max_batch_tokens=args.max_batch_tokens,
         batch_delay_ms=args.batch_delay_ms,
         max_queued_inputs=args.max_queued_inputs, max_inputs_per_request=args.max_inputs_per_request,
+        max_request_tokens=args.max_request_tokens,
         host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         worker_stall_timeout=args.worker_stall_timeout,
         drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
@@ -294,6 +297,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout,
         cors_allow_origins=tuple(args.cors_allow_origin or _env_list("ENCODERD_CORS_ALLOW_ORIGIN")),
         url_prefix=_url_prefix(args.url_prefix))
+
+
+def _startup_errors() -> tuple[type[Exception], ...]:
+    from ..gateway.envoy import GatewayError
+    from ..workers.model_spec import ModelLoadError
+    from .startup import StartupError
+    from .worker_client import WorkerStartError
+
+    return StartupError, ModelLoadError, WorkerStartError, GatewayError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,15 +319,17 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         configure_logging(config.log_level, config.log_format)
         from .app import serve
-        from .worker_client import WorkerStartError
 
         try:
             serve(config)
-        except WorkerStartError as exc:
-            # A model that cannot start (a dtype this hardware cannot run, a failed fidelity self-check,
-            # a broken model) is the operator's to fix: one line that says why (the worker logged the
-            # details), not a traceback through the event loop.
-            print(f"encoderd: cannot start {exc}", file=sys.stderr)
+        except _startup_errors() as exc:
+            # The operator's to fix (a port taken, a broken model, a dtype this hardware cannot run, a
+            # failed fidelity self-check): one line that says why, not a traceback through the event
+            # loop; the traceback only at --log-level debug.
+            if config.log_level == "DEBUG":
+                raise
+            what = "cannot start " if type(exc).__name__ == "WorkerStartError" else ""  # it names the worker
+            print(f"encoderd: {what}{exc}", file=sys.stderr)
             return 2
     elif args.command == "gateway":
         return run_gateway_command(args)

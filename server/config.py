@@ -36,7 +36,8 @@ class ServerConfig:
     cache_size: int = 0                  # recent results kept per model (0 = no cache; dedup is always on)
     prompts: tuple[tuple[str, str], ...] = ()   # --prompt NAME=TEXT, for every embedding model
     max_inputs_per_request: int = 2048
-    max_input_chars: int = 1_000_000
+    max_input_chars: int = 1_000_000     # per text field: inputs, documents, query, prompt
+    max_request_tokens: int = 262_144    # tokens per request (after truncation); 0 = no bound
     api_keys: tuple[str, ...] = ()
     api_key_file: str | None = None
     bulk_api_keys: tuple[str, ...] = ()  # keys whose requests default to bulk priority

@@ -24,7 +24,7 @@ from ..workers.protocol import HEARTBEAT_INTERVAL
 from . import metrics
 from .batching import BatchLimits, WorkItem
 from .config import ModelConfig, ServerConfig
-from .errors import InvalidInput, ModelNotFound, WrongModelKind
+from .errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
 from .media import MediaLimits, load_preprocessors
 from .placement import Placement, plan_replicas
 from .result_cache import ResultCache, result_key
@@ -72,6 +72,7 @@ class Engine:
     def __init__(self, config: ServerConfig, on_model_state=lambda name, ready: None):
         self.config = config
         self.models: dict[str, ServedModel] = {}
+        self.loading = {m.name for m in config.models}  # configured, not yet served: calls get UNAVAILABLE
         self._on_model_state = on_model_state
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenizer")
         self._bulk_tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-bulk")
@@ -86,6 +87,7 @@ class Engine:
         """Load every model concurrently; each in its own worker process."""
         models = await asyncio.gather(*(self._start_model(m) for m in self.config.models))
         self.models = {m.spec.name: m for m in models}
+        self.loading.clear()
 
     async def _start_model(self, model: ModelConfig) -> ServedModel:
         cfg = self.config
@@ -171,6 +173,8 @@ class Engine:
             model = next(iter(self.models.values()))
         elif name in self.models:
             model = self.models[name]
+        elif name in self.loading or (not name and not self.models and self.loading):
+            raise Unavailable(f"model {name or next(iter(self.loading))!r} is loading; retry shortly")
         elif not name:
             raise InvalidInput(f"the request names no model and several are served: set `model` to one of "
                                f"{', '.join(sorted(self.models))}")
@@ -191,9 +195,33 @@ class Engine:
         for i, text in enumerate(texts):
             if not text:
                 raise InvalidInput(f"{what}[{i}] is an empty string")
-            if len(text) > self.config.max_input_chars:
-                raise InvalidInput(f"{what}[{i}] has {len(text)} characters; the limit is {self.config.max_input_chars}")
+            self.check_text(text, f"{what}[{i}]")
         return texts
+
+    def check_text(self, text: str, what: str) -> str:
+        """The character limit, for every text field a request carries (inputs, documents, query, prompt)."""
+        if len(text) > self.config.max_input_chars:
+            raise InvalidInput(f"{what} has {len(text)} characters; the limit is {self.config.max_input_chars}")
+        return text
+
+    def check_token_budget(self, estimate: int, exact: int | None = None) -> None:
+        """--max-request-tokens: a cheap estimate before any work, the exact count after tokenization
+        (before any compute)."""
+        budget = self.config.max_request_tokens
+        count = estimate if exact is None else exact
+        if budget and count > budget:
+            kind = "at least" if exact is None else ""
+            raise InvalidInput(f"the request holds {kind} {count} tokens; the limit is {budget} per request "
+                               "(--max-request-tokens): split it".replace("  ", " "))
+
+    def admit(self, model: ServedModel, texts: list[str], *, truncate: bool = True, pairs_with: str = ""):
+        """Budgets and queue admission before tokenization: refused at once when the request is
+        over the token budget or its model's queue bounds, else a reservation held until its
+        inputs are queued (so a flood cannot pile up unbounded in the tokenizer pool)."""
+        cap = model.spec.max_length if truncate else None
+        estimate = estimate_tokens(texts, cap, len(pairs_with))
+        self.check_token_budget(estimate)
+        return model.scheduler.reserve(len(texts), estimate)
 
     def prompt_text(self, model: ServedModel, prompt: str = "", prompt_name: str = "") -> str:
         """The instruction prefix: explicit text, else a named prompt, else the model's default."""
@@ -205,7 +233,7 @@ class Engine:
                                    f"{', '.join(sorted(model.prompts)) or 'none'}")
             text = model.prompts[prompt_name]
         else:
-            text = prompt or model.prompts.get(model.spec.default_prompt_name or "", "")
+            text = self.check_text(prompt, "`prompt`") or model.prompts.get(model.spec.default_prompt_name or "", "")
         if text and not model.spec.include_prompt:
             # Its pooling skips the prompt's tokens, which encoderd does not compute (see check_prompts).
             raise InvalidInput(f"model {model.spec.name!r} takes no prompt: its pooling excludes prompt tokens "
@@ -223,8 +251,11 @@ class Engine:
             texts = [prefix + t for t in texts]
 
         async def compute(indices: list[int]):
-            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate, side=side,
-                                                  bulk=priority == Priority.BULK)
+            batch = [texts[i] for i in indices]
+            with self.admit(model, batch, truncate=truncate):
+                tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side,
+                                                      bulk=priority == Priority.BULK)
+            self.check_token_budget(0, tokens.total_tokens)
             return await model.compute(tokens, priority), tokens.lengths
 
         keys = [result_key("embed", side, str(truncate), t) for t in texts]
@@ -255,11 +286,15 @@ class Engine:
         model = self.get(name, ModelKind.RERANKER)
         if not query:
             raise InvalidInput("`query` is empty")
+        self.check_text(query, "`query`")
         documents = self.check_inputs(documents, "documents")
 
         async def compute(indices: list[int]):
-            tokens = await model.tokenizer.encode([documents[i] for i in indices], truncate=truncate, side=side,
-                                                  pairs_with=query, bulk=priority == Priority.BULK)
+            batch = [documents[i] for i in indices]
+            with self.admit(model, batch, truncate=truncate, pairs_with=query):
+                tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side,
+                                                      pairs_with=query, bulk=priority == Priority.BULK)
+            self.check_token_budget(0, tokens.total_tokens)
             return await model.compute(tokens, priority), tokens.lengths
 
         keys = [result_key("pair", side, str(truncate), query, d) for d in documents]
@@ -273,10 +308,25 @@ class Engine:
         texts = self.check_inputs(texts)
 
         async def compute(indices: list[int]):
-            tokens = await model.tokenizer.encode([texts[i] for i in indices], truncate=truncate, side=side,
-                                                  bulk=priority == Priority.BULK)
+            batch = [texts[i] for i in indices]
+            with self.admit(model, batch, truncate=truncate):
+                tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side,
+                                                      bulk=priority == Priority.BULK)
+            self.check_token_budget(0, tokens.total_tokens)
             return await model.compute(tokens, priority), tokens.lengths
 
         keys = [result_key("classify", side, str(truncate), t) for t in texts]
         logits, n_tokens = await model.results.resolve(keys, compute)
         return model, logits, n_tokens
+
+
+# A generous characters-per-token figure: the estimate must not exceed the true count for real text
+# (English runs ~4 characters a token, code and CJK fewer), so only requests surely over a bound are
+# refused before tokenization; the exact count is checked after it.
+CHARS_PER_TOKEN = 8
+
+
+def estimate_tokens(texts: list[str], cap: int | None, pair_chars: int = 0) -> int:
+    """A lower-bound guess of a request's tokens without tokenizing: characters / CHARS_PER_TOKEN
+    per input (plus its pair's query), at most `cap` (the model's maximum when truncating)."""
+    return sum(min(cap or 1 << 62, (len(t) + pair_chars) // CHARS_PER_TOKEN + 1) for t in texts)

@@ -119,6 +119,8 @@ async def _compute(engine: Engine, model: ServedModel, contents: list[Content], 
     """Rows for every input, in order, and the usage, through the result cache
     (identical inputs in flight are computed once)."""
     _check(engine, model, contents, what)
+    if prefix:
+        engine.check_text(prefix, f"the {what} prompt")
     loop = asyncio.get_running_loop()
     # Media bytes first (fetches run concurrently, off the loop): the cache keys on their digest.
     blobs = await asyncio.gather(*(
@@ -150,7 +152,10 @@ async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str
     texts = [j for j, (modality, _, _) in enumerate(inputs) if modality == "text"]
     media = [j for j, (modality, _, _) in enumerate(inputs) if modality != "text"]
     if texts:
-        tokens = await model.tokenizer.encode([inputs[j][1] for j in texts], truncate=truncate, side=side, bulk=bulk)
+        batch = [inputs[j][1] for j in texts]
+        with engine.admit(model, batch, truncate=truncate):
+            tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side, bulk=bulk)
+        engine.check_token_budget(0, tokens.total_tokens)
         for j, ids in zip(texts, tokens.ids):
             items[j], costs[j] = WorkItem(ids, None, request, j), len(ids)
     loop = asyncio.get_running_loop()

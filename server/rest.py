@@ -408,7 +408,9 @@ class CompatService(compat_pb2_grpc.CompatServicer):
 
     @rpc
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
-        return _json({"object": "list", "data": [openai_model(m) for m in self.engine.models.values()]})
+        loading = [{"id": name, "object": "model", "created": 0, "owned_by": "encoderd", "status": "loading"}
+                   for name in sorted(self.engine.loading)]
+        return _json({"object": "list", "data": [openai_model(m) for m in self.engine.models.values()] + loading})
 
     @rpc
     async def ListRootModels(self, request, context) -> httpbody_pb2.HttpBody:
@@ -417,6 +419,8 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     @rpc
     async def GetModel(self, request: cpb.GetModelRequest, context) -> httpbody_pb2.HttpBody:
         model = self.engine.models.get(request.id)
+        if model is None and request.id in self.engine.loading:
+            raise Unavailable(f"model {request.id!r} is loading; retry shortly")
         if model is None:
             raise ModelNotFound(f"model {request.id!r} is not served here")
         return _json(openai_model(model))

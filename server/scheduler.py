@@ -20,6 +20,7 @@ decides *when* and *where* to send:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import enum
@@ -101,6 +102,7 @@ class ModelScheduler:
         self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
         self.load = {replica: ReplicaLoad() for replica in replicas}
         self._queued_tokens = 0
+        self._reserved = [0, 0]  # inputs, estimated tokens of admitted requests still tokenizing
         self._interactive_seen = float("-inf")  # when interactive work last arrived
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -121,16 +123,34 @@ class ModelScheduler:
             self._task.cancel()
         self._fail_queued(Unavailable(f"model {self.model} is shutting down"))
 
-    def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
-        """Queue a request's inputs, or refuse at once when over a bound."""
+    @contextlib.contextmanager
+    def reserve(self, inputs: int, tokens: int):
+        """Admission before tokenization: refuse at once when the queue bounds, counting the
+        requests still tokenizing, leave no room for `inputs` (~`tokens`, an estimate); else hold
+        their place until the block ends (the request then queues its real inputs by submit)."""
+        self._refuse_if_full(inputs, tokens)
+        self._reserved[0] += inputs
+        self._reserved[1] += tokens
+        try:
+            yield
+        finally:
+            self._reserved[0] -= inputs
+            self._reserved[1] -= tokens
+
+    def _refuse_if_full(self, inputs: int, tokens: int) -> None:
         if not self.ready:
             raise Unavailable(f"model {self.model} is unavailable (its worker is restarting)")
-        tokens = sum(item.length for item in items)
-        if self.queued + len(items) > self.max_queued or (
-                self.max_queued_tokens and self._queued_tokens + tokens > self.max_queued_tokens):
+        queued, queued_tokens = self.queued + self._reserved[0], self._queued_tokens + self._reserved[1]
+        if queued + inputs > self.max_queued or (
+                self.max_queued_tokens and queued_tokens + tokens > self.max_queued_tokens):
             metrics.REJECTED.labels(self.model, "queue_full").inc()
-            raise Overloaded(f"model {self.model} is overloaded ({self.queued} inputs, {self._queued_tokens} tokens "
-                             f"queued); retry later")
+            raise Overloaded(f"model {self.model} is overloaded ({queued} inputs, {queued_tokens} tokens "
+                             f"queued or tokenizing); retry later")
+
+    def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
+        """Queue a request's inputs, or refuse at once when over a bound."""
+        tokens = sum(item.length for item in items)
+        self._refuse_if_full(len(items), tokens)
         now = time.monotonic()
         if priority == Priority.INTERACTIVE:
             self._interactive_seen = now

@@ -12,7 +12,7 @@ import grpc
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from . import logs, metrics, multimodal, postprocess, tracing
-from .engine import Engine
+from .engine import Engine, estimate_tokens
 from .errors import EncoderdError, InvalidInput
 from .handlers import MalformedRequest
 from .media import Content
@@ -175,7 +175,9 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model = self.engine.get(request.model)
         texts = self.engine.check_inputs(request.inputs)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        self.engine.check_token_budget(estimate_tokens(texts, None))
         encodings = await model.tokenizer.tokenize(texts, add_special)
+        self.engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
         return pb.TokenizeResponse(model=model.spec.name, results=[
             pb.TokenizedInput(ids=e.ids, tokens=e.tokens, offsets=[pb.TokenSpan(start=s, end=t) for s, t in e.offsets])
             for e in encodings])
@@ -223,7 +225,8 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[model_info(m) for m in self.engine.models.values()])
+        loading = [pb.ModelInfo(id=name, status="loading") for name in sorted(self.engine.loading)]
+        return pb.ListModelsResponse(models=[model_info(m) for m in self.engine.models.values()] + loading)
 
 
 def model_info(model) -> pb.ModelInfo:

@@ -20,6 +20,7 @@ from ..v1 import compat_pb2 as cpb
 from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from . import multimodal, postprocess
 from . import rest as compat
+from .engine import estimate_tokens
 from .errors import InvalidInput, WrongModelKind
 from .media import Content
 from .scheduler import DEFAULT_PRIORITY
@@ -258,7 +259,9 @@ async def tokenize(service, request) -> httpbody_pb2.HttpBody:
     prefix = service.engine.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
     texts = [prefix + t for t in texts]
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    service.engine.check_token_budget(estimate_tokens(texts, None))
     encodings = await model.tokenizer.tokenize(texts, add_special)
+    service.engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
     return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings)])
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer, normalizers
 
+from ..workers.model_spec import ModelLoadError
 from .errors import InvalidInput
 
 
@@ -34,7 +35,11 @@ def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: b
     first, as sentence-transformers does: a Lowercase normalizer ahead of the tokenizer's own."""
     path = Path(model_dir) / "tokenizer.json"
     if path.exists():
-        tokenizer = Tokenizer.from_file(str(path))
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library names no file in its parse errors
+            raise ModelLoadError(f"{path}: not a readable tokenizer.json ({exc}); replace it from the model's "
+                                 "repository") from None
     else:  # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
         from transformers import AutoTokenizer
 
@@ -99,11 +104,62 @@ class ModelTokenizer:
     async def encode(self, texts: list[str], *, truncate: bool = True, side: str = "right",
                      pairs_with: str | None = None, bulk: bool = False) -> Tokenized:
         """Tokenize inputs (or (pairs_with, input) pairs) into per-input id arrays."""
-        loop = asyncio.get_running_loop()
+        if pairs_with is not None and self.pair_template is not None:
+            return await self._encode_pairs(pairs_with, texts, truncate, side, bulk)
         batch = [(pairs_with, t) for t in texts] if pairs_with is not None else texts
-        executor = self._bulk_executor if bulk else self._executor
-        encodings = await loop.run_in_executor(executor, self._by_side[side].encode_batch, batch)
+        encodings = await self._in_chunks(self._by_side[side].encode_batch, batch, bulk)
         return self._collect(encodings, truncate, pairs_with is not None)
+
+    async def _in_chunks(self, encode_batch, batch: list, bulk: bool, **kwargs) -> list[Encoding]:
+        """encode_batch over the batch in pieces of bounded size: a cancelled or expired request
+        stops between pieces (a running Rust call cannot be interrupted), and a huge request
+        shares the pool with others instead of holding a thread for seconds."""
+        loop = asyncio.get_running_loop()
+        executor = self._bulk_executor if bulk else self._executor
+        out: list[Encoding] = []
+        for chunk in _chunks(batch):
+            out += await loop.run_in_executor(executor, functools.partial(encode_batch, chunk, **kwargs))
+        return out
+
+    async def _encode_pairs(self, query: str, documents: list[str], truncate: bool, side: str,
+                            bulk: bool) -> Tokenized:
+        """(query, document) pairs with the query tokenized once, not once per document: each
+        pair is assembled from ids with the tokenizer's own pair template and truncation
+        (longest_first, see pair_lengths), which tests check against tokenizer.encode(q, d)."""
+        plain = functools.partial(self.untruncated.encode_batch, add_special_tokens=False)
+        (query_ids,) = [e.ids for e in await self._in_chunks(plain, [query], bulk)]
+        doc_ids = [e.ids for e in await self._in_chunks(plain, documents, bulk)]
+        template = self.pair_template
+        budget = self.max_length - template.added
+        ids, types = [], []
+        for i, doc in enumerate(doc_ids):
+            n_query, n_doc = pair_lengths(len(query_ids), len(doc), budget)
+            if not truncate and (n_query, n_doc) != (len(query_ids), len(doc)):
+                raise InvalidInput(f"input {i} is longer than the model's maximum of {self.max_length} "
+                                   "tokens and truncation is off")
+            pair_ids, pair_types = template.assemble(_cut(query_ids, n_query, side), _cut(doc, n_doc, side))
+            ids.append(pair_ids)
+            types.append(pair_types)
+        return Tokenized(ids, types, sum(len(i) for i in ids))
+
+    @functools.cached_property
+    def pair_template(self) -> PairTemplate | None:
+        """How the tokenizer lays out a pair, read off probes; None when the layout is not the plain
+        prefix + A + middle + B + suffix or the truncation is not longest_first (then pairs take
+        the tokenizer's own path)."""
+        truncation = self._by_side["right"].truncation or {}
+        if truncation.get("strategy", "longest_first") != "longest_first" or truncation.get("stride", 0):
+            return None
+        template = PairTemplate.read(self.untruncated)
+        if template is None:
+            return None
+        for a, b in (("hello world", "b c d e"), ("x", "a much longer second text, with punctuation")):
+            want = self.untruncated.encode(a, b)
+            got = template.assemble(self.untruncated.encode(a, add_special_tokens=False).ids,
+                                    self.untruncated.encode(b, add_special_tokens=False).ids)
+            if got[0].tolist() != want.ids or got[1].tolist() != want.type_ids:
+                return None
+        return template
 
     def _collect(self, encodings: list[Encoding], truncate: bool, pairs: bool) -> Tokenized:
         if not truncate:
@@ -116,6 +172,74 @@ class ModelTokenizer:
         return Tokenized(ids, types, sum(len(i) for i in ids))
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: self.untruncated.encode_batch(
-            texts, add_special_tokens=add_special_tokens))
+        return await self._in_chunks(self.untruncated.encode_batch, texts, False,
+                                     add_special_tokens=add_special_tokens)
+
+
+CHUNK_INPUTS = 64            # inputs per tokenizer call ...
+CHUNK_CHARS = 256 * 1024     # ... and characters (a few tens of ms of one core)
+
+
+def _chunks(batch: list):
+    start, chars = 0, 0
+    for i, item in enumerate(batch):
+        size = sum(len(t) for t in item if t) if isinstance(item, tuple) else len(item)
+        if i > start and (i - start >= CHUNK_INPUTS or chars + size > CHUNK_CHARS):
+            yield batch[start:i]
+            start, chars = i, 0
+        chars += size
+    if start < len(batch):
+        yield batch[start:]
+
+
+def pair_lengths(n1: int, n2: int, budget: int) -> tuple[int, int]:
+    """Tokens kept of a pair's two sequences under `budget` (max_length less the template's
+    special tokens): Hugging Face tokenizers' longest_first, reproduced exactly (both sequences
+    halve the budget, or only the longer one is cut)."""
+    if n1 + n2 <= budget:
+        return n1, n2
+    swap = n1 > n2
+    short, long_ = (n2, n1) if swap else (n1, n2)
+    long_ = short if short > budget else max(short, budget - short)
+    if short + long_ > budget:
+        short = budget // 2
+        long_ = short + budget % 2
+    return (long_, short) if swap else (short, long_)
+
+
+def _cut(ids: list[int], n: int, side: str) -> list[int]:
+    return ids[:n] if side == "right" else ids[len(ids) - n:]
+
+
+@dataclass(frozen=True)
+class PairTemplate:
+    """prefix + A + middle + B + suffix, each special run with its type ids; A and B's own types."""
+    prefix: tuple[list[int], list[int]]
+    middle: tuple[list[int], list[int]]
+    suffix: tuple[list[int], list[int]]
+    type_a: int
+    type_b: int
+
+    @property
+    def added(self) -> int:
+        return len(self.prefix[0]) + len(self.middle[0]) + len(self.suffix[0])
+
+    @classmethod
+    def read(cls, tokenizer: Tokenizer) -> PairTemplate | None:
+        a = tokenizer.encode("a", add_special_tokens=False).ids
+        b = tokenizer.encode("b", add_special_tokens=False).ids
+        full = tokenizer.encode("a", "b")
+        ids, types = full.ids, full.type_ids
+        if len(a) != 1 or len(b) != 1 or a == b or ids.count(a[0]) != 1 or ids.count(b[0]) != 1:
+            return None
+        i, j = ids.index(a[0]), ids.index(b[0])
+        if i > j:
+            return None
+        return cls((ids[:i], types[:i]), (ids[i + 1:j], types[i + 1:j]), (ids[j + 1:], types[j + 1:]),
+                   types[i], types[j])
+
+    def assemble(self, a: list[int], b: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(self.prefix[0] + a + self.middle[0] + b + self.suffix[0], dtype=np.int32)
+        types = np.asarray(self.prefix[1] + [self.type_a] * len(a) + self.middle[1] + [self.type_b] * len(b)
+                           + self.suffix[1], dtype=np.int32)
+        return ids, types

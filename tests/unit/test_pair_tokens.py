@@ -1,0 +1,64 @@
+"""Rerank pairs assembled from ids (the query tokenized once) must equal what the tokenizer's
+own pair encoding gives, truncation (longest_first, both directions) included."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from tokenizers import Tokenizer
+
+from encoderd.server.errors import InvalidInput
+from encoderd.server.tokenization import ModelTokenizer, pair_lengths
+from encoderd.workers.model_spec import default_model_path
+
+WORDS = ("the cat sat on a mat while quantum chromodynamics unbelievably reorganised ĉƒ 東京 "
+         "emoji 😀 don't re-run it, (x+y)=z").split()
+
+
+def _text(rnd: random.Random, words: int) -> str:
+    return " ".join(rnd.choice(WORDS) for _ in range(words))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with ThreadPoolExecutor(1) as executor:
+        yield executor
+
+
+@pytest.mark.parametrize("max_length", [16, 128, 512])
+@pytest.mark.parametrize("which", ["minilm", "reranker"])
+def test_pairs_match_the_tokenizers_pair_encoding(which, max_length, pool, reranker_path):
+    path = default_model_path() if which == "minilm" else reranker_path
+    tokenizer = ModelTokenizer(path, max_length, pool)
+    assert tokenizer.pair_template is not None  # else the old path ran and this test proves nothing
+    rnd = random.Random(max_length)
+    for side in ("right", "left"):
+        reference = Tokenizer.from_file(f"{path}/tokenizer.json")
+        reference.no_padding()  # the file pads to 128; encoderd never pads here
+        reference.enable_truncation(max_length, direction=side)
+        for _ in range(4):
+            query = _text(rnd, rnd.choice([1, 5, 40, 300, 900]))
+            documents = [_text(rnd, rnd.choice([1, 3, 30, 200, 700])) for _ in range(8)]
+            got = asyncio.run(tokenizer.encode(documents, side=side, pairs_with=query))
+            for doc, ids, types in zip(documents, got.ids, got.type_ids):
+                want = reference.encode(query, doc)
+                assert ids.tolist() == want.ids and types.tolist() == want.type_ids
+
+
+def test_over_long_pairs_without_truncation_are_refused(pool):
+    tokenizer = ModelTokenizer(default_model_path(), 32, pool)
+    with pytest.raises(InvalidInput, match="truncation is off"):
+        asyncio.run(tokenizer.encode(["short", "a b " * 40], truncate=False, pairs_with="query"))
+    fits = asyncio.run(tokenizer.encode(["short"], truncate=False, pairs_with="query"))
+    assert len(fits.ids[0]) == 5  # [CLS] query [SEP] short [SEP]
+
+
+def test_pair_lengths_cases():
+    assert pair_lengths(3, 4, 10) == (3, 4)      # fits
+    assert pair_lengths(2, 20, 10) == (2, 8)     # only the longer is cut
+    assert pair_lengths(20, 2, 10) == (8, 2)
+    assert pair_lengths(20, 30, 11) == (5, 6)    # both halve the budget
+    assert pair_lengths(30, 20, 11) == (6, 5)
