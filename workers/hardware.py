@@ -11,8 +11,9 @@ One home for every hardware-dependent numeric decision (the backends only ask):
   (U8U8), for which MLAS has no vpmaddubsw kernel: it widens both operands to int16 and sums pairs
   of products in int32 (2 x 255 x 255 fits). Measured on all-MiniLM-L6-v2, broad corpus, batches
   length-sorted: min cosine U8U8 0.9951, 7-bit signed weights (reduce_range, the other
-  saturation-free option) 0.9891, 8-bit signed 0.9954. CTranslate2, which has neither option,
-  refuses int8 there.
+  saturation-free option) 0.9891, 8-bit signed 0.9954. CTranslate2 has neither option, and even
+  with VNNI its int8 falls under the 0.99 floor on short and non-English input (0.987): it refuses
+  int8 on every CPU.
 * bfloat16 / float16 on CPU run at useful speed only with native instructions (avx512_bf16 /
   amx_bf16, avx512_fp16 / amx_fp16); elsewhere torch emulates them at ~1 GFLOP/s (bfloat16 on a
   Zen 3: ~80 for float32; a 512x512 float16 matmul on a Zen 5, which has avx512_bf16 but no
