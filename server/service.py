@@ -55,6 +55,9 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            if not expired:  # one line, no traceback: a client that leaves is not our error
+                log.warning("%s: the call ended before its answer was sent (the client cancelled, disconnected "
+                            "or stopped reading, or the server is stopping)", rpc_label)
             raise
         finally:
             elapsed = time.perf_counter() - started
