@@ -29,6 +29,17 @@ class GatewayError(Exception):
 
 
 @dataclass(frozen=True)
+class ListenerLimits:
+    """What one REST client may hold of Envoy. Defaults for a server facing untrusted clients."""
+    header_timeout_s: float = 10.0            # all request headers within this of their first byte
+    idle_timeout_s: float = 300.0             # a connection with no request in flight closes after this
+    max_connection_duration_s: float = 3600.0  # then drained (in-flight requests finish); 0 = no limit
+    max_connections: int = 16384              # open REST connections in all; more are refused
+    buffer_bytes: int = 32 * 1024             # read/write buffer per connection (flow control)
+    max_header_bytes: int = 16 * 1024         # request headers in all (431 past it); gRPC allows 8-16 KiB
+
+
+@dataclass(frozen=True)
 class GatewaySettings:
     grpc_addresses: tuple[str, ...] = ("127.0.0.1:50051",)   # HOST:PORT of encoderd servers
     rest_host: str = "127.0.0.1"
@@ -39,6 +50,10 @@ class GatewaySettings:
     admin_port: int = 0             # Envoy's admin interface on 127.0.0.1 (0 = none)
     cors_allow_origins: tuple[str, ...] = ()   # browser origins allowed ("*": any); () = no CORS
     url_prefix: str = ""            # REST routes under this path ("/api": /api/v1/embeddings); /health stays
+    limits: ListenerLimits = ListenerLimits()
+    tls_cert: str = ""              # PEM certificate chain and key: REST over HTTPS; "" = plain HTTP
+    tls_key: str = ""
+    tls_client_ca: str = ""         # PEM CA bundle: clients must present a certificate it signed (mTLS)
 
 
 def build_descriptor(out: Path) -> Path:
@@ -89,10 +104,12 @@ def _is_ip(host: str) -> bool:
 
 
 def _endpoints(addresses: tuple[str, ...]) -> tuple[str, str]:
-    """The cluster's endpoint list and type: STATIC for IP literals, else STRICT_DNS."""
-    hosts = [_split_address(a) for a in addresses]
-    lines = [f"        - endpoint: {{address: {{socket_address: {{address: \"{h}\", port_value: {p}}}}}}}"
-             for h, p in hosts]
+    """The cluster's endpoint list and type: STATIC for IP literals and unix:PATH sockets, else STRICT_DNS."""
+    sockets = [a.removeprefix("unix:") for a in addresses if a.startswith("unix:")]
+    hosts = [_split_address(a) for a in addresses if not a.startswith("unix:")]
+    lines = [f"        - endpoint: {{address: {{pipe: {{path: {json.dumps(path)}}}}}}}" for path in sockets]
+    lines += [f"        - endpoint: {{address: {{socket_address: {{address: \"{h}\", port_value: {p}}}}}}}"
+              for h, p in hosts]
     cluster_type = "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS"
     return "\n".join(lines), cluster_type
 
@@ -165,6 +182,39 @@ def check_url_prefix(prefix: str) -> str:
     return prefix
 
 
+def _tls_socket(settings: GatewaySettings) -> str:
+    """The REST filter chain's TLS (a DownstreamTlsContext), with client certificates required and
+    checked against tls_client_ca when given; "" for plain HTTP. The handshake shares the header
+    timeout, so a client cannot hold a connection by never finishing it either."""
+    if not settings.tls_cert:
+        return ""
+    client_ca = "" if not settings.tls_client_ca else f"""\
+              validation_context:
+                trusted_ca: {{filename: {json.dumps(str(Path(settings.tls_client_ca).resolve()))}}}
+          require_client_certificate: true
+"""
+    return f"""\
+      transport_socket_connect_timeout: {settings.limits.header_timeout_s:g}s
+      transport_socket:
+        name: envoy.transport_sockets.tls
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext
+          common_tls_context:
+              alpn_protocols: [h2, http/1.1]
+              tls_certificates:
+              - certificate_chain: {{filename: {json.dumps(str(Path(settings.tls_cert).resolve()))}}}
+                private_key: {{filename: {json.dumps(str(Path(settings.tls_key).resolve()))}}}
+{client_ca}"""
+
+
+def _limit_fields(limits: ListenerLimits) -> dict[str, str]:
+    duration = limits.max_connection_duration_s
+    return dict(header_timeout=f"{limits.header_timeout_s:g}s", idle_timeout=f"{limits.idle_timeout_s:g}s",
+                max_connection_duration=f"            max_connection_duration: {duration:g}s\n" if duration else "",
+                max_connections=limits.max_connections, buffer_bytes=limits.buffer_bytes,
+                max_header_kb=max(1, limits.max_header_bytes // 1024))
+
+
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
     admin = ("" if not settings.admin_port else
@@ -177,7 +227,7 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
         cors_policy=_cors_policy(settings.cors_allow_origins) if settings.cors_allow_origins else "",
         cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,
         max_body_bytes=settings.max_body_bytes, max_response_bytes=settings.max_response_bytes,
-        timeout=f"{settings.timeout_s:g}s")
+        timeout=f"{settings.timeout_s:g}s", tls=_tls_socket(settings), **_limit_fields(settings.limits))
 
 
 def render(out_dir: Path, settings: GatewaySettings) -> Path:

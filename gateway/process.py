@@ -58,7 +58,8 @@ class EnvoyProcess:
     @property
     def url(self) -> str:
         host = local_address(self.settings.rest_host)
-        return f"http://{'[' + host + ']' if ':' in host else host}:{self.settings.rest_port}"
+        scheme = "https" if self.settings.tls_cert else "http"
+        return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{self.settings.rest_port}"
 
     # -------------------------------------------------------------- lifecycle
     async def start(self, timeout: float = 30.0) -> None:

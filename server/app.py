@@ -10,7 +10,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..v1 import compat_pb2, encoderd_pb2
-from . import reflection_v1, systemd, tracing
+from ..gateway.envoy import local_address
+from ..workers.protocol import new_ipc_address
+from . import reflection_v1, systemd, tls, tracing
 from .auth import ApiKeyInterceptor, load_keys
 from .config import ServerConfig
 from .engine import Engine
@@ -71,18 +73,25 @@ class Server:
             encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
             compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name,
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
+        credentials = tls.server_credentials(cfg.tls) if cfg.tls else None  # a bad file: one line, now
         check_ports(cfg.host, {"--grpc-port": cfg.grpc_port, "--rest-port": cfg.rest_port,
                                "--metrics-port": cfg.metrics_port})
+        address = f"{cfg.host}:{cfg.grpc_port}"
         try:
-            self.bound_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+            self.bound_port = (self.grpc.add_secure_port(address, credentials) if credentials
+                               else self.grpc.add_insecure_port(address))
         except RuntimeError:  # taken between the check and now
             self.bound_port = 0
         if not self.bound_port:
             raise StartupError(f"cannot listen on {cfg.host}:{cfg.grpc_port} (--grpc-port)")
+        upstream = f"{local_address(cfg.host)}:{self.bound_port}"
+        if credentials and cfg.rest_port:  # Envoy's own way in, past TLS: a socket only this user can reach
+            upstream = "unix:" + new_ipc_address("grpc").removeprefix("ipc://")
+            self.grpc.add_insecure_port(upstream)
         # Listen first so health checks answer NOT_SERVING while models load.
         await self.grpc.start()
         if cfg.rest_port:  # before the models load, so REST /health answers 503 meanwhile
-            self.gateway = await start_gateway(cfg, self.bound_port)
+            self.gateway = await start_gateway(cfg, upstream)
         if cfg.metrics_port:
             from prometheus_client import start_http_server
 
@@ -96,7 +105,9 @@ class Server:
         await self._set_overall(health_pb2.HealthCheckResponse.SERVING)
         systemd.ready(self._status_line())
         self._serving = True
-        log.info("encoderd ready: gRPC on %s:%d serving %s", cfg.host, self.bound_port, ", ".join(self.engine.models))
+        security = "" if not cfg.tls else " (mutual TLS)" if cfg.tls.client_ca else " (TLS)"
+        log.info("encoderd ready: gRPC%s on %s:%d serving %s", security, cfg.host, self.bound_port,
+                 ", ".join(self.engine.models))
 
     async def drain_and_stop(self) -> None:
         """Stop accepting, let in-flight calls finish (up to the drain timeout), stop workers."""
@@ -143,20 +154,19 @@ class Server:
         starting.result()  # a failed start raises here
 
 
-async def start_gateway(cfg: ServerConfig, grpc_port: int):
-    """Envoy on cfg.rest_port, transcoding REST to this server's gRPC port."""
-    from ..gateway.envoy import GatewaySettings, local_address
+async def start_gateway(cfg: ServerConfig, upstream: str):
+    """Envoy on cfg.rest_port, transcoding REST to this server's gRPC at `upstream` (HOST:PORT or unix:PATH)."""
+    from ..gateway.envoy import GatewaySettings
     from ..gateway.process import EnvoyProcess
 
-    grpc_host = local_address(cfg.host)
-    settings = GatewaySettings(grpc_addresses=(f"{grpc_host}:{grpc_port}",), rest_host=cfg.host,
+    settings = GatewaySettings(grpc_addresses=(upstream,), rest_host=cfg.host,
                                rest_port=cfg.rest_port, max_body_bytes=cfg.rest_max_body_bytes,
                                timeout_s=cfg.rest_timeout, cors_allow_origins=cfg.cors_allow_origins,
-                               url_prefix=cfg.url_prefix)
+                               url_prefix=cfg.url_prefix, limits=cfg.rest_limits, tls_cert=cfg.tls.cert,
+                               tls_key=cfg.tls.key, tls_client_ca=cfg.tls.client_ca)
     envoy = EnvoyProcess(settings, cfg.envoy_bin, cfg.log_level)
     await envoy.start()
-    log.info("REST gateway: Envoy %s (pid %d) on %s -> gRPC %s:%d", envoy.binary, envoy.pid, envoy.url,
-             grpc_host, grpc_port)
+    log.info("REST gateway: Envoy %s (pid %d) on %s -> gRPC %s", envoy.binary, envoy.pid, envoy.url, upstream)
     return envoy
 
 
@@ -170,4 +180,6 @@ def serve(config: ServerConfig) -> None:
         from uvloop import run
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         run = asyncio.run
+    if config.tls:
+        tls.check(config.tls)  # before anything starts: a bad file is one line and nothing to stop
     run(_serve(config))  # a WorkerStartError reaches cli.main, which says it in one line

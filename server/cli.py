@@ -14,7 +14,9 @@ from ..workers.model_spec import DEFAULT_MODEL_NAME, Pooling, default_model_path
 from ..workers.protocol import HEARTBEAT_INTERVAL
 from ..gateway.cli import add_commands as add_gateway_commands
 from ..gateway.cli import run as run_gateway_command
+from ..gateway.envoy import ListenerLimits
 from .config import ModelConfig, ServerConfig
+from .tls import TlsFiles
 from .logs import FORMATS as LOG_FORMATS
 from .logs import configure_logging
 
@@ -231,6 +233,22 @@ def build_parser() -> argparse.ArgumentParser:
          "answers with and without it", "")
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
     _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)
+    # One REST client's share of Envoy (gateway/envoy.py ListenerLimits holds the defaults).
+    _add(serve, "--rest-header-timeout", "seconds a REST client has to send all its request headers (and finish "
+         "a TLS handshake); slower ones are cut off", 10.0, float)
+    _add(serve, "--rest-idle-timeout", "seconds a REST connection may stay open with no request in flight", 300.0,
+         float)
+    _add(serve, "--rest-max-connection-duration", "seconds after which a REST connection is drained: in-flight "
+         "requests finish, then it closes and the client reconnects (0 = no limit)", 3600.0, float)
+    _add(serve, "--rest-max-connections", "open REST connections in all; more are refused", 16384, int)
+    _add(serve, "--rest-buffer-kb", "read/write buffer per REST connection in KiB (flow control, not a body "
+         "limit)", 32, int)
+    _add(serve, "--rest-max-header-kb", "largest request headers in KiB; bigger ones get 431", 16, int)
+    _add(serve, "--tls-cert", "PEM certificate chain: serve gRPC and REST over TLS (with --tls-key; the metrics "
+         "port stays plain HTTP)", None)
+    _add(serve, "--tls-key", "PEM private key of --tls-cert (unencrypted; readable by this user only)", None)
+    _add(serve, "--tls-client-ca", "PEM CA bundle: both listeners require a client certificate it signed "
+         "(mutual TLS)", None)
     _add(serve, "--drain-delay", "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
          "load balancers stop sending before calls are refused (their health-check window)", 0.0, float)
     _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, float)
@@ -296,7 +314,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         rest_port=0 if args.no_rest else args.rest_port, envoy_bin=args.envoy_bin,
         rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout,
         cors_allow_origins=tuple(args.cors_allow_origin or _env_list("ENCODERD_CORS_ALLOW_ORIGIN")),
-        url_prefix=_url_prefix(args.url_prefix))
+        url_prefix=_url_prefix(args.url_prefix), rest_limits=ListenerLimits(
+            args.rest_header_timeout, args.rest_idle_timeout, args.rest_max_connection_duration,
+            args.rest_max_connections, args.rest_buffer_kb * 1024, args.rest_max_header_kb * 1024),
+        tls=TlsFiles(args.tls_cert or "", args.tls_key or "", args.tls_client_ca or ""))
 
 
 def _startup_errors() -> tuple[type[Exception], ...]:
