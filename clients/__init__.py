@@ -8,8 +8,9 @@ from .client import (AsyncEncoderClient, Classification, EncoderClient, Embeddin
 from .errors import (Cancelled, DeadlineExceeded, EncoderdError, FailedPrecondition, Internal, InvalidArgument,
                      NotFound, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable, Unimplemented)
 from .retry import NO_RETRY, RetryPolicy
+from .tls import tls_credentials
 
 __all__ = ["AsyncEncoderClient", "Classification", "EncoderClient", "Embeddings", "RerankResult", "SparseVector",
-           "Tokens", "audio", "image", "RetryPolicy", "NO_RETRY",
+           "Tokens", "audio", "image", "RetryPolicy", "NO_RETRY", "tls_credentials",
            "EncoderdError", "InvalidArgument", "NotFound", "FailedPrecondition", "ResourceExhausted", "Unavailable",
            "DeadlineExceeded", "Unauthenticated", "PermissionDenied", "Cancelled", "Unimplemented", "Internal"]

@@ -180,7 +180,8 @@ class _Methods:
 class EncoderClient(_Methods):
     """Blocking client. `timeout` is each call's deadline in seconds (None: none), retries included;
     `retry` the policy for UNAVAILABLE / RESOURCE_EXHAUSTED (retry.NO_RETRY: fail at once);
-    `credentials` (grpc.ssl_channel_credentials(...)) for TLS; `channel` to bring your own."""
+    `credentials` for TLS (tls_credentials(root_certs=, cert_chain=, private_key=): PEM paths or bytes;
+    mutual TLS with a client certificate); `channel` to bring your own."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
                  retry: RetryPolicy = RetryPolicy(), credentials: grpc.ChannelCredentials | None = None,

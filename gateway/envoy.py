@@ -28,6 +28,12 @@ class GatewayError(Exception):
     """The gateway cannot be configured or started; the message says why."""
 
 
+# A connection closed for idleness or age is drained first: HTTP/2 clients get a GOAWAY and this long
+# before the final one (requests racing it still land; in-flight ones finish), HTTP/1 a
+# `connection: close`. So idle connections close up to this (+1 s) after the idle timeout.
+DRAIN_S = 2.0
+
+
 @dataclass(frozen=True)
 class ListenerLimits:
     """What one REST client may hold of Envoy. Defaults for a server facing untrusted clients."""
@@ -211,7 +217,7 @@ def _limit_fields(limits: ListenerLimits) -> dict[str, str]:
     duration = limits.max_connection_duration_s
     return dict(header_timeout=f"{limits.header_timeout_s:g}s", idle_timeout=f"{limits.idle_timeout_s:g}s",
                 max_connection_duration=f"            max_connection_duration: {duration:g}s\n" if duration else "",
-                max_connections=limits.max_connections, buffer_bytes=limits.buffer_bytes,
+                drain=f"{DRAIN_S:g}", max_connections=limits.max_connections, buffer_bytes=limits.buffer_bytes,
                 max_header_kb=max(1, limits.max_header_bytes // 1024))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -34,7 +35,13 @@ class ServerProcess:
     REST (the Envoy child) is off unless rest=True, which puts it on a free port
     too and makes start() also wait until Envoy answers /health with 200."""
 
-    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None, rest: bool = False):
+    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None, rest: bool = False,
+                 credentials: grpc.ChannelCredentials | None = None, rest_tls: ssl.SSLContext | None = None):
+        """`credentials` / `rest_tls`: how this test's own checks reach a server started with --tls-*."""
+        self.credentials = credentials
+        self._rest_opener = (urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                                         urllib.request.HTTPSHandler(context=rest_tls))
+                             if rest_tls else _DIRECT)
         self.grpc_port = free_port()
         self.metrics_port = free_port()
         self.rest_port = free_port() if rest else 0
@@ -50,7 +57,7 @@ class ServerProcess:
 
     @property
     def rest_url(self) -> str:
-        return f"http://127.0.0.1:{self.rest_port}"
+        return f"{'https' if self._rest_opener is not _DIRECT else 'http'}://127.0.0.1:{self.rest_port}"
 
     def launch(self) -> "ServerProcess":
         """Start the process without waiting for it."""
@@ -73,7 +80,7 @@ class ServerProcess:
     def rest_health(self) -> int | None:
         """The HTTP status of GET /health through Envoy; None while nothing answers."""
         try:
-            with _DIRECT.open(self.rest_url + "/health", timeout=2) as response:
+            with self._rest_opener.open(self.rest_url + "/health", timeout=2) as response:
                 return response.status
         except urllib.error.HTTPError as exc:
             return exc.code
@@ -92,7 +99,7 @@ class ServerProcess:
 
     def wait_serving(self, timeout: float = 180, service: str = "") -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as channel:
+        with self.channel() as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -109,8 +116,13 @@ class ServerProcess:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path and self.log_path.exists() else ""
 
+    def channel(self) -> grpc.Channel:
+        if self.credentials:
+            return grpc.secure_channel(self.address, self.credentials)
+        return grpc.insecure_channel(self.address)
+
     def stub(self) -> encoderd_pb2_grpc.EncoderStub:
-        return encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(self.address))
+        return encoderd_pb2_grpc.EncoderStub(self.channel())
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if self.proc is None:

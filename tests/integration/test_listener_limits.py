@@ -1,0 +1,174 @@
+"""Issue 16, finding 8: slow and idle REST clients are cut off by Envoy's listener limits, and a
+client that vanishes mid-call leaves one WARNING line (method, request id), never an ERROR or a
+traceback. One real server (REST through its Envoy child) with small limits; raw sockets and real
+gRPC clients on loopback."""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import socket
+import time
+
+import grpc
+import httpx
+import pytest
+
+from encoderd.gateway.envoy import DRAIN_S
+from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.v1.encoderd_pb2_grpc import EncoderStub
+from support.server import ServerProcess
+
+HEADER_TIMEOUT = 1.0
+IDLE_TIMEOUT = 2.0
+MARGIN = 2.0  # Envoy's timers fire on time; this is for a loaded 2-core host
+BODY_LIMIT = 100 * 1024
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory, minilm_path):
+    log = tmp_path_factory.mktemp("limits") / "server.log"
+    server = ServerProcess("--model", f"m={minilm_path}", "--rest-header-timeout", str(HEADER_TIMEOUT),
+                           "--rest-idle-timeout", str(IDLE_TIMEOUT), "--rest-max-body-mb", str(BODY_LIMIT / 2**20),
+                           log_path=log, rest=True).start()
+    yield server
+    assert server.stop() == 0, server.log_text()
+    assert not re.search(r" ERROR |Traceback", server.log_path.read_text()), server.log_text()
+
+
+def _closed(sock: socket.socket, wait: float) -> tuple[bool, bytes]:
+    """Whether the peer closed `sock` within `wait` seconds, and what it sent before."""
+    received = b""
+    deadline = time.monotonic() + wait
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([sock], [], [], left)[0]:
+            break
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            return True, received
+        if not chunk:
+            return True, received
+        received += chunk
+    return False, received
+
+
+def _connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.rest_port), timeout=5)
+
+
+def test_headers_trickled_one_byte_at_a_time_are_cut_off_at_the_header_timeout(limited):
+    request = (b"POST /v1/embeddings HTTP/1.1\r\nHost: encoderd\r\nContent-Type: application/json\r\n"
+               + b"X-Padding: " + b"a" * 400 + b"\r\n\r\n")
+    with _connect(limited) as sock:
+        started = time.monotonic()
+        closed, answer, sent = False, b"", 0
+        while not closed and sent < len(request):
+            try:
+                sock.send(request[sent:sent + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            sent += 1
+            closed, answer = _closed(sock, 0.1)  # a byte every 0.1 s: 50 s for the whole header
+        elapsed = time.monotonic() - started
+    assert closed and sent < len(request), f"still open after {elapsed:.1f}s, {sent} bytes"
+    assert HEADER_TIMEOUT - 0.2 < elapsed < HEADER_TIMEOUT + MARGIN
+    assert not answer or answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_a_connection_that_sends_nothing_is_closed_at_the_idle_timeout(limited):
+    with _connect(limited) as sock:
+        started = time.monotonic()
+        closed, _ = _closed(sock, IDLE_TIMEOUT + MARGIN)
+        elapsed = time.monotonic() - started
+    assert closed and IDLE_TIMEOUT - 0.2 < elapsed < IDLE_TIMEOUT + MARGIN, elapsed
+
+
+def test_a_kept_alive_connection_is_drained_and_closed_after_the_idle_timeout(limited):
+    closes_by = IDLE_TIMEOUT + DRAIN_S + 1  # Envoy drains it first, then closes 1 s later
+    with _connect(limited) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: encoderd\r\n\r\n")
+        answered = time.monotonic()
+        closed, answer = _closed(sock, closes_by + MARGIN)
+        elapsed = time.monotonic() - answered
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert closed and IDLE_TIMEOUT - 0.2 < elapsed < closes_by + MARGIN, elapsed
+
+
+def test_a_body_over_the_limit_gets_413(limited):
+    body = {"model": "m", "input": ["x" * BODY_LIMIT]}
+    response = httpx.post(limited.rest_url + "/v1/embeddings", json=body, timeout=30)
+    assert response.status_code == 413
+    assert response.headers["content-type"].startswith("application/json")
+    small = httpx.post(limited.rest_url + "/v1/embeddings", json={"model": "m", "input": ["x"]}, timeout=30)
+    assert small.status_code == 200
+
+
+def test_headers_over_the_limit_get_431(limited):
+    response = httpx.get(limited.rest_url + "/health", headers={"x-big": "a" * 20_000}, timeout=30)
+    assert response.status_code == 431
+
+
+# ---------------------------------------------------------------------- vanishing clients
+def _slow_request(tag: str) -> pb.EmbedRequest:
+    """Distinct long inputs (no dedup), so the call is still computing when its client leaves."""
+    return pb.EmbedRequest(model="m", inputs=[f"{tag} passage {i} " + "word " * 150 for i in range(256)])
+
+
+def _new_log_lines(server, since: int) -> str:
+    return server.log_path.read_text()[since:]
+
+
+def _warnings_after(server, since: int, request_id: str, timeout: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [line for line in _new_log_lines(server, since).splitlines() if request_id in line]
+        if lines:
+            time.sleep(0.5)  # a second line, if there were one, would come now
+            return [line for line in _new_log_lines(server, since).splitlines() if request_id in line]
+        time.sleep(0.1)
+    return []
+
+
+def _assert_one_warning(server, since: int, request_id: str, method: str) -> None:
+    lines = _warnings_after(server, since, request_id)
+    assert len(lines) == 1 and " WARNING " in lines[0] and method in lines[0], lines
+    new = _new_log_lines(server, since)
+    assert " ERROR " not in new and "Traceback" not in new, new
+
+
+@pytest.mark.parametrize("how", ["cancel", "close"])
+def test_a_grpc_client_that_leaves_mid_call_is_one_warning(limited, how):
+    since = len(limited.log_path.read_text())
+    request_id = f"vanishing-{how}"
+    channel = limited.channel()
+    call = EncoderStub(channel).Embed.future(_slow_request(how), metadata=(("x-request-id", request_id),), timeout=60)
+    time.sleep(0.5)
+    call.cancel() if how == "cancel" else channel.close()
+    _assert_one_warning(limited, since, request_id, "Encoder/Embed")
+    channel.close()
+
+
+def test_a_stream_client_that_stops_reading_then_leaves_is_one_warning(limited):
+    since = len(limited.log_path.read_text())
+    channel = limited.channel()
+    inputs = (pb.EmbedStreamRequest(model="m", id=str(i), input=f"stream input {i} " + "word " * 40)
+              for i in range(3000))
+    responses = EncoderStub(channel).EmbedStream(inputs, metadata=(("x-request-id", "vanishing-stream"),))
+    next(responses)  # then never read again: the server's window fills, its writes wait
+    time.sleep(2)
+    channel.close()
+    _assert_one_warning(limited, since, "vanishing-stream", "Encoder/EmbedStream")
+
+
+def test_a_rest_client_that_hangs_up_mid_call_is_one_warning(limited):
+    since = len(limited.log_path.read_text())
+    body = json.dumps({"model": "m", "input": [f"rest passage {i} " + "word " * 50 for i in range(256)]}).encode()
+    assert len(body) < BODY_LIMIT
+    with _connect(limited) as sock:
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: encoderd\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: vanishing-rest\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.3)
+    _assert_one_warning(limited, since, "vanishing-rest", "Compat/CreateEmbeddings")
