@@ -5,7 +5,7 @@
   the hardening score of `systemd-analyze security --offline`.
 * encoderd.env.example documents every ENCODERD_* variable the CLI reads, read from the
   CLI's own parser, so a flag added later without documentation fails here.
-* Kubernetes: the manifests (and the kustomize GPU overlay, where kubectl can render it)
+* Kubernetes: the manifests (and the kustomize GPU and TLS overlays, where kubectl can render them)
   against the Kubernetes JSON schemas bundled in the `kubernetes-validate` package,
   offline, strict (unknown fields fail); plus the probe / grace-period rules that matter.
 * Envoy: deploy/envoy/front.yaml through `envoy --mode validate`.
@@ -62,7 +62,7 @@ def test_env_example_names_only_real_variables():
 # ---------------------------------------------------------------------- systemd
 @pytest.fixture(scope="module")
 def systemd_root(tmp_path_factory) -> Path:
-    """A scratch root: the host's system units, ours, the GPU drop-in, and stand-in binaries."""
+    """A scratch root: the host's system units, ours, the GPU and TLS drop-ins, and stand-in binaries."""
     analyze = shutil.which("systemd-analyze")
     if not analyze:
         pytest.skip("systemd-analyze is missing (Debian package systemd; .ci/run installs it)")
@@ -76,7 +76,8 @@ def systemd_root(tmp_path_factory) -> Path:
     (etc / "encoderd.service.d").mkdir(parents=True)
     for unit in UNITS:
         shutil.copy(SYSTEMD / unit, etc / unit)
-    shutil.copy(SYSTEMD / "encoderd.service.d" / "gpu.conf.example", etc / "encoderd.service.d" / "gpu.conf")
+    for drop_in in ("gpu", "tls"):
+        shutil.copy(SYSTEMD / "encoderd.service.d" / f"{drop_in}.conf.example", etc / "encoderd.service.d" / f"{drop_in}.conf")
     for binary in STUB_BINARIES:
         stub = root / binary.lstrip("/")
         stub.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +131,7 @@ def kustomize(directory: Path) -> list[dict]:
     return [d for name in kustomization["resources"] for d in yaml.safe_load_all((directory / name).read_text()) if d]
 
 
-@pytest.fixture(scope="module", params=["base", "overlays/gpu"])
+@pytest.fixture(scope="module", params=["base", "overlays/gpu", "overlays/tls"])
 def manifests(request) -> tuple[str, list[dict]]:
     return request.param, kustomize(KUBERNETES / request.param)
 
@@ -151,11 +152,21 @@ def test_deployment_probes_health_and_outlives_the_drain(manifests):
     (container,) = pod["containers"]
     port = int(config["data"]["ENCODERD_GRPC_PORT"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == port  # the grpc.health.v1 service, overall ("")
+        if variant == "overlays/tls":  # the kubelet's gRPC probes cannot speak TLS: REST /health over HTTPS
+            assert container[probe]["httpGet"] == {"path": "/health", "port": int(config["data"]["ENCODERD_REST_PORT"]),
+                                                    "scheme": "HTTPS"} and "grpc" not in container[probe]
+        else:
+            assert container[probe]["grpc"]["port"] == port  # the grpc.health.v1 service, overall ("")
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > pre_stop + float(config["data"]["ENCODERD_DRAIN_TIMEOUT"]) + 5
     assert config["data"]["ENCODERD_HOST"] == "0.0.0.0"  # the kubelet probes the pod IP
     assert any(m["mountPath"] == "/cache" for m in container["volumeMounts"])
+    if variant == "overlays/tls":  # the Secret's files where the ConfigMap points
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
+        secret = next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]
+        for key in ("ENCODERD_TLS_CERT", "ENCODERD_TLS_KEY"):
+            assert config["data"][key] in (f"{mount['mountPath']}/tls.crt", f"{mount['mountPath']}/tls.key")
+        assert mount["readOnly"] and secret["defaultMode"] & 0o007 == 0  # no world access to the key
     if variant == "overlays/gpu":
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert config["data"]["ENCODERD_DEVICE"] == "cuda"
