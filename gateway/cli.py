@@ -31,13 +31,20 @@ def add_commands(commands) -> None:
                                                   "/api/v1/embeddings); /health answers with and without it")
     out.add_argument("--timeout", type=float, default=300.0, help="seconds per request before 504 (0 = no limit) "
                                                                    "[default: %(default)s]")
+    out.add_argument("--tls-cert", default="", help="PEM certificate chain: serve REST over HTTPS (with --tls-key)")
+    out.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    out.add_argument("--tls-client-ca", default="", help="PEM CA bundle: require client certificates it signed "
+                                                         "(mutual TLS)")
 
 
 def run(args: argparse.Namespace) -> int:
     settings = GatewaySettings(
         grpc_addresses=tuple(args.grpc_address or ["127.0.0.1:50051"]), rest_host=args.rest_host,
         rest_port=args.rest_port, admin_port=args.admin_port, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        timeout_s=args.timeout, cors_allow_origins=tuple(args.cors_allow_origin or ()), url_prefix=args.url_prefix)
+        timeout_s=args.timeout, cors_allow_origins=tuple(args.cors_allow_origin or ()), url_prefix=args.url_prefix,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        raise SystemExit("encoderd gateway: TLS needs both --tls-cert and --tls-key")
     try:
         config = render(args.out, settings)
     except GatewayError as exc:
