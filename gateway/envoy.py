@@ -44,6 +44,15 @@ class ListenerLimits:
     buffer_bytes: int = 32 * 1024             # read/write buffer per connection (flow control)
     max_header_bytes: int = 16 * 1024         # request headers in all (431 past it); gRPC allows 8-16 KiB
 
+    def check(self) -> None:
+        """Refuse what Envoy would read differently (a 0 s header timeout means none) or not at all."""
+        if not (self.header_timeout_s > 0 and self.idle_timeout_s > 0 and self.max_connection_duration_s >= 0):
+            raise GatewayError("--rest-header-timeout and --rest-idle-timeout must be above 0 seconds, "
+                               "--rest-max-connection-duration 0 (no limit) or more")
+        if min(self.max_connections, self.buffer_bytes, self.max_header_bytes) < 1 or self.max_header_bytes > 8192 * 1024:
+            raise GatewayError("--rest-max-connections, --rest-buffer-kb and --rest-max-header-kb must be at least 1 "
+                               "(--rest-max-header-kb at most 8192)")
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
@@ -222,6 +231,7 @@ def _limit_fields(limits: ListenerLimits) -> dict[str, str]:
 
 
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
+    settings.limits.check()
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
     admin = ("" if not settings.admin_port else
              f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n")
