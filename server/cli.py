@@ -233,17 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
          "answers with and without it", "")
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
     _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)
-    # One REST client's share of Envoy (gateway/envoy.py ListenerLimits holds the defaults).
+    LIMITS = ListenerLimits()  # one REST client's share of Envoy: the defaults live there
     _add(serve, "--rest-header-timeout", "seconds a REST client has to send all its request headers (and finish "
-         "a TLS handshake); slower ones are cut off", 10.0, float)
-    _add(serve, "--rest-idle-timeout", "seconds a REST connection may stay open with no request in flight", 300.0,
-         float)
+         "a TLS handshake); slower ones are cut off", LIMITS.header_timeout_s, float)
+    _add(serve, "--rest-idle-timeout", "seconds a REST connection may stay open with no request in flight",
+         LIMITS.idle_timeout_s, float)
     _add(serve, "--rest-max-connection-duration", "seconds after which a REST connection is drained: in-flight "
-         "requests finish, then it closes and the client reconnects (0 = no limit)", 3600.0, float)
-    _add(serve, "--rest-max-connections", "open REST connections in all; more are refused", 16384, int)
+         "requests finish, then it closes and the client reconnects (0 = no limit)", LIMITS.max_connection_duration_s, float)
+    _add(serve, "--rest-max-connections", "open REST connections in all; more are refused", LIMITS.max_connections, int)
     _add(serve, "--rest-buffer-kb", "read/write buffer per REST connection in KiB (flow control, not a body "
-         "limit)", 32, int)
-    _add(serve, "--rest-max-header-kb", "largest request headers in KiB; bigger ones get 431", 16, int)
+         "limit)", LIMITS.buffer_bytes // 1024, int)
+    _add(serve, "--rest-max-header-kb", "largest request headers in KiB; bigger ones get 431", LIMITS.max_header_bytes // 1024, int)
     _add(serve, "--tls-cert", "PEM certificate chain: serve gRPC and REST over TLS (with --tls-key; the metrics "
          "port stays plain HTTP)", None)
     _add(serve, "--tls-key", "PEM private key of --tls-cert (unencrypted; readable by this user only)", None)
