@@ -239,11 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--rest-idle-timeout", "seconds a REST connection may stay open with no request in flight",
          LIMITS.idle_timeout_s, float)
     _add(serve, "--rest-max-connection-duration", "seconds after which a REST connection is drained: in-flight "
-         "requests finish, then it closes and the client reconnects (0 = no limit)", LIMITS.max_connection_duration_s, float)
-    _add(serve, "--rest-max-connections", "open REST connections in all; more are refused", LIMITS.max_connections, int)
+         "requests finish, then it closes and the client reconnects (0 = no limit)",
+         LIMITS.max_connection_duration_s, float)
+    _add(serve, "--rest-max-connections", "open REST connections in all; more are refused", LIMITS.max_connections,
+         int)
     _add(serve, "--rest-buffer-kb", "read/write buffer per REST connection in KiB (flow control, not a body "
          "limit)", LIMITS.buffer_bytes // 1024, int)
-    _add(serve, "--rest-max-header-kb", "largest request headers in KiB; bigger ones get 431", LIMITS.max_header_bytes // 1024, int)
+    _add(serve, "--rest-max-header-kb", "largest request headers in KiB; bigger ones get 431",
+         LIMITS.max_header_bytes // 1024, int)
     _add(serve, "--tls-cert", "PEM certificate chain: serve gRPC and REST over TLS (with --tls-key; the metrics "
          "port stays plain HTTP)", None)
     _add(serve, "--tls-key", "PEM private key of --tls-cert (unencrypted; readable by this user only)", None)

@@ -72,8 +72,9 @@ def test_grpc_over_tls_serves_and_plaintext_is_refused(servers, pki):
 
 def test_rest_over_tls_with_the_ca_matches_grpc(servers, pki):
     tls, _ = servers
-    response = httpx.post(f"https://localhost:{tls.rest_port}/v1/embeddings", json={"model": "m", "input": ["over TLS"]},
-                          verify=_rest_context(pki, client_cert=False), timeout=60)
+    response = httpx.post(f"https://localhost:{tls.rest_port}/v1/embeddings",
+                          json={"model": "m", "input": ["over TLS"]}, verify=_rest_context(pki, client_cert=False),
+                          timeout=60)
     assert response.status_code == 200, response.text
     rest = np.array(response.json()["data"][0]["embedding"], dtype=np.float32)
     with EncoderClient(tls.address, credentials=tls_credentials(pki.ca)) as client:

@@ -77,7 +77,8 @@ def systemd_root(tmp_path_factory) -> Path:
     for unit in UNITS:
         shutil.copy(SYSTEMD / unit, etc / unit)
     for drop_in in ("gpu", "tls"):
-        shutil.copy(SYSTEMD / "encoderd.service.d" / f"{drop_in}.conf.example", etc / "encoderd.service.d" / f"{drop_in}.conf")
+        shutil.copy(SYSTEMD / "encoderd.service.d" / f"{drop_in}.conf.example",
+                    etc / "encoderd.service.d" / f"{drop_in}.conf")
     for binary in STUB_BINARIES:
         stub = root / binary.lstrip("/")
         stub.parent.mkdir(parents=True, exist_ok=True)
