@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..v1 import compat_pb2, encoderd_pb2
 from ..gateway.envoy import local_address
-from ..workers.protocol import new_ipc_address
+from ..workers.protocol import frontend_grpc_socket
 from . import reflection_v1, systemd, tls, tracing
 from .auth import ApiKeyInterceptor, load_keys
 from .config import ServerConfig
@@ -86,7 +86,7 @@ class Server:
             raise StartupError(f"cannot listen on {cfg.host}:{cfg.grpc_port} (--grpc-port)")
         upstream = f"{local_address(cfg.host)}:{self.bound_port}"
         if credentials and cfg.rest_port:  # Envoy's own way in, past TLS: a socket only this user can reach
-            upstream = "unix:" + new_ipc_address("grpc").removeprefix("ipc://")
+            upstream = "unix:" + frontend_grpc_socket()
             self.grpc.add_insecure_port(upstream)
         # Listen first so health checks answer NOT_SERVING while models load.
         await self.grpc.start()

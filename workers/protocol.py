@@ -284,9 +284,21 @@ def new_ipc_address(tag: str) -> str:
     return "ipc://" + path
 
 
+# The frontend's gRPC socket for its own Envoy when TLS is on (server/app.py): in the same private
+# directory, under a fixed name, so that workers outliving a SIGKILLed frontend remove it too.
+FRONTEND_GRPC_SOCKET = "frontend-grpc.sock"
+
+
+def frontend_grpc_socket() -> str:
+    return os.path.join(_ipc_directory(), FRONTEND_GRPC_SOCKET)
+
+
 def remove_ipc_files(*addresses: str, with_directory: bool = False) -> None:
-    """Unlink these ipc:// sockets and, with_directory, their directory once it is empty."""
+    """Unlink these ipc:// sockets and, with_directory, the frontend's gRPC socket and their directory
+    once it is empty."""
     paths = [address.removeprefix("ipc://") for address in addresses if address]
+    if with_directory:
+        paths += [os.path.join(directory, FRONTEND_GRPC_SOCKET) for directory in {os.path.dirname(p) for p in paths}]
     for path in paths:
         try:
             os.unlink(path)

@@ -5,9 +5,12 @@ start in one line."""
 
 from __future__ import annotations
 
+import signal
 import ssl
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -38,6 +41,7 @@ def servers(pki, tmp_path_factory, minilm_path):
     logs = tmp_path_factory.mktemp("tls-logs")
     tls = ServerProcess("--model", f"m={minilm_path}", "--tls-cert", str(pki.server_cert), "--tls-key",
                         str(pki.server_key), rest=True, log_path=logs / "tls.log",
+                        env={"ENCODERD_RPC_DIR": str(tmp_path_factory.mktemp("rpc"))},
                         credentials=tls_credentials(pki.ca), rest_tls=_rest_context(pki, client_cert=False))
     mutual = ServerProcess("--model", f"m={minilm_path}", "--tls-cert", str(pki.server_cert), "--tls-key",
                            str(pki.server_key), "--tls-client-ca", str(pki.ca), rest=True, log_path=logs / "mtls.log",
@@ -50,7 +54,8 @@ def servers(pki, tmp_path_factory, minilm_path):
         yield tls, mutual
     finally:
         for server in (tls, mutual):
-            assert server.stop() == 0, server.log_text()
+            code = server.stop()
+            assert code == 0 or (code == -signal.SIGKILL and server is tls), server.log_text()
 
 
 def _refused(channel: grpc.Channel) -> grpc.StatusCode:
@@ -97,6 +102,20 @@ def test_mutual_tls_serves_a_client_certificate_and_refuses_none(servers, pki):
     assert httpx.post(url, json=body, verify=_rest_context(pki, client_cert=True), timeout=60).status_code == 200
     with pytest.raises(httpx.HTTPError):  # the handshake fails: certificate required
         httpx.post(url, json=body, verify=_rest_context(pki, client_cert=False), timeout=10)
+
+
+def test_a_killed_tls_server_leaves_no_socket_behind(servers):
+    """Envoy reaches gRPC over a unix socket in the frontend's private directory; after a SIGKILL of
+    the frontend its workers remove it with their own. (Ends the TLS server: keep it last.)"""
+    tls, _ = servers
+    rpc_dir = Path(tls.env["ENCODERD_RPC_DIR"])
+    assert list(rpc_dir.glob("encoderd-*/frontend-grpc.sock"))
+    tls.proc.send_signal(signal.SIGKILL)
+    tls.proc.wait()
+    deadline = time.monotonic() + 10
+    while list(rpc_dir.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not list(rpc_dir.iterdir()), list(rpc_dir.rglob("*"))
 
 
 def _start_error(*args: str) -> subprocess.CompletedProcess:
