@@ -6,6 +6,7 @@ start in one line."""
 from __future__ import annotations
 
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -21,6 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from encoderd.clients import EncoderClient, Unavailable, tls_credentials
 from support.certs import make_pki
 from support.server import ServerProcess
+
+
+HANDSHAKE_TIMEOUT = 1.0  # --rest-header-timeout bounds the TLS handshake too
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +44,8 @@ def servers(pki, tmp_path_factory, minilm_path):
     """(TLS server, mutual-TLS server), started side by side."""
     logs = tmp_path_factory.mktemp("tls-logs")
     tls = ServerProcess("--model", f"m={minilm_path}", "--tls-cert", str(pki.server_cert), "--tls-key",
-                        str(pki.server_key), rest=True, log_path=logs / "tls.log",
+                        str(pki.server_key), "--rest-header-timeout", str(HANDSHAKE_TIMEOUT), rest=True,
+                        log_path=logs / "tls.log",
                         env={"ENCODERD_RPC_DIR": str(tmp_path_factory.mktemp("rpc"))},
                         credentials=tls_credentials(pki.ca), rest_tls=_rest_context(pki, client_cert=False))
     mutual = ServerProcess("--model", f"m={minilm_path}", "--tls-cert", str(pki.server_cert), "--tls-key",
@@ -86,6 +91,19 @@ def test_rest_over_tls_with_the_ca_matches_grpc(servers, pki):
         np.testing.assert_allclose(rest, client.embed(["over TLS"], model="m").vectors[0], atol=1e-6)
     with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port
         httpx.get(f"http://127.0.0.1:{tls.rest_port}/health", timeout=10)
+
+
+def test_a_stalled_tls_handshake_is_cut_off_at_the_header_timeout(servers):
+    tls, _ = servers
+    with socket.create_connection(("127.0.0.1", tls.rest_port), timeout=10) as sock:
+        sock.sendall(b"\x16\x03\x01")  # the start of a TLS record, then nothing
+        started = time.monotonic()
+        try:
+            closed = sock.recv(1024) == b""
+        except ConnectionResetError:
+            closed = True
+        elapsed = time.monotonic() - started
+    assert closed and HANDSHAKE_TIMEOUT - 0.3 < elapsed < HANDSHAKE_TIMEOUT + 2.0, elapsed
 
 
 def test_mutual_tls_serves_a_client_certificate_and_refuses_none(servers, pki):
