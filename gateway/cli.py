@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .envoy import DESCRIPTOR_NAME, GatewayError, GatewaySettings, find_envoy, render
+from .envoy import DESCRIPTOR_NAME, GatewayError, GatewaySettings, ListenerLimits, find_envoy, render
 
 
 def add_commands(commands) -> None:
@@ -31,6 +31,16 @@ def add_commands(commands) -> None:
                                                   "/api/v1/embeddings); /health answers with and without it")
     out.add_argument("--timeout", type=float, default=300.0, help="seconds per request before 504 (0 = no limit) "
                                                                    "[default: %(default)s]")
+    limits = ListenerLimits()
+    for flag, default, what in (
+            ("--header-timeout", limits.header_timeout_s, "seconds to send all request headers (and finish TLS)"),
+            ("--idle-timeout", limits.idle_timeout_s, "seconds a connection may stay open with nothing in flight"),
+            ("--max-connection-duration", limits.max_connection_duration_s, "seconds before a connection is "
+             "drained (0 = no limit)"),
+            ("--max-connections", limits.max_connections, "open connections in all"),
+            ("--buffer-kb", limits.buffer_bytes // 1024, "read/write buffer per connection in KiB"),
+            ("--max-header-kb", limits.max_header_bytes // 1024, "largest request headers in KiB (431 past it)")):
+        out.add_argument(flag, type=type(default), default=default, help=f"{what} [default: %(default)s]")
     out.add_argument("--tls-cert", default="", help="PEM certificate chain: serve REST over HTTPS (with --tls-key)")
     out.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     out.add_argument("--tls-client-ca", default="", help="PEM CA bundle: require client certificates it signed "
@@ -42,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
         grpc_addresses=tuple(args.grpc_address or ["127.0.0.1:50051"]), rest_host=args.rest_host,
         rest_port=args.rest_port, admin_port=args.admin_port, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         timeout_s=args.timeout, cors_allow_origins=tuple(args.cors_allow_origin or ()), url_prefix=args.url_prefix,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca)
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, limits=ListenerLimits(
+            args.header_timeout, args.idle_timeout, args.max_connection_duration, args.max_connections,
+            args.buffer_kb * 1024, args.max_header_kb * 1024))
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         raise SystemExit("encoderd gateway: TLS needs both --tls-cert and --tls-key")
     try:

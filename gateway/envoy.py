@@ -47,12 +47,12 @@ class ListenerLimits:
     def check(self) -> None:
         """Refuse what Envoy would read differently (a 0 s header timeout means none) or not at all."""
         if not (self.header_timeout_s > 0 and self.idle_timeout_s > 0 and self.max_connection_duration_s >= 0):
-            raise GatewayError("--rest-header-timeout and --rest-idle-timeout must be above 0 seconds, "
-                               "--rest-max-connection-duration 0 (no limit) or more")
+            raise GatewayError("the REST header and idle timeouts (--rest-header-timeout, --rest-idle-timeout) must "
+                               "be above 0 seconds, the maximum connection duration 0 (no limit) or more")
         if min(self.max_connections, self.buffer_bytes, self.max_header_bytes) < 1 or \
                 self.max_header_bytes > 8192 * 1024:
-            raise GatewayError("--rest-max-connections, --rest-buffer-kb and --rest-max-header-kb must be at least 1 "
-                               "(--rest-max-header-kb at most 8192)")
+            raise GatewayError("the REST connection limit, buffer size and header size (--rest-max-connections, "
+                               "--rest-buffer-kb, --rest-max-header-kb) must be at least 1, headers at most 8192 KiB")
 
 
 @dataclass(frozen=True)
