@@ -161,6 +161,16 @@ def test_deployment_probes_health_and_outlives_the_drain(manifests):
         assert config["data"]["ENCODERD_DEVICE"] == "cuda"
 
 
+def test_manifests_run_the_image_build_sh_makes(manifests):
+    variant, documents = manifests
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    version = re.search(r"^VERSION=(\S+)$", (ROOT / "deploy/container/build.sh").read_text(), re.M).group(1)
+    assert version == re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert container["image"] == f"encoderd:{version}" + ("-cuda" if variant == "overlays/gpu" else "")
+    assert "command" not in container  # the image's entrypoint (tini, then encoderd) stays
+
+
 # ------------------------------------------------------------------------ Envoy
 def test_front_envoy_config_is_valid(tmp_path):
     try:
