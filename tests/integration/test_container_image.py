@@ -28,8 +28,9 @@ BASE = "localhost/encoderd-base:bookworm"
 IMAGE = "localhost/encoderd:test-cpu"
 TEXTS = ["hello world", "encoder models in a container"]
 
-pytestmark = pytest.mark.skipif(os.environ.get("ENCODERD_TEST_IMAGES") != "1",
-                                reason="image test is opt-in: ENCODERD_TEST_IMAGES=1 (builds for minutes)")
+pytestmark = [pytest.mark.skipif(os.environ.get("ENCODERD_TEST_IMAGES") != "1",
+                                 reason="image test is opt-in: ENCODERD_TEST_IMAGES=1 (builds for minutes)"),
+              pytest.mark.timeout(2400)]  # the first test pays for building the base and the image
 
 
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
