@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 
 from ..workers.model_cache import default_cache_dir
-from ..workers.model_spec import DEFAULT_MODEL_NAME, Pooling, default_model_path
+from ..workers.model_spec import DEFAULT_MODEL_NAME, ModelLoadError, Pooling, default_model_path
 from ..workers.protocol import HEARTBEAT_INTERVAL
 from ..gateway.cli import add_commands as add_gateway_commands
 from ..gateway.cli import run as run_gateway_command
@@ -285,10 +285,17 @@ def _url_prefix(prefix: str) -> str:
         raise SystemExit(f"encoderd: {exc}") from None
 
 
+def _bundled_model_path(cache_dir: str) -> str:
+    try:
+        return default_model_path(cache_dir)
+    except ModelLoadError as exc:
+        raise SystemExit(f"encoderd: {exc}") from None
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     # A repeatable flag's default would be appended to, so the env list is applied here.
     env_models = [parse_model(m) for m in _env_list("ENCODERD_MODEL")]
-    models = args.model or env_models or [ModelConfig(DEFAULT_MODEL_NAME, default_model_path())]
+    models = args.model or env_models or [ModelConfig(DEFAULT_MODEL_NAME, _bundled_model_path(args.cache_dir))]
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         raise SystemExit(f"encoderd: two --model flags serve the same name: {names}")

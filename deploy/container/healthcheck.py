@@ -1,0 +1,27 @@
+#!/usr/bin/env python3
+"""Container health check: exit 0 when encoderd's gRPC health service answers SERVING.
+
+Asks the standard grpc.health.v1 service (open even with --api-key) on the local gRPC port.
+"""
+import os
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def main() -> int:
+    address = f"127.0.0.1:{os.environ.get('ENCODERD_GRPC_PORT', '50051')}"
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=4)
+    except grpc.RpcError as exc:
+        print(f"{address}: {exc.code().name}", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{address}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

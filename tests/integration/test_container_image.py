@@ -1,0 +1,149 @@
+"""The CPU container image: built by deploy/container/build.sh (base from Debian packages), then one
+container serves a real request over gRPC and over REST (Envoy inside the container).
+
+Opt-in (ENCODERD_TEST_IMAGES=1): the base plus the image take minutes to build (see the notes in
+deploy/container/README.md). Skipped, with the reason, where no container can run: no podman,
+no mmdebstrap, or a sandbox that refuses containers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = ROOT / "deploy" / "container" / "build.sh"
+BASE = "localhost/encoderd-base:bookworm"
+IMAGE = "localhost/encoderd:test-cpu"
+TEXTS = ["hello world", "encoder models in a container"]
+
+pytestmark = [pytest.mark.skipif(os.environ.get("ENCODERD_TEST_IMAGES") != "1",
+                                 reason="image test is opt-in: ENCODERD_TEST_IMAGES=1 (builds for minutes)"),
+              pytest.mark.timeout(2400)]  # the first test pays for building the base and the image
+
+
+def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)}: {result.stderr[-3000:]}")
+    return result
+
+
+def sandbox_conf(path: Path) -> Path:
+    """A containers.conf for sandboxes without CAP_SYS_RESOURCE (podman's default rlimits are then
+    refused) or with hybrid cgroups (crun refuses them; runc does not)."""
+    nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 4096)
+    runtime = 'runtime = "runc"\n' if shutil.which("runc") else ""
+    path.write_text(f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
+                    f"[engine]\n{runtime}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine_env(tmp_path_factory) -> dict[str, str]:
+    for tool, package in (("podman", "podman"), ("mmdebstrap", "mmdebstrap")):
+        if not shutil.which(tool):
+            pytest.skip(f"{tool} is missing (Debian package {package})")
+    env = dict(os.environ)
+    base = subprocess.run([str(BUILD), "--base-only"], capture_output=True, text=True, timeout=900, env=env)
+    if base.returncode != 0:
+        pytest.skip(f"cannot build the base image here: {base.stderr.strip().splitlines()[-1:]}")
+    probe = podman("run", "--rm", "--network", "host", BASE, "true", check=False)
+    if probe.returncode != 0:
+        env["CONTAINERS_CONF"] = str(sandbox_conf(tmp_path_factory.mktemp("podman") / "containers.conf"))
+        retry = subprocess.run(["podman", "run", "--rm", "--network", "host", BASE, "true"],
+                               capture_output=True, text=True, timeout=120, env=env)
+        if retry.returncode != 0:
+            pytest.skip(f"containers cannot run in this sandbox: {retry.stderr.strip()[-300:]}")
+    os.environ.update({k: v for k, v in env.items() if k == "CONTAINERS_CONF"})
+    return env
+
+
+@pytest.fixture(scope="module")
+def image(engine_env) -> str:
+    started = time.monotonic()
+    build = subprocess.run([str(BUILD), "--tag", IMAGE], capture_output=True, text=True, timeout=1800, env=engine_env)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    print(f"image built in {time.monotonic() - started:.0f} s")
+    return IMAGE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def container(image):
+    """The image's defaults, its model cache on a named volume; host network (the sandbox may lack
+    CNI plugins), so the ports are moved to free ones through ENCODERD_* variables."""
+    grpc_port, rest_port, metrics_port = free_port(), free_port(), free_port()
+    volume = f"encoderd-test-cache-{uuid.uuid4().hex[:8]}"
+    cid = podman("run", "-d", "--network", "host", "-v", f"{volume}:/cache",
+                 "-e", f"ENCODERD_GRPC_PORT={grpc_port}", "-e", f"ENCODERD_REST_PORT={rest_port}",
+                 "-e", f"ENCODERD_METRICS_PORT={metrics_port}", image).stdout.strip()
+    try:
+        wait_healthy(cid)
+        yield cid, grpc_port, rest_port
+    finally:
+        podman("rm", "-f", "-t", "5", cid, check=False)
+        podman("volume", "rm", "-f", volume, check=False)
+
+
+def wait_healthy(cid: str, timeout: float = 300) -> None:
+    """Polls the image's own HEALTHCHECK (the gRPC health service) until it passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if podman("healthcheck", "run", cid, check=False).returncode == 0:
+            return
+        state = podman("inspect", "-f", "{{.State.Running}}", cid).stdout.strip()
+        assert state == "true", "the container exited:\n" + podman("logs", cid, check=False).stderr[-3000:]
+        time.sleep(2)
+    raise AssertionError("not healthy in time:\n" + podman("logs", cid, check=False).stderr[-3000:])
+
+
+def test_image_metadata(image):
+    config = json.loads(podman("image", "inspect", image).stdout)[0]["Config"]
+    assert config["User"] == "10001:10001"
+    assert "/cache" in config["Volumes"]
+    assert config["Labels"]["org.opencontainers.image.title"] == "encoderd"
+    assert config["Labels"]["io.encoderd.variant"] == "cpu"
+    env = dict(e.split("=", 1) for e in config["Env"])
+    assert env["ENCODERD_HOST"] == "0.0.0.0" and env["HF_HOME"].startswith("/cache/")
+
+
+def test_container_serves_grpc_and_rest(container, minilm_path):
+    from sentence_transformers import SentenceTransformer
+
+    from encoderd.clients import EncoderClient
+
+    cid, grpc_port, rest_port = container
+    assert podman("exec", cid, "id", "-u").stdout.strip() == "10001"  # not root
+    want = SentenceTransformer(minilm_path, device="cpu").encode(TEXTS, normalize_embeddings=True)
+    with EncoderClient(f"127.0.0.1:{grpc_port}") as client:
+        got = client.embed(TEXTS).vectors
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    request = urllib.request.Request(f"http://127.0.0.1:{rest_port}/v1/embeddings",
+                                     data=json.dumps({"input": TEXTS}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        rest = np.array([d["embedding"] for d in json.load(response)["data"]], dtype=np.float32)
+    np.testing.assert_allclose(rest, got, atol=1e-6)
+
+
+def test_container_stops_cleanly_on_sigterm(container):
+    cid, _, _ = container
+    podman("stop", "-t", "60", cid, timeout=90)
+    assert podman("inspect", "-f", "{{.State.ExitCode}}", cid).stdout.strip() == "0", podman("logs", cid).stderr[-3000:]
