@@ -90,7 +90,7 @@ class Engine:
         self.loading.clear()
 
     async def _start_model(self, model: ModelConfig) -> ServedModel:
-        cfg = self.config
+        cfg = self.config.for_model(model)  # its engine, dtype, replicas, batch limits...: own, else the server's
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, resolve_model_path, model.source, model.revision)
         spec = load_model_spec(model.name, path, ModelKind(model.kind) if model.kind else None,
@@ -102,8 +102,8 @@ class Engine:
                                    lowercase=spec.lowercase, trust_remote_code=cfg.trust_remote_code)
         # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
         media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
-        placements = plan_replicas(model.device or cfg.device, cfg.replicas, cfg.cpu_threads)
-        replicas = [self._replica(spec, placement) for placement in placements]
+        placements = plan_replicas(cfg.device, cfg.replicas, cfg.cpu_threads)
+        replicas = [self._replica(spec, placement, cfg) for placement in placements]
         started = time.perf_counter()
         log.info("starting %d worker(s) for %s (%s, kind=%s)", len(replicas), spec.name, path, spec.kind.value)
         infos = await asyncio.gather(*(replica.start() for replica in replicas))
@@ -112,13 +112,13 @@ class Engine:
                  "".join(f", {f.metric} {f.value:.5f}" for f in infos[0].fidelity))
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
-        scheduler = self._scheduler(spec, replicas, padded=any(i.is_padded for i in infos))
+        scheduler = self._scheduler(spec, replicas, cfg, padded=any(i.is_padded for i in infos))
         return ServedModel(spec, tokenizer, replicas, scheduler, infos[0].engine, infos[0].dtype,
                            ResultCache(spec.name, cfg.cache_size), prompts, await media,
                            infos[0].fidelity_status, infos[0].fidelity)
 
-    def _scheduler(self, spec: ModelSpec, replicas: list[WorkerClient], padded: bool) -> ModelScheduler:
-        cfg = self.config
+    def _scheduler(self, spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerConfig,
+                   padded: bool) -> ModelScheduler:
         mixed = len(modalities(spec.kind)) > 1
         limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
         bulk_tokens = min(cfg.bulk_batch_tokens or cfg.max_batch_tokens, cfg.max_batch_tokens)
@@ -129,8 +129,7 @@ class Engine:
         scheduler.start()
         return scheduler
 
-    def _replica(self, spec: ModelSpec, placement: Placement) -> WorkerClient:
-        cfg = self.config
+    def _replica(self, spec: ModelSpec, placement: Placement, cfg: ServerConfig) -> WorkerClient:
         options = BackendOptions(device=placement.device, dtype=cfg.dtype, threads=placement.threads,
                                  cache_dir=cfg.cache_dir, max_batch_size=cfg.max_batch_size,
                                  compile=cfg.torch_compile, trust_remote_code=cfg.trust_remote_code)
