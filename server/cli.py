@@ -18,7 +18,8 @@ from ..gateway.cli import run as run_gateway_command
 from .config import ModelConfig, ServerConfig
 from .logs import FORMATS as LOG_FORMATS
 from .logs import configure_logging
-from .model_options import DTYPES, ENGINES, KINDS, MODEL_OPTIONS, device_list, pooling_mode, positive_int
+from .model_options import (DTYPES, ENGINES, KINDS, NameableValue, device_list, nameable_value, parse_per_model,
+                            pooling_mode, positive_int)
 from .models_file import ModelsFile, ModelsFileError, load_models_file
 
 
@@ -50,45 +51,9 @@ NAMEABLE_FLAGS = {"--engine": "engine", "--dtype": "dtype", "--replicas": "repli
                   "--batch-size": "max_batch_size", "--max-batch-tokens": "max_batch_tokens"}
 
 
-class _NameableValue(argparse.Action):
-    """A bare value sets args.DEST; NAME=VALUE is appended to args.DEST_per_model. (Parsed here, not
-    by `type`, which argparse would also apply to a string default.)"""
-
-    def __init__(self, *args, parse: Callable[[str], tuple[str | None, object]], **kwargs):
-        super().__init__(*args, **kwargs)
-        self.parse = parse
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        try:
-            name, value = self.parse(values)
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentError(self, str(exc)) from None
-        if name is None:
-            setattr(namespace, self.dest, value)
-        else:
-            setattr(namespace, self.dest + "_per_model", [*(getattr(namespace, self.dest + "_per_model") or []),
-                                                          (name, value)])
-
-
-def _nameable_value(flag: str, type, choices) -> Callable[[str], tuple[str | None, object]]:
-    named = parse_per_model(flag, MODEL_OPTIONS[flag.lstrip("-")].parse)
-
-    def parse(text: str) -> tuple[str | None, object]:
-        if "=" in text:
-            return named(text)
-        try:
-            value = type(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}") from None
-        if choices and value not in choices:
-            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: choose one of {', '.join(choices)}")
-        return None, value
-    return parse
-
-
 def _add_nameable(parser: argparse.ArgumentParser, flag: str, help: str, default, type, choices=None) -> None:
     env = _env_name(flag)
-    parse = _nameable_value(flag, type, choices)
+    parse = nameable_value(flag, type, choices)
     try:
         env_values = [parse(item) for item in _env_list(env)]
     except argparse.ArgumentTypeError as exc:
@@ -98,7 +63,7 @@ def _add_nameable(parser: argparse.ArgumentParser, flag: str, help: str, default
     # The command line's NAME= values replace the environment's, as for every flag.
     parser.set_defaults(**{dest + "_per_model": None, dest + "_env_per_model": [v for v in env_values if v[0]]})
     values = "{" + ",".join(choices) + "}" if choices else dest.upper()
-    parser.add_argument(flag, action=_NameableValue, parse=parse, default=default, metavar=f"[NAME=]{values}",
+    parser.add_argument(flag, action=NameableValue, parse=parse, default=default, metavar=f"[NAME=]{values}",
                         help=f"{help}; NAME=VALUE sets one model's own (repeatable) [env {env}, comma-separated; "
                              "default: %(default)s]")
 
@@ -152,21 +117,6 @@ PER_MODEL_FLAGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "pooling": ("--pooling", pooling_mode),
     "max_length": ("--max-length", positive_int),
 }
-
-
-def parse_per_model(flag: str, parse_value: Callable[[str], object]) -> Callable[[str], tuple[str | None, object]]:
-    """The argparse type of a per-model flag: `[NAME=]VALUE` -> (NAME or None for every model, value)."""
-    def parse(text: str) -> tuple[str | None, object]:
-        name, sep, value = text.partition("=")
-        if not sep:
-            name, value = None, text
-        if (sep and not name) or not value:
-            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: use [NAME=]VALUE")
-        try:
-            return name, parse_value(value)
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: {exc}") from None
-    return parse
 
 
 def _env_per_model(flag: str, parse_value: Callable[[str], object]) -> list[tuple[str | None, object]]:

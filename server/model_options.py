@@ -93,3 +93,55 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
     "trust-remote-code": ModelOption("trust_remote_code", boolean, bool),
     "allow-low-fidelity": ModelOption("allow_low_fidelity", boolean, bool),
 }
+
+
+# ------------------------------------------------- the `[NAME=]VALUE` flags (server/cli.py)
+def parse_per_model(flag: str, parse_value: Callable[[str], object]) -> Callable[[str], tuple[str | None, object]]:
+    """The argparse type of a per-model flag: `[NAME=]VALUE` -> (NAME or None for every model, value)."""
+    def parse(text: str) -> tuple[str | None, object]:
+        name, sep, value = text.partition("=")
+        if not sep:
+            name, value = None, text
+        if (sep and not name) or not value:
+            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: use [NAME=]VALUE")
+        try:
+            return name, parse_value(value)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: {exc}") from None
+    return parse
+
+
+class NameableValue(argparse.Action):
+    """A bare value sets args.DEST; NAME=VALUE is appended to args.DEST_per_model. (Parsed here, not
+    by `type`, which argparse would also apply to a string default.)"""
+
+    def __init__(self, *args, parse: Callable[[str], tuple[str | None, object]], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.parse = parse
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            name, value = self.parse(values)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        if name is None:
+            setattr(namespace, self.dest, value)
+        else:
+            setattr(namespace, self.dest + "_per_model", [*(getattr(namespace, self.dest + "_per_model") or []),
+                                                          (name, value)])
+
+
+def nameable_value(flag: str, type, choices) -> Callable[[str], tuple[str | None, object]]:
+    named = parse_per_model(flag, MODEL_OPTIONS[flag.lstrip("-")].parse)
+
+    def parse(text: str) -> tuple[str | None, object]:
+        if "=" in text:
+            return named(text)
+        try:
+            value = type(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}") from None
+        if choices and value not in choices:
+            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: choose one of {', '.join(choices)}")
+        return None, value
+    return parse
