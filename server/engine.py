@@ -74,6 +74,7 @@ class Engine:
         self.models: dict[str, ServedModel] = {}
         self.loading = {m.name for m in config.models}  # configured, not yet served: calls get UNAVAILABLE
         self._on_model_state = on_model_state
+        self._workers: list[WorkerClient] = []  # every worker started, so a failed start can stop them all
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenizer")
         self._bulk_tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-bulk")
         # Media decoding and preprocessing (server/media.py): blocking CPU work, off the event loop; URL
@@ -84,8 +85,17 @@ class Engine:
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Load every model concurrently; each in its own worker process."""
-        models = await asyncio.gather(*(self._start_model(m) for m in self.config.models))
+        """Load every model concurrently; each in its own worker process. When one fails, the others
+        stop too: no worker outlives a failed start (the in-process API's caller lives on)."""
+        starts = [asyncio.ensure_future(self._start_model(m)) for m in self.config.models]
+        try:
+            models = await asyncio.gather(*starts)
+        except BaseException:
+            for start in starts:
+                start.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
+            raise
         self.models = {m.spec.name: m for m in models}
         self.loading.clear()
 
@@ -155,6 +165,7 @@ class Engine:
 
         worker = WorkerClient(make_config, label, on_state, start_timeout=cfg.worker_start_timeout,
                               stall_timeout=cfg.worker_stall_timeout)
+        self._workers.append(worker)
         return worker
 
     async def stop(self) -> None:

@@ -4,11 +4,15 @@ the same three models, started in the test's own event loop."""
 
 from __future__ import annotations
 
+import multiprocessing
+import shutil
+
 import numpy as np
 import pytest
 
 import encoderd
 from encoderd.server.errors import ModelNotFound, WrongModelKind
+from encoderd.server.worker_client import WorkerStartError
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
@@ -66,3 +70,15 @@ def test_bad_settings_raise_value_error_before_anything_starts():
         encoderd.AsyncEngine(dtype="float64")
     with pytest.raises(ValueError, match="unrecognized arguments: --no-such-option"):
         encoderd.AsyncEngine(no_such_option=1)
+
+
+async def test_a_failed_start_leaves_no_worker_running(tmp_path, reranker_path):
+    # A copy of the bundled model with its weights cut short: the frontend reads its files, its worker fails.
+    broken = tmp_path / "broken"
+    shutil.copytree(default_model_path(), broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    engine = encoderd.AsyncEngine(f"broken={broken}", f"reranker={reranker_path}", worker_stall_timeout=0)
+    with pytest.raises(WorkerStartError, match="broken@cpu"):
+        await engine.start()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("encoderd-worker")]
