@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +23,6 @@ from .cli import build_parser, config_from_args
 from .config import ServerConfig
 from .engine import Engine, estimate_tokens
 from .errors import EncoderdError, InvalidInput
-from .logs import configure_logging
 from .postprocess import QUANTIZERS, finish_embeddings, quantize, rank, scores
 from .scheduler import Priority
 
@@ -77,15 +75,9 @@ class AsyncEngine:
         self.config = server_config(models, config, **options)
         self._engine: Engine | None = None
 
-    @classmethod
-    def from_config(cls, config: ServerConfig) -> AsyncEngine:
-        engine = cls.__new__(cls)
-        engine.config, engine._engine = config, None
-        return engine
-
     async def start(self) -> AsyncEngine:
-        if not logging.getLogger().handlers:  # the caller's own logging set-up wins
-            configure_logging(self.config.log_level, self.config.log_format)
+        """Start every model's workers (the frontend logs to the `encoderd.*` loggers: the caller's
+        logging set-up decides what shows)."""
         engine = Engine(self.config)
         await engine.start()
         self._engine = engine

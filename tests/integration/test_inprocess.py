@@ -23,7 +23,7 @@ DOCUMENTS = ["dogs", "cats are great pets", "quarterly finance report", "a cat s
 @pytest.fixture(scope="module")
 async def engine(reranker_path, classifier_path):
     async with encoderd.AsyncEngine(f"{DEFAULT_MODEL_NAME}={default_model_path()}", f"reranker={reranker_path}",
-                                    f"classifier={classifier_path}", rest_port=0) as engine:
+                                    f"classifier={classifier_path}") as engine:
         yield engine
 
 
