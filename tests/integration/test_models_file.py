@@ -11,6 +11,9 @@ from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from support.server import ServerProcess
 
+# The server exports MiniLM to ONNX int8 and self-checks it at start: minutes on a loaded 2-core host.
+pytestmark = pytest.mark.timeout(600)
+
 TEXTS = ["first text", "a second, longer text about encoder models and how they are served", "third"]
 DOCUMENTS = ["dogs", "cats are great pets", "quarterly finance report"]
 
