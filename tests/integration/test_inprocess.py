@@ -16,6 +16,9 @@ from encoderd.server.worker_client import WorkerStartError
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
+# The module's engine starts three workers beside the session server's: minutes on a loaded 2-core host.
+pytestmark = pytest.mark.timeout(600)
+
 TEXTS = ["first text", "a second, longer text about encoder models and how they are served", "third"]
 DOCUMENTS = ["dogs", "cats are great pets", "quarterly finance report", "a cat sat on the mat"]
 
