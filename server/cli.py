@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -19,11 +20,9 @@ from .config import ModelConfig, ServerConfig
 from .tls import TlsFiles
 from .logs import FORMATS as LOG_FORMATS
 from .logs import configure_logging
-
-# "auto" resolves in the worker (workers.backends.resolve_engine / resolve_options), which reports what runs.
-ENGINES = ("auto", "torch", "onnx", "ctranslate2", "tensorrt")
-DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "int8_float32", "int8_float16")
-KINDS = ("embedding", "reranker", "classifier", "clip", "clap", "colbert", "colpali", "sparse")
+from .model_options import (DTYPES, ENGINES, KINDS, NameableValue, device_list, nameable_value, parse_per_model,
+                            pooling_mode, positive_int)
+from .models_file import ModelsFile, ModelsFileError, load_models_file
 
 
 def _env_name(flag: str) -> str:
@@ -40,10 +39,35 @@ def _env_list(name: str, sep: str = ",") -> list[str]:
 
 
 def _add(parser: argparse.ArgumentParser, flag: str, help: str, default=None, type=str, **kwargs) -> None:
+    if flag in NAMEABLE_FLAGS:
+        return _add_nameable(parser, flag, help, default, type, **kwargs)
     env = _env_name(flag)
     if env in os.environ:
         default = type(os.environ[env])
     parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}; default: %(default)s]", **kwargs)
+
+
+# Server-wide flags that also take `NAME=VALUE`, one model's own value (checked as its models-file key
+# is, by server/model_options.py); a bare VALUE stays the server-wide setting. Flag -> ModelConfig field.
+NAMEABLE_FLAGS = {"--engine": "engine", "--dtype": "dtype", "--replicas": "replicas", "--cpu-threads": "cpu_threads",
+                  "--batch-size": "max_batch_size", "--max-batch-tokens": "max_batch_tokens"}
+
+
+def _add_nameable(parser: argparse.ArgumentParser, flag: str, help: str, default, type, choices=None) -> None:
+    env = _env_name(flag)
+    parse = nameable_value(flag, type, choices)
+    try:
+        env_values = [parse(item) for item in _env_list(env)]
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"encoderd: {env}: {exc}") from None
+    dest = flag.lstrip("-").replace("-", "_")
+    default = next((v for name, v in reversed(env_values) if name is None), default)
+    # The command line's NAME= values replace the environment's, as for every flag.
+    parser.set_defaults(**{dest + "_per_model": None, dest + "_env_per_model": [v for v in env_values if v[0]]})
+    values = "{" + ",".join(choices) + "}" if choices else dest.upper()
+    parser.add_argument(flag, action=NameableValue, parse=parse, default=default, metavar=f"[NAME=]{values}",
+                        help=f"{help}; NAME=VALUE sets one model's own (repeatable) [env {env}, comma-separated; "
+                             "default: %(default)s]")
 
 
 def _add_switch(parser: argparse.ArgumentParser, flag: str, help: str, dest: str | None = None) -> None:
@@ -69,45 +93,32 @@ def parse_model(value: str) -> ModelConfig:
         name, source = value.rstrip("/"), value
     if not name or not source:
         raise argparse.ArgumentTypeError(f"bad --model {value!r}: use [NAME=]PATH_OR_HUB_ID")
-    return ModelConfig(name=name, source=source, kind=kind, device=device or None)
+    return ModelConfig(name=name, source=source, kind=kind, device=device_list(device) if device else None)
 
 
-def _pooling_mode(value: str) -> str:
-    try:
-        return Pooling(value).value
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"unknown pooling {value!r}: choose one of {', '.join(p.value for p in Pooling)}") from None
-
-
-def _positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
-    return int(value)
+def parse_env_models(text: str) -> list[ModelConfig]:
+    """ENCODERD_MODEL: models separated by ';' or newlines. A ',' separates only one model's devices
+    (`mini=/m@cuda:0,cuda:1;rr=/r`); the old comma-separated form is refused, as it cannot be told
+    apart from a device list."""
+    models = []
+    for item in filter(None, (i.strip() for i in re.split(r"[;\n]", text))):
+        try:
+            if "," in item.partition("@")[0]:
+                raise argparse.ArgumentTypeError("a ',' belongs only in a device list after '@'")
+            models.append(parse_model(item))
+        except argparse.ArgumentTypeError as exc:
+            raise SystemExit(f"encoderd: ENCODERD_MODEL {item!r}: {exc}. Models are separated by ';' "
+                             "(e.g. mini=/m@cuda:0,cuda:1;rr=org/reranker)") from None
+    return models
 
 
 # Per-model flags: `--FLAG [NAME=]VALUE`, repeatable. NAME is a served name (as --model gives it);
 # a bare VALUE applies to every model. ModelConfig field (= argparse dest) -> (flag, value parser).
 PER_MODEL_FLAGS: dict[str, tuple[str, Callable[[str], object]]] = {
     "revision": ("--revision", str),
-    "pooling": ("--pooling", _pooling_mode),
-    "max_length": ("--max-length", _positive_int),
+    "pooling": ("--pooling", pooling_mode),
+    "max_length": ("--max-length", positive_int),
 }
-
-
-def parse_per_model(flag: str, parse_value: Callable[[str], object]) -> Callable[[str], tuple[str | None, object]]:
-    """The argparse type of a per-model flag: `[NAME=]VALUE` -> (NAME or None for every model, value)."""
-    def parse(text: str) -> tuple[str | None, object]:
-        name, sep, value = text.partition("=")
-        if not sep:
-            name, value = None, text
-        if (sep and not name) or not value:
-            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: use [NAME=]VALUE")
-        try:
-            return name, parse_value(value)
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: {exc}") from None
-    return parse
 
 
 def _env_per_model(flag: str, parse_value: Callable[[str], object]) -> list[tuple[str | None, object]]:
@@ -118,9 +129,10 @@ def _env_per_model(flag: str, parse_value: Callable[[str], object]) -> list[tupl
         raise SystemExit(f"encoderd: {env}: {exc}") from None
 
 
-def apply_per_model(models: list[ModelConfig], flag: str, field: str,
-                    values: list[tuple[str | None, object]]) -> list[ModelConfig]:
-    """Set `field` of each model from `--flag [NAME=]VALUE` values; a named value beats a bare one."""
+def apply_per_model(models: list[ModelConfig], flag: str, field: str, values: list[tuple[str | None, object]],
+                    models_file: ModelsFile | None = None) -> list[ModelConfig]:
+    """Set `field` of each model from `--flag [NAME=]VALUE` values: a named value beats the models
+    file, which beats a bare value. A named value for a model whose file entry sets it too is refused."""
     chosen: dict[str | None, object] = {}
     for name, value in values:
         if name in chosen:
@@ -131,7 +143,13 @@ def apply_per_model(models: list[ModelConfig], flag: str, field: str,
         if name is not None and name not in served:
             raise SystemExit(f"encoderd: {flag} {name}=...: no --model is served as {name!r} "
                              f"(served: {', '.join(served)})")
-    return [dataclasses.replace(m, **{field: chosen.get(m.name, chosen.get(None))}) for m in models]
+    for m in models:
+        if m.name in chosen and getattr(m, field) is not None:
+            where = models_file.where(m.name, flag.lstrip("-")) if models_file else "the models file"
+            raise SystemExit(f"encoderd: {flag} {m.name}=... and {where} both set {flag.lstrip('-')} for "
+                             f"{m.name!r}: keep one")
+    return [dataclasses.replace(m, **{field: chosen.get(m.name, chosen.get(None) if getattr(m, field) is None
+                                                        else getattr(m, field))}) for m in models]
 
 
 def default_batch_size(devices: str) -> int:
@@ -156,7 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None,
                        help="[NAME=]PATH_OR_HUB_ID[:KIND][@DEVICES], repeatable; KIND forces "
                             f"{'|'.join(KINDS)}, DEVICES overrides --device for this model "
-                            f"[env ENCODERD_MODEL, comma-separated; default: the bundled {DEFAULT_MODEL_NAME}]")
+                            f"[env ENCODERD_MODEL, ';'-separated; default: the bundled {DEFAULT_MODEL_NAME}]")
+    _add(serve, "--config", "a models file (TOML; YAML with PyYAML): a table per served model with its source, "
+         "engine, dtype, devices, replicas, batch limits, max-length, pooling, prompts...; served along with "
+         "any --model. A model's own setting beats the bare flag (--dtype float16); a NAME= flag for a "
+         "setting its table has too is refused", None)
     serve.add_argument("--revision", action="append", type=parse_per_model(*PER_MODEL_FLAGS["revision"]),
                        default=None, metavar="[NAME=]REV",
                        help="hub models: the branch, tag or commit to load; NAME= picks one model (its served "
@@ -293,14 +315,26 @@ def _bundled_model_path(cache_dir: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    models_file = _models_file(args.config)
     # A repeatable flag's default would be appended to, so the env list is applied here.
-    env_models = [parse_model(m) for m in _env_list("ENCODERD_MODEL")]
-    models = args.model or env_models or [ModelConfig(DEFAULT_MODEL_NAME, _bundled_model_path(args.cache_dir))]
+    flagged = args.model or parse_env_models(os.environ.get("ENCODERD_MODEL", ""))
+    models = [*(models_file.models if models_file else ()), *flagged]
+    models = models or [ModelConfig(DEFAULT_MODEL_NAME, _bundled_model_path(args.cache_dir))]
     names = [m.name for m in models]
     if len(set(names)) != len(names):
-        raise SystemExit(f"encoderd: two --model flags serve the same name: {names}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise SystemExit(f"encoderd: two models are served as {', '.join(map(repr, twice))} "
+                         f"(--model / ENCODERD_MODEL{' and ' + models_file.path if models_file else ''}): {names}")
     for field, (flag, parse_value) in PER_MODEL_FLAGS.items():
-        models = apply_per_model(models, flag, field, getattr(args, field) or _env_per_model(flag, parse_value))
+        models = apply_per_model(models, flag, field, getattr(args, field) or _env_per_model(flag, parse_value),
+                                 models_file)
+    for flag, field in NAMEABLE_FLAGS.items():
+        dest = flag.lstrip("-").replace("-", "_")
+        named = getattr(args, dest + "_per_model") or getattr(args, dest + "_env_per_model")
+        models = apply_per_model(models, flag, field, named, models_file)
+    if not args.batch_size:  # a model on its own devices gets their default batch size
+        models = [dataclasses.replace(m, max_batch_size=default_batch_size(m.device))
+                  if m.device and m.max_batch_size is None else m for m in models]
     return ServerConfig(
         models=tuple(models), engine=args.engine, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
         torch_compile=args.torch_compile, trust_remote_code=args.trust_remote_code,
@@ -328,6 +362,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             args.rest_header_timeout, args.rest_idle_timeout, args.rest_max_connection_duration,
             args.rest_max_connections, args.rest_buffer_kb * 1024, args.rest_max_header_kb * 1024),
         tls=TlsFiles(args.tls_cert or "", args.tls_key or "", args.tls_client_ca or ""))
+
+
+def _models_file(path: str | None) -> ModelsFile | None:
+    try:
+        return load_models_file(path) if path else None
+    except ModelsFileError as exc:
+        raise SystemExit(f"encoderd: {exc}") from None
 
 
 def _startup_errors() -> tuple[type[Exception], ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..gateway.envoy import ListenerLimits
@@ -17,6 +18,21 @@ class ModelConfig:
     revision: str | None = None  # hub models: branch, tag or commit; None = the default branch
     pooling: str | None = None   # a workers.model_spec.Pooling value instead of the model's own
     max_length: int | None = None  # tokens per input instead of the model's own limit
+    # This model's own value of the ServerConfig field of the same name (None: the server's); see for_model.
+    engine: str | None = None
+    dtype: str | None = None
+    replicas: int | None = None
+    cpu_threads: int | None = None
+    max_batch_size: int | None = None
+    max_batch_tokens: int | None = None
+    trust_remote_code: bool | None = None
+    allow_low_fidelity: bool | None = None
+    prompts: tuple[tuple[str, str], ...] = ()  # added to (and beating) the server's --prompt ones
+
+
+# ModelConfig fields that override the ServerConfig field of the same name for their model.
+PER_MODEL_FIELDS = ("device", "engine", "dtype", "replicas", "cpu_threads", "max_batch_size", "max_batch_tokens",
+                    "trust_remote_code", "allow_low_fidelity")
 
 
 @dataclass(frozen=True)
@@ -70,3 +86,8 @@ class ServerConfig:
     drain_delay: float = 0.0             # seconds of NOT_SERVING before refusing new calls
     cache_dir: str = ""                  # converted models; "" = workers.model_cache.default_cache_dir()
     extra: dict = field(default_factory=dict)
+
+    def for_model(self, model: ModelConfig) -> ServerConfig:
+        """The settings one model runs with: its own values where it has them, else the server's."""
+        own = {name: getattr(model, name) for name in PER_MODEL_FIELDS if getattr(model, name) is not None}
+        return dataclasses.replace(self, prompts=self.prompts + model.prompts, **own)

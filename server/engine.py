@@ -74,6 +74,7 @@ class Engine:
         self.models: dict[str, ServedModel] = {}
         self.loading = {m.name for m in config.models}  # configured, not yet served: calls get UNAVAILABLE
         self._on_model_state = on_model_state
+        self._workers: list[WorkerClient] = []  # every worker started, so a failed start can stop them all
         self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenizer")
         self._bulk_tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-bulk")
         # Media decoding and preprocessing (server/media.py): blocking CPU work, off the event loop; URL
@@ -84,13 +85,22 @@ class Engine:
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Load every model concurrently; each in its own worker process."""
-        models = await asyncio.gather(*(self._start_model(m) for m in self.config.models))
+        """Load every model concurrently; each in its own worker process. When one fails, the others
+        stop too: no worker outlives a failed start (the in-process API's caller lives on)."""
+        starts = [asyncio.ensure_future(self._start_model(m)) for m in self.config.models]
+        try:
+            models = await asyncio.gather(*starts)
+        except BaseException:
+            for start in starts:
+                start.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
+            raise
         self.models = {m.spec.name: m for m in models}
         self.loading.clear()
 
     async def _start_model(self, model: ModelConfig) -> ServedModel:
-        cfg = self.config
+        cfg = self.config.for_model(model)  # its engine, dtype, replicas, batch limits...: own, else the server's
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, resolve_model_path, model.source, model.revision)
         spec = load_model_spec(model.name, path, ModelKind(model.kind) if model.kind else None,
@@ -102,8 +112,8 @@ class Engine:
                                    lowercase=spec.lowercase, trust_remote_code=cfg.trust_remote_code)
         # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
         media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
-        placements = plan_replicas(model.device or cfg.device, cfg.replicas, cfg.cpu_threads)
-        replicas = [self._replica(spec, placement) for placement in placements]
+        placements = plan_replicas(cfg.device, cfg.replicas, cfg.cpu_threads)
+        replicas = [self._replica(spec, placement, cfg) for placement in placements]
         started = time.perf_counter()
         log.info("starting %d worker(s) for %s (%s, kind=%s)", len(replicas), spec.name, path, spec.kind.value)
         infos = await asyncio.gather(*(replica.start() for replica in replicas))
@@ -112,13 +122,13 @@ class Engine:
                  "".join(f", {f.metric} {f.value:.5f}" for f in infos[0].fidelity))
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
-        scheduler = self._scheduler(spec, replicas, padded=any(i.is_padded for i in infos))
+        scheduler = self._scheduler(spec, replicas, cfg, padded=any(i.is_padded for i in infos))
         return ServedModel(spec, tokenizer, replicas, scheduler, infos[0].engine, infos[0].dtype,
                            ResultCache(spec.name, cfg.cache_size), prompts, await media,
                            infos[0].fidelity_status, infos[0].fidelity)
 
-    def _scheduler(self, spec: ModelSpec, replicas: list[WorkerClient], padded: bool) -> ModelScheduler:
-        cfg = self.config
+    def _scheduler(self, spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerConfig,
+                   padded: bool) -> ModelScheduler:
         mixed = len(modalities(spec.kind)) > 1
         limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
         bulk_tokens = min(cfg.bulk_batch_tokens or cfg.max_batch_tokens, cfg.max_batch_tokens)
@@ -129,8 +139,7 @@ class Engine:
         scheduler.start()
         return scheduler
 
-    def _replica(self, spec: ModelSpec, placement: Placement) -> WorkerClient:
-        cfg = self.config
+    def _replica(self, spec: ModelSpec, placement: Placement, cfg: ServerConfig) -> WorkerClient:
         options = BackendOptions(device=placement.device, dtype=cfg.dtype, threads=placement.threads,
                                  cache_dir=cfg.cache_dir, max_batch_size=cfg.max_batch_size,
                                  compile=cfg.torch_compile, trust_remote_code=cfg.trust_remote_code)
@@ -156,6 +165,7 @@ class Engine:
 
         worker = WorkerClient(make_config, label, on_state, start_timeout=cfg.worker_start_timeout,
                               stall_timeout=cfg.worker_stall_timeout)
+        self._workers.append(worker)
         return worker
 
     async def stop(self) -> None:

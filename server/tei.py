@@ -23,7 +23,7 @@ from . import rest as compat
 from .engine import estimate_tokens
 from .errors import InvalidInput, WrongModelKind
 from .media import Content
-from .scheduler import DEFAULT_PRIORITY
+from .scheduler import DEFAULT_PRIORITY, Priority
 
 SIDES = {"": "right", "right": "right", "left": "left"}
 # huggingface_hub's function_to_apply for /predict, over a row of logits ("": the model's default).
@@ -319,11 +319,12 @@ def _model_type(model) -> dict:
 async def info(service, request) -> httpbody_pb2.HttpBody:
     model = service.engine.get(request.model)
     config = service.engine.config
+    limits = model.scheduler.limits[Priority.INTERACTIVE]
     return _json({
         "model_id": model.spec.name, "model_sha": None, "model_dtype": model.dtype,
         "served_model_name": model.spec.name, "model_type": _model_type(model),
         "max_concurrent_requests": model.scheduler.max_queued, "max_input_length": model.spec.max_length,
-        "max_batch_tokens": config.max_batch_tokens, "max_batch_requests": config.max_batch_size,
+        "max_batch_tokens": limits.max_batch_tokens, "max_batch_requests": limits.max_batch_size,  # its own
         "max_client_batch_size": config.max_inputs_per_request, "auto_truncate": True,
         "tokenization_workers": config.tokenizer_threads, "version": _version(), "sha": None, "docker_label": None,
     })

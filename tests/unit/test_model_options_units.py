@@ -47,7 +47,7 @@ def test_per_model_flags_do_not_collide_with_the_device_suffix():
 
 
 def test_every_flag_has_an_environment_variable(monkeypatch):
-    monkeypatch.setenv("ENCODERD_MODEL", "a=/m/a,b=org/b")
+    monkeypatch.setenv("ENCODERD_MODEL", "a=/m/a;b=org/b")
     monkeypatch.setenv("ENCODERD_POOLING", "a=cls")
     monkeypatch.setenv("ENCODERD_MAX_LENGTH", "b=32,100")
     monkeypatch.setenv("ENCODERD_REVISION", "b=0123abc")
