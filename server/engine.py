@@ -31,6 +31,7 @@ from .result_cache import ResultCache, result_key
 from .scheduler import ModelScheduler, PendingRequest, Priority
 from .tokenization import ModelTokenizer, Tokenized
 from .worker_client import WorkerClient
+from .zygote_client import Zygote
 
 log = logging.getLogger("encoderd.engine")
 
@@ -81,10 +82,14 @@ class Engine:
         self.media_pool = ThreadPoolExecutor(config.media_threads, thread_name_prefix="media")
         self.fetch_pool = ThreadPoolExecutor(16, thread_name_prefix="media-fetch")
         self.media_limits = MediaLimits(config.media_max_bytes, config.media_fetch_timeout, config.media_urls)
+        self.zygote = Zygote(config.log_level, config.log_format, config.worker_start_timeout) \
+            if config.worker_zygote else None
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Load every model concurrently; each in its own worker process."""
+        if self.zygote and any("cpu" in (m.device or self.config.device) for m in self.config.models):
+            self.zygote.start()  # its imports overlap the models' tokenizers and specs
         models = await asyncio.gather(*(self._start_model(m) for m in self.config.models))
         self.models = {m.spec.name: m for m in models}
         self.loading.clear()
@@ -155,13 +160,15 @@ class Engine:
             self._on_model_state(spec.name, self.models[spec.name].ready if spec.name in self.models else ready)
 
         worker = WorkerClient(make_config, label, on_state, start_timeout=cfg.worker_start_timeout,
-                              stall_timeout=cfg.worker_stall_timeout)
+                              stall_timeout=cfg.worker_stall_timeout, zygote=self.zygote)
         return worker
 
     async def stop(self) -> None:
         for model in self.models.values():
             await model.scheduler.stop()
         await asyncio.gather(*(r.stop() for m in self.models.values() for r in m.replicas), return_exceptions=True)
+        if self.zygote:
+            self.zygote.stop()
         for pool in (self._tokenizer_pool, self._bulk_tokenizer_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self.media_pool.shutdown(wait=False, cancel_futures=True)
