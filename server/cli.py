@@ -320,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         config = config_from_args(args)
         configure_logging(config.log_level, config.log_format)
+        from .zygote_client import shared_zygote
+
+        if zygote := shared_zygote(config):
+            zygote.start()  # it imports torch and transformers while this process imports the frontend
         from .app import serve
 
         try:

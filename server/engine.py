@@ -31,7 +31,7 @@ from .result_cache import ResultCache, result_key
 from .scheduler import ModelScheduler, PendingRequest, Priority
 from .tokenization import ModelTokenizer, Tokenized
 from .worker_client import WorkerClient
-from .zygote_client import Zygote
+from .zygote_client import shared_zygote
 
 log = logging.getLogger("encoderd.engine")
 
@@ -82,14 +82,13 @@ class Engine:
         self.media_pool = ThreadPoolExecutor(config.media_threads, thread_name_prefix="media")
         self.fetch_pool = ThreadPoolExecutor(16, thread_name_prefix="media-fetch")
         self.media_limits = MediaLimits(config.media_max_bytes, config.media_fetch_timeout, config.media_urls)
-        self.zygote = Zygote(config.log_level, config.log_format, config.worker_start_timeout) \
-            if config.worker_zygote else None
+        self.zygote = shared_zygote(config)  # forks the CPU workers (workers/zygote.py)
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Load every model concurrently; each in its own worker process."""
-        if self.zygote and any("cpu" in (m.device or self.config.device) for m in self.config.models):
-            self.zygote.start()  # its imports overlap the models' tokenizers and specs
+        if self.zygote:
+            self.zygote.start()  # (the CLI has launched it already)
         models = await asyncio.gather(*(self._start_model(m) for m in self.config.models))
         self.models = {m.spec.name: m for m in models}
         self.loading.clear()

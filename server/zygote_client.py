@@ -18,9 +18,12 @@ import socket
 import subprocess
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from ..workers import zygote as wire
-from ..workers.process import WorkerConfig
+
+if TYPE_CHECKING:  # the worker code is the zygote's to import, not a reason to delay the frontend's start
+    from ..workers.process import WorkerConfig
 
 log = logging.getLogger("encoderd.zygote")
 
@@ -69,6 +72,21 @@ class ForkedWorker:
         with contextlib.suppress(Exception):
             self.exitcode  # reap it, if it is gone and nobody asked
             os.close(self.sentinel)
+
+
+_shared: Zygote | None = None
+
+
+def shared_zygote(config) -> Zygote | None:
+    """This frontend's zygote (a ServerConfig's settings), made on the first call: the CLI launches it
+    before the frontend's own imports so that both import at once; the engine forks from it.
+    None when --no-worker-zygote or no model runs on CPU."""
+    global _shared
+    if not config.worker_zygote or not any("cpu" in (m.device or config.device) for m in config.models):
+        return None
+    if _shared is None or _shared.stopped:
+        _shared = Zygote(config.log_level, config.log_format, config.worker_start_timeout)
+    return _shared
 
 
 class Zygote:
@@ -172,6 +190,10 @@ class Zygote:
                 self._process.wait()
         self._process = self._sock = self.pid = None
         self._ready = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
 
     def stop(self) -> None:
         self._stopped = True
