@@ -2,8 +2,9 @@
 
   coldstart  launch -> first embedding answered (the bundled model), per server: encoderd (CPU
              workers forked from its zygote), encoderd --no-worker-zygote (each worker spawned,
-             importing torch and transformers itself) and, with --infinity, Infinity. One server
-             at a time, rounds alternating between them, so they share the machine's conditions.
+             importing torch and transformers itself; not with --quick) and, with --infinity,
+             Infinity. One server at a time, rounds alternating between them, so they share the
+             machine's conditions.
   recovery   SIGKILL of the embedding worker -> first embedding answered again, for both encoderd
              variants (Infinity has no worker to kill: its recovery is a cold start).
 Times are p50 and max over --recovery-runs cold starts / kills, in the p50 ms and p99 ms columns.
@@ -110,7 +111,7 @@ def _kill_and_time(probe, server: Managed, address: str) -> float:
 
 
 def run_recovery(args, embed_dir: str, logs: Path, infinity_venv: Path | None) -> list[Row]:
-    variants = {"encoderd": True, SPAWNED: False}
+    variants = {"encoderd": True} if args.quick else {"encoderd": True, SPAWNED: False}  # --quick: a smoke run
     cold: dict[str, list[float]] = {name: [] for name in [*variants, *(["infinity"] if infinity_venv else [])]}
     kills: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.recovery_runs):
