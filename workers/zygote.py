@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from ..server.logs import configure_logging
 
-    configure_logging(log_level, log_format, worker="zygote")
+    configure_logging(log_level, log_format)  # its records are the "encoderd.zygote" logger's; no worker label
     sock = socket.socket(fileno=fd)
     started = time.perf_counter()
     try:
