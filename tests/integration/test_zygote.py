@@ -142,3 +142,13 @@ def test_sigkill_of_the_frontend_leaves_neither_zygote_nor_worker(zygote_server)
     while time.monotonic() < deadline and any(_alive(p) for p in tree):
         time.sleep(0.1)
     assert not [p for p in tree if _alive(p)], [(p, _cmdline(p)) for p in tree if _alive(p)]
+
+
+def test_without_the_zygote_workers_are_spawned(tmp_path):
+    """--no-worker-zygote (and the fallback when the zygote cannot run): the plain spawn path."""
+    with ServerProcess("--no-worker-zygote", log_path=tmp_path / "server.log") as server:
+        stub = server.stub()
+        assert _embed(stub).shape == (2, 384)
+        worker = _worker(stub)
+        assert "multiprocessing" in _cmdline(worker) and _stat(worker)[1] == server.proc.pid
+        assert not [p for p in _descendants(server.proc.pid) if ZYGOTE_MODULE in _cmdline(p)]
