@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-
 from encoderd.v1 import encoderd_pb2 as pb
 from support.server import ServerProcess
 
