@@ -110,6 +110,8 @@ class Zygote:
                 self._launch()
 
     def _launch(self) -> None:
+        # The zygote's PR_SET_PDEATHSIG fires when the launching *thread* ends: the main thread (the
+        # CLI), or for a replacement an executor thread of the loop, which lives as long as the loop.
         if not wire.prctl(wire.PR_SET_CHILD_SUBREAPER, 1):
             self._disable("this kernel refuses PR_SET_CHILD_SUBREAPER")
             return
