@@ -114,9 +114,10 @@ def serve(sock: socket.socket) -> int:
 
 def _preload_family(model_type: str) -> None:
     """transformers' modeling module of a model family (seconds for some): once, for every fork after."""
-    if model_type and model_type.replace("_", "").isalnum():
+    module = model_type.replace("-", "_")  # xlm-roberta: transformers.models.xlm_roberta
+    if module and module.replace("_", "").isalnum():
         try:
-            importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+            importlib.import_module(f"transformers.models.{module}.modeling_{module}")
         except Exception:  # not a transformers family (or not installed): the worker says what is wrong
             pass
 
