@@ -280,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--worker-stall-timeout", "seconds a ready worker may go without a heartbeat (sent every 0.5s, "
          "computing or not) before its model is NOT_SERVING, its calls UNAVAILABLE and it is killed and "
          "restarted (0 = off)", 10.0, _stall_timeout)
+    _add_switch(serve, "--no-worker-zygote", "spawn every CPU worker afresh (each imports torch and transformers) "
+                "instead of forking it from the zygote, a process that imported them once", dest="worker_zygote")
     _add(serve, "--log-level", "DEBUG, INFO, WARNING or ERROR", "INFO")
     _add(serve, "--log-format", "log lines as text, or json (one object a line; frontend and workers)", "text",
          choices=LOG_FORMATS)
@@ -352,7 +354,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queued_inputs=args.max_queued_inputs, max_inputs_per_request=args.max_inputs_per_request,
         max_request_tokens=args.max_request_tokens,
         host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        worker_stall_timeout=args.worker_stall_timeout,
+        worker_stall_timeout=args.worker_stall_timeout, worker_zygote=args.worker_zygote,
         drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
         log_format=args.log_format, otel_endpoint=args.otel_endpoint,
         rest_port=0 if args.no_rest else args.rest_port, envoy_bin=args.envoy_bin,
@@ -390,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         config = config_from_args(args)
         configure_logging(config.log_level, config.log_format)
+        from .zygote_client import shared_zygote
+
+        if zygote := shared_zygote(config):
+            zygote.start()  # it imports torch and transformers while this process imports the frontend
         from .app import serve
 
         try:

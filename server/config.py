@@ -82,6 +82,7 @@ class ServerConfig:
     media_urls: bool = True              # fetch http(s) media URLs at all
     worker_start_timeout: float = 900.0
     worker_stall_timeout: float = 10.0   # seconds without a worker heartbeat before it is killed; 0 = off
+    worker_zygote: bool = True           # fork CPU workers from a pre-imported process (workers/zygote.py)
     drain_timeout: float = 30.0
     drain_delay: float = 0.0             # seconds of NOT_SERVING before refusing new calls
     cache_dir: str = ""                  # converted models; "" = workers.model_cache.default_cache_dir()

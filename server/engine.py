@@ -31,6 +31,7 @@ from .result_cache import ResultCache, result_key
 from .scheduler import ModelScheduler, PendingRequest, Priority
 from .tokenization import ModelTokenizer, Tokenized
 from .worker_client import WorkerClient
+from .zygote_client import shared_zygote
 
 log = logging.getLogger("encoderd.engine")
 
@@ -82,11 +83,14 @@ class Engine:
         self.media_pool = ThreadPoolExecutor(config.media_threads, thread_name_prefix="media")
         self.fetch_pool = ThreadPoolExecutor(16, thread_name_prefix="media-fetch")
         self.media_limits = MediaLimits(config.media_max_bytes, config.media_fetch_timeout, config.media_urls)
+        self.zygote = shared_zygote(config)  # forks the CPU workers (workers/zygote.py)
 
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Load every model concurrently; each in its own worker process. When one fails, the others
         stop too: no worker outlives a failed start (the in-process API's caller lives on)."""
+        if self.zygote:
+            self.zygote.start()  # (the CLI has launched it already)
         starts = [asyncio.ensure_future(self._start_model(m)) for m in self.config.models]
         try:
             models = await asyncio.gather(*starts)
@@ -95,6 +99,8 @@ class Engine:
                 start.cancel()
             await asyncio.gather(*starts, return_exceptions=True)
             await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
+            if self.zygote:
+                self.zygote.stop()
             raise
         self.models = {m.spec.name: m for m in models}
         self.loading.clear()
@@ -164,7 +170,7 @@ class Engine:
             self._on_model_state(spec.name, self.models[spec.name].ready if spec.name in self.models else ready)
 
         worker = WorkerClient(make_config, label, on_state, start_timeout=cfg.worker_start_timeout,
-                              stall_timeout=cfg.worker_stall_timeout)
+                              stall_timeout=cfg.worker_stall_timeout, zygote=self.zygote)
         self._workers.append(worker)
         return worker
 
@@ -172,6 +178,8 @@ class Engine:
         for model in self.models.values():
             await model.scheduler.stop()
         await asyncio.gather(*(r.stop() for m in self.models.values() for r in m.replicas), return_exceptions=True)
+        if self.zygote:
+            self.zygote.stop()
         for pool in (self._tokenizer_pool, self._bulk_tokenizer_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self.media_pool.shutdown(wait=False, cancel_futures=True)

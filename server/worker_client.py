@@ -25,6 +25,7 @@ import zmq.asyncio
 from ..workers import protocol
 from ..workers.process import WorkerConfig, run_worker
 from .errors import BackendError, Unavailable
+from .zygote_client import Zygote
 
 log = logging.getLogger("encoderd.worker_client")
 
@@ -38,8 +39,10 @@ class WorkerStartError(Exception):
 class WorkerClient:
     def __init__(self, make_config: Callable[[str, str], WorkerConfig], label: str,
                  on_state: Callable[[bool], None] = lambda ready: None,
-                 start_timeout: float = 900.0, max_backoff: float = 30.0, stall_timeout: float = 0.0):
+                 start_timeout: float = 900.0, max_backoff: float = 30.0, stall_timeout: float = 0.0,
+                 zygote: Zygote | None = None):
         self._make_config = make_config   # (batch_address, result_address) -> WorkerConfig
+        self._zygote = zygote             # forks CPU workers with torch already imported; None: spawn
         self.label = label
         self._on_state = on_state
         self._start_timeout = start_timeout
@@ -52,6 +55,7 @@ class WorkerClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._next_batch_id = 0
         self._process = None
+        self._exit_waiter: asyncio.Future | None = None   # the one future that owns the sentinel's reader
         self._batches = self._results = None
         self._reader: asyncio.Task | None = None
         self._supervisor: asyncio.Task | None = None
@@ -89,10 +93,7 @@ class WorkerClient:
 
     async def _spawn_and_wait(self) -> protocol.WorkerReady:
         self._open_sockets()
-        config = self._make_config(self._batch_address, self._result_address)
-        self._process = _spawn.Process(target=run_worker, args=(config, os.getpid()),
-                                       name=f"encoderd-worker[{self.label}]", daemon=True)
-        self._process.start()
+        self._process = await self._start_process(self._make_config(self._batch_address, self._result_address))
         ready = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read_results(ready), name=f"results[{self.label}]")
         died = self._process_exit()
@@ -107,6 +108,18 @@ class WorkerClient:
                   f"worker exited with code {self._process.exitcode}" if died in done else "start timed out")
         await self._teardown()
         raise WorkerStartError(f"{self.label}: {reason}")
+
+    async def _start_process(self, config: WorkerConfig):
+        """Forked from the zygote (CPU workers), else spawned: either way a child of this process."""
+        if self._zygote and config.options.device == "cpu":
+            forked = await self._zygote.fork_async(config)
+            if forked:
+                log.info("worker %s forked from the zygote (pid %d)", self.label, forked.pid)
+                return forked
+        process = _spawn.Process(target=run_worker, args=(config, os.getpid()),
+                                 name=f"encoderd-worker[{self.label}]", daemon=True)
+        process.start()
+        return process
 
     def _open_sockets(self) -> None:
         tag = self.label.rpartition("/")[2].replace(":", "_")[:16]  # the directory is this frontend's: short
@@ -127,16 +140,23 @@ class WorkerClient:
         sentinel = self._process.sentinel
 
         def on_exit():
-            loop.remove_reader(sentinel)
             if not exited.done():
                 exited.set_result(None)
 
+        def stop_watching(_):
+            # Done callbacks run later: a start's `died`, cancelled once the worker is ready, must
+            # not remove the reader the supervisor has installed meanwhile (its next death unseen).
+            if self._exit_waiter is exited:
+                loop.remove_reader(sentinel)
+                self._exit_waiter = None
+
+        self._exit_waiter = exited
         loop.add_reader(sentinel, on_exit)
-        exited.add_done_callback(lambda _: loop.remove_reader(sentinel))
+        exited.add_done_callback(stop_watching)
         return exited
 
     async def _supervise(self) -> None:
-        backoff = 0.5
+        backoff = 0.0  # the first restart at once: a fork from the zygote is cheap; failures back off
         while not self._stopping:
             await self._process_exit()
             if self._stopping:
@@ -152,11 +172,11 @@ class WorkerClient:
                     started = time.perf_counter()
                     info = await self._spawn_and_wait()
                     log.info("worker %s restarted (pid %d) in %.1fs", self.label, info.pid, time.perf_counter() - started)
-                    backoff = 0.5
+                    backoff = 0.0
                     break
                 except WorkerStartError as exc:
                     log.error("restart of %s failed: %s", self.label, exc)
-                    backoff = min(backoff * 2, self._max_backoff)
+                    backoff = min(max(0.5, backoff * 2), self._max_backoff)
 
     async def _watch_heartbeats(self) -> None:
         loop = asyncio.get_running_loop()

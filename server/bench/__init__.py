@@ -11,6 +11,8 @@ one target after the other so they share the machine's conditions):
           work through one gRPC EmbedStream (the ingestion path).
   single  one short query at a time, N sequential calls: p50/p95/p99.
   rerank  a query + 50 passages per call, sequential: p50/p95.
+  recovery  (only when asked: --modes recovery) cold start to the first embedding, and kill -9 of
+          a worker to serving again, each server started afresh: recovery.py.
 
 Targets: encoderd over gRPC (always) and REST (--rest, through its Envoy gateway), an
 Infinity server in its own virtualenv (--infinity, REST), and sentence-transformers in

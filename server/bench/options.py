@@ -21,10 +21,10 @@ def log(msg: str) -> None:
 # --bulk-seconds S --bulk-warmup W) counts only the requests that finish inside it, which undercounts a
 # server that sorts inputs across requests (they all finish late) unless S is many times C x B / rate.
 FULL = {"corpus_size": 2048, "concurrency": 32, "batch": 32, "bulk_seconds": 300.0, "bulk_warmup": 0.0,
-        "bulk_requests": -1, "single_calls": 200, "rerank_calls": 10, "rerank_docs": 50,
+        "bulk_requests": -1, "single_calls": 200, "rerank_calls": 10, "rerank_docs": 50, "recovery_runs": 3,
         "peak_sizes": ((2048, 2048, 2048), (4096, 384, 1536), (4096, 1536, 384))}
 QUICK = {"corpus_size": 64, "concurrency": 4, "batch": 4, "bulk_seconds": 60.0, "bulk_warmup": 0.0,
-         "bulk_requests": 8, "single_calls": 10, "rerank_calls": 2, "rerank_docs": 8, "peak_sizes": ((512, 512, 512),)}
+         "bulk_requests": 8, "single_calls": 10, "rerank_calls": 2, "rerank_docs": 8, "recovery_runs": 1, "peak_sizes": ((512, 512, 512),)}
 
 
 def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
@@ -33,7 +33,9 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="CI smoke run: tiny corpus, a few requests, no Infinity, "
                                                         "no sentence-transformers (< 60 s)")
     p.add_argument("--json", type=Path, help="write all results to this JSON file")
-    p.add_argument("--modes", default="bulk,single,rerank", help="comma-separated subset of bulk,single,rerank")
+    p.add_argument("--modes", default="bulk,single,rerank",
+                   help="comma-separated subset of bulk,single,rerank,recovery (recovery: cold starts and kill -9 "
+                        "of a worker, its own servers; see server/bench/recovery.py)")
     p.add_argument("--serve-args", default="", help='extra `encoderd serve` flags, e.g. "--dtype bfloat16"')
     p.add_argument("--target-grpc", help="host:port of a running encoderd instead of starting one")
     p.add_argument("--target-rest", help="base URL of a running encoderd's REST gateway (with --target-grpc)")
@@ -54,7 +56,8 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
                         ("bulk_warmup", "bulk load before the window opens, s"),
                         ("bulk_requests", "bulk requests in all (-1 = the corpus once; 0 = a time window)"),
                         ("single_calls", "sequential single-query calls"), ("rerank_calls", "sequential rerank calls"),
-                        ("rerank_docs", "passages per rerank call")):
+                        ("rerank_docs", "passages per rerank call"),
+                        ("recovery_runs", "cold starts (and worker kills) per server in the recovery mode")):
         kind = float if name.startswith("bulk_s") or name == "bulk_warmup" else int
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"{help_} (full: {FULL[name]}, "
                                                                        f"quick: {QUICK[name]})")
@@ -70,7 +73,7 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
     if args.bulk_requests < 0:
         args.bulk_requests = max(1, args.corpus_size // args.batch)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if unknown := set(args.modes) - {"bulk", "single", "rerank"}:
+    if unknown := set(args.modes) - {"bulk", "single", "rerank", "recovery"}:
         raise SystemExit(f"encoderd bench: unknown modes {sorted(unknown)}")
     if args.quick:
         args.infinity, args.no_st = False, True

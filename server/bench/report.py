@@ -8,7 +8,7 @@ from .modes import Row
 
 
 def print_table(rows: list[Row], out=sys.stdout) -> None:
-    head = (f"{'mode':7} {'engine':22} {'proto':10} {'inputs/s':>9} {'tok/s':>9} {'p50 ms':>9} {'p95 ms':>9} "
+    head = (f"{'mode':9} {'engine':22} {'proto':10} {'inputs/s':>9} {'tok/s':>9} {'p50 ms':>9} {'p95 ms':>9} "
             f"{'p99 ms':>9} {'pad':>5} {'FLOP%':>6} {'busy%':>6} {'calls':>6} {'err':>4}")
     print(head, file=out)
     print("-" * len(head), file=out)
@@ -16,7 +16,7 @@ def print_table(rows: list[Row], out=sys.stdout) -> None:
         return f"{value * scale:{width}.{decimals}f}" if value is not None else "-".rjust(width)
 
     for r in rows:
-        print(f"{r.mode:7} {r.engine:22} {r.protocol:10} {r.inputs_per_s:9.1f} {r.tokens_per_s:9.0f} "
+        print(f"{r.mode:9} {r.engine:22} {r.protocol:10} {r.inputs_per_s:9.1f} {r.tokens_per_s:9.0f} "
               f"{r.p50_ms:9.1f} {r.p95_ms:9.1f} {r.p99_ms:9.1f} {fmt(r.padding_ratio, 5, 2)} "
               f"{fmt(r.flop_utilisation, 6, 1, 100)} {fmt(r.worker_busy, 6, 0, 100)} {r.calls:6d} {r.errors:4d}",
               file=out)

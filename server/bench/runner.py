@@ -19,6 +19,7 @@ from .flops import FlopModel, matmul_peak
 from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
 from .options import build_parser, log, resolve_options, serving_threads, worker_threads
 from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
+from .recovery import run_recovery
 from .report import print_ratios, print_table, ratios
 from .servers import (RERANKER_NAME, build_reranker, encoderd_probe_groups, infinity_venv, list_models, serve_flags,
                       start_encoderd, start_infinity)
@@ -38,6 +39,12 @@ class Bench:
         args = self.args
         started = time.monotonic()
         embed_dir = default_model_path()
+        if "recovery" in args.modes:  # first, its servers alone on the machine; it starts and stops its own
+            venv = infinity_venv(args.cache_dir) if args.infinity else None
+            self.rows += run_recovery(args, embed_dir, self.log_dir(), venv)
+            if args.modes == ["recovery"]:
+                self.info["elapsed_s"] = round(time.monotonic() - started, 1)
+                return self.report()
         rerank_dir = build_reranker(args) if "rerank" in args.modes else None
         work, self.info = make_workload(args, embed_dir, rerank_dir)
         log(f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
@@ -56,9 +63,7 @@ class Bench:
 
     def start_targets(self, embed_dir: str, rerank_dir: str | None) -> list[dict]:
         args = self.args
-        logs = args.log_dir or Path(tempfile.mkdtemp(prefix="encoderd-bench-"))
-        logs.mkdir(parents=True, exist_ok=True)
-        self.info["log_dir"] = str(logs)
+        logs = self.log_dir()
         rest = args.rest and self._rest_available()
         venv = infinity_venv(args.cache_dir) if args.infinity else None
         server = ports = infinity = None
@@ -78,6 +83,13 @@ class Bench:
                             "dtype": "float32"})
         self._add_foreign_reference(targets)
         return targets
+
+    def log_dir(self) -> Path:
+        if "log_dir" not in self.info:
+            logs = self.args.log_dir or Path(tempfile.mkdtemp(prefix="encoderd-bench-"))
+            logs.mkdir(parents=True, exist_ok=True)
+            self.info["log_dir"] = str(logs)
+        return Path(self.info["log_dir"])
 
     def _rest_available(self) -> bool:
         if self.args.target_grpc:
@@ -199,8 +211,9 @@ class Bench:
         print()
         print_table(self.rows)
         print_ratios(result["ratios"])
-        print(f"\nconditions: {json.dumps(result['conditions'])}\ncorpus tokens: "
-              f"{json.dumps({k: v for k, v in self.info['corpus'].items()})}")
+        print(f"\nconditions: {json.dumps(result['conditions'])}")
+        if "corpus" in self.info:  # a recovery-only run has none
+            print(f"corpus tokens: {json.dumps(self.info['corpus'])}")
         if args.json:
             args.json.write_text(json.dumps(result, indent=2))
             log(f"wrote {args.json}")

@@ -51,3 +51,16 @@ def test_bench_quick_writes_report(tmp_path, reranker_path):
 
     # Everything the benchmark started is gone.
     assert not [pid for pid in report["pids"]["encoderd"] if _alive(pid)]
+
+
+def test_bench_recovery_mode_reports_cold_start_and_restart(tmp_path):
+    out = tmp_path / "recovery.json"
+    cmd = [sys.executable, "-m", "encoderd.server.bench", "--quick", "--modes", "recovery", "--json", str(out),
+           "--log-dir", str(tmp_path / "logs")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = {(r["mode"], r["engine"]): r for r in json.loads(out.read_text())["results"]}
+    for mode in ("coldstart", "recovery"):
+        row = rows[(mode, "encoderd")]
+        assert row["calls"] == 1 and row["p50_ms"] > 0 and row["errors"] == 0, row
+    assert "forked from the zygote" in "".join(p.read_text() for p in (tmp_path / "logs").rglob("encoderd.log"))
