@@ -21,12 +21,12 @@ class ServerConfig:
     models: tuple[ModelConfig, ...]
     engine: str = "torch"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"                  # chosen per host in the worker (workers/hardware.py)
     cpu_threads: int = 0
     torch_compile: bool = False          # torch engine: torch.compile each model during warm-up
     trust_remote_code: bool = False      # run Python code shipped in model repositories (config.json auto_map)
     allow_low_fidelity: bool = False     # serve models that fail the start-up fidelity self-check
-    replicas: int = 1                    # worker processes per device
+    replicas: int = 0                    # worker processes per device; 0 = chosen per host (hardware.choose_cpu_layout)
     max_batch_size: int = 64
     max_batch_tokens: int = 8192
     batch_delay_ms: float = 5.0

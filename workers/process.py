@@ -177,7 +177,14 @@ def _load(config: WorkerConfig) -> tuple:
     warm_start = time.perf_counter()
     backend.warmup(config.spec.max_length)
     log.info("warm-up done in %.1fs", time.perf_counter() - warm_start)
-    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity)
+    # A dtype the server chose itself (--dtype auto) that fails the check falls back to float32;
+    # one the operator named is refused (LowFidelity) or, with --allow-low-fidelity, served.
+    chosen = config.options.dtype == "auto" and backend.options.dtype != "float32"
+    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity,
+                                fallback="float32" if chosen else "")
+    if chosen and check.status == fidelity.LOW:
+        del backend
+        return _load(msgspec.structs.replace(config, options=msgspec.structs.replace(config.options, dtype="float32")))
     log.info("ready")
     return backend, check
 
