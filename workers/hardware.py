@@ -305,6 +305,22 @@ def choose_cpu_layout(usable: int, replicas: int = 0, threads: int = 0) -> Layou
                   f"several cores; at most {MAX_AUTO_REPLICAS} copies of the model)")
 
 
+# int8 under --dtype auto: never, on any CPU measured, because no recipe gives both >= 1.5x the
+# float32 default's bulk tokens/s and min cosine >= 0.99 on the broad corpus (issue 19.3). Zen 5
+# (avx512_vnni), one thread, CPU time, tests/support/int8_recipes.py, torch dynamic int8 on the
+# padding-free path vs its float32 (8,126 tok/s):
+#   every linear int8, per-channel, SmoothQuant a=0.7           1.67x   min cosine 0.976
+#   the same, FFN down-projection smoothed (a=0.5..0.95)        1.45-1.57x       0.88-0.92
+#   FFN down-projection float32, the rest smoothed (a=0.7)       1.35x           0.995
+#   no smoothing, FFN down-projection float32                    1.34x           0.954
+# The FFN down-projection reads the GELU output, whose outliers move from token to token: one
+# dynamic scale per tensor cannot cover them, and float32 there gives back most of the speed.
+# ONNX Runtime int8 (ONNX_INT8_*) reaches 1.28x (s8) / 1.59x (u8u8) of onnx float32 at min cosine
+# 0.995, but onnx float32 is itself ~0.8x torch float32 in bulk: ~1.1x the default. So `auto` keeps
+# float32 (or native bfloat16) and says so; `--dtype int8` (onnx) stays the operator's lossy opt-in,
+# checked against the int8 floor (0.99) by the fidelity self-check.
+INT8_NOT_AUTO = "int8 not chosen: no int8 recipe measured reaches 1.5x float32 at min cosine 0.99"
+
 # Engines that compute bfloat16 on CPU (onnxruntime and CTranslate2 do not there).
 CPU_BF16_ENGINES = ("torch", "auto")
 
@@ -315,8 +331,8 @@ def choose_cpu_dtype(engine: str, info: CpuInfo | None = None) -> tuple[str, str
     automatic bfloat16 that fails it falls back to float32 (workers/process.py)."""
     info = info or cpu()
     if engine not in CPU_BF16_ENGINES:
-        return "float32", f"--engine {engine} computes no bfloat16 on CPU"
+        return "float32", f"--engine {engine} computes no bfloat16 on CPU; {INT8_NOT_AUTO}"
     if not info.has_any(NATIVE_BF16):
-        return "float32", f"no native bfloat16 ({_missing(NATIVE_BF16)}) on this CPU"
+        return "float32", f"no native bfloat16 ({_missing(NATIVE_BF16)}) on this CPU; {INT8_NOT_AUTO}"
     native = " ".join(f for f in NATIVE_BF16 if f in info.flags)
     return "bfloat16", f"native bfloat16 ({native}): ~2x float32 matmul throughput, if the fidelity check passes"
