@@ -30,7 +30,6 @@ the torch engine is the only one computing them, and the report says "unchecked"
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -168,7 +167,9 @@ def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_
     model = from_pretrained(model_class(spec.kind), spec.path, trust_remote_code, dtype=torch.float32).eval()
     pad_id = model.config.pad_token_id or 0  # decoder classifiers read the last non-pad token
     takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    from .hardware import cpu_budget
+
+    torch.set_num_threads(cpu_budget().usable)  # not 64 threads in a 2-CPU container
     outputs = []
     with torch.inference_mode():
         for batch in batches:
