@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--max-queued-tokens", "tokens queued per model before new work gets RESOURCE_EXHAUSTED (0 = no bound)",
          0, int)
     _add(serve, "--bulk-batch-tokens", "token budget of bulk-priority batches while interactive requests are "
-         "arriving (small keeps their latency low; bulk alone gets full batches)", 256, int)
+         "arriving (0 = full batches: the worker cuts bulk work into steps timed against its interactive "
+         "batches, workers/pacing.py)", 0, int)
     _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
     _add(serve, "--max-request-tokens", "most tokens one request may compute or tokenize (after truncation; "
          "a cheap estimate refuses bigger ones before any work; 0 = no bound)", 262144, int)

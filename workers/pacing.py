@@ -8,8 +8,8 @@ layer" meant a different wait on every host. The pacer cuts a bulk batch into co
 sub-batches whose steps take about `target()` seconds, from what this worker measures:
 
   * seconds per token of one step: an EWMA over the bulk steps it times;
-  * the target: about the time urgent batches themselves take here (an EWMA), so a query waits
-    for at most about one more query's worth of bulk work, on a fast host and a slow one alike;
+  * the target: URGENT_FACTOR times what urgent batches themselves take here (an EWMA), so a
+    query waits for a fixed multiple of its own compute, on a fast host and a slow one alike;
     clamped to [MIN_STEP_S, MAX_STEP_S] (tiny steps would cost bulk throughput: every step has a
     fixed cost, and smaller GEMMs run slower). While no urgent batch has come for QUIET_S the
     target is MAX_STEP_S: bulk alone keeps big steps, and a query that arrives then still
@@ -32,6 +32,12 @@ MIN_STEP_S = 0.002
 MAX_STEP_S = 0.05
 QUIET_S = 2.0          # as the scheduler's interactive window (server/scheduler.py INTERACTIVE_WINDOW)
 SMOOTHING = 0.2        # EWMA weight of the newest measurement
+# A bulk step takes about this many urgent batches' time. The idle query's own latency is about
+# twice its compute here (frontend, transport), and a query waits half a step on average: 2
+# keeps its p95 near 2x idle, and costs bulk less than smaller steps (python -m
+# encoderd.workers.bench_pacing: bulk tokens per CPU second 0.81-0.85 of uncut batches at 2,
+# 0.74-0.77 at 1; the former 256-token bulk batches 0.72-0.82).
+URGENT_FACTOR = 2.0
 MIN_TOKENS = 32        # never cut below this: a step's fixed cost would dominate
 
 
@@ -44,7 +50,8 @@ class Ewma:
 
 
 class Pacer:
-    def __init__(self, fixed_ms: float | None = None, clock=time.perf_counter):
+    def __init__(self, fixed_ms: float | None = None, clock=time.perf_counter, factor: float = URGENT_FACTOR):
+        self.factor = factor
         if fixed_ms is None and os.environ.get(STEP_ENV, "").strip():
             fixed_ms = float(os.environ[STEP_ENV])
         self.fixed = None if fixed_ms is None else fixed_ms / 1000
@@ -59,7 +66,7 @@ class Pacer:
             return self.fixed or None
         if self.urgent_seconds.value is None or self.clock() - self.urgent_at > QUIET_S:
             return MAX_STEP_S
-        return min(MAX_STEP_S, max(MIN_STEP_S, self.urgent_seconds.value))
+        return min(MAX_STEP_S, max(MIN_STEP_S, self.factor * self.urgent_seconds.value))
 
     def step_tokens(self) -> int | None:
         """Most tokens in one sub-batch, or None (unknown speed, or no cutting)."""

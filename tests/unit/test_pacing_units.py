@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from encoderd.workers import pacing
 from encoderd.workers.protocol import Ragged, TokenBatch
@@ -30,7 +31,7 @@ def test_steps_follow_the_urgent_time_on_fast_and_slow_hosts():
     """Twice the seconds per token (a slower host) and twice the urgent time: the same share."""
     for per_token, urgent in ((20e-6, 0.004), (40e-6, 0.008)):
         clock = Clock()
-        pacer = pacing.Pacer(clock=clock)
+        pacer = pacing.Pacer(clock=clock, factor=1.0)
         pacer.timed_step(1000, 1000 * per_token)
         pacer.timed_urgent(urgent)
         assert pacer.target() == urgent and pacer.step_tokens() == 200
@@ -39,12 +40,15 @@ def test_steps_follow_the_urgent_time_on_fast_and_slow_hosts():
         assert np.array_equal(np.concatenate([p.input_ids for p in parts]), _batch([50] * 20).input_ids)
         clock.now += pacing.QUIET_S + 1  # no urgent work for a while: big steps again
         assert pacer.target() == pacing.MAX_STEP_S
+    default = pacing.Pacer(clock=Clock())
+    default.timed_urgent(0.004)
+    assert default.target() == pytest.approx(pacing.URGENT_FACTOR * 0.004)
 
 
 def test_cut_keeps_whole_sequences_and_bounds():
     pacer = pacing.Pacer(clock=Clock())
     pacer.timed_step(100, 100 * 1e-5)
-    pacer.timed_urgent(0.001)  # below the floor: MIN_STEP_S, 200 tokens
+    pacer.timed_urgent(0.0005)  # below the floor: MIN_STEP_S, 200 tokens
     parts = pacer.cut(_batch([300, 10, 10, 150, 60, 5]))
     assert [p.lengths.tolist() for p in parts] == [[300], [10, 10, 150], [60, 5]]
     assert all(p.cu_seqlens[0] == 0 for p in parts)
