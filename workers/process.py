@@ -6,8 +6,8 @@ Started by the frontend with multiprocessing's `spawn` method. Threads:
   * main: inbox -> backend.forward -> result socket. Urgent (interactive) batches
     go first, and run in the pauses of a bulk batch computed in steps (the torch
     padding-free forward pauses after each layer), cut into sub-batches whose steps
-    take about as long as an urgent batch does here (workers/pacing.py): a live query
-    waits for about one query's worth of bulk work, on any host;
+    take about twice as long as an urgent batch does here (workers/pacing.py): a live
+    query waits a bounded multiple of its own compute for bulk work, on any host;
   * parent watch: exits the process when the frontend is gone;
   * heartbeat: tells the frontend every HEARTBEAT_INTERVAL that this process is alive, on its
     own socket (ZeroMQ sockets are not thread-safe), while main computes too. A worker that
