@@ -202,12 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
          "is installed, else torch)", "torch", choices=ENGINES)
     _add(serve, "--device", "devices for the workers: cpu, cuda (all GPUs), cuda:N, or a comma-separated list; "
          "a model may override it with NAME=PATH@DEVICES", "cpu")
-    _add(serve, "--replicas", "worker processes per device and model (CPU replicas get disjoint cores)", 1, int)
-    _add(serve, "--dtype", "compute precision (auto: float16 on CUDA, float32 on CPU; int8*: onnx on CPU, ctranslate2)",
-         "float32", choices=DTYPES)
+    _add(serve, "--replicas", "worker processes per device and model (CPU replicas get disjoint cores; 0 = chosen "
+         "for this host's usable cores, affinity and cgroup quota: see workers/hardware.choose_cpu_layout)", 0, int)
+    _add(serve, "--dtype", "compute precision (auto: float16 on CUDA; on CPU bfloat16 where it is native and passes "
+         "the fidelity self-check, else float32; int8*: onnx on CPU, ctranslate2)", "auto", choices=DTYPES)
     _add(serve, "--cache-dir", "where converted models (ONNX exports, CTranslate2 conversions, TensorRT engines) are "
          "kept between restarts", default_cache_dir())
-    _add(serve, "--cpu-threads", "intra-op threads per CPU worker (0 = the cores this process may use)", 0, int)
+    _add(serve, "--cpu-threads", "intra-op threads per CPU worker (0 = chosen with --replicas for this host)", 0, int)
     _add(serve, "--batch-size", "most inputs in one batch (0 = 16 on CPU, where small length-sorted batches "
          "waste least padding, 64 on GPUs)", 0, int)
     _add(serve, "--max-batch-tokens", "most tokens in one batch (padding counted for padded engines)", 8192, int)
@@ -216,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--max-queued-tokens", "tokens queued per model before new work gets RESOURCE_EXHAUSTED (0 = no bound)",
          0, int)
     _add(serve, "--bulk-batch-tokens", "token budget of bulk-priority batches while interactive requests are "
-         "arriving (small keeps their latency low; bulk alone gets full batches)", 256, int)
+         "arriving (0 = full batches: the worker cuts bulk work into steps timed against its interactive "
+         "batches, workers/pacing.py)", 0, int)
     _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
     _add(serve, "--max-request-tokens", "most tokens one request may compute or tokenize (after truncation; "
          "a cheap estimate refuses bigger ones before any work; 0 = no bound)", 262144, int)

@@ -40,18 +40,18 @@ class ServerConfig:
     models: tuple[ModelConfig, ...]
     engine: str = "torch"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"                  # chosen per host in the worker (workers/hardware.py)
     cpu_threads: int = 0
     torch_compile: bool = False          # torch engine: torch.compile each model during warm-up
     trust_remote_code: bool = False      # run Python code shipped in model repositories (config.json auto_map)
     allow_low_fidelity: bool = False     # serve models that fail the start-up fidelity self-check
-    replicas: int = 1                    # worker processes per device
+    replicas: int = 0                    # worker processes per device; 0 = chosen per host (hardware.choose_cpu_layout)
     max_batch_size: int = 64
     max_batch_tokens: int = 8192
     batch_delay_ms: float = 5.0
     max_queued_inputs: int = 16384
     max_queued_tokens: int = 0           # 0 = bounded by inputs only
-    bulk_batch_tokens: int = 256         # bulk batch budget while interactive work is around
+    bulk_batch_tokens: int = 0           # bulk batch budget while interactive work is around; 0 = full (workers/pacing.py)
     cache_size: int = 0                  # recent results kept per model (0 = no cache; dedup is always on)
     prompts: tuple[tuple[str, str], ...] = ()   # --prompt NAME=TEXT, for every embedding model
     max_inputs_per_request: int = 2048

@@ -26,6 +26,7 @@ from .batching import BatchLimits, WorkItem
 from .config import ModelConfig, ServerConfig
 from .errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
 from .media import MediaLimits, load_preprocessors
+from .choices import explain
 from .placement import Placement, plan_replicas
 from .result_cache import ResultCache, result_key
 from .scheduler import ModelScheduler, PendingRequest, Priority
@@ -126,6 +127,7 @@ class Engine:
         log.info("model %s ready in %.1fs (pids %s, %s/%s; fidelity %s%s)", spec.name, time.perf_counter() - started,
                  ",".join(str(i.pid) for i in infos), infos[0].engine, infos[0].dtype, infos[0].fidelity_status,
                  "".join(f", {f.metric} {f.value:.5f}" for f in infos[0].fidelity))
+        log.info("chose %s", explain(spec.name, cfg, placements, infos[0].engine, infos[0].dtype))
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
         scheduler = self._scheduler(spec, replicas, cfg, padded=any(i.is_padded for i in infos))

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from ..workers.hardware import Layout, choose_cpu_layout, cpu_budget
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -22,18 +24,12 @@ class Placement:
 
 
 def usable_cores() -> list[int]:
-    """The cores this process may run on, within its cgroup CPU quota."""
-    cores = sorted(os.sched_getaffinity(0))
-    quota = _cgroup_cpu_limit()
-    return cores[:max(1, int(quota))] if quota and quota < len(cores) else cores
+    """The cores this process may run on, within its cgroup CPU quota (workers/hardware.py)."""
+    return list(cpu_budget().cores)
 
 
-def _cgroup_cpu_limit() -> float | None:
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        return None
+def _affinity() -> int:
+    return len(cpu_budget().affinity)
 
 
 def visible_gpus() -> int:
@@ -68,23 +64,35 @@ def expand_devices(devices: str) -> list[str]:
     return out
 
 
+def cpu_layout(replicas: int = 0, cpu_threads: int = 0) -> Layout:
+    """Workers x threads per model on the CPU: the operator's flags, else hardware.choose_cpu_layout."""
+    return choose_cpu_layout(len(usable_cores()), replicas, cpu_threads)
+
+
 def plan_replicas(devices: str, replicas: int = 1, cpu_threads: int = 0) -> list[Placement]:
-    """One placement per worker: `replicas` per device; CPU replicas get disjoint core sets
-    when there are enough cores, sized `cpu_threads` (default: an even share)."""
-    if replicas < 1:
-        raise ValueError("--replicas must be at least 1")
+    """One placement per worker: `replicas` per device (0 = auto: one per GPU, the CPU layout of
+    cpu_layout); CPU replicas get disjoint core sets when there are enough cores, sized
+    `cpu_threads` (default: an even share)."""
+    if replicas < 0:
+        raise ValueError("--replicas must be at least 1 (or 0: chosen for this host)")
     placements: list[Placement] = []
-    cpu_replicas = [d for d in expand_devices(devices) for _ in range(replicas) if d == "cpu"]
     cores = usable_cores()
+    layout = cpu_layout(replicas, cpu_threads) if not replicas else None
+    per_cpu = layout.replicas if layout else replicas
+    cpu_replicas = [d for d in expand_devices(devices) for _ in range(per_cpu) if d == "cpu"]
+    gpu_threads = cpu_threads
+    if layout:
+        cpu_threads = layout.threads
     share = cpu_threads or max(1, len(cores) // max(1, len(cpu_replicas)))
     cpu_index = 0
     for device in expand_devices(devices):
-        for _ in range(replicas):
+        for _ in range(per_cpu if device == "cpu" else replicas or 1):
             if device != "cpu":
-                placements.append(Placement(device, threads=cpu_threads))
+                placements.append(Placement(device, threads=gpu_threads))
                 continue
-            if len(cpu_replicas) == 1 and not cpu_threads:
-                placements.append(Placement("cpu"))  # one worker: all cores, no pinning
+            if len(cpu_replicas) == 1 and (not cpu_threads or cpu_threads >= len(cores)):
+                # One worker: all usable cores, no pinning; threads named only where a quota cuts them.
+                placements.append(Placement("cpu", threads=0 if len(cores) == _affinity() else len(cores)))
             else:
                 start = (cpu_index * share) % len(cores)
                 pinned = tuple(cores[(start + k) % len(cores)] for k in range(min(share, len(cores))))

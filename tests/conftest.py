@@ -13,6 +13,11 @@ from support.server import ServerProcess
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The servers tests start compare float32 outputs with the reference libraries and count workers:
+# they pin what the defaults would otherwise choose per host (bfloat16 and one worker per core on a
+# small AVX-512 host). tests/integration/test_auto_defaults.py starts one without these.
+os.environ.setdefault("ENCODERD_DTYPE", "float32")
+os.environ.setdefault("ENCODERD_REPLICAS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,6 @@ the torch engine is the only one computing them, and the report says "unchecked"
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -168,7 +167,9 @@ def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_
     model = from_pretrained(model_class(spec.kind), spec.path, trust_remote_code, dtype=torch.float32).eval()
     pad_id = model.config.pad_token_id or 0  # decoder classifiers read the last non-pad token
     takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    from .hardware import cpu_budget
+
+    torch.set_num_threads(cpu_budget().usable)  # not 64 threads in a 2-CPU container
     outputs = []
     with torch.inference_mode():
         for batch in batches:
@@ -186,10 +187,12 @@ def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_
 
 
 # ---------------------------------------------------------------- the check
-def self_check(backend, spec: ModelSpec, allow_low: bool) -> Report:
+def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") -> Report:
     """Run the calibration set through `backend`, compare with the reference, log the verdict.
 
-    Raises LowFidelity below a floor unless `allow_low` (then it warns and reports LOW)."""
+    Below a floor: with `fallback` (a dtype the server chose itself, not the operator) it warns
+    that it falls back to that and reports LOW; else raises LowFidelity unless `allow_low` (then
+    it warns and reports LOW)."""
     what = f"{spec.name} ({backend.engine} {backend.options.dtype} on {backend.options.device})"
     if spec.kind not in CHECKED_KINDS:
         log.info("fidelity self-check: %s not checked: the calibration set covers embedding, reranker and "
@@ -202,17 +205,20 @@ def self_check(backend, spec: ModelSpec, allow_low: bool) -> Report:
     figures = judge(measure(spec.kind, got, want), backend.options.dtype)
     report = Report(PASSED if all(f.passed for f in figures) else LOW, figures, len(want),
                     time.perf_counter() - started, cached)
-    _log_verdict(report, what, allow_low)
+    _log_verdict(report, what, allow_low, fallback)
     return report
 
 
-def _log_verdict(report: Report, what: str, allow_low: bool) -> None:
+def _log_verdict(report: Report, what: str, allow_low: bool, fallback: str = "") -> None:
     timing = f"{report.inputs} inputs, {report.seconds:.1f}s, reference {'cached' if report.reference_cached else 'computed'}"
     if report.status == PASSED:
         log.info("fidelity self-check passed: %s: %s [%s]", what, describe(report.figures), timing)
         return
     failed = describe(tuple(f for f in report.figures if not f.passed))
     line = f"fidelity self-check FAILED: {what} computes too far from float32: {failed} [{timing}]"
+    if fallback:
+        log.warning("%s; --dtype auto falls back to %s", line, fallback)
+        return
     if not allow_low:
         log.error("%s; not serving it: %s", line, REMEDY)
         raise LowFidelity(f"{line}; {REMEDY}")

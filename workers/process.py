@@ -5,8 +5,9 @@ Started by the frontend with multiprocessing's `spawn` method. Threads:
     next batch is decoded while the current one computes;
   * main: inbox -> backend.forward -> result socket. Urgent (interactive) batches
     go first, and run in the pauses of a bulk batch computed in steps (the torch
-    padding-free forward pauses after each layer): a live query waits for one
-    layer of bulk work, not for a whole batch;
+    padding-free forward pauses after each layer), cut into sub-batches whose steps
+    take about twice as long as an urgent batch does here (workers/pacing.py): a live
+    query waits a bounded multiple of its own compute for bulk work, on any host;
   * parent watch: exits the process when the frontend is gone;
   * heartbeat: tells the frontend every HEARTBEAT_INTERVAL that this process is alive, on its
     own socket (ZeroMQ sockets are not thread-safe), while main computes too. A worker that
@@ -28,7 +29,7 @@ import numpy as np
 import zmq
 
 from ..server.logs import configure_logging
-from . import fidelity, protocol
+from . import fidelity, pacing, protocol
 from .backends import BackendOptions, create_backend
 from .hardware import UnsupportedOnHardware
 from .model_spec import ModelSpec
@@ -162,8 +163,9 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         # The backend's own engine/options: `auto` engine and dtype are resolved by then.
         os.getpid(), modules.output_dim(backend.output_dim), backend.engine, backend.options.device,
         backend.options.dtype, backend.is_padded, check.status, check.figures)))
+    pacer = pacing.Pacer()
     while True:
-        _run(backend, modules, inbox.get(), inbox, results)
+        _run(backend, modules, inbox.get(), inbox, results, pacer)
 
 
 def _load(config: WorkerConfig) -> tuple:
@@ -177,7 +179,14 @@ def _load(config: WorkerConfig) -> tuple:
     warm_start = time.perf_counter()
     backend.warmup(config.spec.max_length)
     log.info("warm-up done in %.1fs", time.perf_counter() - warm_start)
-    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity)
+    # A dtype the server chose itself (--dtype auto) that fails the check falls back to float32;
+    # one the operator named is refused (LowFidelity) or, with --allow-low-fidelity, served.
+    chosen = config.options.dtype == "auto" and backend.options.dtype != "float32"
+    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity,
+                                fallback="float32" if chosen else "")
+    if chosen and check.status == fidelity.LOW:
+        del backend
+        return _load(msgspec.structs.replace(config, options=msgspec.structs.replace(config.options, dtype="float32")))
     log.info("ready")
     return backend, check
 
@@ -203,16 +212,19 @@ def forward(backend, batch: protocol.TokenBatch):
         return np.concatenate(halves)
 
 
-def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket) -> None:
+def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket,
+         pacer: pacing.Pacer) -> None:
     """Compute one batch and send its result (or its error: one bad batch fails its requests,
     not the worker)."""
     started = time.perf_counter_ns()
     try:
         if isinstance(batch, protocol.MediaBatch):
             output = backend.forward_media(batch)
+        elif batch.urgent:
+            output = modules(forward(backend, batch))
+            pacer.timed_urgent((time.perf_counter_ns() - started) / 1e9)
         else:
-            output = modules(forward(backend, batch) if batch.urgent
-                             else _forward_yielding(backend, modules, batch, inbox, results))
+            output = modules(_forward_yielding(backend, modules, batch, inbox, results, pacer))
     except Exception as exc:
         log.exception("batch %d failed", batch.batch_id)
         results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))
@@ -222,19 +234,33 @@ def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.So
 
 
 def _forward_yielding(backend, modules: SentenceModules, batch: protocol.TokenBatch, inbox: Inbox,
-                      results: zmq.Socket):
-    """A bulk batch in steps; at each pause, the urgent batches that arrived meanwhile run first."""
-    steps = backend.forward_in_steps(batch)
+                      results: zmq.Socket, pacer: pacing.Pacer):
+    """A bulk batch in sub-batches (pacer.cut), each in timed steps; at each pause, the urgent
+    batches that arrived meanwhile run first."""
     try:
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
-            while (urgent := inbox.take_urgent()) is not None:
-                _run(backend, modules, urgent, inbox, results)
+        return pacing.join([_steps(backend, modules, part, inbox, results, pacer) for part in pacer.cut(batch)])
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        steps.close()
         return forward(backend, batch)  # from the start, halving the batch as needed
+
+
+def _steps(backend, modules: SentenceModules, batch: protocol.TokenBatch, inbox: Inbox, results: zmq.Socket,
+           pacer: pacing.Pacer):
+    steps = backend.forward_in_steps(batch)
+    tokens, paused = len(batch.input_ids), False
+    try:
+        while True:
+            started = time.perf_counter()
+            try:
+                next(steps)
+            except StopIteration as done:
+                if not paused:  # an engine without pause points: its one step is the whole forward
+                    pacer.timed_step(tokens, time.perf_counter() - started)
+                return done.value
+            paused = True
+            pacer.timed_step(tokens, time.perf_counter() - started)
+            while (urgent := inbox.take_urgent()) is not None:
+                _run(backend, modules, urgent, inbox, results, pacer)
+    finally:
+        steps.close()

@@ -93,14 +93,22 @@ def _serve_flag(args, flag: str) -> int:
     return 0
 
 
+def _layout(args):
+    """The server's CPU layout for these --serve-args: its flags, else what it picks on this host."""
+    from ...server.placement import cpu_layout
+
+    replicas = _serve_flag(args, "--replicas") or int(os.environ.get("ENCODERD_REPLICAS", "0"))
+    threads = _serve_flag(args, "--cpu-threads") or int(os.environ.get("ENCODERD_CPU_THREADS", "0"))
+    return cpu_layout(replicas, threads)
+
+
 def worker_threads(args) -> int:
     """Intra-op threads of one encoderd worker."""
-    return (_serve_flag(args, "--cpu-threads") or int(os.environ.get("ENCODERD_CPU_THREADS", "0"))
-            or len(os.sched_getaffinity(0)))
+    return _layout(args).threads
 
 
 def serving_threads(args) -> int:
     """Threads of all the embedding model's workers together (--replicas x --cpu-threads, at most
     the cores here): the matmul peak that FLOP utilisation is measured against."""
-    replicas = _serve_flag(args, "--replicas") or int(os.environ.get("ENCODERD_REPLICAS", "0")) or 1
-    return min(worker_threads(args) * replicas, len(os.sched_getaffinity(0)))
+    layout = _layout(args)
+    return min(layout.threads * layout.replicas, len(os.sched_getaffinity(0)))

@@ -78,7 +78,8 @@ class Bench:
             targets.append(self._infinity_target(infinity, inf_port, rerank_dir))
         if not args.no_st:
             log("loading sentence-transformers in this process")
-            st = SentenceTransformersTarget(embed_dir, rerank_dir, worker_threads(args))
+            # As many threads as all the server's workers together compute on.
+            st = SentenceTransformersTarget(embed_dir, rerank_dir, serving_threads(args))
             targets.append({"name": "sentence-transformers", "client": st, "probe": None, "metrics": None,
                             "dtype": "float32"})
         self._add_foreign_reference(targets)

@@ -321,14 +321,18 @@ def test_model_fingerprint_follows_content(tmp_path):
 
 # ------------------------------------------------------------------ auto and start-up errors
 def test_auto_engine_and_dtype():
+    from encoderd.workers.hardware import choose_cpu_dtype
+
     cpu, gpu = BackendOptions(dtype="auto"), BackendOptions(device="cuda:1", dtype="auto")
-    assert resolve_options(cpu).dtype == "float32" and resolve_options(gpu).dtype == "float16"
-    assert resolve_engine("auto", resolve_options(gpu)) == "torch"
+    assert resolve_options(gpu).dtype == "float16" and resolve_engine("auto", resolve_options(gpu)) == "torch"
+    assert resolve_options(cpu, "onnx").dtype == "float32"  # onnxruntime computes no bfloat16 on CPU
+    cpu_dtype = choose_cpu_dtype("auto")[0]  # bfloat16 where native (issue 19.1), else float32
+    assert resolve_options(cpu).dtype == cpu_dtype
     import importlib.util
 
-    expected = "onnx" if importlib.util.find_spec("onnxruntime") else "torch"
+    onnx = importlib.util.find_spec("onnxruntime") and cpu_dtype == "float32"
     backend = create_backend("auto", load_model_spec("m", default_model_path()), cpu)
-    assert (backend.engine, backend.options.dtype) == (expected, "float32")  # what READY reports
+    assert (backend.engine, backend.options.dtype) == ("onnx" if onnx else "torch", cpu_dtype)  # what READY reports
 
 
 @pytest.mark.parametrize("engine", ["onnx", "ctranslate2", "tensorrt"])

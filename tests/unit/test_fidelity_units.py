@@ -186,6 +186,35 @@ def test_self_check_serves_low_fidelity_when_allowed(fake_reference, minilm_spec
     assert any(r.levelno == logging.WARNING and "serving it anyway" in r.getMessage() for r in caplog.records)
 
 
+def test_an_automatic_dtype_below_the_floor_falls_back_to_float32(fake_reference, minilm_spec, monkeypatch, caplog):
+    """Issue 19.1: bfloat16 that the server chose itself (--dtype auto) and that fails the check is
+    replaced by float32 with a WARNING; the same dtype named by the operator is refused (above)."""
+    import msgspec
+
+    from encoderd.workers import process
+
+    class Loadable(_Backend):
+        def load(self): pass
+        def warmup(self, max_length): pass
+
+    built = []
+
+    def create_backend(engine, spec, options):
+        dtype = "bfloat16" if options.dtype == "auto" else options.dtype
+        built.append(Loadable(fake_reference, 0.3 if dtype == "bfloat16" else 0.0, dtype))
+        return built[-1]
+
+    monkeypatch.setattr(process, "create_backend", create_backend)
+    config = process.WorkerConfig(minilm_spec, "torch", BackendOptions(dtype="auto"), "ipc://a", "ipc://b")
+    with caplog.at_level(logging.INFO, "encoderd.fidelity"):
+        backend, report = process._load(config)
+    assert [b.options.dtype for b in built] == ["bfloat16", "float32"] and backend is built[-1]
+    assert report.status == fidelity.PASSED
+    assert any(r.levelno == logging.WARNING and "falls back to float32" in r.getMessage() for r in caplog.records)
+    with pytest.raises(fidelity.LowFidelity):  # named by the operator: refused, no fallback
+        process._load(msgspec.structs.replace(config, options=BackendOptions(dtype="bfloat16")))
+
+
 def test_kinds_outside_the_calibration_set_are_reported_unchecked(minilm_spec):
     import msgspec
 

@@ -59,19 +59,23 @@ def _auto_engine(options: BackendOptions, kind: str) -> tuple[str, str]:
     return chosen, why
 
 
-def resolve_options(options: BackendOptions) -> BackendOptions:
-    """`--dtype auto`: float16 on CUDA, float32 on CPU."""
+def resolve_options(options: BackendOptions, engine: str = "auto") -> BackendOptions:
+    """`--dtype auto`: float16 on CUDA; on CPU bfloat16 where the CPU runs it natively and `engine`
+    computes it, else float32 (hardware.choose_cpu_dtype)."""
     if options.dtype != "auto":
         return options
-    dtype = "float16" if _on_gpu(options.device) else "float32"
-    log.info("--dtype auto: using %s on %s", dtype, options.device)
+    if _on_gpu(options.device):
+        dtype, why = "float16", "CUDA device"
+    else:
+        dtype, why = hardware.choose_cpu_dtype(engine)
+    log.info("--dtype auto: using %s on %s (%s)", dtype, options.device, why)
     return msgspec.structs.replace(options, dtype=dtype)
 
 
 def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
     """The backend for `engine` with `auto` engine and dtype resolved; its
     `engine` and `options` say what actually runs."""
-    options = resolve_options(options)
+    options = resolve_options(options, engine)
     engine = resolve_engine(engine, options, spec.kind.value, spec.model_type)
     if spec.kind.value not in TEXT_ENGINE_KINDS and engine != "torch":
         # Multi-modal, multi-vector and sparse heads exist for torch only (workers/backends/torch_heads.py).

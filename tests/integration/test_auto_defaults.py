@@ -1,0 +1,37 @@
+"""Issue 19.1: with no --dtype / --replicas / --cpu-threads the server picks them for this host
+(workers/hardware.py), serves what it says it picked, and logs one line per model saying why."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.hardware import choose_cpu_dtype, choose_cpu_layout, cpu_budget
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
+from support.server import ServerProcess
+
+
+def test_defaults_are_chosen_for_this_host_and_logged(tmp_path, minilm_path):
+    from sentence_transformers import SentenceTransformer
+
+    server = ServerProcess(log_path=tmp_path / "server.log")
+    for pinned in ("ENCODERD_DTYPE", "ENCODERD_REPLICAS", "ENCODERD_CPU_THREADS"):  # tests/conftest.py pins them
+        server.env.pop(pinned, None)
+    layout = choose_cpu_layout(cpu_budget().usable)
+    dtype, why = choose_cpu_dtype("torch")
+    with server:
+        model = server.stub().ListModels(pb.ListModelsRequest()).models[0]
+        texts = ["a short query", "a somewhat longer passage about serving encoder models on any host " * 3]
+        got = np.array([e.values for e in server.stub().Embed(pb.EmbedRequest(inputs=texts), timeout=60).embeddings])
+    log = server.log_text()
+    [line] = [ln for ln in log.splitlines() if f"chose {DEFAULT_MODEL_NAME}:" in ln]
+    # The dtype the hardware policy wants, unless the fidelity check sent it back to float32 (then it says so).
+    assert model.dtype in (dtype, "float32") and f"dtype {model.dtype}" in line
+    assert (why in line) if model.dtype == dtype else ("failed the fidelity self-check" in line), line
+    assert len(model.replicas) == layout.replicas and f"{layout.replicas} CPU worker(s) x {layout.threads} thread" in line
+    assert layout.why in line and "usable core" in line
+    want = SentenceTransformer(minilm_path, device="cpu").encode(texts)
+    cosines = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosines.min() >= 0.999, cosines  # the floor of the half-precision row (workers/fidelity.py)
