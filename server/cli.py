@@ -378,10 +378,11 @@ def _models_file(path: str | None) -> ModelsFile | None:
 def _startup_errors() -> tuple[type[Exception], ...]:
     from ..gateway.envoy import GatewayError
     from ..workers.model_spec import ModelLoadError
+    from .placement import PlacementError
     from .startup import StartupError
     from .worker_client import WorkerStartError
 
-    return StartupError, ModelLoadError, WorkerStartError, GatewayError
+    return StartupError, ModelLoadError, WorkerStartError, GatewayError, PlacementError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from ..workers.hardware import Layout, choose_cpu_layout, cpu_budget
 
 
+class PlacementError(ValueError):
+    """Devices or replicas that cannot be placed on this host: a start-up error (one line, exit 2)."""
+
+
 @dataclass(frozen=True)
 class Placement:
     device: str                  # "cpu" or "cuda:N"
@@ -53,14 +57,14 @@ def expand_devices(devices: str) -> list[str]:
         if device == "cuda":
             count = visible_gpus()
             if not count:
-                raise ValueError("--device cuda: no GPU is visible")
+                raise PlacementError("--device cuda: no GPU is visible")
             out += [f"cuda:{i}" for i in range(count)]
         elif device == "cpu" or device.startswith("cuda:"):
             out.append(device)
         else:
-            raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N")
+            raise PlacementError(f"unknown device {device!r}: use cpu, cuda or cuda:N")
     if not out:
-        raise ValueError("no device given")
+        raise PlacementError("no device given")
     return out
 
 
@@ -74,7 +78,7 @@ def plan_replicas(devices: str, replicas: int = 1, cpu_threads: int = 0) -> list
     cpu_layout); CPU replicas get disjoint core sets when there are enough cores, sized
     `cpu_threads` (default: an even share)."""
     if replicas < 0:
-        raise ValueError("--replicas must be at least 1 (or 0: chosen for this host)")
+        raise PlacementError("--replicas must be at least 1 (or 0: chosen for this host)")
     placements: list[Placement] = []
     cores = usable_cores()
     layout = cpu_layout(replicas, cpu_threads) if not replicas else None
