@@ -8,8 +8,10 @@ clients sending a random mix, back to back: Embed (1-16 inputs), Rerank (a query
 documents) and Classify (1-8 inputs), every text new (so no cache or dedup answers it) and of
 random length (1-300 words: every batch is a new shape). Every --sample-every seconds it reads the
 RSS of the frontend and of each worker from /proc. The report: RSS per process each minute, and
-the growth over the last half of the run (target: < 5%). With --compare-ref, the server of that
-git ref runs at the same time under the same traffic (half the clients each), for a before/after.
+the growth over the last half of the run (target: < 5%), each a minute's lowest RSS (a worker's
+RSS swings by the working set of the batch in flight; the floor is what it keeps), with the
+peaks of each half. With --compare-ref, the server of that git ref runs at the same time under
+the same traffic (its own --clients clients), for a before/after.
 A benchmark, not a test: it prints a table and asserts nothing.
 """
 
@@ -122,29 +124,38 @@ def start(label: str, pythonpath: str | None, models: dict[str, str], serve_args
     return server, address
 
 
-def summarize(samples: list[tuple[float, dict]], names: list[str], minutes: float) -> dict:
-    """RSS each minute and growth over the last half, per process."""
+def _floor_near(series: list[tuple[float, float]], t: float, window: float = 60.0) -> float:
+    """The lowest RSS within the `window` seconds ending at t (or the nearest sample). A worker's
+    RSS swings by the working set of the batch in flight and drops back when the heap is trimmed:
+    the floor is the memory it keeps, which is what leaks grow."""
+    near = [v for s, v in series if t - window <= s <= t] or [min(series, key=lambda p: abs(p[0] - t))[1]]
+    return min(near)
+
+
+def summarize(samples: list[tuple[float, dict]], names: list[str]) -> dict:
+    """Per process: the RSS floor each minute, its growth over the last half of the run, and the
+    peaks of the first and the second half (what the working set adds on top)."""
     out = {}
-    half = samples[-1][0] / 2
+    end_t = samples[-1][0]
     for name in names:
         series = [(t, s[name]) for t, s in samples if s.get(name) is not None]
         if not series:
             continue
-        mid = min(series, key=lambda p: abs(p[0] - half))[1]
-        end = series[-1][1]
-        per_minute = [min(series, key=lambda p: abs(p[0] - 60 * m))[1] for m in range(int(minutes) + 1)]
+        mid, end = _floor_near(series, end_t / 2), _floor_near(series, end_t)
+        peaks = [max([v for t, v in series if (t > end_t / 2) == second] or [0]) for second in (False, True)]
         out[name] = {"start_mb": round(series[0][1]), "mid_mb": round(mid), "end_mb": round(end),
-                     "peak_mb": round(max(v for _, v in series)),
                      "last_half_growth_pct": round(100 * (end - mid) / mid, 1),
-                     "per_minute_mb": [round(v) for v in per_minute]}
+                     "peak_first_half_mb": round(peaks[0]), "peak_second_half_mb": round(peaks[1]),
+                     "per_minute_mb": [round(_floor_near(series, 60 * m)) for m in range(int(end_t // 60) + 1)]}
     return out
 
 
 def report(summary: dict) -> None:
-    print(f"{'process':<28} {'start':>6} {'mid':>6} {'end':>6} {'peak':>6} {'last-half growth':>17}  RSS each minute (MB)")
+    print(f"{'process':<26} {'start':>5} {'mid':>5} {'end':>5} {'growth, last half':>17} {'peaks (halves)':>14}"
+          "  RSS floor each minute (MB)")
     for name, r in summary.items():
-        print(f"{name:<28} {r['start_mb']:>6} {r['mid_mb']:>6} {r['end_mb']:>6} {r['peak_mb']:>6} "
-              f"{r['last_half_growth_pct']:>16.1f}%  {' '.join(map(str, r['per_minute_mb']))}")
+        print(f"{name:<26} {r['start_mb']:>5} {r['mid_mb']:>5} {r['end_mb']:>5} {r['last_half_growth_pct']:>16.1f}% "
+              f"{r['peak_first_half_mb']:>6} {r['peak_second_half_mb']:>6}  {' '.join(map(str, r['per_minute_mb']))}")
 
 
 def main(argv=None) -> int:
@@ -186,7 +197,7 @@ def main(argv=None) -> int:
             c.join(timeout=150)
         for server in servers:
             server.stop()
-    summary = summarize(samples, list(pids), args.minutes)
+    summary = summarize(samples, list(pids))
     report(summary)
     calls = {k: sum(c.calls[k] for c in clients) for k in KINDS}
     errors = {}
