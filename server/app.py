@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 
@@ -96,6 +97,10 @@ class Server:
         await self._set_overall(health_pb2.HealthCheckResponse.SERVING)
         systemd.ready(self._status_line())
         self._serving = True
+        # What start-up built (tokenizers, protobuf descriptors, modules) lives until exit: out of the
+        # cyclic GC's sight, full collections under load scan only per-call objects (measured under
+        # a 640-client flood: pauses of 100-190 ms otherwise, each one a stall of every call).
+        gc.freeze()
         log.info("encoderd ready: gRPC on %s:%d serving %s", cfg.host, self.bound_port, ", ".join(self.engine.models))
 
     async def drain_and_stop(self) -> None:
