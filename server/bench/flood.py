@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import os
 import shlex
 import subprocess
 import sys

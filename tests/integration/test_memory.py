@@ -54,7 +54,6 @@ def test_worker_memory_is_bounded_under_ever_new_batch_shapes(servers):
             for name, stub in stubs.items()}
     rng = random.Random(7)
     shapes = set()
-    growth = {}
     for k in range(WARMUP_BATCHES + BATCHES):
         if k == WARMUP_BATCHES:
             warm = {name: _rss_mb(pid) for name, pid in pids.items()}
