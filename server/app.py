@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 
@@ -105,6 +106,10 @@ class Server:
         await self._set_overall(health_pb2.HealthCheckResponse.SERVING)
         systemd.ready(self._status_line())
         self._serving = True
+        # What start-up built (tokenizers, protobuf descriptors, modules) lives until exit: out of the
+        # cyclic GC's sight, full collections under load scan only per-call objects (measured under
+        # a 640-client flood: pauses of 100-190 ms otherwise, each one a stall of every call).
+        gc.freeze()
         security = "" if not cfg.tls else " (mutual TLS)" if cfg.tls.client_ca else " (TLS)"
         log.info("encoderd ready: gRPC%s on %s:%d serving %s", security, cfg.host, self.bound_port,
                  ", ".join(self.engine.models))

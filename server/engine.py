@@ -265,6 +265,7 @@ class Engine:
                     ) -> tuple[ServedModel, np.ndarray, int]:
         """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's)."""
         model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP))
+        model.scheduler.refuse_if_full(len(texts))  # a flood is refused before any other work
         texts = self.check_inputs(texts)
         prefix = self.prompt_text(model, prompt, prompt_name)
         if prefix:
@@ -304,6 +305,7 @@ class Engine:
                           priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
         """Cross-encoder logits (n,) of (query, document) pairs and the token count."""
         model = self.get(name, ModelKind.RERANKER)
+        model.scheduler.refuse_if_full(len(documents))  # a flood is refused before any other work
         if not query:
             raise InvalidInput("`query` is empty")
         self.check_text(query, "`query`")
@@ -325,6 +327,7 @@ class Engine:
                        priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
         """Classifier logits (n, labels) and the token count."""
         model = self.get(name, ModelKind.CLASSIFIER)
+        model.scheduler.refuse_if_full(len(texts))  # a flood is refused before any other work
         texts = self.check_inputs(texts)
 
         async def compute(indices: list[int]):

@@ -137,6 +137,11 @@ class ModelScheduler:
             self._reserved[0] -= inputs
             self._reserved[1] -= tokens
 
+    def refuse_if_full(self, inputs: int) -> None:
+        """The earliest check, before a request is validated or keyed: a flood is refused in
+        microseconds of the event loop (reserve() checks again with the token estimate)."""
+        self._refuse_if_full(inputs, 0)
+
     def _refuse_if_full(self, inputs: int, tokens: int) -> None:
         if not self.ready:
             raise Unavailable(f"model {self.model} is unavailable (its worker is restarting)")

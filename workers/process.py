@@ -29,7 +29,7 @@ import numpy as np
 import zmq
 
 from ..server.logs import configure_logging
-from . import fidelity, pacing, protocol
+from . import fidelity, memory, pacing, protocol
 from .backends import BackendOptions, create_backend
 from .hardware import UnsupportedOnHardware
 from .model_spec import ModelSpec
@@ -102,6 +102,9 @@ class Inbox:
     def get(self):
         return self._queue.get()[2]
 
+    def empty(self) -> bool:
+        return self._queue.empty()
+
     def take_urgent(self):
         """The next urgent batch, or None without waiting."""
         with self._queue.mutex:
@@ -132,6 +135,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         # the frontend, a replica, anything); sleeping waiters cost little. Set before torch loads.
         if "GOMP_SPINCOUNT" not in os.environ:  # an operator's own spin setting wins
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        memory.bound_kernel_caches()  # shape-keyed oneDNN caches: see workers/memory.py
     threading.Thread(target=_watch_parent, args=(parent_pid, (config.batch_address, config.result_address)),
                      name="parent-watch", daemon=True).start()
     _quiet_multiprocessing_locks()
@@ -164,8 +168,10 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         os.getpid(), modules.output_dim(backend.output_dim), backend.engine, backend.options.device,
         backend.options.dtype, backend.is_padded, check.status, check.figures)))
     pacer = pacing.Pacer()
+    trimmer = memory.HeapTrimmer()  # freed heap pages go back to the OS: see workers/memory.py
     while True:
         _run(backend, modules, inbox.get(), inbox, results, pacer)
+        trimmer.after_batch(idle=inbox.empty())
 
 
 def _load(config: WorkerConfig) -> tuple:

@@ -19,7 +19,9 @@ Infinity server in its own virtualenv (--infinity, REST), and sentence-transform
 this process (length-sorted encode; the compute floor without any server).
 
 How tokens, FLOPs and CPU use are counted: corpus.py, flops.py and processes.py. The run
-itself reads top to bottom in runner.py. Two more benchmarks live here:
-`python -m encoderd.server.bench.rest` (REST through Envoy vs direct gRPC) and
-`python -m encoderd.server.bench.mixed` (live queries while bulk ingestion runs).
+itself reads top to bottom in runner.py. More benchmarks live here:
+`python -m encoderd.server.bench.rest` (REST through Envoy vs direct gRPC),
+`python -m encoderd.server.bench.mixed` (live queries while bulk ingestion runs),
+`python -m encoderd.server.bench.soak` (memory over 10 minutes of mixed traffic) and
+`python -m encoderd.server.bench.flood` (how fast a refusal arrives under a flood).
 """

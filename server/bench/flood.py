@@ -1,0 +1,177 @@
+"""Refusal under a flood (issue 16, finding 2): how fast a probe hears RESOURCE_EXHAUSTED while
+many clients keep a small queue bound (`--max-queued-inputs`) overflowing.
+
+    python -m encoderd.server.bench.flood [--clients 640] [--seconds 20] [--compare-ref REF]
+
+It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
+exported to a temporary folder) and, for each server in turn:
+  idle    the probe alone: sequential one-input Embed calls, p50/p99;
+  flood   C clients (in their own process, so the probe's own client loop is never the queue),
+          each sending 4-input Embed calls back to back on its own connection, while the probe
+          sends one call every 20 ms: the latency of its RESOURCE_EXHAUSTED answers, p50/p99.
+Phases alternate between the servers (ref, this, ref, this), so both see the same machine load.
+A benchmark, not a test: it prints a table and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from ...v1 import encoderd_pb2 as pb
+from ...v1 import encoderd_pb2_grpc
+from .processes import Managed, free_port, grpc_serving, wait_until
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WORDS = "refusal under load must arrive at once while the queue is full of other work".split()
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=60)) for _ in range(n)]
+
+
+async def _flood_client(address: str, stop_at: float, texts: list[str], counts: dict) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = encoderd_pb2_grpc.EncoderStub(channel)
+        while time.monotonic() < stop_at:
+            counts["sent"] += 1  # distinct texts: identical ones would be computed once
+            n = counts["sent"]
+            try:
+                await stub.Embed(pb.EmbedRequest(inputs=[f"{n} {t}" for t in texts]), timeout=30)
+                counts["OK"] = counts.get("OK", 0) + 1
+            except grpc.aio.AioRpcError as exc:
+                counts[exc.code().name] = counts.get(exc.code().name, 0) + 1
+
+
+def _flood_process(address: str, clients: int, seconds: float, out) -> None:
+    """C clients on one event loop, in a process of their own; sends its counts back."""
+    counts = {"sent": 0}
+    stop_at = time.monotonic() + seconds
+    texts = _texts(4, seed=5)
+
+    async def main():
+        await asyncio.gather(*(_flood_client(address, stop_at, texts, counts) for _ in range(clients)))
+
+    asyncio.run(main())
+    out.put(counts)
+
+
+def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float]]:
+    """(refusal latencies, served latencies) of one-input calls sent every `pause` seconds."""
+    refused, served = [], []
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline:
+        i += 1
+        started = time.perf_counter()
+        try:
+            stub.Embed(pb.EmbedRequest(inputs=[f"probe {i} {time.time()}"]), timeout=30)
+            served.append(time.perf_counter() - started)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                refused.append(time.perf_counter() - started)
+        time.sleep(pause)
+    return refused, served
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q) * 1000), 1) if values else None
+
+
+def measure(address: str, clients: int, seconds: float) -> dict:
+    channel = grpc.insecure_channel(address)
+    stub = encoderd_pb2_grpc.EncoderStub(channel)
+    _, idle = _probe(stub, 3, 0.02)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    flood = ctx.Process(target=_flood_process, args=(address, clients, seconds + 6, out), daemon=True)
+    flood.start()
+    time.sleep(5)  # the flood's connections open and the queue fills
+    refused, served = _probe(stub, seconds, 0.02)
+    counts = out.get(timeout=seconds + 120)
+    flood.join(30)
+    channel.close()
+    return {"idle_p50_ms": _pct(idle, 50), "idle_p99_ms": _pct(idle, 99), "refused": len(refused),
+            "served": len(served), "refusal_p50_ms": _pct(refused, 50), "refusal_p99_ms": _pct(refused, 99),
+            "refusal_max_ms": _pct(refused, 100), "flood": counts}
+
+
+def export_ref(ref: str) -> Path:
+    """`git archive REF` of this repository, laid out as an importable `encoderd` package (the
+    mapping of pyproject.toml's package-dir) in a temporary folder."""
+    root = Path(tempfile.mkdtemp(prefix="encoderd-ref-"))
+    source = root / "source"
+    source.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    package = root / "encoderd"
+    package.mkdir()
+    for name, path in (("server", "server"), ("workers", "workers"), ("gateway", "gateway"),
+                       ("clients", "clients"), ("v1", "protos/encoderd/v1")):
+        (package / name).symlink_to(source / path)
+    return root
+
+
+def start_server(label: str, pythonpath: str | None, serve_args: list[str], logs: Path) -> tuple[Managed, str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "encoderd.server.cli", "serve", "--no-rest", "--grpc-port", str(port), *serve_args]
+    env = {"PYTHONPATH": pythonpath} if pythonpath else {}
+    server = Managed(label, argv, logs / f"{label}.log", env=env, cwd=pythonpath or None).start()
+    address = f"127.0.0.1:{port}"
+    wait_until(lambda: grpc_serving(address), label, server, timeout=300)
+    return server, address
+
+
+def report(rows: list[dict]) -> None:
+    print(f"{'server':<14} {'idle p50':>8} {'idle p99':>8} {'refused':>7} {'served':>6} "
+          f"{'refusal p50':>11} {'refusal p99':>11} {'max':>7}  flood counts")
+    for r in rows:
+        f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+        print(f"{r['server']:<14} {f(r['idle_p50_ms']):>8} {f(r['idle_p99_ms']):>8} {r['refused']:>7} "
+              f"{r['served']:>6} {f(r['refusal_p50_ms']):>11} {f(r['refusal_p99_ms']):>11} "
+              f"{f(r['refusal_max_ms']):>7}  {r['flood']}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=640, help="flood clients (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=20, help="probe time per flood phase")
+    parser.add_argument("--rounds", type=int, default=1, help="flood phases per server (alternating)")
+    parser.add_argument("--max-queued-inputs", type=int, default=64)
+    parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
+    parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args(argv)
+    serve_args = ["--max-queued-inputs", str(args.max_queued_inputs), *shlex.split(args.serve_args)]
+    logs = Path(tempfile.mkdtemp(prefix="encoderd-flood-"))
+    servers = [("this checkout", None)] + ([(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))]
+                                           if args.compare_ref else [])
+    rows = []
+    for _ in range(args.rounds):
+        for label, path in reversed(servers):  # the reference first
+            server, address = start_server(label.replace(" ", "-"), path, serve_args, logs)
+            try:
+                print(f"[flood] {label}: {args.clients} clients, {args.seconds:g}s", file=sys.stderr, flush=True)
+                rows.append({"server": label, **measure(address, args.clients, args.seconds)})
+            finally:
+                server.stop()
+    report(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

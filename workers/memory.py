@@ -1,0 +1,71 @@
+"""Keeping a worker's memory flat under traffic of ever-new batch shapes (issue 16, finding 4).
+
+Measured on the torch engine (MiniLM, CPU), 600 batches of 1-16 inputs of 5-256 tokens, each
+batch a new shape: RSS 486 -> 1,822 MB and still growing. Two causes, each bounded here:
+
+* Shape-keyed kernel caches. The padding-free forward's GEMMs have M = the batch's token count,
+  a new value for nearly every batch, and oneDNN builds (JIT-compiles) a primitive per shape.
+  PyTorch's ideep layer keeps them in an LRU of `LRU_CACHE_CAPACITY` entries and oneDNN in its
+  own cache of `ONEDNN_PRIMITIVE_CACHE_CAPACITY`, both 1,024 by default: up to ~1 GB of
+  primitives that are almost never reused. 64 each keeps the shapes that do repeat (short
+  queries of common lengths). Both variables are read when the first primitive is built, so
+  setting them in the worker before its first forward works even after torch is imported; an
+  operator's own values win.
+* glibc heap fragmentation. Activations of a few MB to tens of MB, freed in a different order
+  and size each batch, leave free holes inside the heap that glibc does not return. malloc_trim
+  gives their pages back; it walks the whole heap (milliseconds), so it runs when the worker goes
+  idle (at most once a second) and, under unbroken load, at least every TRIM_BUSY_INTERVAL.
+
+With both: 488 -> 512 MB after 100 batches, then flat over the next 200 (tests/integration/
+test_memory.py reproduces the growth and its bound; `python -m encoderd.server.bench.soak` is the
+10-minute soak).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import time
+
+KERNEL_CACHE_CAPACITY = 64
+TRIM_IDLE_INTERVAL = 1.0    # seconds between trims when the worker goes idle
+TRIM_BUSY_INTERVAL = 10.0   # ... and at least this often under unbroken load
+_CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
+    """Cap the shape-keyed primitive caches (before the first forward; the operator's values win)."""
+    for name in _CACHE_VARIABLES:
+        os.environ.setdefault(name, str(capacity))
+
+
+def _malloc_trim():
+    """glibc's malloc_trim, or None (musl, macOS: nothing to call)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+class HeapTrimmer:
+    """Gives freed heap pages back to the OS after batches, rarely enough to cost nothing."""
+
+    def __init__(self, idle_interval: float = TRIM_IDLE_INTERVAL, busy_interval: float = TRIM_BUSY_INTERVAL):
+        self._trim = _malloc_trim()
+        self._idle_interval, self._busy_interval = idle_interval, busy_interval
+        self._last = time.monotonic()
+
+    def after_batch(self, idle: bool) -> bool:
+        """Call after each batch, `idle` when no other batch is waiting; True when it trimmed."""
+        if self._trim is None:
+            return False
+        since = time.monotonic() - self._last
+        if since < (self._idle_interval if idle else self._busy_interval):
+            return False
+        self._trim(0)
+        self._last = time.monotonic()
+        return True
