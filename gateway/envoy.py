@@ -165,19 +165,25 @@ def check_url_prefix(prefix: str) -> str:
     return prefix
 
 
+def _lua_source(name: str) -> str:
+    """A Lua script of this package, indented as an inline_string of envoy.yaml."""
+    return textwrap.indent((HERE / name).read_text(), " " * 18).rstrip("\n")
+
+
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
     admin = ("" if not settings.admin_port else
              f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n")
-    lua = textwrap.indent((HERE / "errors.lua").read_text(), " " * 18)
+    transcoder = Template((HERE / "transcoder.yaml").read_text()).substitute(
+        descriptor=str(descriptor.resolve()), max_response_bytes=settings.max_response_bytes)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(
-        admin=admin, lua=lua.rstrip("\n"), routes=_lua_routes(20), descriptor=str(descriptor.resolve()),
+        admin=admin, lua=_lua_source("errors.lua"), gzip_trailer=_lua_source("gzip_trailer.lua"),
+        gzip_verify=_lua_source("gzip_verify.lua"), transcoder=transcoder.rstrip("\n"), routes=_lua_routes(20),
         endpoints=endpoints, url_prefix=check_url_prefix(settings.url_prefix),
         cors_filter=CORS_FILTER if settings.cors_allow_origins else "",
         cors_policy=_cors_policy(settings.cors_allow_origins) if settings.cors_allow_origins else "",
         cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,
-        max_body_bytes=settings.max_body_bytes, max_response_bytes=settings.max_response_bytes,
-        timeout=f"{settings.timeout_s:g}s")
+        max_body_bytes=settings.max_body_bytes, timeout=f"{settings.timeout_s:g}s")
 
 
 def render(out_dir: Path, settings: GatewaySettings) -> Path:
