@@ -14,7 +14,7 @@ import pytest
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from support.corpus import sentences
-from support.multimodal_models import build_colbert, build_sparse
+from support.multimodal_models import build_clip, build_colbert, build_sparse
 from support.server import ServerProcess
 
 M = DEFAULT_MODEL_NAME
@@ -32,6 +32,7 @@ def compat_server(tmp_path_factory, models_dir, reranker_path, classifier_path):
                          "--model", f"classifier={classifier_path}",
                          "--model", f"colbert={build_colbert(models_dir / 'mm-colbert')}",
                          "--model", f"splade={build_sparse(models_dir / 'mm-sparse')}:sparse",
+                         "--model", f"clip={build_clip(models_dir / 'mm-clip')}",
                          "--prompt", f"search_query={QUERY_PROMPT}", "--cpu-threads", "1",
                          "--cors-allow-origin", ORIGIN,
                          rest=True, log_path=log)
@@ -232,7 +233,47 @@ def test_tei_predict_shapes(http, stub):
     assert [(p["label"], round(p["score"], 5)) for p in single.json()] == [(l, round(s, 5)) for l, s in want[0]]
     batch = http.post("/predict", json={"inputs": [[TEXTS[0]], [TEXTS[1]], [TEXTS[2]]]}).json()
     assert [[p["label"] for p in row] for row in batch] == [[l for l, _ in row] for row in want]
-    _error(http.post("/predict", json={"inputs": [TEXTS[0], TEXTS[1]]}), 400, "pair")
+    for bad in ([TEXTS[0], TEXTS[1], TEXTS[2]], [[TEXTS[0], TEXTS[1], TEXTS[2]]], [[TEXTS[0]], TEXTS[1]], [[]]):
+        _error(http.post("/predict", json={"inputs": bad}), 400, "text_pair")
+
+
+@pytest.fixture(scope="module")
+def classifier_logits(classifier_path):
+    """transformers' logits for (text, text_pair) pairs and single texts: the pair classifier's reference."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(classifier_path)
+    model = AutoModelForSequenceClassification.from_pretrained(classifier_path).eval()
+
+    def logits(*texts):
+        with torch.no_grad():
+            return model(**tokenizer(*texts, truncation=True, return_tensors="pt")).logits[0].numpy()
+    return logits, model.config.id2label
+
+
+def test_tei_predict_text_pairs_equal_transformers(http, classifier_logits):
+    """TEI's pair input (cross-encoders, NLI-style pair classifiers): the tokenizer's own pair
+    encoding, token types included; a batch may mix pairs and single texts."""
+    logits, id2label = classifier_logits
+    pairs = [(QUERY, DOCS[0]), (TEXTS[1], TEXTS[2]), (TEXTS[3], DOCS[5] * 80)]  # the last one truncated
+
+    def by_label(row):
+        return [row[label] for label in id2label.values()]
+
+    one = http.post("/predict", json={"inputs": list(pairs[0]), "raw_scores": True})
+    assert one.status_code == 200, one.text
+    np.testing.assert_allclose(by_label({p["label"]: p["score"] for p in one.json()}), logits(*pairs[0]), atol=1e-4)
+    mixed = [list(pairs[0]), [TEXTS[0]], list(pairs[1]), list(pairs[2])]
+    batch = http.post("/predict", json={"inputs": mixed, "parameters": {"function_to_apply": "none"}})
+    assert batch.status_code == 200, batch.text
+    for row, item in zip(batch.json(), mixed):
+        np.testing.assert_allclose(by_label({p["label"]: p["score"] for p in row}), logits(*item), atol=1e-4)
+    # The model's own activation (softmax here) over the pair's logits, best first.
+    scored = http.post("/predict", json={"inputs": list(pairs[1])}).json()
+    want = np.exp(logits(*pairs[1])) / np.exp(logits(*pairs[1])).sum()
+    assert [p["label"] for p in scored] == [id2label[i] for i in np.argsort(-want, kind="stable")]
+    np.testing.assert_allclose(sorted(p["score"] for p in scored), sorted(want), atol=1e-5)
 
 
 def test_tei_tokenize_decode_info(http, minilm_path):
@@ -374,6 +415,46 @@ def test_cohere_v2_defaults_to_float_and_reads_inputs(compat_server, http, refer
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "max_tokens": 16}), 400, "max_tokens")
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "images": ["data:image/png;base64,AA=="]}),
            400, "images")
+
+
+def _png_uri(seed: int, size=(48, 40)) -> str:
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_cohere_embed_images_equal_the_grpc_image_embedding(compat_server, http, stub):
+    """Cohere's image inputs (v1 and v2 `images`, v2 `image_url` parts beside text inputs) on the
+    clip model: the same vectors as gRPC's EmbedMultimodal of the same images and texts."""
+    import cohere
+
+    images, caption = [_png_uri(1), _png_uri(2, (30, 60))], "a photo of a cat"
+    contents = [pb.Content(image=pb.Media(url=u)) for u in images] + [pb.Content(text=caption)]
+    want = np.array([e.values for e in stub.EmbedMultimodal(pb.EmbedMultimodalRequest(
+        model="clip", inputs=contents)).embeddings])  # clip's default: unit vectors
+    v1 = cohere.Client(base_url=compat_server.rest_url, api_key="k").embed(
+        model="clip", images=images, input_type="image", embedding_types=["float", "int8"])
+    np.testing.assert_allclose(v1.embeddings.float_, want[:2], atol=1e-5)
+    assert v1.meta.billed_units.images == 2 and v1.texts == [] and len(v1.embeddings.int8[0]) == want.shape[1]
+    co = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k")
+    mixed = co.embed(model="clip", input_type="image", embedding_types=["float"],
+                     inputs=[{"content": [{"type": "image_url", "image_url": {"url": images[0]}}]},
+                             {"content": [{"type": "text", "text": caption}]},
+                             {"content": [{"type": "image_url", "image_url": {"url": images[1]}}]}])
+    np.testing.assert_allclose(mixed.embeddings.float_, want[[0, 2, 1]], atol=1e-5)
+    assert mixed.texts == [caption] and mixed.meta.billed_units.images == 2
+    by_images = co.embed(model="clip", input_type="image", images=images[1:], embedding_types=["float"])
+    np.testing.assert_allclose(by_images.embeddings.float_, want[1:2], atol=1e-5)
+    fused = {"content": [{"type": "text", "text": caption}, {"type": "image_url", "image_url": {"url": images[0]}}]}
+    _error(http.post("/v2/embed", json={"model": "clip", "input_type": "image", "inputs": [fused]}), 400,
+           "inputs[0]", "input of its own")
+    _error(http.post("/v1/embed", json={"model": M, "images": images[:1]}), 400, "takes text")
+    _error(http.post("/v1/embed", json={"model": "clip", "images": ["data:image/png;base64,AAAA"]}), 400, "images[0]")
 
 
 # ---------------------------------------------------------------------- gRPC
