@@ -32,7 +32,6 @@ def compat_server(tmp_path_factory, models_dir, reranker_path, classifier_path):
                          "--model", f"classifier={classifier_path}",
                          "--model", f"colbert={build_colbert(models_dir / 'mm-colbert')}",
                          "--model", f"splade={build_sparse(models_dir / 'mm-sparse')}:sparse",
-                         "--model", f"clip={build_clip(models_dir / 'mm-clip')}",
                          "--prompt", f"search_query={QUERY_PROMPT}", "--cpu-threads", "1",
                          "--cors-allow-origin", ORIGIN,
                          rest=True, log_path=log)
@@ -428,20 +427,31 @@ def _png_uri(seed: int, size=(48, 40)) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def test_cohere_embed_images_equal_the_grpc_image_embedding(compat_server, http, stub):
+@pytest.fixture(scope="module")
+def clip_server(tmp_path_factory, models_dir):
+    """A clip model on its own: beside compat_server's embedder, TEI's model-less routes would
+    have two embedding models to choose from."""
+    proc = ServerProcess("--model", f"clip={build_clip(models_dir / 'mm-clip')}", "--cpu-threads", "1", rest=True,
+                         log_path=tmp_path_factory.mktemp("compat-clip") / "server.log")
+    proc.start()
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+
+
+def test_cohere_embed_images_equal_the_grpc_image_embedding(clip_server, http):
     """Cohere's image inputs (v1 and v2 `images`, v2 `image_url` parts beside text inputs) on the
     clip model: the same vectors as gRPC's EmbedMultimodal of the same images and texts."""
     import cohere
 
     images, caption = [_png_uri(1), _png_uri(2, (30, 60))], "a photo of a cat"
     contents = [pb.Content(image=pb.Media(url=u)) for u in images] + [pb.Content(text=caption)]
-    want = np.array([e.values for e in stub.EmbedMultimodal(pb.EmbedMultimodalRequest(
+    want = np.array([e.values for e in clip_server.stub().EmbedMultimodal(pb.EmbedMultimodalRequest(
         model="clip", inputs=contents)).embeddings])  # clip's default: unit vectors
-    v1 = cohere.Client(base_url=compat_server.rest_url, api_key="k").embed(
+    v1 = cohere.Client(base_url=clip_server.rest_url, api_key="k").embed(
         model="clip", images=images, input_type="image", embedding_types=["float", "int8"])
     np.testing.assert_allclose(v1.embeddings.float_, want[:2], atol=1e-5)
     assert v1.meta.billed_units.images == 2 and v1.texts == [] and len(v1.embeddings.int8[0]) == want.shape[1]
-    co = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k")
+    co = cohere.ClientV2(base_url=clip_server.rest_url, api_key="k")
     mixed = co.embed(model="clip", input_type="image", embedding_types=["float"],
                      inputs=[{"content": [{"type": "image_url", "image_url": {"url": images[0]}}]},
                              {"content": [{"type": "text", "text": caption}]},
@@ -451,10 +461,12 @@ def test_cohere_embed_images_equal_the_grpc_image_embedding(compat_server, http,
     by_images = co.embed(model="clip", input_type="image", images=images[1:], embedding_types=["float"])
     np.testing.assert_allclose(by_images.embeddings.float_, want[1:2], atol=1e-5)
     fused = {"content": [{"type": "text", "text": caption}, {"type": "image_url", "image_url": {"url": images[0]}}]}
-    _error(http.post("/v2/embed", json={"model": "clip", "input_type": "image", "inputs": [fused]}), 400,
-           "inputs[0]", "input of its own")
+    with httpx.Client(base_url=clip_server.rest_url, timeout=60, trust_env=False) as clip_http:
+        _error(clip_http.post("/v2/embed", json={"model": "clip", "input_type": "image", "inputs": [fused]}), 400,
+               "inputs[0]", "input of its own")
+        _error(clip_http.post("/v1/embed", json={"model": "clip", "images": ["data:image/png;base64,AAAA"]}), 400,
+               "not an image")
     _error(http.post("/v1/embed", json={"model": M, "images": images[:1]}), 400, "takes text")
-    _error(http.post("/v1/embed", json={"model": "clip", "images": ["data:image/png;base64,AAAA"]}), 400, "not an image")
 
 
 # ---------------------------------------------------------------------- gRPC
