@@ -342,6 +342,7 @@ def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_pref
         assert http.get("/api/v1/models").json()["data"][0]["id"] == M
         _error(http.get("/v1/models"), 404, "under /api")
         assert http.get("/api/health").status_code == http.get("/health").status_code == 200
+        assert "openapi.json" in http.get("/api/docs").text and http.get("/docs").status_code == 404
         # No --cors-allow-origin: no CORS at all (a preflight is just a method not served).
         preflight = http.options("/api/embed", headers={"origin": ORIGIN, "access-control-request-method": "POST"})
     np.testing.assert_allclose(got, st_vectors[:2], atol=1e-5)
@@ -744,6 +745,38 @@ def test_openapi_document_is_valid_and_every_route_in_it_is_served(http):
             # Served: an answer or a client error about the body, never "no such route" / "wrong method".
             response = http.request(verb.upper(), url, **({"json": {}} if verb == "post" else {}))
             assert response.status_code not in (404, 405), (verb, path, response.text)
+
+
+def test_docs_page_shows_every_route_without_scripts(http):
+    """GET /docs: HTML rendered from the OpenAPI document (no script, no CDN), every route and
+    message in it; other methods get 405 as on any GET route."""
+    from html.parser import HTMLParser
+
+    document = http.get("/openapi.json").json()
+    page = http.get("/docs", headers={"accept-encoding": "gzip"})
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-encoding"] == "gzip"
+
+    class Collect(HTMLParser):
+        tags, text, ids = set(), [], set()
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.add(tag)
+            self.ids.update(value for name, value in attrs if name == "id")
+
+        def handle_data(self, data):
+            self.text.append(data)
+
+    parsed = Collect()
+    parsed.feed(page.text)
+    text = " ".join(parsed.text)
+    assert not {"script", "link", "img"} & parsed.tags and "://" not in page.text  # nothing fetched from elsewhere
+    for path, operations in document["paths"].items():
+        assert path in text and all(verb.upper() in text for verb in operations), path
+    assert set(document["components"]["schemas"]) - {"Error"} <= parsed.ids
+    assert http.head("/docs").status_code == 200
+    response = http.post("/docs", json={})
+    assert response.status_code == 405 and response.headers["allow"] == "GET, HEAD"
 
 
 def test_cohere_v1_rerank_object_documents_and_rank_fields(compat_server, reranker_path):
