@@ -159,7 +159,7 @@ def lua_pattern(template: str) -> str:
 
 def _lua_routes(indent: int) -> str:
     rows = [f'{{"{lua_pattern(path)}", {{{", ".join(f"{m}=true" for m in sorted(methods))}}}}},'
-            for path, methods in sorted(http_routes().items())]
+            for path, methods in sorted({**http_routes(), "/docs": {"GET"}}.items())]  # + Envoy's own /docs
     return "\n".join(" " * indent + row for row in rows)
 
 
@@ -231,15 +231,32 @@ def _limit_fields(limits: ListenerLimits) -> dict[str, str]:
                 max_header_kb=max(1, limits.max_header_bytes // 1024))
 
 
+def _lua_source(name: str) -> str:
+    """A Lua script of this package, indented as an inline_string of envoy.yaml."""
+    return textwrap.indent((HERE / name).read_text(), " " * 18).rstrip("\n")
+
+
+def _docs_page() -> str:
+    """The /docs page as a YAML (JSON) string literal."""
+    from ..server.openapi import document
+    from .api_docs import render
+
+    return json.dumps(render(document()))
+
+
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     settings.limits.check()
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
     admin = ("" if not settings.admin_port else
              f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n")
-    lua = textwrap.indent((HERE / "errors.lua").read_text(), " " * 18)
+    transcoder = Template((HERE / "transcoder.yaml").read_text()).substitute(
+        descriptor=str(descriptor.resolve()), max_response_bytes=settings.max_response_bytes)
+    prefix = check_url_prefix(settings.url_prefix)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(
-        admin=admin, lua=lua.rstrip("\n"), routes=_lua_routes(20), descriptor=str(descriptor.resolve()),
-        endpoints=endpoints, url_prefix=check_url_prefix(settings.url_prefix),
+        docs_regex=json.dumps(f"^({re.escape(prefix)})?/docs$" if prefix else "^/docs$"), docs_html=_docs_page(),
+        admin=admin, lua=_lua_source("errors.lua"), gzip_trailer=_lua_source("gzip_trailer.lua"),
+        gzip_verify=_lua_source("gzip_verify.lua"), transcoder=transcoder.rstrip("\n"), routes=_lua_routes(20),
+        endpoints=endpoints, url_prefix=prefix,
         cors_filter=CORS_FILTER if settings.cors_allow_origins else "",
         cors_policy=_cors_policy(settings.cors_allow_origins) if settings.cors_allow_origins else "",
         cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,

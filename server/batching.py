@@ -119,7 +119,9 @@ def pack(batch: list[WorkItem], batch_id: int, urgent: bool = False) -> TokenBat
     interactive text work, which the worker may run between the layers of a bulk batch."""
     if batch[0].modality != "text":
         return pack_media(batch, batch_id)
-    types = [item.type_ids for item in batch] if batch[0].type_ids is not None else None
+    types = None
+    if any(item.type_ids is not None for item in batch):  # a classifier's text pairs batched with single texts
+        types = [item.type_ids if item.type_ids is not None else np.zeros_like(item.ids) for item in batch]
     packed = TokenBatch.from_sequences(batch_id, [item.ids for item in batch], types)
     packed.urgent = urgent
     return packed

@@ -3,6 +3,11 @@
 `input_type` selects the model's sentence-transformers prompt of that name when it
 has one (say a model whose prompts are {"search_query": "query: ", ...}); when it
 has none, the texts are embedded as given and `meta.warnings` says so.
+
+Images (v1/v2 `images`, v2 `inputs` with an `image_url` part) go to a model that
+embeds images (clip), one vector per image. Cohere's v4 models fuse the text and
+image parts of one input into one vector; no model here does, so such an input is
+refused rather than answered with something else.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from google.api import httpbody_pb2
 
 from ..v1 import compat_pb2 as cpb
 from ..workers.model_spec import ModelKind
-from . import postprocess
+from . import multimodal, postprocess
 from . import rest as compat
 from .errors import InvalidInput
+from .media import Content
 from .scheduler import DEFAULT_PRIORITY
 
 INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")
@@ -25,18 +31,19 @@ EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")
 TRUNCATE = {"": ("right", True), "END": ("right", True), "START": ("left", True), "NONE": ("right", False)}
 
 
-def texts_of(request: cpb.CohereEmbedRequest) -> list[str]:
-    """`texts`, or v2's `inputs` of text content; images are not embedded here."""
+def contents_of(request: cpb.CohereEmbedRequest) -> list[Content]:
+    """The inputs in order: `texts`, `images` (data URIs), or v2's `inputs` (one text or one image each)."""
+    given = [f"`{f}`" for f in ("texts", "images") if getattr(request, f)] + \
+        (["`inputs`"] if request.HasField("inputs") else [])
+    if len(given) > 1:
+        raise InvalidInput(f"send one of `texts`, `images` or `inputs`, not {' and '.join(given)}")
     if request.images:
-        raise InvalidInput("`images` are not supported on /v1/embed or /v2/embed; embed images through "
-                           "/v1/encoderd/embed_multimodal with a clip model")
+        return [Content("image", url=uri) for uri in request.images]
     if request.HasField("inputs"):
-        if request.texts:
-            raise InvalidInput("send `texts` or `inputs`, not both")
-        return [_input_text(item, i) for i, item in enumerate(_list(request.inputs, "inputs"))]
+        return [_input_content(item, i) for i, item in enumerate(_list(request.inputs, "inputs"))]
     if not request.texts:
         raise InvalidInput("`texts` is required: a non-empty list of strings")
-    return list(request.texts)
+    return [Content(text=t) for t in request.texts]
 
 
 def _list(value, what: str):
@@ -45,21 +52,37 @@ def _list(value, what: str):
     return value.list_value.values
 
 
-def _input_text(item, index: int) -> str:
-    """One v2 input, {"content": [{"type": "text", "text": ...}, ...]}: its text parts, joined."""
+def _input_content(item, index: int) -> Content:
+    """One v2 input, {"content": [parts]}: its text parts joined, or its one image part."""
     fields = item.struct_value.fields if item.WhichOneof("kind") == "struct_value" else {}
     if "content" not in fields:
         raise InvalidInput(f"inputs[{index}] must be an object with a non-empty `content` list")
-    return " ".join(_text_part(part, index) for part in _list(fields["content"], f"inputs[{index}].content"))
+    parts = [_part(part, index) for part in _list(fields["content"], f"inputs[{index}].content")]
+    images = [value for kind, value in parts if kind == "image"]
+    if not images:
+        return Content(text=" ".join(value for _, value in parts))
+    if len(parts) > 1:
+        raise InvalidInput(f"inputs[{index}] holds an image with other parts: one vector for text and image "
+                           "together (Cohere's v4 fused embedding) is not something the models here compute; "
+                           "send each text and each image as an input of its own")
+    return Content("image", url=images[0])
 
 
-def _text_part(part, index: int) -> str:
+def _part(part, index: int) -> tuple[str, str]:
+    """("text", text) or ("image", url) of one content part."""
     fields = part.struct_value.fields if part.WhichOneof("kind") == "struct_value" else {}
-    kind, text = fields.get("type"), fields.get("text")
-    if kind is None or kind.string_value != "text" or text is None or text.WhichOneof("kind") != "string_value":
-        raise InvalidInput(f"inputs[{index}].content holds a part that is not "
-                           f"{{\"type\": \"text\", \"text\": ...}}; image parts are not supported here")
-    return text.string_value
+    kind = fields["type"].string_value if "type" in fields else ""
+    if kind == "text" and "text" in fields and fields["text"].WhichOneof("kind") == "string_value":
+        return "text", fields["text"].string_value
+    if kind == "image_url" and "image_url" in fields:
+        image = fields["image_url"]
+        url = (image.string_value if image.WhichOneof("kind") == "string_value" else
+               image.struct_value.fields["url"].string_value
+               if image.WhichOneof("kind") == "struct_value" and "url" in image.struct_value.fields else "")
+        if url:
+            return "image", url
+    raise InvalidInput(f"inputs[{index}].content holds a part that is neither {{\"type\": \"text\", \"text\": ...}} "
+                       f"nor {{\"type\": \"image_url\", \"image_url\": {{\"url\": \"data:...\"}}}}")
 
 
 def embedding_types(request: cpb.CohereEmbedRequest, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -89,21 +112,27 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     if request.truncate.upper() not in TRUNCATE:
         raise InvalidInput(f"`truncate` must be NONE, START or END, not {request.truncate!r}")
     types = embedding_types(request, () if version == "1" else ("float",))
-    texts = texts_of(request)
+    contents = contents_of(request)
+    texts = [c.text for c in contents if c.modality == "text"]
+    n_images = len(contents) - len(texts)
     side, truncate = TRUNCATE[request.truncate.upper()]
     name = service.model_name(request.model, ModelKind.EMBEDDING)
     model = service.engine.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP))
     _check_max_tokens(request, model.spec.max_length)
     warnings = []
     prompt_name = request.input_type if request.input_type in model.prompts else ""
-    if request.input_type and not prompt_name:
+    if request.input_type and not prompt_name and texts:
         warnings.append(f"model {model.spec.name!r} has no prompt named {request.input_type!r}: "
                         f"the texts were embedded without one")
-    model, pooled, tokens = await service.engine.embed(model.spec.name, texts, truncate=truncate, side=side,
-                                                       prompt_name=prompt_name, priority=DEFAULT_PRIORITY.get())
+    if n_images:
+        model, pooled, tokens = await _embed_media(service, model, contents, prompt_name, truncate, side)
+    else:
+        model, pooled, tokens = await service.engine.embed(model.spec.name, texts, truncate=truncate, side=side,
+                                                           prompt_name=prompt_name, priority=DEFAULT_PRIORITY.get())
     dimensions = compat._positive(request, "output_dimension")
     vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
-    meta = {"api_version": {"version": version}, "billed_units": {"input_tokens": tokens}}
+    billed = {"input_tokens": tokens, **({"images": n_images} if n_images else {})}
+    meta = {"api_version": {"version": version}, "billed_units": billed}
     if warnings:
         meta["warnings"] = warnings
     body = {"id": str(uuid.uuid4()), "texts": texts, "meta": meta}
@@ -112,6 +141,14 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     else:
         body.update(response_type="embeddings_floats", embeddings=vectors.tolist())
     return compat._json(body)
+
+
+async def _embed_media(service, model, contents: list[Content], prompt_name: str, truncate: bool, side: str):
+    """Texts and images through the model's multi-modal path (texts with their prompt, as the text path)."""
+    prefix = service.engine.prompt_text(model, "", prompt_name) if prompt_name else ""
+    contents = [Content(text=prefix + c.text) if c.modality == "text" else c for c in contents]
+    return await multimodal.embed_contents(service.engine, model.spec.name, contents, truncate=truncate, side=side,
+                                           priority=DEFAULT_PRIORITY.get())
 
 
 def _check_max_tokens(request: cpb.CohereEmbedRequest, model_max: int) -> None:

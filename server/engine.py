@@ -213,9 +213,10 @@ class Engine:
         if len(texts) > self.config.max_inputs_per_request:
             raise InvalidInput(f"too many {what}: {len(texts)} > {self.config.max_inputs_per_request} per request")
         for i, text in enumerate(texts):
-            if not text:
-                raise InvalidInput(f"{what}[{i}] is an empty string")
-            self.check_text(text, f"{what}[{i}]")
+            for part in text if isinstance(text, tuple) else (text,):  # a (text, text_pair) pair: both
+                if not part:
+                    raise InvalidInput(f"{what}[{i}] is an empty string")
+                self.check_text(part, f"{what}[{i}]")
         return texts
 
     def check_text(self, text: str, what: str) -> str:
@@ -325,20 +326,21 @@ class Engine:
 
     async def classify(self, name: str, texts, *, truncate: bool = True, side: str = "right",
                        priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
-        """Classifier logits (n, labels) and the token count."""
+        """Classifier logits (n, labels) and the token count. An input is a text or a (text,
+        text_pair) pair (TEI's /predict), which the model reads as its tokenizer pairs them."""
         model = self.get(name, ModelKind.CLASSIFIER)
         model.scheduler.refuse_if_full(len(texts))  # a flood is refused before any other work
         texts = self.check_inputs(texts)
 
         async def compute(indices: list[int]):
             batch = [texts[i] for i in indices]
-            with self.admit(model, batch, truncate=truncate):
+            with self.admit(model, ["".join(t) if isinstance(t, tuple) else t for t in batch], truncate=truncate):
                 tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side,
                                                       bulk=priority == Priority.BULK)
             self.check_token_budget(0, tokens.total_tokens)
             return await model.compute(tokens, priority), tokens.lengths
 
-        keys = [result_key("classify", side, str(truncate), t) for t in texts]
+        keys = [result_key("classify", side, str(truncate), *(t if isinstance(t, tuple) else (t,))) for t in texts]
         logits, n_tokens = await model.results.resolve(keys, compute)
         return model, logits, n_tokens
 

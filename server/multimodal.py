@@ -33,10 +33,11 @@ _A = {"text": "a text", "image": "an image", "audio": "audio"}
 
 # ------------------------------------------------------------- operations
 async def embed_contents(engine: Engine, name: str, contents: list[Content], *, truncate: bool = True,
-                         priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
+                         side: str = "right", priority: Priority = Priority.INTERACTIVE
+                         ) -> tuple[ServedModel, np.ndarray, int]:
     """One vector (n, dim) per input, as the model computes it (normalizing is the caller's), and the usage."""
     model = engine.get(name, SINGLE_VECTOR_KINDS)
-    rows, usage = await _compute(engine, model, contents, truncate=truncate, priority=priority)
+    rows, usage = await _compute(engine, model, contents, truncate=truncate, side=side, priority=priority)
     return model, rows, usage
 
 

@@ -171,30 +171,39 @@ async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
                   for indices, values in vectors])
 
 
-def predict_inputs(value) -> tuple[list[str], bool]:
-    """TEI's /predict `inputs` -> (texts, batched). A list of exactly two strings is one
-    text pair, as TEI reads it; [["a"], ["b"]] is a batch of two."""
+PREDICT_SHAPES = ('a string, a pair of strings ["text", "text_pair"], or a batch of one-string lists and '
+                  'pairs [["text"], ["text", "text_pair"], ...]')
+
+
+def _strings(values) -> list[str] | None:
+    """The strings of a JSON list that holds only strings, else None."""
+    if not all(v.WhichOneof("kind") == "string_value" for v in values):
+        return None
+    return [v.string_value for v in values]
+
+
+def predict_inputs(value) -> tuple[list[str | tuple[str, str]], bool]:
+    """TEI's /predict `inputs` -> (inputs, batched), each input a text or a (text, text_pair)
+    pair. As TEI reads it: "a" is one text, ["a", "b"] one pair, [["a"], ["b", "c"]] a batch."""
     kind = value.WhichOneof("kind")
     if kind == "string_value":
         return [value.string_value], False
     items = list(value.list_value.values) if kind == "list_value" else []
-    if len(items) == 2 and all(v.WhichOneof("kind") == "string_value" for v in items):
-        raise InvalidInput("/predict got a text pair (a list of two strings), and pairs are not supported: "
-                           "send [[\"a\"], [\"b\"]] for two single texts, or use /rerank to score pairs")
-    texts = []
+    if not items:
+        raise InvalidInput(f"`inputs` is required: {PREDICT_SHAPES}")
+    if items[0].WhichOneof("kind") == "string_value":  # not a batch: one text, or one pair
+        strings = _strings(items)
+        if strings is None or len(strings) > 2:
+            raise InvalidInput(f"`inputs` must be {PREDICT_SHAPES}")
+        return [strings[0] if len(strings) == 1 else tuple(strings)], False
+    batch = []
     for i, item in enumerate(items):
-        if item.WhichOneof("kind") == "string_value":
-            texts.append(item.string_value)
-        elif item.WhichOneof("kind") == "list_value" and len(item.list_value.values) == 1 \
-                and item.list_value.values[0].WhichOneof("kind") == "string_value":
-            texts.append(item.list_value.values[0].string_value)
-        elif item.WhichOneof("kind") == "list_value" and len(item.list_value.values) == 2:
-            raise InvalidInput(f"inputs[{i}] is a text pair, and /predict does not support pairs; use /rerank")
-        else:
-            raise InvalidInput(f"inputs[{i}] must be a string or a one-string list")
-    if not texts:
-        raise InvalidInput("`inputs` is required: a string or a non-empty list of strings")
-    return texts, True
+        strings = _strings(item.list_value.values) if item.WhichOneof("kind") == "list_value" else None
+        if strings is None or len(strings) not in (1, 2):
+            raise InvalidInput(f"inputs[{i}] must be [\"text\"] or [\"text\", \"text_pair\"]: `inputs` is "
+                               f"{PREDICT_SHAPES}")
+        batch.append(strings[0] if len(strings) == 1 else tuple(strings))
+    return batch, True
 
 
 async def predict(service, request) -> httpbody_pb2.HttpBody:

@@ -101,14 +101,15 @@ class ModelTokenizer:
         tok.enable_truncation(self.max_length, direction=side)
         return tok
 
-    async def encode(self, texts: list[str], *, truncate: bool = True, side: str = "right",
+    async def encode(self, texts: list[str | tuple[str, str]], *, truncate: bool = True, side: str = "right",
                      pairs_with: str | None = None, bulk: bool = False) -> Tokenized:
-        """Tokenize inputs (or (pairs_with, input) pairs) into per-input id arrays."""
+        """Tokenize inputs (or (pairs_with, input) pairs) into per-input id arrays. An input may
+        itself be a (text, text_pair) pair, encoded (and truncated) as the tokenizer pairs them."""
         if pairs_with is not None and self.pair_template is not None:
             return await self._encode_pairs(pairs_with, texts, truncate, side, bulk)
         batch = [(pairs_with, t) for t in texts] if pairs_with is not None else texts
         encodings = await self._in_chunks(self._by_side[side].encode_batch, batch, bulk)
-        return self._collect(encodings, truncate, pairs_with is not None)
+        return self._collect(encodings, truncate, any(isinstance(item, tuple) for item in batch))
 
     async def _in_chunks(self, encode_batch, batch: list, bulk: bool, **kwargs) -> list[Encoding]:
         """encode_batch over the batch in pieces of bounded size: a cancelled or expired request

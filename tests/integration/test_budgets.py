@@ -230,25 +230,12 @@ def test_listens_on_tells_which_process_holds_the_port():
         assert not listens_on(os.getppid(), port)  # someone else's listener is not ours
 
 
-def _envoy_pid(server_pid: int) -> int:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if int(stat[1]) == server_pid and b"envoy" in cmdline:
-                return int(entry)
-    raise AssertionError("no Envoy child")
-
-
 def test_envoy_supervisor_gives_up_when_its_port_is_taken(server):
     """Finding 5: Envoy killed and its port taken by another process; the supervisor must not take
     that listener for its Envoy nor respawn forever. Runs last: it leaves this server without REST."""
     with socket.socket() as thief:
         thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        os.kill(_envoy_pid(server.proc.pid), signal.SIGKILL)
+        os.kill(server.envoy_pid(), signal.SIGKILL)
         deadline = time.monotonic() + 5
         while True:  # the port frees once the kernel has closed the dead Envoy's listener
             try:

@@ -14,7 +14,7 @@ import pytest
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from support.corpus import sentences
-from support.multimodal_models import build_colbert, build_sparse
+from support.multimodal_models import build_clip, build_colbert, build_sparse
 from support.server import ServerProcess
 
 M = DEFAULT_MODEL_NAME
@@ -232,7 +232,47 @@ def test_tei_predict_shapes(http, stub):
     assert [(p["label"], round(p["score"], 5)) for p in single.json()] == [(l, round(s, 5)) for l, s in want[0]]
     batch = http.post("/predict", json={"inputs": [[TEXTS[0]], [TEXTS[1]], [TEXTS[2]]]}).json()
     assert [[p["label"] for p in row] for row in batch] == [[l for l, _ in row] for row in want]
-    _error(http.post("/predict", json={"inputs": [TEXTS[0], TEXTS[1]]}), 400, "pair")
+    for bad in ([TEXTS[0], TEXTS[1], TEXTS[2]], [[TEXTS[0], TEXTS[1], TEXTS[2]]], [[TEXTS[0]], TEXTS[1]], [[]]):
+        _error(http.post("/predict", json={"inputs": bad}), 400, "text_pair")
+
+
+@pytest.fixture(scope="module")
+def classifier_logits(classifier_path):
+    """transformers' logits for (text, text_pair) pairs and single texts: the pair classifier's reference."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(classifier_path)
+    model = AutoModelForSequenceClassification.from_pretrained(classifier_path).eval()
+
+    def logits(*texts):
+        with torch.no_grad():
+            return model(**tokenizer(*texts, truncation=True, return_tensors="pt")).logits[0].numpy()
+    return logits, model.config.id2label
+
+
+def test_tei_predict_text_pairs_equal_transformers(http, classifier_logits):
+    """TEI's pair input (cross-encoders, NLI-style pair classifiers): the tokenizer's own pair
+    encoding, token types included; a batch may mix pairs and single texts."""
+    logits, id2label = classifier_logits
+    pairs = [(QUERY, DOCS[0]), (TEXTS[1], TEXTS[2]), (TEXTS[3], DOCS[5] * 80)]  # the last one truncated
+
+    def by_label(row):
+        return [row[label] for label in id2label.values()]
+
+    one = http.post("/predict", json={"inputs": list(pairs[0]), "raw_scores": True})
+    assert one.status_code == 200, one.text
+    np.testing.assert_allclose(by_label({p["label"]: p["score"] for p in one.json()}), logits(*pairs[0]), atol=1e-4)
+    mixed = [list(pairs[0]), [TEXTS[0]], list(pairs[1]), list(pairs[2])]
+    batch = http.post("/predict", json={"inputs": mixed, "parameters": {"function_to_apply": "none"}})
+    assert batch.status_code == 200, batch.text
+    for row, item in zip(batch.json(), mixed):
+        np.testing.assert_allclose(by_label({p["label"]: p["score"] for p in row}), logits(*item), atol=1e-4)
+    # The model's own activation (softmax here) over the pair's logits, best first.
+    scored = http.post("/predict", json={"inputs": list(pairs[1])}).json()
+    want = np.exp(logits(*pairs[1])) / np.exp(logits(*pairs[1])).sum()
+    assert [p["label"] for p in scored] == [id2label[i] for i in np.argsort(-want, kind="stable")]
+    np.testing.assert_allclose(sorted(p["score"] for p in scored), sorted(want), atol=1e-5)
 
 
 def test_tei_tokenize_decode_info(http, minilm_path):
@@ -302,6 +342,7 @@ def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_pref
         assert http.get("/api/v1/models").json()["data"][0]["id"] == M
         _error(http.get("/v1/models"), 404, "under /api")
         assert http.get("/api/health").status_code == http.get("/health").status_code == 200
+        assert "openapi.json" in http.get("/api/docs").text and http.get("/docs").status_code == 404
         # No --cors-allow-origin: no CORS at all (a preflight is just a method not served).
         preflight = http.options("/api/embed", headers={"origin": ORIGIN, "access-control-request-method": "POST"})
     np.testing.assert_allclose(got, st_vectors[:2], atol=1e-5)
@@ -374,6 +415,59 @@ def test_cohere_v2_defaults_to_float_and_reads_inputs(compat_server, http, refer
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "max_tokens": 16}), 400, "max_tokens")
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "images": ["data:image/png;base64,AA=="]}),
            400, "images")
+
+
+def _png_uri(seed: int, size=(48, 40)) -> str:
+    import io
+
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def clip_server(tmp_path_factory, models_dir):
+    """A clip model on its own: beside compat_server's embedder, TEI's model-less routes would
+    have two embedding models to choose from."""
+    proc = ServerProcess("--model", f"clip={build_clip(models_dir / 'mm-clip')}", "--cpu-threads", "1", rest=True,
+                         log_path=tmp_path_factory.mktemp("compat-clip") / "server.log")
+    proc.start()
+    yield proc
+    assert proc.stop() == 0, proc.log_text()
+
+
+def test_cohere_embed_images_equal_the_grpc_image_embedding(clip_server, http):
+    """Cohere's image inputs (v1 and v2 `images`, v2 `image_url` parts beside text inputs) on the
+    clip model: the same vectors as gRPC's EmbedMultimodal of the same images and texts."""
+    import cohere
+
+    images, caption = [_png_uri(1), _png_uri(2, (30, 60))], "a photo of a cat"
+    contents = [pb.Content(image=pb.Media(url=u)) for u in images] + [pb.Content(text=caption)]
+    want = np.array([e.values for e in clip_server.stub().EmbedMultimodal(pb.EmbedMultimodalRequest(
+        model="clip", inputs=contents)).embeddings])  # clip's default: unit vectors
+    v1 = cohere.Client(base_url=clip_server.rest_url, api_key="k").embed(
+        model="clip", images=images, input_type="image", embedding_types=["float", "int8"])
+    np.testing.assert_allclose(v1.embeddings.float_, want[:2], atol=1e-5)
+    assert v1.meta.billed_units.images == 2 and v1.texts == [] and len(v1.embeddings.int8[0]) == want.shape[1]
+    co = cohere.ClientV2(base_url=clip_server.rest_url, api_key="k")
+    mixed = co.embed(model="clip", input_type="image", embedding_types=["float"],
+                     inputs=[{"content": [{"type": "image_url", "image_url": {"url": images[0]}}]},
+                             {"content": [{"type": "text", "text": caption}]},
+                             {"content": [{"type": "image_url", "image_url": {"url": images[1]}}]}])
+    np.testing.assert_allclose(mixed.embeddings.float_, want[[0, 2, 1]], atol=1e-5)
+    assert mixed.texts == [caption] and mixed.meta.billed_units.images == 2
+    by_images = co.embed(model="clip", input_type="image", images=images[1:], embedding_types=["float"])
+    np.testing.assert_allclose(by_images.embeddings.float_, want[1:2], atol=1e-5)
+    fused = {"content": [{"type": "text", "text": caption}, {"type": "image_url", "image_url": {"url": images[0]}}]}
+    with httpx.Client(base_url=clip_server.rest_url, timeout=60, trust_env=False) as clip_http:
+        _error(clip_http.post("/v2/embed", json={"model": "clip", "input_type": "image", "inputs": [fused]}), 400,
+               "inputs[0]", "input of its own")
+        _error(clip_http.post("/v1/embed", json={"model": "clip", "images": ["data:image/png;base64,AAAA"]}), 400,
+               "not an image")
+    _error(http.post("/v1/embed", json={"model": M, "images": images[:1]}), 400, "takes text")
 
 
 # ---------------------------------------------------------------------- gRPC
@@ -450,10 +544,7 @@ def test_compat_routes_fuzz(http):
 
 
 # ------------------------------------------------------------- HTTP habits
-def test_gzip_responses_and_compressed_requests_refused(http, st_vectors):
-    import gzip
-    import json
-
+def test_gzip_responses(http, st_vectors):
     body = {"model": M, "input": TEXTS, "encoding_format": "float"}
     response = http.post("/v1/embeddings", json=body, headers={"accept-encoding": "gzip"})
     assert response.status_code == 200, response.text
@@ -462,10 +553,118 @@ def test_gzip_responses_and_compressed_requests_refused(http, st_vectors):
     np.testing.assert_allclose([d["embedding"] for d in response.json()["data"]], st_vectors, atol=1e-5)
     plain = http.post("/v1/embeddings", json=body, headers={"accept-encoding": "identity"})
     assert "content-encoding" not in plain.headers and plain.json() == response.json()
-    compressed = http.post("/v1/embeddings", content=gzip.compress(json.dumps(body).encode()),
-                           headers={"content-type": "application/json", "content-encoding": "gzip"})
-    _error(compressed, 415, "Content-Encoding gzip", "uncompressed")
-    assert compressed.json()["error"]["code"] == "unsupported_media_type"
+
+
+def _post_gzipped(http, path: str, raw: bytes, encoding: str = "gzip") -> httpx.Response:
+    return http.post(path, content=raw, headers={"content-type": "application/json", "content-encoding": encoding})
+
+
+def _gzip(body) -> bytes:
+    import gzip
+    import json
+
+    return gzip.compress(json.dumps(body).encode())
+
+
+# A working body for each kind of POST route (others get {}: an error, which must be the same error).
+GZIP_BODIES = {
+    "/v1/embeddings": {"model": M, "input": TEXTS}, "/embeddings": {"model": M, "input": TEXTS[:2]},
+    "/v1/encoderd/embed": {"model": M, "inputs": TEXTS[:2]}, "/embed": {"model": M, "inputs": TEXTS[:2]},
+    "/v2/embed": {"model": M, "texts": TEXTS[:2], "input_type": "search_query", "embedding_types": ["float"]},
+    "/v1/embed": {"model": M, "texts": TEXTS[:2]}, "/rerank": {"model": "reranker", "query": QUERY, "texts": DOCS},
+    "/v2/rerank": {"model": "reranker", "query": QUERY, "documents": DOCS},
+    "/v1/encoderd/rerank": {"model": "reranker", "query": QUERY, "documents": DOCS},
+    "/classify": {"model": "classifier", "input": TEXTS[:2]}, "/predict": {"model": "classifier", "inputs": TEXTS[0]},
+    "/v1/classify": {"model": "classifier", "inputs": TEXTS[:2]}, "/tokenize": {"model": M, "inputs": TEXTS[0]},
+    "/embed_all": {"model": "colbert", "inputs": TEXTS[:2]}, "/embed_sparse": {"model": "splade", "inputs": TEXTS[0]},
+}
+
+
+def _stable(answer):
+    """An answer less the fields that differ per call (response ids, timestamps)."""
+    return {k: v for k, v in answer.items() if k not in ("id", "created")} if isinstance(answer, dict) else answer
+
+
+def test_gzip_request_bodies_on_every_rest_route(compat_server, http, st_vectors):
+    """Every POST route of /openapi.json answers a gzip body exactly as the same JSON sent plain."""
+    posts = [path for path, operations in http.get("/openapi.json").json()["paths"].items() if "post" in operations]
+    assert set(GZIP_BODIES) <= set(posts) and len(posts) > 20
+    for path in posts:
+        body = GZIP_BODIES.get(path, {})
+        plain, gzipped = http.post(path, json=body), _post_gzipped(http, path, _gzip(body))
+        assert (gzipped.status_code, _stable(gzipped.json())) == (plain.status_code, _stable(plain.json())), \
+            (path, gzipped.text[:300])
+        assert plain.status_code == 200 if path in GZIP_BODIES else plain.status_code < 500, (path, plain.text)
+    embedded = _post_gzipped(http, "/v1/embeddings", _gzip(GZIP_BODIES["/v1/embeddings"]), encoding="x-gzip")
+    np.testing.assert_allclose([d["embedding"] for d in embedded.json()["data"]], st_vectors, atol=1e-5)
+    body = _gzip({"model": M, "input": "hello"})
+    raw = _raw_http(compat_server.rest_port, b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
+                                             b"Content-Encoding: GZIP\r\n"
+                                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert raw.split(b"\r\n")[0].endswith(b" 200 OK") and b'"embedding":[' in raw, raw[:300]
+
+
+def test_bad_gzip_bodies_are_a_400_at_once(http):
+    """Truncated, corrupt or mislabelled gzip: a 400 naming the problem, never a hang (the client's
+    30 s timeout) or a request built from a prefix of the body."""
+    import gzip
+    import json
+
+    text = json.dumps({"model": M, "input": TEXTS}).encode()
+    whole = gzip.compress(text)
+    flipped = bytearray(whole)
+    flipped[len(whole) // 2] ^= 0x10
+    bad_crc = bytearray(whole)
+    bad_crc[-8] ^= 0x01  # the data is intact, its checksum is not
+    cases = {
+        "truncated": [whole[:cut] for cut in (10, 17, 18, 40, len(whole) // 2, len(whole) - 8, len(whole) - 1)],
+        "corrupt": [bytes(flipped), bytes(bad_crc), gzip.compress(text[:40]) + gzip.compress(text[40:])],
+        "not gzip": [text, b"x" * 100],
+    }
+    for kind, bodies in cases.items():
+        for raw in bodies:
+            response = http.post("/v1/embeddings", content=raw, timeout=30,
+                                 headers={"content-type": "application/json", "content-encoding": "gzip"})
+            _error(response, 400, "gzip", "send a complete gzip stream")
+            assert kind.split()[0] in response.json()["error"]["message"] or kind == "corrupt", response.text
+    # Whole gzip, JSON cut short inside: the transcoder's own 400, as for the same JSON sent plain
+    # (this hung until the route timeout with the decompressor in front of the transcoder).
+    cut = _post_gzipped(http, "/v1/embeddings", gzip.compress(text[:len(text) // 2]))
+    assert cut.status_code == 400 and cut.json() == http.post("/v1/embeddings", content=text[:len(text) // 2]).json()
+    for encoding in ("deflate", "br", "gzip, br"):
+        _error(_post_gzipped(http, "/v1/embeddings", whole, encoding), 415, f"Content-Encoding {encoding}", "gzip")
+    assert http.get("/v1/models", headers={"content-encoding": "gzip"}).status_code == 200  # no body: nothing to do
+
+
+def _zero_bomb(inflated_mib: int) -> bytes:
+    """A gzip stream of `inflated_mib` MiB of zeros, made from one repeated 1 MiB block (fully
+    flushed, so each copy stands alone): kilobytes to send, any size inflated."""
+    import zlib
+
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = deflate.compress(bytes(1 << 20)) + deflate.flush(zlib.Z_FULL_FLUSH)
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff"
+    return header + block * inflated_mib + deflate.flush() + b"\x00" * 8  # its trailer never matters
+
+
+def test_gzip_bomb_hits_the_body_limit(compat_server, http):
+    """8 GiB of zeros in 8 MiB of gzip: 413 at the 32 MiB limit on inflated bytes, with Envoy's
+    memory peak bounded (one 64 KiB read inflated at most 1032:1, plus the buffered body)."""
+    envoy = compat_server.envoy_pid()
+    peak = _peak_rss_mib(envoy)
+    bomb = _zero_bomb(8192)
+    assert len(bomb) < 10 << 20
+    response = _post_gzipped(http, "/v1/embeddings", bomb)
+    _error(response, 413, "Payload Too Large")
+    assert _peak_rss_mib(envoy) - peak < 400, "Envoy inflated far past the body limit"
+    assert http.post("/v1/embeddings", json={"model": M, "input": "still serving"}).status_code == 200
+
+
+def _peak_rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for {pid}")
 
 
 def _raw_http(port: int, request: bytes) -> bytes:
@@ -546,6 +745,38 @@ def test_openapi_document_is_valid_and_every_route_in_it_is_served(http):
             # Served: an answer or a client error about the body, never "no such route" / "wrong method".
             response = http.request(verb.upper(), url, **({"json": {}} if verb == "post" else {}))
             assert response.status_code not in (404, 405), (verb, path, response.text)
+
+
+def test_docs_page_shows_every_route_without_scripts(http):
+    """GET /docs: HTML rendered from the OpenAPI document (no script, no CDN), every route and
+    message in it; other methods get 405 as on any GET route."""
+    from html.parser import HTMLParser
+
+    document = http.get("/openapi.json").json()
+    page = http.get("/docs", headers={"accept-encoding": "gzip"})
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-encoding"] == "gzip"
+
+    class Collect(HTMLParser):
+        tags, text, ids = set(), [], set()
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.add(tag)
+            self.ids.update(value for name, value in attrs if name == "id")
+
+        def handle_data(self, data):
+            self.text.append(data)
+
+    parsed = Collect()
+    parsed.feed(page.text)
+    text = " ".join(parsed.text)
+    assert not {"script", "link", "img"} & parsed.tags and "://" not in page.text  # nothing fetched from elsewhere
+    for path, operations in document["paths"].items():
+        assert path in text and all(verb.upper() in text for verb in operations), path
+    assert set(document["components"]["schemas"]) - {"Error"} <= parsed.ids
+    assert http.head("/docs").status_code == 200
+    response = http.post("/docs", json={})
+    assert response.status_code == 405 and response.headers["allow"] == "GET, HEAD"
 
 
 def test_cohere_v1_rerank_object_documents_and_rank_fields(compat_server, reranker_path):

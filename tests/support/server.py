@@ -113,6 +113,19 @@ class ServerProcess:
                 time.sleep(0.2)
         raise TimeoutError(f"encoderd not SERVING after {timeout}s; log: {self.log_text()}")
 
+    def envoy_pid(self) -> int:
+        """The pid of this server's Envoy child (REST)."""
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+                    cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+                except OSError:
+                    continue
+                if int(stat[1]) == self.proc.pid and b"envoy" in cmdline:
+                    return int(entry)
+        raise AssertionError("no Envoy child")
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path and self.log_path.exists() else ""
 
