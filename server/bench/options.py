@@ -42,7 +42,11 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
     p.add_argument("--infinity", action="store_true", help="also run infinity-emb 0.0.78 side by side (own venv)")
     p.add_argument("--stream", action="store_true", help="also run bulk through one gRPC EmbedStream (ingestion)")
     p.add_argument("--no-st", action="store_true", help="skip the in-process sentence-transformers reference")
-    p.add_argument("--reranker", help="cross-encoder directory for rerank (default: built from MiniLM, seeded head)")
+    p.add_argument("--models", choices=("minilm", "base"), default="minilm",
+                   help="minilm: the bundled all-MiniLM-L6-v2 and a MiniLM cross-encoder; base: a bge-base-sized "
+                        "BERT embedder and a bge-reranker-base-sized XLM-R cross-encoder (real sizes, random "
+                        "weights, built once under --cache-dir; see bench/models.py)")
+    p.add_argument("--reranker", help="cross-encoder directory for rerank (default: per --models)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "encoderd-bench",
                    help="Infinity virtualenv and built models (default: %(default)s)")
     p.add_argument("--log-dir", type=Path, help="server logs (default: a temporary folder, kept on failure)")

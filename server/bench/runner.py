@@ -16,6 +16,7 @@ from pathlib import Path
 from ...workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import Workload, make_workload
 from .flops import FlopModel, matmul_peak
+from .models import build_base_embedder, build_xlmr_reranker
 from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
 from .options import build_parser, log, resolve_options, serving_threads, worker_threads
 from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
@@ -23,6 +24,16 @@ from .report import print_ratios, print_table, ratios
 from .servers import (RERANKER_NAME, build_reranker, encoderd_probe_groups, infinity_venv, list_models, serve_flags,
                       start_encoderd, start_infinity)
 from .targets import GrpcTarget, RestTarget, SentenceTransformersTarget
+
+
+def bench_models(args) -> tuple[str, str | None]:
+    """(embedder directory, cross-encoder directory or None) for --models."""
+    wants_reranker = "rerank" in args.modes
+    if args.models == "base":
+        embed_dir = build_base_embedder(args.cache_dir)
+        rerank_dir = (args.reranker or build_xlmr_reranker(args.cache_dir)) if wants_reranker else None
+        return embed_dir, rerank_dir
+    return default_model_path(), build_reranker(args) if wants_reranker else None
 
 
 class Bench:
@@ -37,8 +48,7 @@ class Bench:
     def run(self) -> dict:
         args = self.args
         started = time.monotonic()
-        embed_dir = default_model_path()
-        rerank_dir = build_reranker(args) if "rerank" in args.modes else None
+        embed_dir, rerank_dir = bench_models(args)
         work, self.info = make_workload(args, embed_dir, rerank_dir)
         log(f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
             f"mean {self.info['corpus']['mean']:.0f} max {self.info['corpus']['max']}")
@@ -193,7 +203,8 @@ class Bench:
         result = {"conditions": {
             "quick": args.quick, "serve_args": args.serve_args, "concurrency": args.concurrency, "batch": args.batch,
             "bulk_seconds": args.bulk_seconds, "bulk_warmup": args.bulk_warmup, "single_calls": args.single_calls,
-            "rerank_calls": args.rerank_calls, "rerank_docs": args.rerank_docs, "cpus": len(os.sched_getaffinity(0)),
+            "rerank_calls": args.rerank_calls, "rerank_docs": args.rerank_docs, "models": args.models,
+            "cpus": len(os.sched_getaffinity(0)),
             "worker_threads": worker_threads(args), "python": sys.version.split()[0]},
             **self.info, "results": [asdict(r) for r in self.rows], "ratios": ratios(self.rows)}
         print()

@@ -52,7 +52,10 @@ class BertPieces:
         types = batch.types if batch.types is not None else torch.zeros_like(batch.ids)
         return e.LayerNorm(x + e.token_type_embeddings(types))
 
-    def layer(self, index: int, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def tables(self, x: torch.Tensor, batch: PackedBatch) -> None:
+        return None  # absolute positions: added once, in embed()
+
+    def layer(self, index: int, x: torch.Tensor, batch: PackedBatch, tables: None) -> torch.Tensor:
         layer = self.layers[index]
         attention = layer.attention
         q, k, v = self.qkv[index](x).view(x.shape[0], 3, self.heads, -1).unbind(1)  # each (tokens, heads, head_dim)

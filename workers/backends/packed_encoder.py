@@ -11,6 +11,8 @@ pauses between layers for urgent work, attention, pooling); each family supplies
 pieces (embeddings and positions, one layer, the classification head):
 
   packed_bert.py        BERT; RoBERTa, XLM-RoBERTa, CamemBERT (same layers, other positions and head)
+  packed_modernbert.py  ModernBERT (RoPE, gated MLP, global and sliding-window layers)
+  packed_qwen3.py       Qwen3 decoder embedders and scorers (causal, RoPE, grouped-query attention)
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ class PackedBatch:
 
 
 def _families():
-    from . import packed_bert
+    from . import packed_bert, packed_modernbert, packed_qwen3
 
-    return (packed_bert.BertPieces, packed_bert.RobertaPieces)
+    return (packed_bert.BertPieces, packed_bert.RobertaPieces, packed_modernbert.ModernBertPieces,
+            packed_qwen3.Qwen3Pieces)
 
 
 def usable(model: torch.nn.Module, kind: ModelKind, device: torch.device, dtype: torch.dtype) -> bool:
@@ -94,8 +97,11 @@ class PackedEncoder:
         """Last hidden states, (tokens, hidden), as a generator that pauses after each layer (see
         Backend.forward_in_steps)."""
         x = self.pieces.embed(batch)
+        # Per-batch tables (rotary cos/sin): held here, not by the pieces, because an urgent batch
+        # may run its whole forward during one of this batch's pauses.
+        tables = self.pieces.tables(x, batch)
         for index in range(self.pieces.layer_count):
-            x = self.pieces.layer(index, x, batch)
+            x = self.pieces.layer(index, x, batch, tables)
             yield
         return self.pieces.finish(x)
 
@@ -211,8 +217,8 @@ def activated(dense: torch.nn.Module, x: torch.Tensor, activation: str) -> torch
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding (the half-split rotation transformers' Llama-style models use):
-    x (tokens, heads, d), cos and sin (tokens, d)."""
+    """Rotary position embedding (the half-split rotation of transformers' apply_rotary_pos_emb):
+    x (tokens, heads, d), cos and sin (tokens, d) from the model's own rotary module."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
