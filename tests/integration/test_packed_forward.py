@@ -157,6 +157,34 @@ def test_varlen_attention_on_cuda_matches_padded(dtype, reranker_path):
                 np.testing.assert_allclose(got, want, atol=0.05 if dtype == "bfloat16" else 0.01)
 
 
+# Where the CUDA path differs per family: XLM-R's positions and head, ModernBERT's sliding window
+# (window_size in the varlen kernel), Qwen3's causal grouped-query attention and scored token.
+GPU_FAMILY_CASES = [("xlm-roberta", "reranker"), ("modernbert", "embedding"), ("modernbert", "reranker"),
+                    ("qwen3", "embedding"), ("qwen3", "reranker")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("family,kind", GPU_FAMILY_CASES, ids=["-".join(c) for c in GPU_FAMILY_CASES])
+def test_varlen_attention_on_cuda_matches_padded_per_family(family, kind, dtype, family_models):
+    """Each family's packed pieces through one varlen FlashAttention call per layer (window and causal
+    flags included) vs its padded SDPA forward, same dtype and GPU."""
+    spec = load_model_spec(kind, family_models(family, kind), ModelKind(kind))
+    options = BackendOptions(device="cuda", dtype=dtype)
+    backends = [load_backend(spec, options, packed) for packed in (True, False)]
+    if backends[0].packed is None:
+        pytest.skip("no varlen attention kernel in this torch (and no flash-attn)")
+    for batch in batches(spec, QUERY if kind == "reranker" else None):
+        got, want = backends[0].forward(batch), backends[1].forward(batch)
+        if kind == "embedding":
+            cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+            assert cos.min() >= 0.999, cos.min()
+        else:  # these random heads spread logits over several units: a relative bound as well
+            tolerance = 0.05 if dtype == "bfloat16" else 0.01
+            np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
+
+
 def test_torch_compile_option_matches_the_eager_forward():
     """--torch-compile: the padded forward compiled with inductor (dynamic shapes) gives the eager numbers."""
     spec = load_model_spec("e", default_model_path(), ModelKind.EMBEDDING)
