@@ -20,7 +20,7 @@ from .models import build_base_embedder, build_xlmr_reranker
 from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
 from .options import build_parser, log, resolve_options, serving_threads, worker_threads
 from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
-from .report import print_ratios, print_table, ratios
+from .report import floors, print_floors, print_ratios, print_table, ratios
 from .servers import (RERANKER_NAME, build_reranker, encoderd_probe_groups, infinity_venv, list_models, serve_flags,
                       start_encoderd, start_infinity)
 from .targets import GrpcTarget, RestTarget, SentenceTransformersTarget
@@ -206,10 +206,12 @@ class Bench:
             "rerank_calls": args.rerank_calls, "rerank_docs": args.rerank_docs, "models": args.models,
             "cpus": len(os.sched_getaffinity(0)),
             "worker_threads": worker_threads(args), "python": sys.version.split()[0]},
-            **self.info, "results": [asdict(r) for r in self.rows], "ratios": ratios(self.rows)}
+            **self.info, "results": [asdict(r) for r in self.rows], "ratios": ratios(self.rows),
+            "floors": floors(self.rows, self.info["peak_gflops"])}
         print()
         print_table(self.rows)
         print_ratios(result["ratios"])
+        print_floors(result["floors"])
         print(f"\nconditions: {json.dumps(result['conditions'])}\ncorpus tokens: "
               f"{json.dumps({k: v for k, v in self.info['corpus'].items()})}")
         if args.json:
