@@ -99,8 +99,9 @@ def test_every_pooling_matches_the_padded_pooling(pooling):
 
 
 # Families with packed pieces beyond BERT: (family, kind) checked packed vs padded on the same weights.
-FAMILY_CASES = ([(family, kind) for family in ("xlm-roberta", "roberta", "camembert", "modernbert", "qwen3")
-                 for kind in ("embedding", "reranker")] + [("modernbert", "classifier"), ("qwen3", "classifier")])
+FAMILY_CASES = ([(family, kind) for family in ("xlm-roberta", "roberta", "camembert", "distilbert", "modernbert",
+                                               "qwen3") for kind in ("embedding", "reranker")]
+                + [("modernbert", "classifier"), ("qwen3", "classifier")])
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,7 @@ def test_roberta_positions_skip_pad_tokens_inside_a_text(family_models):
 
 
 def test_families_without_packed_pieces_keep_the_padded_forward(family_models):
-    for family in ("distilbert", "deberta-v2", "mpnet"):  # MPNet: relative position buckets; DeBERTa: relative attention
+    for family in ("deberta-v2", "mpnet"):  # MPNet: relative position buckets; DeBERTa: relative attention
         backend = create_backend("torch", load_model_spec(family, family_models(family, "embedding"),
                                                           ModelKind.EMBEDDING), BackendOptions(threads=1))
         backend.load()

@@ -1,5 +1,6 @@
-"""Packed pieces of BERT-layout encoders (see packed_encoder.py): BERT, and RoBERTa, XLM-RoBERTa
-and CamemBERT, whose layers are BERT's and which differ in positions and head only.
+"""Packed pieces of BERT-layout encoders (see packed_encoder.py): BERT; RoBERTa, XLM-RoBERTa
+and CamemBERT, whose layers are BERT's and which differ in positions and head only; DistilBERT,
+BERT's layers under other names.
 
 Each layer's query, key and value projections are fused into one GEMM (fewer, larger
 matrix products; on CPU two fewer OpenMP parallel regions). On CPU, with the linears
@@ -99,10 +100,53 @@ class RobertaPieces(BertPieces):
         return head.out_proj(torch.tanh(head.dense(hidden[batch.firsts])))
 
 
+class DistilBertPieces(BertPieces):
+    """DistilBERT (msmarco-distilbert, multi-qa-distilbert): BERT's post-norm layers under other names,
+    no token types; the head is pre_classifier + ReLU + classifier on [CLS]."""
+    model_types = ("distilbert",)
+    classes = {ModelKind.EMBEDDING: ("DistilBertModel",),
+               ModelKind.RERANKER: ("DistilBertForSequenceClassification",),
+               ModelKind.CLASSIFIER: ("DistilBertForSequenceClassification",)}
+    encoder_attribute = "distilbert"
+
+    @classmethod
+    def covers(cls, model: torch.nn.Module, kind: ModelKind) -> bool:
+        return model.config.activation in ("gelu", "relu") and type(model).__name__ in cls.classes.get(kind, ())
+
+    def __init__(self, model: torch.nn.Module, kind: ModelKind):
+        self.head = model if kind != ModelKind.EMBEDDING else None
+        self.encoder = model.distilbert if self.head is not None else model
+        config = self.encoder.config
+        self.heads = config.n_heads
+        self.activation = config.activation
+        self.layers = list(self.encoder.transformer.layer)
+        self.layer_count = len(self.layers)
+        self.qkv = [_fuse_named(layer.attention, ("q_lin", "k_lin", "v_lin")) for layer in self.layers]
+
+    def embed(self, batch: PackedBatch) -> torch.Tensor:
+        e = self.encoder.embeddings
+        return e.LayerNorm(e.word_embeddings(batch.ids) + e.position_embeddings(batch.offsets))
+
+    def layer(self, index: int, x: torch.Tensor, batch: PackedBatch, tables: None) -> torch.Tensor:
+        layer = self.layers[index]
+        q, k, v = self.qkv[index](x).view(x.shape[0], 3, self.heads, -1).unbind(1)
+        context = attend(q, k, v, batch, scale=layer.attention.scaling).flatten(1)
+        x = layer.sa_layer_norm(layer.attention.out_lin(context) + x)
+        inner = activated(layer.ffn.lin1, x, self.activation)
+        return layer.output_layer_norm(layer.ffn.lin2(inner) + x)
+
+    def logits(self, hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        return self.head.classifier(torch.relu(self.head.pre_classifier(hidden[batch.firsts])))
+
+
 def _fuse_projections(self_attention) -> torch.nn.Module:
-    """One (hidden -> 3 x hidden) linear from query, key and value, which the module then drops:
-    their weights would otherwise be held twice."""
-    fused = fuse_linears([self_attention.query, self_attention.key, self_attention.value])
-    for name in ("query", "key", "value"):
-        setattr(self_attention, name, None)
+    return _fuse_named(self_attention, ("query", "key", "value"))
+
+
+def _fuse_named(attention, names: tuple[str, str, str]) -> torch.nn.Module:
+    """One (hidden -> 3 x hidden) linear from the query, key and value projections, which the module
+    then drops: their weights would otherwise be held twice."""
+    fused = fuse_linears([getattr(attention, name) for name in names])
+    for name in names:
+        setattr(attention, name, None)
     return fused

@@ -10,7 +10,8 @@ This module is the skeleton every family shares (batch layout, the layer loop th
 pauses between layers for urgent work, attention, pooling); each family supplies its
 pieces (embeddings and positions, one layer, the classification head):
 
-  packed_bert.py        BERT; RoBERTa, XLM-RoBERTa, CamemBERT (same layers, other positions and head)
+  packed_bert.py        BERT; RoBERTa, XLM-RoBERTa, CamemBERT (same layers, other positions and head);
+                        DistilBERT
   packed_modernbert.py  ModernBERT (RoPE, gated MLP, global and sliding-window layers)
   packed_qwen3.py       Qwen3 decoder embedders and scorers (causal, RoPE, grouped-query attention)
 """
@@ -60,8 +61,8 @@ class PackedBatch:
 def _families():
     from . import packed_bert, packed_modernbert, packed_qwen3
 
-    return (packed_bert.BertPieces, packed_bert.RobertaPieces, packed_modernbert.ModernBertPieces,
-            packed_qwen3.Qwen3Pieces)
+    return (packed_bert.BertPieces, packed_bert.RobertaPieces, packed_bert.DistilBertPieces,
+            packed_modernbert.ModernBertPieces, packed_qwen3.Qwen3Pieces)
 
 
 def usable(model: torch.nn.Module, kind: ModelKind, device: torch.device, dtype: torch.dtype) -> bool:
