@@ -126,7 +126,9 @@ class Bench:
         return targets
 
     def _infinity_target(self, infinity: Managed, port: int, rerank_dir: str | None) -> dict:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), "infinity", infinity, 600)
+        # Infinity times batches of up to 512 tokens per model before it answers: minutes for 12-layer
+        # models on 2 busy cores.
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), "infinity", infinity, 1800)
         client = RestTarget(f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME, rerank_dir and RERANKER_NAME)
         self.stack.callback(client.close)
         tree = process_tree(infinity.pid)
