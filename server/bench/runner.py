@@ -76,7 +76,7 @@ class Bench:
             server, ports = start_encoderd(args, embed_dir, rerank_dir, logs, rest)
             self.stack.callback(server.stop)
         if venv:  # started together: both load at once, saving a minute
-            infinity, inf_port = start_infinity(venv, embed_dir, rerank_dir, logs)
+            infinity, inf_port = start_infinity(venv, embed_dir, rerank_dir, logs, not args.infinity_no_warmup)
             self.stack.callback(infinity.stop)
         targets = self._encoderd_targets(server, ports, rest)
         if infinity:
