@@ -2,7 +2,7 @@
 encoder's hidden states (ONNX Runtime, CTranslate2, TensorRT).
 
 Same semantics as sentence-transformers' Pooling module and the torch
-engine's `torch_backend.pool` / `packed_bert.PackedBert.pool`, which keep their
+engine's `torch_backend.pool` / `packed_encoder.PackedEncoder.pool`, which keep their
 own copies only because they pool on the device before a single copy back to the host.
 """
 

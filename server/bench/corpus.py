@@ -125,11 +125,12 @@ def make_workload(args, embed_dir: str, rerank_dir: str | None) -> tuple[Workloa
     sets = []
     if rerank_dir:
         rerank_max = load_model_spec("bench", rerank_dir).max_length
+        pairs = TokenCounter(rerank_dir)  # the cross-encoder's own tokenizer (XLM-R's differs from the embedder's)
         rng = random.Random(args.seed + 2)
         for i in range(args.rerank_calls):
             docs = [corpus[rng.randrange(len(corpus))] for _ in range(args.rerank_docs)]
             sets.append((queries[i % len(queries)], docs,
-                         np.minimum(counter.pair_lengths(queries[i % len(queries)], docs), rerank_max)))
+                         np.minimum(pairs.pair_lengths(queries[i % len(queries)], docs), rerank_max)))
         info["rerank_pairs"] = length_stats(np.concatenate([s[2] for s in sets]), rerank_max)
     work = Workload(corpus, np.minimum(lengths, embed_max), queries, np.minimum(counter.lengths(queries), embed_max),
                     sets)

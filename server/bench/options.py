@@ -42,9 +42,16 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
     p.add_argument("--target-metrics", help="metrics URL of a running encoderd (with --target-grpc)")
     p.add_argument("--rest", action="store_true", help="also benchmark encoderd over REST (Envoy)")
     p.add_argument("--infinity", action="store_true", help="also run infinity-emb 0.0.78 side by side (own venv)")
+    p.add_argument("--infinity-no-warmup", action="store_true",
+                   help="start Infinity with --no-model-warmup: its start-up timing of 512-token batches takes "
+                        "minutes per 12-layer model on busy cores (each mode still warms every target up)")
     p.add_argument("--stream", action="store_true", help="also run bulk through one gRPC EmbedStream (ingestion)")
     p.add_argument("--no-st", action="store_true", help="skip the in-process sentence-transformers reference")
-    p.add_argument("--reranker", help="cross-encoder directory for rerank (default: built from MiniLM, seeded head)")
+    p.add_argument("--models", choices=("minilm", "base"), default="minilm",
+                   help="minilm: the bundled all-MiniLM-L6-v2 and a MiniLM cross-encoder; base: a bge-base-sized "
+                        "BERT embedder and a bge-reranker-base-sized XLM-R cross-encoder (real sizes, random "
+                        "weights, built once under --cache-dir; see bench/models.py)")
+    p.add_argument("--reranker", help="cross-encoder directory for rerank (default: per --models)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "encoderd-bench",
                    help="Infinity virtualenv and built models (default: %(default)s)")
     p.add_argument("--log-dir", type=Path, help="server logs (default: a temporary folder, kept on failure)")

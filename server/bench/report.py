@@ -56,3 +56,23 @@ def print_ratios(items: list[dict], out=sys.stdout) -> None:
     for x in items:
         value = f"{x['ratio']:.2f}x" if x["ratio"] else "-"
         print(f"  {x['mode']:7} encoderd/{x['encoderd']:5} vs {x['vs']:34} {value:>8}   ({x['metric']})", file=out)
+
+
+def floors(rows: list[Row], peak: dict) -> dict:
+    """What no server can beat on this machine now: the matmul peak measured on the spot, and the
+    in-process single-query time of the same model (sentence-transformers, no server); each
+    encoderd single-query p50 as a multiple of the latter (1.0 = no serving overhead at all)."""
+    floor = next((r.p50_ms for r in rows if r.mode == "single" and r.protocol == "in-process"), None)
+    over = {r.protocol: round(r.p50_ms / floor, 3) for r in rows
+            if floor and r.mode == "single" and r.engine == "encoderd" and r.p50_ms}
+    return {"matmul_peak_gflops": {k: peak[k] for k in ("float32", "bfloat16") if k in peak},
+            "single_in_process_p50_ms": floor, "encoderd_single_p50_over_floor": over}
+
+
+def print_floors(items: dict, out=sys.stdout) -> None:
+    peak = ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in items["matmul_peak_gflops"].items()) or "not measured"
+    print(f"\nFloors: matmul peak {peak}", file=out)
+    if items["single_in_process_p50_ms"]:
+        over = ", ".join(f"{k} {v:.2f}x" for k, v in items["encoderd_single_p50_over_floor"].items())
+        print(f"  single query in-process (same model, no server) p50 {items['single_in_process_p50_ms']:.1f} ms; "
+              f"encoderd p50 / that: {over}", file=out)

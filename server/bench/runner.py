@@ -16,14 +16,25 @@ from pathlib import Path
 from ...workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import Workload, make_workload
 from .flops import FlopModel, matmul_peak
+from .models import build_base_embedder, build_xlmr_reranker
 from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
 from .options import build_parser, log, resolve_options, serving_threads, worker_threads
 from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
 from .recovery import run_recovery
-from .report import print_ratios, print_table, ratios
+from .report import floors, print_floors, print_ratios, print_table, ratios
 from .servers import (RERANKER_NAME, build_reranker, encoderd_probe_groups, infinity_venv, list_models, serve_flags,
                       start_encoderd, start_infinity)
 from .targets import GrpcTarget, RestTarget, SentenceTransformersTarget
+
+
+def bench_models(args) -> tuple[str, str | None]:
+    """(embedder directory, cross-encoder directory or None) for --models."""
+    wants_reranker = "rerank" in args.modes
+    if args.models == "base":
+        embed_dir = build_base_embedder(args.cache_dir)
+        rerank_dir = (args.reranker or build_xlmr_reranker(args.cache_dir)) if wants_reranker else None
+        return embed_dir, rerank_dir
+    return default_model_path(), build_reranker(args) if wants_reranker else None
 
 
 class Bench:
@@ -38,14 +49,13 @@ class Bench:
     def run(self) -> dict:
         args = self.args
         started = time.monotonic()
-        embed_dir = default_model_path()
         if "recovery" in args.modes:  # first, its servers alone on the machine; it starts and stops its own
             venv = infinity_venv(args.cache_dir) if args.infinity else None
-            self.rows += run_recovery(args, embed_dir, self.log_dir(), venv)
+            self.rows += run_recovery(args, default_model_path(), self.log_dir(), venv)
             if args.modes == ["recovery"]:
                 self.info["elapsed_s"] = round(time.monotonic() - started, 1)
                 return self.report()
-        rerank_dir = build_reranker(args) if "rerank" in args.modes else None
+        embed_dir, rerank_dir = bench_models(args)
         work, self.info = make_workload(args, embed_dir, rerank_dir)
         log(f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
             f"mean {self.info['corpus']['mean']:.0f} max {self.info['corpus']['max']}")
@@ -71,7 +81,7 @@ class Bench:
             server, ports = start_encoderd(args, embed_dir, rerank_dir, logs, rest)
             self.stack.callback(server.stop)
         if venv:  # started together: both load at once, saving a minute
-            infinity, inf_port = start_infinity(venv, embed_dir, rerank_dir, logs)
+            infinity, inf_port = start_infinity(venv, embed_dir, rerank_dir, logs, not args.infinity_no_warmup)
             self.stack.callback(infinity.stop)
         targets = self._encoderd_targets(server, ports, rest)
         if infinity:
@@ -129,7 +139,9 @@ class Bench:
         return targets
 
     def _infinity_target(self, infinity: Managed, port: int, rerank_dir: str | None) -> dict:
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), "infinity", infinity, 600)
+        # Infinity times batches of up to 512 tokens per model before it answers: minutes for 12-layer
+        # models on 2 busy cores.
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), "infinity", infinity, 1800)
         client = RestTarget(f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME, rerank_dir and RERANKER_NAME)
         self.stack.callback(client.close)
         tree = process_tree(infinity.pid)
@@ -206,12 +218,15 @@ class Bench:
         result = {"conditions": {
             "quick": args.quick, "serve_args": args.serve_args, "concurrency": args.concurrency, "batch": args.batch,
             "bulk_seconds": args.bulk_seconds, "bulk_warmup": args.bulk_warmup, "single_calls": args.single_calls,
-            "rerank_calls": args.rerank_calls, "rerank_docs": args.rerank_docs, "cpus": len(os.sched_getaffinity(0)),
+            "rerank_calls": args.rerank_calls, "rerank_docs": args.rerank_docs, "models": args.models,
+            "cpus": len(os.sched_getaffinity(0)),
             "worker_threads": worker_threads(args), "python": sys.version.split()[0]},
-            **self.info, "results": [asdict(r) for r in self.rows], "ratios": ratios(self.rows)}
+            **self.info, "results": [asdict(r) for r in self.rows], "ratios": ratios(self.rows),
+            "floors": floors(self.rows, self.info.get("peak_gflops", {}))}
         print()
         print_table(self.rows)
         print_ratios(result["ratios"])
+        print_floors(result["floors"])
         print(f"\nconditions: {json.dumps(result['conditions'])}")
         if "corpus" in self.info:  # a recovery-only run has none
             print(f"corpus tokens: {json.dumps(self.info['corpus'])}")

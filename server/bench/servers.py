@@ -61,7 +61,8 @@ def infinity_venv(cache: Path) -> Path:
     return venv
 
 
-def start_infinity(venv: Path, embed_dir: str, rerank_dir: str | None, logs: Path) -> tuple[Managed, int]:
+def start_infinity(venv: Path, embed_dir: str, rerank_dir: str | None, logs: Path,
+                   warmup: bool = True) -> tuple[Managed, int]:
     port = free_port()
     models = [("--model-id", embed_dir, DEFAULT_MODEL_NAME)] + ([("--model-id", rerank_dir, RERANKER_NAME)]
                                                                  if rerank_dir else [])
@@ -69,7 +70,7 @@ def start_infinity(venv: Path, embed_dir: str, rerank_dir: str | None, logs: Pat
             "--engine", "torch", "--device", "cpu", "--dtype", "float32",
             "--no-vector-disk-cache"]  # its default caches results by request hash: repeated inputs would be free
     for flag, path, name in models:
-        argv += [flag, path, "--served-model-name", name]
+        argv += [flag, path, "--served-model-name", name] + ([] if warmup else ["--no-model-warmup"])
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
            "DO_NOT_TRACK": "1", "PYTHONPATH": ""}
     log("starting infinity_emb " + " ".join(argv[2:]))

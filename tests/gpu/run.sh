@@ -2,7 +2,8 @@
 # Every GPU check on one NVIDIA GPU, in under 8 minutes:
 #   1. `pytest -m gpu`: torch float16/bfloat16, onnx float32/float16 (CUDA EP), ctranslate2 float16/int8_float16
 #      and tensorrt float16 against torch float32 on CPU, for embedding, reranker and classifier; the
-#      padding-free torch forward (varlen FlashAttention) against the padded one;
+#      padding-free torch forward (varlen FlashAttention; BERT, XLM-R, ModernBERT with its sliding window,
+#      Qwen3 causal) against the padded one;
 #   2. a tiny engine matrix: `python -m encoderd.workers.bench_engines --device cuda --quick` (embedding only).
 #
 # Needs: torch with CUDA, onnxruntime-gpu (not onnxruntime: they overwrite each other), ctranslate2, and the

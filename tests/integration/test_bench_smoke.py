@@ -37,6 +37,7 @@ def test_bench_quick_writes_report(tmp_path, reranker_path):
     assert report["corpus"]["min"] >= 5 and report["corpus"]["max"] <= 500
     assert report["peak_gflops"]["float32"] > 0 and report["peak_gflops"]["bfloat16"] > 0
     assert report["flop_model"]["matmul_params"] > 0
+    assert report["floors"]["matmul_peak_gflops"]["float32"] > 0 and report["conditions"]["models"] == "minilm"
 
     rows = {(r["mode"], r["protocol"]): r for r in report["results"]}
     protocols = ["grpc", "rest"] if rest else ["grpc"]

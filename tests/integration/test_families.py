@@ -23,7 +23,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from encoderd.workers.backends import BackendOptions, create_backend, packed_bert, resolve_engine
+from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder, resolve_engine
 from encoderd.workers.backends.base import ENGINE_FAMILIES
 from encoderd.workers.model_spec import ModelKind, Pooling, load_model_spec
 from encoderd.workers.protocol import TokenBatch
@@ -36,7 +36,7 @@ TEXTS = _SHORT[:3] + _LONG[:1] + _SHORT[3:12] + _LONG[1:] + _SHORT[12:]  # each 
 QUERY = "how do search engines rank documents"
 BATCH = 8
 CONVERTING_ENGINES = [("onnx", "onnxruntime"), ("ctranslate2", "ctranslate2")]
-PACKED_FAMILIES = ("bert",)  # what packed_bert.usable() may claim: it computes BERT's positions and layers only
+PACKED_FAMILIES = ("bert", "xlm-roberta", "camembert", "roberta", "distilbert", "modernbert", "qwen3")  # what packed_encoder.usable() claims
 POOLING = {"mean": Pooling.MEAN, "cls": Pooling.CLS, "lasttoken": Pooling.LAST_TOKEN}
 CASES = [(family, kind) for family in FAMILIES for kind in KINDS]
 IDS = [f"{family}-{kind}" for family, kind in CASES]
@@ -141,7 +141,7 @@ def test_torch_matches_reference(family, kind, references, models_dir):
         pooling = POOLING[FAMILIES[family].pooling]
         assert spec.pooling in (pooling, (pooling,)) and spec.normalize  # one mode, or a tuple of concatenated ones
     backend = load("torch", spec)
-    assert (backend.packed is not None) == (family in PACKED_FAMILIES), "packed_bert.usable() claims a non-BERT model"
+    assert (backend.packed is not None) == (family in PACKED_FAMILIES), "packed_encoder.usable() disagrees"
     assert backend.output_dim == want.shape[1]
     assert_matches(outputs(backend), want, kind)
 
@@ -152,7 +152,7 @@ def test_torch_padded_path_of_packed_families(family, kind, references, models_d
     """The padded forward too (--torch-compile and CUDA float32 take it for BERT)."""
     spec, want = case(references, models_dir, family, kind)
     backend = create_backend("torch", spec, BackendOptions(threads=1))
-    with mock.patch.object(packed_bert, "usable", return_value=False):
+    with mock.patch.object(packed_encoder, "usable", return_value=False):
         backend.load()
     assert backend.packed is None
     assert_matches(outputs(backend), want, kind)

@@ -1,5 +1,6 @@
-"""Issue 5: the padding-free torch forward (workers/backends/packed_bert.py) equals the
-padded transformers forward on the same weights, for every kind and pooling.
+"""Issues 5 and 19: the padding-free torch forward (workers/backends/packed_encoder.py and its
+family pieces) equals the padded transformers forward on the same weights, for every kind,
+pooling and packed family.
 
 In-process, CPU, float32: batches mix 3- to 256-token inputs in corpus order, so the
 padded forward pads heavily and the packed one must agree where attention masks differ
@@ -18,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from encoderd.workers.backends import BackendOptions, create_backend, packed_bert
+from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
 from encoderd.workers.backends.torch_backend import pool
 from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
 from encoderd.workers.protocol import TokenBatch
 from support.corpus import sentences
+from support.families import build as build_family
 from support.models import build_classifier, build_reranker
 
 TEXTS = sentences(40, max_words=300, seed=11)   # 3 to 256+ tokens: some are truncated
@@ -55,7 +57,7 @@ def batches(spec, query: str | None = None, size: int = 16) -> list[TokenBatch]:
 def load_backend(spec, options: BackendOptions, packed: bool = True):
     """A loaded torch backend; packed=False: as if the model were not a BERT (the padded forward)."""
     backend = create_backend("torch", spec, options)
-    with mock.patch.object(packed_bert, "usable", return_value=False) if not packed else contextlib.nullcontext():
+    with mock.patch.object(packed_encoder, "usable", return_value=False) if not packed else contextlib.nullcontext():
         backend.load()
     return backend
 
@@ -96,18 +98,44 @@ def test_every_pooling_matches_the_padded_pooling(pooling):
     torch.testing.assert_close(got, pool(dense, mask.long(), pooling), atol=1e-6, rtol=1e-6)
 
 
-def test_non_bert_models_keep_the_padded_forward(tmp_path):
-    from transformers import RobertaConfig, RobertaModel
+# Families with packed pieces beyond BERT: (family, kind) checked packed vs padded on the same weights.
+FAMILY_CASES = ([(family, kind) for family in ("xlm-roberta", "roberta", "camembert", "distilbert", "modernbert",
+                                               "qwen3") for kind in ("embedding", "reranker")]
+                + [("modernbert", "classifier"), ("qwen3", "classifier")])
 
-    config = RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=64, max_position_embeddings=40)
-    RobertaModel(config).save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        (tmp_path / name).write_bytes((Path(default_model_path()) / name).read_bytes())
-    backend = create_backend("torch", load_model_spec("r", str(tmp_path), ModelKind.EMBEDDING),
-                             BackendOptions(threads=1))
-    backend.load()
-    assert backend.packed is None and backend.is_padded
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed-families")
+    return lambda family, kind: str(build_family(family, kind, root / f"{family}-{kind}"))
+
+
+@pytest.mark.parametrize("family,kind", FAMILY_CASES, ids=["-".join(c) for c in FAMILY_CASES])
+def test_packed_family_forward_equals_padded(family, kind, family_models):
+    """Each family's packed pieces (positions, layers, head) against transformers' padded float32
+    forward of the same weights, with BERT's tolerance; the mixed lengths pad heavily."""
+    spec = load_model_spec(kind, family_models(family, kind), ModelKind(kind))
+    packed, padded = packed_and_padded(spec)
+    for batch in batches(spec, QUERY if kind == "reranker" else None):
+        np.testing.assert_allclose(packed.forward(batch), padded.forward(batch), atol=2e-5, rtol=1e-4)
+
+
+def test_roberta_positions_skip_pad_tokens_inside_a_text(family_models):
+    """RoBERTa-style positions count only tokens that are not the pad id (a literal "<pad>" in a text
+    keeps position padding_idx and does not advance the count): the packed forward counts the same."""
+    spec = load_model_spec("x", family_models("xlm-roberta", "embedding"), ModelKind.EMBEDDING)
+    packed, padded = packed_and_padded(spec)
+    pad = spec.pad_token_id
+    batch = TokenBatch.from_sequences(0, [[0, 17, pad, 23, pad, 40, 2], [0, 9, 2], [0, pad, 2]])
+    np.testing.assert_allclose(packed.forward(batch), padded.forward(batch), atol=2e-5, rtol=1e-4)
+
+
+def test_families_without_packed_pieces_keep_the_padded_forward(family_models):
+    for family in ("deberta-v2", "mpnet"):  # MPNet: relative position buckets; DeBERTa: relative attention
+        backend = create_backend("torch", load_model_spec(family, family_models(family, "embedding"),
+                                                          ModelKind.EMBEDDING), BackendOptions(threads=1))
+        backend.load()
+        assert backend.packed is None and backend.is_padded, family
 
 
 @pytest.mark.gpu
@@ -128,6 +156,34 @@ def test_varlen_attention_on_cuda_matches_padded(dtype, reranker_path):
                 assert cos.min() >= 0.999, cos.min()
             else:
                 np.testing.assert_allclose(got, want, atol=0.05 if dtype == "bfloat16" else 0.01)
+
+
+# Where the CUDA path differs per family: XLM-R's positions and head, ModernBERT's sliding window
+# (window_size in the varlen kernel), Qwen3's causal grouped-query attention and scored token.
+GPU_FAMILY_CASES = [("xlm-roberta", "reranker"), ("modernbert", "embedding"), ("modernbert", "reranker"),
+                    ("qwen3", "embedding"), ("qwen3", "reranker")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("family,kind", GPU_FAMILY_CASES, ids=["-".join(c) for c in GPU_FAMILY_CASES])
+def test_varlen_attention_on_cuda_matches_padded_per_family(family, kind, dtype, family_models):
+    """Each family's packed pieces through one varlen FlashAttention call per layer (window and causal
+    flags included) vs its padded SDPA forward, same dtype and GPU."""
+    spec = load_model_spec(kind, family_models(family, kind), ModelKind(kind))
+    options = BackendOptions(device="cuda", dtype=dtype)
+    backends = [load_backend(spec, options, packed) for packed in (True, False)]
+    if backends[0].packed is None:
+        pytest.skip("no varlen attention kernel in this torch (and no flash-attn)")
+    for batch in batches(spec, QUERY if kind == "reranker" else None):
+        got, want = backends[0].forward(batch), backends[1].forward(batch)
+        if kind == "embedding":
+            cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+            assert cos.min() >= 0.999, cos.min()
+        else:  # these random heads spread logits over several units: a relative bound as well
+            tolerance = 0.05 if dtype == "bfloat16" else 0.01
+            np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
 
 
 def test_torch_compile_option_matches_the_eager_forward():

@@ -23,7 +23,7 @@ import pytest
 from encoderd.server import postprocess
 from encoderd.server.tokenization import ModelTokenizer, load_tokenizer
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.backends import BackendOptions, create_backend, packed_bert
+from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
 from encoderd.workers.model_spec import (ModelKind, ModelLoadError, Pooling, ScoreActivation, check_prompts,
                                          load_model_spec)
 from encoderd.workers.protocol import TokenBatch
@@ -93,7 +93,7 @@ def batches(spec, texts: list[str]) -> list[TokenBatch]:
 
 def load_backend(engine: str, spec, cache_dir: str, monkeypatch, variant: str = ""):
     if variant == "padded":  # the padded transformers forward, as for architectures the packed path skips
-        monkeypatch.setattr(packed_bert, "usable", lambda *args: False)
+        monkeypatch.setattr(packed_encoder, "usable", lambda *args: False)
     backend = create_backend(engine, spec, BackendOptions(threads=2, cache_dir=cache_dir))
     backend.load()
     if engine == "torch":
@@ -168,7 +168,7 @@ def test_every_pooling_implementation_equals_sentence_transformers_pooling(modes
     import torch
     from sentence_transformers.sentence_transformer.modules import Pooling as StPooling
 
-    from encoderd.workers.backends.packed_bert import PackedBert
+    from encoderd.workers.backends.packed_encoder import PackedEncoder
     from encoderd.workers.backends.torch_backend import pool as torch_pool
     from encoderd.workers.pooling import pool as numpy_pool
 
@@ -180,7 +180,7 @@ def test_every_pooling_implementation_equals_sentence_transformers_pooling(modes
     packed = hidden[mask.bool()]  # row-major: the sequences back to back
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
     for got in (torch.from_numpy(numpy_pool(hidden.numpy(), mask.numpy(), modes)), torch_pool(hidden, mask, modes),
-                PackedBert.pool(packed, cu_seqlens, modes)):
+                PackedEncoder.pool(packed, cu_seqlens, modes)):
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 

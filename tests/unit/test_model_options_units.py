@@ -185,19 +185,19 @@ def test_every_engine_checks_the_architecture_before_loading_weights(tmp_path, l
         load(_with_config(tmp_path, architectures=["MysteryBertModel"]), tmp_path / "out")
 
 
-def test_the_packed_bert_forward_never_replaces_repository_code():
+def test_the_packed_forward_never_replaces_repository_code():
     import torch
     from transformers import BertConfig
     from transformers import BertModel as StockBertModel
 
-    from encoderd.workers.backends import packed_bert
+    from encoderd.workers.backends import packed_encoder
 
     config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     # Repository code may well name its class BertModel.
     repository_class = type("BertModel", (StockBertModel,), {"__module__": "transformers_modules.repo.modeling"})
     cpu = torch.device("cpu")
-    assert packed_bert.usable(StockBertModel(config), ModelKind.EMBEDDING, cpu, torch.float32)
-    assert not packed_bert.usable(repository_class(config), ModelKind.EMBEDDING, cpu, torch.float32)
+    assert packed_encoder.usable(StockBertModel(config), ModelKind.EMBEDDING, cpu, torch.float32)
+    assert not packed_encoder.usable(repository_class(config), ModelKind.EMBEDDING, cpu, torch.float32)
 
 
 # -------------------------------------------------------------- revision

@@ -11,7 +11,7 @@ import torch
 
 from ..model_spec import ModelKind, Pooling, pooling_modes
 from ..protocol import MediaBatch, TokenBatch
-from . import packed_bert, packed_linear, torch_heads
+from . import packed_encoder, packed_linear, torch_heads
 from .base import Backend, from_pretrained, padded, run_to_end
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,8 @@ class TorchBackend(Backend):
         self.model = model.to(self.device).eval()
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
         usable = (not self.options.compile
-                  and packed_bert.usable(self.model, self.spec.kind, self.device, DTYPES[self.options.dtype]))
-        self.packed = packed_bert.PackedBert(self.model, self.spec.kind) if usable else None
+                  and packed_encoder.usable(self.model, self.spec.kind, self.device, DTYPES[self.options.dtype]))
+        self.packed = packed_encoder.PackedEncoder(self.model, self.spec.kind) if usable else None
         if self.options.compile:
             # Inductor fuses and packs weights itself; it compiles in the warm-up forward passes.
             log.info("torch.compile (dynamic shapes): the warm-up compiles the model, ~30 s on 2 cores")
@@ -80,7 +80,7 @@ class TorchBackend(Backend):
             projection = torch_heads.load_colbert_projection(self.spec.path)
             self.projection = projection.to(self.device, DTYPES[self.options.dtype]) if projection else None
         self.is_padded = self.packed is None  # the scheduler then budgets real tokens, not size x longest
-        log.info("%s forward", "padding-free (packed tokens)" if self.packed else "padded")
+        log.info("%s forward", f"padding-free (packed tokens, {self.packed.family})" if self.packed else "padded")
         self._dim = (self.model.config.num_labels if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
                      else torch_heads.output_dim(self.model, self.spec.kind, self.projection))
 
@@ -127,7 +127,8 @@ class TorchBackend(Backend):
             cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(self.device)
             types = (None if batch.token_type_ids is None
                      else torch.from_numpy(batch.token_type_ids).to(self.device, torch.long))
-            layers = self.packed.hidden_states(ids, cu_seqlens, types)
+            packed = packed_encoder.PackedBatch.of(ids, cu_seqlens, types)
+            layers = self.packed.hidden_states(packed)
             while True:
                 self._size_threads(len(batch.input_ids))  # each step: a batch run in a pause may change it
                 try:
@@ -139,7 +140,7 @@ class TorchBackend(Backend):
             if self.spec.kind == ModelKind.EMBEDDING:
                 result = self.packed.pool(hidden, cu_seqlens, self.spec.pooling)
             else:
-                result = self.packed.logits(hidden, cu_seqlens)
+                result = self.packed.logits(hidden, packed)
             return result.float().cpu().numpy()
 
     def _size_threads(self, tokens: int | None) -> None:

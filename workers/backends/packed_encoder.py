@@ -1,0 +1,225 @@
+"""Padding-free forward: a batch's tokens as one (tokens, hidden) matrix, for every family it covers.
+
+Embeddings, linear layers, activations and norms act on each token alone, so they run
+on the packed tokens and no padding is ever computed; only attention sees where
+sequences begin and end: on CUDA one variable-length FlashAttention call over
+`cu_seqlens` (float16/bfloat16), elsewhere SDPA on each sequence. The weights are the
+loaded transformers module's own, so the outputs equal its padded forward.
+
+This module is the skeleton every family shares (batch layout, the layer loop that
+pauses between layers for urgent work, attention, pooling); each family supplies its
+pieces (embeddings and positions, one layer, the classification head):
+
+  packed_bert.py        BERT; RoBERTa, XLM-RoBERTa, CamemBERT (same layers, other positions and head);
+                        DistilBERT
+  packed_modernbert.py  ModernBERT (RoPE, gated MLP, global and sliding-window layers)
+  packed_qwen3.py       Qwen3 decoder embedders and scorers (causal, RoPE, grouped-query attention)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..model_spec import ModelKind, Pooling, pooling_modes
+from . import packed_linear
+
+# Attention windows: (tokens before, tokens after) each query sees; -1 = unbounded.
+FULL = (-1, -1)
+CAUSAL = (-1, 0)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Token ids (tokens,) int64, cu_seqlens (n + 1,) int32, optional token type ids, each token's
+    offset in its sequence (0, 1, ...), and the longest sequence, all on the model's device."""
+    ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    types: torch.Tensor | None
+    offsets: torch.Tensor
+    longest: int
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, cu_seqlens: torch.Tensor, types: torch.Tensor | None = None) -> PackedBatch:
+        lengths = cu_seqlens.diff()
+        starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
+        offsets = torch.arange(ids.shape[0], device=ids.device) - starts
+        return cls(ids, cu_seqlens, types, offsets, int(lengths.max()))
+
+    @property
+    def firsts(self) -> torch.Tensor:
+        return self.cu_seqlens[:-1].long()
+
+    @property
+    def lasts(self) -> torch.Tensor:
+        return self.cu_seqlens[1:].long() - 1
+
+
+def _families():
+    from . import packed_bert, packed_modernbert, packed_qwen3
+
+    return (packed_bert.BertPieces, packed_bert.RobertaPieces, packed_bert.DistilBertPieces,
+            packed_modernbert.ModernBertPieces, packed_qwen3.Qwen3Pieces)
+
+
+def usable(model: torch.nn.Module, kind: ModelKind, device: torch.device, dtype: torch.dtype) -> bool:
+    """A family with packed pieces, loaded as transformers' own class of that family and kind; on CUDA
+    only where a varlen kernel runs (float16/bfloat16): a per-sequence loop there would cost more
+    kernel launches than padding costs FLOPs."""
+    if device.type == "cuda" and (dtype == torch.float32 or varlen_kernel() is None):
+        return False
+    if not type(model).__module__.startswith("transformers."):
+        return False  # the model repository's own class (--trust-remote-code), whatever its name: its forward runs
+    return _pieces_for(model, kind) is not None
+
+
+def _pieces_for(model: torch.nn.Module, kind: ModelKind):
+    for pieces in _families():
+        if model.config.model_type in pieces.model_types and pieces.covers(model, kind):
+            return pieces
+    return None
+
+
+class PackedEncoder:
+    """The packed forward of one loaded model. The family's pieces may take over some of the
+    model's modules (fused projections): build it before pre-packing the model's other linears."""
+
+    def __init__(self, model: torch.nn.Module, kind: ModelKind):
+        self.pieces = _pieces_for(model, kind)(model, kind)
+
+    @property
+    def family(self) -> str:
+        return type(self.pieces).__name__.removesuffix("Pieces")
+
+    def hidden_states(self, batch: PackedBatch) -> Generator[None, None, torch.Tensor]:
+        """Last hidden states, (tokens, hidden), as a generator that pauses after each layer (see
+        Backend.forward_in_steps)."""
+        x = self.pieces.embed(batch)
+        # Per-batch tables (rotary cos/sin): held here, not by the pieces, because an urgent batch
+        # may run its whole forward during one of this batch's pauses.
+        tables = self.pieces.tables(x, batch)
+        for index in range(self.pieces.layer_count):
+            x = self.pieces.layer(index, x, batch, tables)
+            yield
+        return self.pieces.finish(x)
+
+    def logits(self, hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        return self.pieces.logits(hidden, batch)
+
+    @staticmethod
+    def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: Pooling | tuple[Pooling, ...]) -> torch.Tensor:
+        """sentence-transformers Pooling over packed sequences; several modes concatenated."""
+        return torch.cat([_pool_one(hidden, cu_seqlens, mode) for mode in pooling_modes(pooling)], dim=1)
+
+
+def _pool_one(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: Pooling) -> torch.Tensor:
+    if mode == Pooling.CLS:
+        return hidden[cu_seqlens[:-1].long()]
+    if mode == Pooling.LAST_TOKEN:
+        return hidden[cu_seqlens[1:].long() - 1]
+    lengths = cu_seqlens.diff()
+    if mode == Pooling.MAX:
+        return torch.segment_reduce(hidden, "max", lengths=lengths, axis=0)
+    if mode == Pooling.MEAN:
+        return torch.segment_reduce(hidden, "mean", lengths=lengths, axis=0)
+    if mode == Pooling.MEAN_SQRT_LEN:
+        total = torch.segment_reduce(hidden, "sum", lengths=lengths, axis=0)
+        return total / lengths.to(hidden.dtype).sqrt()[:, None]
+    # WEIGHTED_MEAN: weights 1, 2, 3... by position within each sequence.
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
+    # float32 weights (and so sums): bfloat16 has no exact integers above 256.
+    weights = (torch.arange(hidden.shape[0], device=hidden.device) - starts + 1).float()[:, None]
+    total = torch.segment_reduce(hidden * weights, "sum", lengths=lengths, axis=0)
+    return total / torch.segment_reduce(weights, "sum", lengths=lengths, axis=0)
+
+
+# ------------------------------------------------------------------ attention
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch,
+           window: tuple[int, int] = FULL, scale: float | None = None) -> torch.Tensor:
+    """Attention within each sequence: q (tokens, heads, d), k and v (tokens, kv_heads, d), kv_heads
+    dividing heads (grouped-query). `window`: FULL, CAUSAL, or (before, after) tokens each query sees."""
+    kernel = varlen_kernel()
+    if kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return kernel(q, k, v, batch.cu_seqlens, batch.longest, window, scale)
+    out = torch.empty_like(q)
+    grouped = k.shape[1] != q.shape[1]
+    bounds = batch.cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        # (L, heads, d) -> (1, heads, L, d): one sequence, no padding mask needed
+        seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        causal, mask = window == CAUSAL, None if window in (FULL, CAUSAL) else _band(b - a, window, q.device)
+        out[a:b] = F.scaled_dot_product_attention(*seq, attn_mask=mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=grouped)[0].transpose(0, 1)
+    return out
+
+
+def _band(length: int, window: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """(L, L) boolean mask: key j visible to query i when i - before <= j <= i + after."""
+    before, after = window
+    distance = torch.arange(length, device=device)[None, :] - torch.arange(length, device=device)[:, None]
+    visible = torch.ones(length, length, dtype=torch.bool, device=device)
+    if before >= 0:
+        visible &= distance >= -before
+    if after >= 0:
+        visible &= distance <= after
+    return visible
+
+
+def varlen_kernel():
+    """Variable-length FlashAttention (CUDA): flash-attn when installed, else PyTorch's own; None if
+    neither. Either is called as kernel(q, k, v, cu_seqlens, longest, window, scale)."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        flash_attn_varlen_func = None
+    if flash_attn_varlen_func is not None:
+        def flash_attn(q, k, v, cu, longest, window, scale):
+            # q, k, v may be strided views into a fused projection: the kernels want them dense.
+            q, k, v = (t.contiguous() for t in (q, k, v))
+            return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, softmax_scale=scale,
+                                          causal=window == CAUSAL, window_size=window)
+        return flash_attn
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+
+    def torch_varlen(q, k, v, cu, longest, window, scale):
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=window,
+                           enable_gqa=k.shape[1] != q.shape[1])
+    return torch_varlen
+
+
+# ------------------------------------------------------------------ shared pieces
+def fuse_linears(linears: list[torch.nn.Module]) -> torch.nn.Module:
+    """One linear whose output is the given linears' outputs side by side (one larger GEMM instead
+    of several: on CPU fewer OpenMP parallel regions). Packed for oneDNN where the model's are."""
+    weight = torch.cat([p.weight.detach() for p in linears])
+    has_bias = linears[0].bias is not None
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
+    fused.weight.data = weight
+    if has_bias:
+        fused.bias.data = torch.cat([p.bias.detach() for p in linears])
+    if weight.device.type == "cpu" and packed_linear.available(weight.dtype):
+        return packed_linear.PackedLinear(fused)
+    return fused.requires_grad_(False)
+
+
+def activated(dense: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """dense(x) then the activation ("gelu": exact erf GELU, or "relu"): in the GEMM's epilogue when
+    the linear is pre-packed for oneDNN (no second pass over the (tokens, intermediate) matrix)."""
+    if isinstance(dense, packed_linear.PackedLinear):
+        return dense(x, activation=activation)
+    return (F.gelu if activation == "gelu" else F.relu)(dense(x))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (the half-split rotation of transformers' apply_rotary_pos_emb):
+    x (tokens, heads, d), cos and sin (tokens, d) from the model's own rotary module."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
