@@ -15,8 +15,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Iterator
 
 import grpc
 import numpy as np

@@ -12,17 +12,16 @@ backoff within the call's deadline (see retry.RetryPolicy).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Iterator
 
 import grpc
 import numpy as np
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from . import bulk
+from . import bulk, vectors
 from .retry import RetryPolicy, acall_with_retry, call_with_retry, channel_options
-from . import vectors
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..v1 import compat_pb2, encoderd_pb2
 from ..gateway.envoy import local_address
+from ..v1 import compat_pb2, encoderd_pb2
 from ..workers.protocol import frontend_grpc_socket
 from . import reflection_v1, systemd, tls, tracing
 from .auth import ApiKeyInterceptor, load_keys

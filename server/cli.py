@@ -10,19 +10,28 @@ import re
 import sys
 from collections.abc import Callable
 
-from ..workers.model_cache import default_cache_dir
-from ..workers.model_spec import DEFAULT_MODEL_NAME, ModelLoadError, Pooling, default_model_path
-from ..workers.protocol import HEARTBEAT_INTERVAL
 from ..gateway.cli import add_commands as add_gateway_commands
 from ..gateway.cli import run as run_gateway_command
 from ..gateway.envoy import ListenerLimits
+from ..workers.model_cache import default_cache_dir
+from ..workers.model_spec import DEFAULT_MODEL_NAME, ModelLoadError, Pooling, default_model_path
+from ..workers.protocol import HEARTBEAT_INTERVAL
 from .config import ModelConfig, ServerConfig
-from .tls import TlsFiles
 from .logs import FORMATS as LOG_FORMATS
 from .logs import configure_logging
-from .model_options import (DTYPES, ENGINES, KINDS, NameableValue, device_list, nameable_value, parse_per_model,
-                            pooling_mode, positive_int)
+from .model_options import (
+    DTYPES,
+    ENGINES,
+    KINDS,
+    NameableValue,
+    device_list,
+    nameable_value,
+    parse_per_model,
+    pooling_mode,
+    positive_int,
+)
 from .models_file import ModelsFile, ModelsFileError, load_models_file
+from .tls import TlsFiles
 
 
 def _env_name(flag: str) -> str:

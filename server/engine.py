@@ -17,16 +17,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..workers.backends.base import BackendOptions
-from ..workers.model_spec import (ModelKind, ModelSpec, Pooling, check_prompts, load_model_spec, modalities,
-                                  resolve_model_path)
+from ..workers.model_spec import (
+    ModelKind,
+    ModelSpec,
+    Pooling,
+    check_prompts,
+    load_model_spec,
+    modalities,
+    resolve_model_path,
+)
 from ..workers.process import WorkerConfig
 from ..workers.protocol import HEARTBEAT_INTERVAL
 from . import metrics
 from .batching import BatchLimits, WorkItem
+from .choices import explain
 from .config import ModelConfig, ServerConfig
 from .errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
 from .media import MediaLimits, load_preprocessors
-from .choices import explain
 from .placement import Placement, plan_replicas
 from .result_cache import ResultCache, result_key
 from .scheduler import ModelScheduler, PendingRequest, Priority

@@ -58,7 +58,7 @@ DEFAULT_PRIORITY: contextvars.ContextVar[Priority] = contextvars.ContextVar("def
 class PendingRequest:
     """One request's inputs, reassembled in order as their batches finish."""
 
-    __slots__ = ("future", "rows", "remaining", "ragged")
+    __slots__ = ("future", "ragged", "remaining", "rows")
 
     def __init__(self, n_inputs: int, ragged: bool = False):
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()

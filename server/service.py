@@ -12,12 +12,12 @@ import grpc
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from . import logs, metrics, multimodal, postprocess, tracing
+from .auth import presented_key
 from .engine import Engine, estimate_tokens
 from .errors import EncoderdError, InvalidInput
 from .handlers import MalformedRequest
 from .media import Content
 from .messages import embeddings_message
-from .auth import presented_key
 from .scheduler import DEFAULT_PRIORITY, Priority
 from .streaming import embed_stream
 

@@ -20,9 +20,9 @@ from google.rpc import status_pb2
 from ..v1 import encoderd_pb2 as pb
 from ..workers.model_spec import ModelKind
 from . import metrics, postprocess
-from .messages import embeddings_message
 from .errors import EncoderdError, InvalidInput, Overloaded
 from .handlers import MalformedRequest
+from .messages import embeddings_message
 from .scheduler import Priority
 
 WINDOW = 1024     # inputs of one stream inside the server at once

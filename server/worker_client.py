@@ -16,7 +16,7 @@ import logging
 import multiprocessing
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import zmq

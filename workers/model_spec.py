@@ -392,7 +392,7 @@ def _lowercase(model_dir: Path) -> bool:
     return bool(_read_json(model_dir / "sentence_bert_config.json").get("do_lower_case", False))
 
 
-def check_prompts(spec: "ModelSpec", prompts: dict[str, str]) -> None:
+def check_prompts(spec: ModelSpec, prompts: dict[str, str]) -> None:
     """A model whose pooling excludes the prompt (include_prompt false) is served without prompts:
     encoderd pools over every token, so a prompted vector would differ from sentence-transformers'."""
     used = sorted(name for name, text in prompts.items() if text)

@@ -109,14 +109,14 @@ class TokenBatch(msgspec.Struct, gc=False):
         return np.diff(self.cu_seqlens)
 
     @classmethod
-    def from_sequences(cls, batch_id: int, ids: list, types: list | None = None) -> "TokenBatch":
+    def from_sequences(cls, batch_id: int, ids: list, types: list | None = None) -> TokenBatch:
         """Pack per-sequence token ids (and token types, for pairs) back to back."""
         cu = np.zeros(len(ids) + 1, dtype=np.int32)
         np.cumsum([len(s) for s in ids], out=cu[1:])
         packed_types = None if types is None else np.concatenate(types).astype(np.int32, copy=False)
         return cls(batch_id, np.concatenate(ids).astype(np.int32, copy=False), cu, packed_types)
 
-    def split(self, at: int) -> tuple["TokenBatch", "TokenBatch"]:
+    def split(self, at: int) -> tuple[TokenBatch, TokenBatch]:
         """The first `at` sequences and the rest, as two batches (views, no copies)."""
         cut = int(self.cu_seqlens[at])
         types = self.token_type_ids
@@ -158,7 +158,7 @@ class Ragged(msgspec.Struct, gc=False):
         return [(self.indices[a:b], flat[a:b]) for a, b in spans]
 
     @classmethod
-    def join(cls, parts: list["Ragged"]) -> "Ragged":
+    def join(cls, parts: list[Ragged]) -> Ragged:
         """The outputs of consecutive sub-batches as one (inputs in order)."""
         offsets = np.cumsum([0] + [len(p.values) for p in parts[:-1]])
         cu = np.concatenate([parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets)])

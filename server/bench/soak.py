@@ -65,7 +65,7 @@ class Traffic(threading.Thread):
         super().__init__(daemon=True)
         self.address, self.rng, self.stop = address, random.Random(seed), stop
         self.serial = seed * 10**9
-        self.calls = {k: 0 for k in KINDS}
+        self.calls = dict.fromkeys(KINDS, 0)
         self.errors: dict[str, int] = {}
 
     def _texts(self, n: int) -> list[str]:

@@ -14,11 +14,11 @@ import time
 import grpc
 import httpx
 import pytest
+from support.corpus import sentences
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
-from support.corpus import sentences
-from support.server import ServerProcess
 
 BUDGET = 4096
 MAX_QUEUED = 64

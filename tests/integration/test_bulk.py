@@ -12,13 +12,13 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from support.corpus import WORDS
+from support.server import ServerProcess
 
 from encoderd.clients.bulk import embed_iterable, embed_to_jsonl
 from encoderd.server.streaming import WINDOW
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
-from support.corpus import WORDS
-from support.server import ServerProcess
 
 
 def _metric(server, name: str, labels: str = "") -> float:

@@ -9,10 +9,10 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from support.corpus import sentences
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
-from support.corpus import sentences
 
 TEXTS = sentences(96, max_words=300, seed=7)
 

@@ -18,12 +18,12 @@ import subprocess
 import sys
 
 import pytest
+from support.models import build_classifier, build_reranker
 
 from encoderd.workers import fidelity
 from encoderd.workers.backends import BackendOptions, create_backend
 from encoderd.workers.hardware import UnsupportedOnHardware
 from encoderd.workers.model_spec import default_model_path, load_model_spec
-from support.models import build_classifier, build_reranker
 
 KINDS = ("embedding", "reranker", "classifier")
 # (engine, dtype, library): every CPU combination the engines know; the host's policy decides.

@@ -24,10 +24,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `support` when run as a script
 
-from encoderd.workers import hardware  # noqa: E402
-from encoderd.workers.backends import BackendOptions, create_backend  # noqa: E402
-from encoderd.workers.model_spec import default_model_path, load_model_spec  # noqa: E402
-from support.broad_corpus import broad_corpus  # noqa: E402
+from support.broad_corpus import broad_corpus
+
+from encoderd.workers import hardware
+from encoderd.workers.backends import BackendOptions, create_backend
+from encoderd.workers.model_spec import default_model_path, load_model_spec
 
 AVX2_HOST = "avx512*,avx_vnni,amx*"  # the mask that leaves this host's flags as an AVX2-only CPU's
 TEXTS = broad_corpus()
@@ -184,7 +185,7 @@ def test_without_vnni_weights_are_unsigned(int8_graphs):
     assert len(unsigned) == len(signed) == 30  # q, k, v, attention output and up-projection of 6 layers
     assert {w.dtype for w in unsigned} == {np.dtype(np.uint8)}
     assert {w.dtype for w in signed} == {np.dtype(np.int8)}
-    assert 2 * 255 * 127 > np.iinfo(np.int16).max and 2 * 255 * 255 < np.iinfo(np.int32).max
+    assert np.iinfo(np.int16).max < 2 * 255 * 127 and np.iinfo(np.int32).max > 2 * 255 * 255
 
 
 @pytest.mark.parametrize("recipe", [hardware.ONNX_INT8_SIGNED, hardware.ONNX_INT8_UNSIGNED])

@@ -10,10 +10,10 @@ import urllib.request
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.corpus import sentences
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
-from support.corpus import sentences
 
 EMBEDDER = DEFAULT_MODEL_NAME
 MODELS = (EMBEDDER, "reranker", "classifier")

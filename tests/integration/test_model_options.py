@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from encoderd.v1 import encoderd_pb2 as pb
 from support.corpus import sentences
 from support.model_repos import build_hub_cache, build_remote_code_model
 from support.server import ServerProcess
+
+from encoderd.v1 import encoderd_pb2 as pb
 
 # Long inputs too, so truncation at 64 tokens (not the model's own 256) shows.
 TEXTS = sentences(24, min_words=3, max_words=200, seed=15)

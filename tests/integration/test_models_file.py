@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
-from support.server import ServerProcess
 
 # The server exports MiniLM to ONNX int8 and self-checks it at start: minutes on a loaded 2-core host.
 pytestmark = pytest.mark.timeout(600)

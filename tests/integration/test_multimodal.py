@@ -17,10 +17,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from encoderd.v1 import encoderd_pb2 as pb
 from support.multimodal_models import CLAP_SAMPLING_RATE, build_clap, build_clip, build_colbert, build_sparse
 from support.server import ServerProcess, free_port
+
+from encoderd.v1 import encoderd_pb2 as pb
 
 pytest.importorskip("PIL")
 pytest.importorskip("soundfile")
@@ -84,7 +84,7 @@ def unit(x) -> np.ndarray:
 class _Site(http.server.BaseHTTPRequestHandler):
     files: dict[str, bytes] = {}
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):
         try:
             self._answer()
         except (BrokenPipeError, ConnectionResetError):
@@ -172,8 +172,15 @@ class References:
     """Direct transformers forwards on the same directories and inputs."""
 
     def __init__(self, paths):
-        from transformers import (AutoTokenizer, BertForMaskedLM, BertModel, ClapFeatureExtractor, ClapModel,
-                                  CLIPModel, CLIPProcessor)
+        from transformers import (
+            AutoTokenizer,
+            BertForMaskedLM,
+            BertModel,
+            ClapFeatureExtractor,
+            ClapModel,
+            CLIPModel,
+            CLIPProcessor,
+        )
 
         torch.set_num_threads(1)
         self.clip = CLIPModel.from_pretrained(paths["clip"]).eval()

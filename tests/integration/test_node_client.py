@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import subprocess
 
-from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
 from support.node import googleapis_include, node_client_dir
+
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
 
 
 def test_node_client_embeds_and_reranks(server):

@@ -14,11 +14,11 @@ import time
 import httpx
 import numpy as np
 import pytest
+from support.corpus import sentences
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
-from support.corpus import sentences
-from support.server import ServerProcess
 
 TEXTS = sentences(24, max_words=80, seed=3)
 QUERY = "how do search engines rank documents"
@@ -372,11 +372,11 @@ async def test_authorization_reaches_grpc_metadata():
 
     import grpc
     from google.api import httpbody_pb2
+    from support.server import free_port
 
     from encoderd.gateway.envoy import GatewaySettings
     from encoderd.gateway.process import EnvoyProcess
     from encoderd.v1 import compat_pb2_grpc
-    from support.server import free_port
 
     class EchoMetadata(compat_pb2_grpc.CompatServicer):
         async def Health(self, request, context):

@@ -19,18 +19,24 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from support.corpus import sentences
+from support.server import ServerProcess
+from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
 from encoderd.server import postprocess
 from encoderd.server.tokenization import ModelTokenizer, load_tokenizer
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.backends import BackendOptions, create_backend, packed_bert
-from encoderd.workers.model_spec import (ModelKind, ModelLoadError, Pooling, ScoreActivation, check_prompts,
-                                         load_model_spec)
+from encoderd.workers.model_spec import (
+    ModelKind,
+    ModelLoadError,
+    Pooling,
+    ScoreActivation,
+    check_prompts,
+    load_model_spec,
+)
 from encoderd.workers.protocol import TokenBatch
 from encoderd.workers.st_modules import SentenceModules
-from support.corpus import sentences
-from support.server import ServerProcess
-from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
 CASED = ["Hello World from PARIS and Berlin", "The EU's GDP Grew in Q3", "iPhone USB-C CamelCaseIdentifier HTTPServer"]
 # 6 to 200+ tokens: the long ones are cut at the models' max_seq_length of 128

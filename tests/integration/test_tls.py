@@ -18,11 +18,10 @@ import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from encoderd.clients import EncoderClient, Unavailable, tls_credentials
 from support.certs import make_pki
 from support.server import ServerProcess
 
+from encoderd.clients import EncoderClient, Unavailable, tls_credentials
 
 HANDSHAKE_TIMEOUT = 1.0  # --rest-header-timeout bounds the TLS handshake too
 

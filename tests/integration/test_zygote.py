@@ -15,8 +15,9 @@ import time
 
 import numpy as np
 import pytest
-from encoderd.v1 import encoderd_pb2 as pb
 from support.server import ServerProcess
+
+from encoderd.v1 import encoderd_pb2 as pb
 
 ZYGOTE_MODULE = "encoderd.workers.zygote"
 

@@ -17,13 +17,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np
 import torch
+
+from encoderd.server.tokenization import load_tokenizer
+from encoderd.workers.backends import BackendOptions, packed_linear, torch_backend
+from encoderd.workers.model_spec import default_model_path, load_model_spec
+from encoderd.workers.protocol import TokenBatch
 from support.broad_corpus import broad_corpus
 from support.corpus import sentences
-from encoderd.workers.model_spec import load_model_spec, default_model_path
-from encoderd.workers.backends import BackendOptions
-from encoderd.workers.backends import torch_backend, packed_linear, packed_bert
-from encoderd.workers.protocol import TokenBatch
-from encoderd.server.tokenization import load_tokenizer
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 spec = load_model_spec("m", default_model_path())
@@ -100,7 +100,7 @@ def run(b):
 recipes = ["float32"] + sys.argv[2].split(",")
 backends = {r: build(r) for r in recipes}
 ref = run(backends["float32"])
-best = {r: 1e9 for r in recipes}; cos = {}
+best = dict.fromkeys(recipes, 1000000000.0); cos = {}
 torch.set_num_threads(threads)
 for rnd in range(4):
     for r, b in backends.items():

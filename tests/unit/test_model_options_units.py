@@ -7,11 +7,19 @@ import json
 from pathlib import Path
 
 import pytest
+from support.model_repos import build_hub_cache
 
 from encoderd.server.cli import build_parser, config_from_args
-from encoderd.workers.model_spec import (DEFAULT_MODEL_NAME, ModelKind, ModelLoadError, Pooling, default_model_path,
-                                         load_model_spec, require_known_architectures, resolve_model_path)
-from support.model_repos import build_hub_cache
+from encoderd.workers.model_spec import (
+    DEFAULT_MODEL_NAME,
+    ModelKind,
+    ModelLoadError,
+    Pooling,
+    default_model_path,
+    load_model_spec,
+    require_known_architectures,
+    resolve_model_path,
+)
 
 MAIN, V1 = "a" * 40, "b" * 40
 

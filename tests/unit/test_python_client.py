@@ -14,13 +14,23 @@ import time
 import grpc
 import numpy as np
 import pytest
+from support.server import free_port
 
-from encoderd.clients import (NO_RETRY, AsyncEncoderClient, EncoderClient, InvalidArgument, NotFound,
-                              ResourceExhausted, RetryPolicy, Unavailable, audio, image)
+from encoderd.clients import (
+    NO_RETRY,
+    AsyncEncoderClient,
+    EncoderClient,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    RetryPolicy,
+    Unavailable,
+    audio,
+    image,
+)
 from encoderd.clients.errors import DeadlineExceeded, EncoderdError
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
-from support.server import free_port
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff=0.05, multiplier=2, jitter=0)
 
@@ -152,9 +162,8 @@ def test_retries_stop_at_the_callers_deadline(encoder):
     servicer.reset([(grpc.StatusCode.UNAVAILABLE, "down")] * 100)
     policy = RetryPolicy(max_attempts=100, initial_backoff=0.1, multiplier=1, jitter=0)
     start = time.monotonic()
-    with EncoderClient(address, retry=policy, timeout=0.55) as client:
-        with pytest.raises(Unavailable) as err:
-            client.embed(["a"])
+    with EncoderClient(address, retry=policy, timeout=0.55) as client, pytest.raises(Unavailable) as err:
+        client.embed(["a"])
     elapsed = time.monotonic() - start
     # Attempts at about 0, 0.1, ..., 0.5; a sixth retry would start past the deadline, so none is made.
     assert elapsed < 0.55 + 0.05
@@ -168,18 +177,16 @@ def test_an_attempt_that_outlives_the_deadline_is_deadline_exceeded_and_not_retr
     servicer, address = encoder
     servicer.reset(delay=2.0)
     start = time.monotonic()
-    with EncoderClient(address, retry=FAST, timeout=0.3) as client:
-        with pytest.raises(DeadlineExceeded):
-            client.embed(["a"])
+    with EncoderClient(address, retry=FAST, timeout=0.3) as client, pytest.raises(DeadlineExceeded):
+        client.embed(["a"])
     assert time.monotonic() - start < 0.8 and len(servicer.calls) == 1
 
 
 def test_client_errors_are_not_retried(encoder):
     servicer, address = encoder
     servicer.reset([(grpc.StatusCode.INVALID_ARGUMENT, "input 0 is empty")])
-    with EncoderClient(address, retry=FAST) as client:
-        with pytest.raises(InvalidArgument, match="input 0 is empty"):
-            client.embed([""])
+    with EncoderClient(address, retry=FAST) as client, pytest.raises(InvalidArgument, match="input 0 is empty"):
+        client.embed([""])
     assert len(servicer.calls) == 1
 
 
@@ -234,9 +241,8 @@ def test_tls_credentials_and_api_key(tls_pair):
     try:
         with EncoderClient(address, api_key="k1", credentials=grpc.ssl_channel_credentials(cert)) as client:
             assert client.embed(["a"]).vectors.shape == (1, 2)
-        with EncoderClient(address, retry=NO_RETRY, timeout=5) as plaintext:
-            with pytest.raises(Unavailable):
-                plaintext.embed(["a"])
+        with EncoderClient(address, retry=NO_RETRY, timeout=5) as plaintext, pytest.raises(Unavailable):
+            plaintext.embed(["a"])
     finally:
         tls_server.stop()
     assert servicer.authorization == ["Bearer k1"]

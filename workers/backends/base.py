@@ -95,8 +95,7 @@ TEXT_KINDS = ("embedding", "reranker", "classifier")
 # own modules, so it serves every family. An engine is never trusted on a family it was not checked on:
 # a converter that accepts a model can still compute something else (a lost mask, other positions).
 ENGINE_FAMILIES = {
-    "onnx": {family: TEXT_KINDS for family in ("bert", "camembert", "deberta-v2", "distilbert", "modernbert",
-                                               "mpnet", "qwen3", "roberta", "xlm-roberta")},
+    "onnx": dict.fromkeys(("bert", "camembert", "deberta-v2", "distilbert", "modernbert", "mpnet", "qwen3", "roberta", "xlm-roberta"), TEXT_KINDS),
     # CTranslate2's converter knows these encoders; its DistilBERT has no head we can apply (pre_classifier + ReLU).
     # CamemBERT is not claimed: its converter rebuilds the vocabulary in CamemBERT's own fairseq layout and
     # rejects the test model's, so it is unverified here.

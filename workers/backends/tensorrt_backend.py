@@ -31,8 +31,14 @@ from pathlib import Path
 
 from ..model_cache import cached_build, default_cache_dir
 from .base import require_family, require_text_kind
-from .onnx_backend import (OnnxBackend, check_onnxruntime_install, create_session, device_index,
-                           ensure_onnx_model, require_provider)
+from .onnx_backend import (
+    OnnxBackend,
+    check_onnxruntime_install,
+    create_session,
+    device_index,
+    ensure_onnx_model,
+    require_provider,
+)
 
 log = logging.getLogger(__name__)
 
