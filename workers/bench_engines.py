@@ -51,7 +51,7 @@ def corpus(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     texts = []
     for _ in range(n):
-        words = int(round(math.exp(rng.uniform(math.log(3), math.log(498)))))
+        words = round(math.exp(rng.uniform(math.log(3), math.log(498))))
         texts.append(" ".join(rng.choice(WORDS) for _ in range(words)))
     return texts
 

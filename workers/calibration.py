@@ -150,4 +150,4 @@ def _batch_rows(lengths: list[int], batch_size: int) -> list[range]:
         if end - start > max(1, batch_size) or (end - start > 1 and (end - start) * lengths[end - 1] > BATCH_TOKENS):
             batches.append(range(start, end - 1))
             start = end - 1
-    return batches + [range(start, len(lengths))] if lengths else []
+    return [*batches, range(start, len(lengths))] if lengths else []

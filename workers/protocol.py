@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import itertools
 import os
 import shutil
 import tempfile
@@ -151,7 +152,7 @@ class Ragged(msgspec.Struct, gc=False):
     def split(self) -> list:
         """Per input: a (rows_i, cols) array, or for sparse vectors an (indices, values) pair."""
         bounds = self.cu_seqlens.tolist()
-        spans = zip(bounds[:-1], bounds[1:])
+        spans = itertools.pairwise(bounds)
         if self.indices is None:
             return [self.values[a:b] for a, b in spans]
         flat = self.values.reshape(-1)

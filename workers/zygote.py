@@ -16,6 +16,7 @@ frontend (PR_SET_PDEATHSIG, and EOF on its socket).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -175,10 +176,8 @@ def _become_worker(sock: socket.socket, config, frontend_pid: int, middle_pid: i
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
         os._exit(code)
 
 

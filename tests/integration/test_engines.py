@@ -235,9 +235,9 @@ def test_ct2_rejects_heads_it_does_not_know(arch):
 
     from encoderd.workers.backends.ct2_backend import extract_head
 
-    sizes = {"DistilBert": dict(dim=32, n_layers=1, n_heads=2, hidden_dim=64),
-             "Electra": dict(embedding_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                             intermediate_size=64)}[arch]
+    sizes = {"DistilBert": {"dim": 32, "n_layers": 1, "n_heads": 2, "hidden_dim": 64},
+             "Electra": {"embedding_size": 32, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                             "intermediate_size": 64}}[arch]
     config = getattr(transformers, f"{arch}Config")(**sizes)
     model = getattr(transformers, f"{arch}ForSequenceClassification")(config)
     with pytest.raises(ValueError, match="--engine onnx or torch"):

@@ -22,7 +22,7 @@ from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 TEXTS = sentences(24, max_words=80, seed=3)
 QUERY = "how do search engines rank documents"
-DOCS = sentences(9, max_words=40, seed=11) + ["a cross encoder reranks candidate documents for search engines"]
+DOCS = [*sentences(9, max_words=40, seed=11), "a cross encoder reranks candidate documents for search engines"]
 MAX_QUEUED = 64  # small, so a few concurrent requests overflow it (429)
 
 

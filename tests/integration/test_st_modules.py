@@ -43,16 +43,16 @@ CASED = ["Hello World from PARIS and Berlin", "The EU's GDP Grew in Q3", "iPhone
 TEXTS = sentences(11, max_words=160, seed=23) + sentences(2, min_words=140, max_words=200, seed=5) + CASED
 EMBEDDERS = {
     # LaBSE-style: CLS, Dense layers, Normalize; as sentence-transformers 6.2 writes it
-    "cls-dense-new": dict(fmt="new", pooling=("cls",), modules=(Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)),
-    "mean-dense-old": dict(fmt="old", pooling=("mean",),
-                           modules=(Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)),
+    "cls-dense-new": {"fmt": "new", "pooling": ("cls",), "modules": (Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)},
+    "mean-dense-old": {"fmt": "old", "pooling": ("mean",),
+                           "modules": (Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)},
     # Three modes concatenated (legacy booleans), lower-casing over a cased tokenizer, no Normalize
-    "concat-old-lowercase": dict(fmt="old", pooling=("cls", "max", "mean"), modules=(Dense(96, "GELU"),),
-                                 lowercase=True, cased_tokenizer=True, include_prompt=False),
+    "concat-old-lowercase": {"fmt": "old", "pooling": ("cls", "max", "mean"), "modules": (Dense(96, "GELU"),),
+                                 "lowercase": True, "cased_tokenizer": True, "include_prompt": False},
     # The other modes, a Normalize before a residual Dense, and one after
-    "concat-new-residual": dict(fmt="new", pooling=("weightedmean", "mean_sqrt_len_tokens", "lasttoken"),
-                                modules=(NORMALIZE, Dense(64, "Sigmoid", residual=True), NORMALIZE)),
-    "max-new-plain": dict(fmt="new", pooling=("max",)),
+    "concat-new-residual": {"fmt": "new", "pooling": ("weightedmean", "mean_sqrt_len_tokens", "lasttoken"),
+                                "modules": (NORMALIZE, Dense(64, "Sigmoid", residual=True), NORMALIZE)},
+    "max-new-plain": {"fmt": "new", "pooling": ("max",)},
 }
 # (model, engine, variant): the torch padding-free forward on every model; the padded one, and the
 # numpy pooling of the other engines, on models that together hold every pooling mode and Dense shape.
@@ -267,7 +267,7 @@ def edit_json(path: Path, change) -> None:
 
 
 def insert_module(module: dict):
-    return lambda d: edit_json(d / "modules.json", lambda m: m[:2] + [module] + m[2:])
+    return lambda d: edit_json(d / "modules.json", lambda m: [*m[:2], module, *m[2:]])
 
 
 REFUSALS = {

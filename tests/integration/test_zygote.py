@@ -9,6 +9,7 @@ business (`encoderd bench --modes recovery`), not a test's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -45,10 +46,8 @@ def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                 children.setdefault(_stat(int(entry))[1], []).append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
     out, todo = [], [root]
     while todo:
         out.extend(kids := children.get(todo.pop(), []))

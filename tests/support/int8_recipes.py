@@ -82,7 +82,7 @@ def calibrate(b):
     from encoderd.workers import calibration
     cal = calibration.texts(tok, spec.max_length)
     cenc = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(cal)]
-    lins = [m for m in list(b.packed.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear]]
+    lins = list(list(b.packed.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear])
     ranges = {}
     def hook(m, args):
         x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
@@ -97,7 +97,7 @@ def run(b):
     outs = [b.forward(x) for x in batches]
     return np.concatenate(outs)
 
-recipes = ["float32"] + sys.argv[2].split(",")
+recipes = ["float32", *sys.argv[2].split(",")]
 backends = {r: build(r) for r in recipes}
 ref = run(backends["float32"])
 best = dict.fromkeys(recipes, 1000000000.0); cos = {}

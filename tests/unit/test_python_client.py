@@ -5,6 +5,7 @@ the methods the shared test server cannot serve (multi-modal, multi-vector, spar
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import shutil
 import subprocess
@@ -130,7 +131,7 @@ def encoder(scripted):
 
 
 def _gaps(calls) -> list[float]:
-    return [b[0] - a[0] for a, b in zip(calls, calls[1:])]
+    return [b[0] - a[0] for a, b in itertools.pairwise(calls)]
 
 
 def test_unavailable_is_retried_with_growing_backoff_until_it_succeeds(encoder):
@@ -310,8 +311,8 @@ def test_backoff_grows_to_its_cap_with_jitter_below_it():
     assert RetryPolicy(jitter=0).backoff(3) == pytest.approx(0.4)
 
 
-@pytest.mark.parametrize("bad", [dict(max_attempts=0), dict(jitter=1.5), dict(multiplier=0.5),
-                                 dict(initial_backoff=-1)])
+@pytest.mark.parametrize("bad", [{"max_attempts": 0}, {"jitter": 1.5}, {"multiplier": 0.5},
+                                 {"initial_backoff": -1}])
 def test_invalid_policies_are_refused(bad):
     with pytest.raises(ValueError):
         RetryPolicy(**bad)

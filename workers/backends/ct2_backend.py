@@ -19,6 +19,7 @@ int8 compute types: they are a few hundred FLOPs per input.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -178,10 +179,10 @@ class CT2Backend(Backend):
     def forward(self, batch: TokenBatch) -> np.ndarray:
         # Ragged lists (not a padded array) so CTranslate2 moves them to whichever device it runs on.
         bounds = batch.cu_seqlens
-        ids = [batch.input_ids[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+        ids = [batch.input_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
         types = None
         if batch.token_type_ids is not None:
-            types = [batch.token_type_ids[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+            types = [batch.token_type_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
         hidden = self._to_numpy(self.encoder.forward_batch(ids, token_type_ids=types).last_hidden_state)
         if self.head is not None:
             return apply_head(self.head, hidden[:, 0])
