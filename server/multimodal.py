@@ -131,7 +131,7 @@ async def _compute(engine: Engine, model: ServedModel, contents: list[Content], 
         payloads.append(prefix + content.text if content.modality == "text" else next(media))
     keys = [result_key("embed", side, str(truncate), p) if c.modality == "text"
             else result_key(c.modality, hashlib.blake2b(p, digest_size=20).hexdigest())
-            for c, p in zip(contents, payloads)]
+            for c, p in zip(contents, payloads, strict=True)]
 
     async def compute(indices: list[int]):
         request = PendingRequest(len(indices), ragged)
@@ -156,12 +156,12 @@ async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str
         with engine.admit(model, batch, truncate=truncate):
             tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side, bulk=bulk)
         engine.check_token_budget(0, tokens.total_tokens)
-        for j, ids in zip(texts, tokens.ids):
+        for j, ids in zip(texts, tokens.ids, strict=True):
             items[j], costs[j] = WorkItem(ids, None, request, j), len(ids)
     loop = asyncio.get_running_loop()
     done = await asyncio.gather(*(loop.run_in_executor(engine.media_pool, model.media[inputs[j][0]], inputs[j][1],
                                                        inputs[j][2]) for j in media))
-    for j, (features, flag, cost) in zip(media, done):
+    for j, (features, flag, cost) in zip(media, done, strict=True):
         items[j] = MediaItem(_NO_IDS, None, request, j, features=features, flag=flag, cost=cost,
                              modality=inputs[j][0])
         costs[j] = cost

@@ -290,7 +290,7 @@ class ModelScheduler:
             self._wake.set()
         metrics.observe_batch(self.model, replica.label, batch, self.limits[priority].padded,
                               time.perf_counter() - started)
-        for item, row in zip(batch, rows):
+        for item, row in zip(batch, rows, strict=True):
             item.request.fill(item.index, row)
 
     def _retry_or_fail(self, batch: list[WorkItem], priority: Priority, error: Exception) -> None:

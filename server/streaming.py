@@ -104,7 +104,7 @@ class _Stream:
                 except Overloaded:
                     await asyncio.sleep(0.05)  # bulk work waits for room instead of failing
             vectors = postprocess.finish_requested(pooled, model.spec.normalize, o)
-            for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype)):
+            for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype), strict=True):
                 await self.results.put(pb.EmbedStreamResponse(id=message.id, embedding=embedding))
         except Exception as exc:
             for message in good:

@@ -162,7 +162,7 @@ class Ragged(msgspec.Struct, gc=False):
     def join(cls, parts: list[Ragged]) -> Ragged:
         """The outputs of consecutive sub-batches as one (inputs in order)."""
         offsets = np.cumsum([0] + [len(p.values) for p in parts[:-1]])
-        cu = np.concatenate([parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets)])
+        cu = np.concatenate([parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets, strict=True)])
         indices = None if parts[0].indices is None else np.concatenate([p.indices for p in parts])
         return cls(np.concatenate([p.values for p in parts]), cu.astype(np.int32), indices)
 

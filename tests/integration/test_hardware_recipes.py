@@ -261,7 +261,7 @@ def _one_at_a_time(session, spec, texts) -> np.ndarray:
 
     vectors = []
     for batch in tokenized(spec, texts):
-        for lo, hi in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:]):
+        for lo, hi in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True):
             ids = batch.input_ids[lo:hi][None].astype(np.int64)
             mask = np.ones_like(ids)
             hidden = session.run(None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})

@@ -55,5 +55,5 @@ def test_each_model_runs_with_its_own_engine_and_dtype(file_server, stub):
     # ...and the int8 embedder stays close to the float32 one.
     got = file_server.stub().Embed(pb.EmbedRequest(model="mini", inputs=TEXTS))
     want = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=TEXTS))
-    cosines = [np.dot(a.values, b.values) for a, b in zip(got.embeddings, want.embeddings)]
+    cosines = [np.dot(a.values, b.values) for a, b in zip(got.embeddings, want.embeddings, strict=True)]
     assert min(cosines) > 0.98, cosines

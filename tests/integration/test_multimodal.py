@@ -203,7 +203,7 @@ class References:
         out = self.clip.get_text_features(input_ids=tok.input_ids, attention_mask=tok.attention_mask)
         tokens = self.clip.text_projection(out.last_hidden_state).numpy()
         mask = tok.attention_mask.bool().numpy()
-        return out.pooler_output.numpy(), [unit(t[m]) for t, m in zip(tokens, mask)]
+        return out.pooler_output.numpy(), [unit(t[m]) for t, m in zip(tokens, mask, strict=True)]
 
     @torch.no_grad()
     def clip_images(self, images) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -233,7 +233,7 @@ class References:
     def colbert_tokens(self, texts) -> list[np.ndarray]:
         tok = self.bert_tokenizer(texts, padding=True, return_tensors="pt")
         hidden = self.colbert(**tok).last_hidden_state @ self.colbert_proj.T
-        return [unit(h[m]) for h, m in zip(hidden.numpy(), tok.attention_mask.bool().numpy())]
+        return [unit(h[m]) for h, m in zip(hidden.numpy(), tok.attention_mask.bool().numpy(), strict=True)]
 
     @torch.no_grad()
     def splade(self, texts) -> np.ndarray:
@@ -320,7 +320,7 @@ def test_colbert_token_vectors_match_transformers(stub, refs):
     expected = refs.colbert_tokens(texts)
     assert response.dimensions == 16
     assert [e.rows for e in response.embeddings] == [len(e) for e in expected]
-    for got, want in zip(response.embeddings, expected):
+    for got, want in zip(response.embeddings, expected, strict=True):
         np.testing.assert_allclose(np.array(got.values).reshape(got.rows, 16), want, atol=TOL)
     assert response.usage.prompt_tokens == sum(len(e) for e in expected)
 
@@ -332,7 +332,7 @@ def test_colpali_patch_and_token_vectors(stub, refs):
     text_emb, tokens = refs.clip_text([CLIP_TEXTS[1]])
     got = [np.array(e.values).reshape(e.rows, 16) for e in response.embeddings]
     assert [len(g) for g in got] == [17, len(tokens[0]), 17]  # 16 patches + CLS per image; real tokens per text
-    for g, want in zip(got, [patches[0], tokens[0], patches[1]]):
+    for g, want in zip(got, [patches[0], tokens[0], patches[1]], strict=True):
         np.testing.assert_allclose(g, want, atol=TOL)
     # Tied to CLIP itself: the CLS vector is the CLIP image embedding, the end token's the text embedding.
     np.testing.assert_allclose(got[0][0], unit(image_emb[0]), atol=TOL)
@@ -369,13 +369,13 @@ def test_splade_vectors_match_the_reference(stub, refs):
     expected = refs.splade(texts)
     response = stub.EmbedSparse(pb.EmbedSparseRequest(model="splade", inputs=texts))
     assert response.dimensions == 30522
-    for got, want in zip(response.embeddings, expected):
+    for got, want in zip(response.embeddings, expected, strict=True):
         assert list(got.indices) == sorted(got.indices)
         dense = np.zeros(30522)
         dense[list(got.indices)] = got.values
         np.testing.assert_allclose(dense, want, atol=TOL)
     top = stub.EmbedSparse(pb.EmbedSparseRequest(model="splade", inputs=texts, top_k=8, threshold=0.05))
-    for got, want in zip(top.embeddings, expected):
+    for got, want in zip(top.embeddings, expected, strict=True):
         best = np.sort(np.argsort(-want)[:8])
         assert list(got.indices) == best.tolist() and all(v > 0.05 for v in got.values)
         np.testing.assert_allclose(got.values, want[best], atol=TOL)

@@ -174,7 +174,7 @@ def test_classify_through_encoder_annotations(http, stub):
     body = response.json()
     grpc = stub.Classify(pb.ClassifyRequest(model="classifier", inputs=texts))
     assert body["usage"] == {"prompt_tokens": grpc.usage.prompt_tokens, "total_tokens": grpc.usage.total_tokens}
-    for rest_result, grpc_result in zip(body["results"], grpc.results):
+    for rest_result, grpc_result in zip(body["results"], grpc.results, strict=True):
         assert [ls["label"] for ls in rest_result["labels"]] == [ls.label for ls in grpc_result.labels]
         np.testing.assert_allclose([ls["score"] for ls in rest_result["labels"]],
                                    [ls.score for ls in grpc_result.labels], atol=1e-6)

@@ -170,7 +170,7 @@ def activation_ranges(source: Path, names: list[str], length: int, work: Path) -
     onnx.save(model, str(work / "calibrate.onnx"), save_as_external_data=_is_big(source))
     session = create_session(work / "calibrate.onnx", ["CPUExecutionProvider"], 0)
     values = session.run(names, calibration_feed(model.graph, length))
-    return {name: np.abs(x).reshape(-1, x.shape[-1]).max(0) for name, x in zip(names, values)}
+    return {name: np.abs(x).reshape(-1, x.shape[-1]).max(0) for name, x in zip(names, values, strict=True)}
 
 
 def smooth(model, groups: dict[str, list], ranges: dict[str, np.ndarray]) -> None:
@@ -186,7 +186,7 @@ def smooth(model, groups: dict[str, list], ranges: dict[str, np.ndarray]) -> Non
         arrays = [numpy_helper.to_array(weights[node.input[1]]) for node in nodes]
         w_max = np.max([np.abs(w).max(1) for w in arrays], axis=0)
         s = np.maximum(ranges[activation], 1e-5) ** SMOOTH_ALPHA / np.maximum(w_max, 1e-5) ** (1 - SMOOTH_ALPHA)
-        for node, w in zip(nodes, arrays):
+        for node, w in zip(nodes, arrays, strict=True):
             weights[node.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32),
                                                                     node.input[1]))
             node.input[0] = f"{activation}/smoothed"
