@@ -23,6 +23,8 @@ from ..v1 import encoderd_pb2_grpc
 from . import bulk, vectors
 from .retry import RetryPolicy, acall_with_retry, call_with_retry, channel_options
 
+DEFAULT_RETRY = RetryPolicy()  # frozen: one shared default is safe
+
 
 @dataclass(frozen=True)
 class Embeddings:
@@ -183,7 +185,7 @@ class EncoderClient(_Methods):
     mutual TLS with a client certificate); `channel` to bring your own."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
-                 retry: RetryPolicy = RetryPolicy(), credentials: grpc.ChannelCredentials | None = None,
+                 retry: RetryPolicy = DEFAULT_RETRY, credentials: grpc.ChannelCredentials | None = None,
                  channel: grpc.Channel | None = None):
         self._channel = channel or _open_channel(grpc, target, credentials, retry)
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)
@@ -216,7 +218,7 @@ class AsyncEncoderClient(_Methods):
     """asyncio client over grpc.aio; create it inside a running event loop. Same methods, awaited."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
-                 retry: RetryPolicy = RetryPolicy(), credentials: grpc.ChannelCredentials | None = None,
+                 retry: RetryPolicy = DEFAULT_RETRY, credentials: grpc.ChannelCredentials | None = None,
                  channel: grpc.aio.Channel | None = None):
         self._channel = channel or _open_channel(grpc.aio, target, credentials, retry)
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)

@@ -49,7 +49,8 @@ def _env_list(name: str, sep: str = ",") -> list[str]:
 
 def _add(parser: argparse.ArgumentParser, flag: str, help: str, default=None, type=str, **kwargs) -> None:
     if flag in NAMEABLE_FLAGS:
-        return _add_nameable(parser, flag, help, default, type, **kwargs)
+        _add_nameable(parser, flag, help, default, type, **kwargs)
+        return
     env = _env_name(flag)
     if env in os.environ:
         default = type(os.environ[env])

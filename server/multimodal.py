@@ -126,9 +126,8 @@ async def _compute(engine: Engine, model: ServedModel, contents: list[Content], 
     blobs = await asyncio.gather(*(
         loop.run_in_executor(engine.fetch_pool, media_bytes, c, engine.media_limits, f"{what}[{i}]")
         for i, c in enumerate(contents) if c.modality != "text"))
-    payloads, media = [], iter(blobs)
-    for content in contents:
-        payloads.append(prefix + content.text if content.modality == "text" else next(media))
+    media = iter(blobs)
+    payloads = [prefix + content.text if content.modality == "text" else next(media) for content in contents]
     keys = [result_key("embed", side, str(truncate), p) if c.modality == "text"
             else result_key(c.modality, hashlib.blake2b(p, digest_size=20).hexdigest())
             for c, p in zip(contents, payloads, strict=True)]

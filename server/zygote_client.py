@@ -70,7 +70,7 @@ class ForkedWorker:
 
     def __del__(self):
         with contextlib.suppress(Exception):
-            self.exitcode  # reap it, if it is gone and nobody asked
+            _ = self.exitcode  # reading it reaps it, if it is gone and nobody asked
             os.close(self.sentinel)
 
 

@@ -154,7 +154,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
             log.exception("model load failed")
         results.send_multipart(protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}")))
         results.close()
-        raise SystemExit(2)
+        raise SystemExit(2) from exc
 
     inbox = Inbox()
     batch_socket = ctx.socket(zmq.PULL)

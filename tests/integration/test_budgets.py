@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import time
+from pathlib import Path
 
 import grpc
 import httpx
@@ -157,8 +158,8 @@ def test_while_loading_calls_get_unavailable_and_sigterm_exits_cleanly(tmp_path)
                 try:
                     stub = proc.stub()
                     models = stub.ListModels(pb.ListModelsRequest(), timeout=2).models
-                    code, details = _code(lambda: stub.Embed(pb.EmbedRequest(model="embedder", inputs=["a"]),
-                                                             timeout=2))
+                    code, details = _code(lambda stub=stub: stub.Embed(pb.EmbedRequest(model="embedder", inputs=["a"]),
+                                                                       timeout=2))
                     embed = http.post("/v1/embeddings", json={"model": "embedder", "input": "a"})
                     listed = http.get("/v1/models").json()["data"]
                 except (grpc.RpcError, httpx.HTTPError, ValueError):
@@ -234,8 +235,8 @@ def _envoy_pid(server_pid: int) -> int:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
             if int(stat[1]) == server_pid and b"envoy" in cmdline:

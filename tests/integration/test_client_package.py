@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def _run(args, timeout, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs, check=False)
 
 
 def _index_reachable() -> str | None:

@@ -134,7 +134,7 @@ def test_a_broken_conversion_is_refused(int8_server, cache_dir, tmp_path):
     assert code != 0
     text = log.read_text()
     assert "reusing cached onnx entry" in text  # the broken graph itself was loaded, not rebuilt
-    [line] = [l for l in text.splitlines() if "fidelity self-check FAILED" in l and "not serving it" in l]
+    [line] = [ln for ln in text.splitlines() if "fidelity self-check FAILED" in ln and "not serving it" in ln]
     figure = float(re.search(r"min_cosine (\d\.\d+) \(floor 0\.99\)", line).group(1))
     assert figure < 0.95
     assert " ERROR " in line and "--dtype float32" in line and "--allow-low-fidelity" in line

@@ -128,7 +128,7 @@ def test_onnx_refuses_the_repository_codes_own_family(tmp_path, remote_code_mode
 
     spec = load_model_spec("relu", remote_code_model, trust_remote_code=True)
     backend = create_backend("onnx", spec, BackendOptions(threads=1, cache_dir=str(tmp_path), trust_remote_code=True))
-    with pytest.raises(ValueError, match="does not serve relu, a relu_bert embedding model.*serve relu_bert "
+    with pytest.raises(ValueError, match=r"does not serve relu, a relu_bert embedding model.*serve relu_bert "
                                          "embedding models: torch"):
         backend.load()
 

@@ -361,7 +361,7 @@ def test_gateway_render_writes_a_valid_standalone_config(tmp_path):
     assert (out / "encoderd.pb").stat().st_size > 1000
     assert "STRICT_DNS" in config and "port_value: 8080" in config
     check = subprocess.run([find_envoy(), "--mode", "validate", "--config-path", str(out / "envoy.yaml"),
-                            "--disable-hot-restart"], capture_output=True, text=True)
+                            "--disable-hot-restart"], capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
 
 

@@ -310,7 +310,7 @@ def test_unknown_heads_are_refused(heads, st_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="problem_type 'ordinal_regression'"):
         load_model_spec("problem", path)
     path = str(build_head_model(st_dir / "ce-tanh", ("score",), cross_encoder_activation="Tanh"))
-    with pytest.raises(ModelLoadError, match="activation 'torch.nn.modules.activation.Tanh'"):
+    with pytest.raises(ModelLoadError, match=r"activation 'torch\.nn\.modules\.activation\.Tanh'"):
         load_model_spec("ce", path)
     # Several labels: a CrossEncoder's Identity (its default there) leaves Classify's softmax.
     path = str(build_head_model(st_dir / "ce-3-identity", ("a", "b", "c"), cross_encoder_activation="Identity"))
@@ -369,6 +369,6 @@ def test_serve_refuses_at_start(embedders, tmp_path):
         server.stop()
     text = server.log_text()
     # One line naming the module and the reason (start-up errors carry no traceback).
-    [line] = [l for l in text.splitlines() if "'sentence_transformers.models.LayerNorm'" in l]
+    [line] = [ln for ln in text.splitlines() if "'sentence_transformers.models.LayerNorm'" in ln]
     assert line.startswith("encoderd: ") and "encoderd serves only what it reproduces exactly" in line, text
     assert "Traceback" not in text

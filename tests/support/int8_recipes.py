@@ -69,7 +69,7 @@ def build(recipe):
             layer.output.dense = q(layer.output.dense)
         else:
             layer.output.dense = packed_linear.PackedLinear(layer.output.dense)
-    b.packed.qkv = [q(l) for l in b.packed.qkv]
+    b.packed.qkv = [q(lin) for lin in b.packed.qkv]
     return b
 
 class Smoothed(torch.nn.Module):
@@ -87,7 +87,7 @@ def calibrate(b):
     def hook(m, args):
         x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
         ranges[m] = torch.maximum(ranges[m], x) if m in ranges else x
-    hs = [l.register_forward_pre_hook(hook) for l in lins]
+    hs = [lin.register_forward_pre_hook(hook) for lin in lins]
     for i in range(0, len(cenc), 16):
         b.forward(TokenBatch.from_sequences(-1, cenc[i:i + 16]))
     for h in hs: h.remove()
@@ -102,7 +102,7 @@ backends = {r: build(r) for r in recipes}
 ref = run(backends["float32"])
 best = dict.fromkeys(recipes, 1000000000.0); cos = {}
 torch.set_num_threads(threads)
-for rnd in range(4):
+for _rnd in range(4):
     for r, b in backends.items():
         t = time.process_time(); out = run(b); best[r] = min(best[r], time.process_time() - t)
         c = (out * ref).sum(1) / np.linalg.norm(out, axis=1) / np.linalg.norm(ref, axis=1)

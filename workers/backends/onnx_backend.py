@@ -224,8 +224,8 @@ def quantize_int8(source: Path, out_dir: Path, max_length: int, recipe: str) -> 
     big = _is_big(source)
     model = onnx.load(str(source))
     keep_float, groups = int8_plan(model.graph)
-    with tempfile.TemporaryDirectory(dir=out_dir) as work:
-        work = Path(work)
+    with tempfile.TemporaryDirectory(dir=out_dir) as work_dir:
+        work = Path(work_dir)
         smooth(model, groups, activation_ranges(source, list(groups), min(128, max_length), work))
         onnx.save(model, str(work / MODEL_FILE), save_as_external_data=big)
         # Quantize an export, never an onnxruntime-optimized (fused) graph: quantize_dynamic fails on those.
