@@ -106,6 +106,7 @@ class ModelScheduler:
         self._interactive_seen = float("-inf")  # when interactive work last arrived
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._computing: set[asyncio.Task] = set()  # the event loop keeps only weak references to tasks
 
     @property
     def queued(self) -> int:
@@ -269,7 +270,9 @@ class ModelScheduler:
         load.batches += 1
         load.tokens += tokens
         load.bulk_batches += priority == Priority.BULK
-        asyncio.create_task(self._compute(replica, batch, priority, tokens))
+        task = asyncio.create_task(self._compute(replica, batch, priority, tokens))
+        self._computing.add(task)
+        task.add_done_callback(self._computing.discard)
 
     async def _compute(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority, tokens: int) -> None:
         started = time.perf_counter()

@@ -20,7 +20,7 @@ _provider = None
 
 def configure(endpoint: str, service_name: str = "encoderd") -> bool:
     """Start exporting spans to `endpoint` (host:port or URL); True when tracing is on."""
-    global _tracer, _provider
+    global _tracer, _provider  # noqa: PLW0603 - the process's one tracer, set at start and drain
     if not endpoint:
         return False
     try:
@@ -43,7 +43,7 @@ def configure(endpoint: str, service_name: str = "encoderd") -> bool:
 
 def shutdown() -> None:
     """Flush the spans still buffered (at drain)."""
-    global _tracer, _provider
+    global _tracer, _provider  # noqa: PLW0603 - the process's one tracer, set at start and drain
     if _provider is not None:
         _provider.shutdown()
     _tracer = _provider = None

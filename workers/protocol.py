@@ -21,6 +21,7 @@ dimension of each value.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import itertools
 import os
@@ -269,7 +270,7 @@ def _ipc_directory() -> str:
     """This frontend's own socket directory (mode 0700, so no other user can connect), made on
     first use under ENCODERD_RPC_DIR or the temp dir, and removed at exit. After a kill -9 of
     the frontend its workers remove their sockets and the directory (remove_ipc_files)."""
-    global _private_dir
+    global _private_dir  # noqa: PLW0603 - made once per process, on first use
     if _private_dir is None:
         base = os.environ.get("ENCODERD_RPC_DIR") or tempfile.gettempdir()
         _private_dir = tempfile.mkdtemp(prefix="encoderd-", dir=base)
@@ -301,12 +302,8 @@ def remove_ipc_files(*addresses: str, with_directory: bool = False) -> None:
     if with_directory:
         paths += [os.path.join(directory, FRONTEND_GRPC_SOCKET) for directory in {os.path.dirname(p) for p in paths}]
     for path in paths:
-        try:
+        with contextlib.suppress(OSError):  # gone already
             os.unlink(path)
-        except OSError:
-            pass  # gone already
     for directory in {os.path.dirname(p) for p in paths} if with_directory else ():
-        try:
+        with contextlib.suppress(OSError):  # it still holds another worker's sockets: the last worker out removes it
             os.rmdir(directory)
-        except OSError:
-            pass  # it still holds another worker's sockets: the last worker out removes it

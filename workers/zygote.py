@@ -117,10 +117,9 @@ def _preload_family(model_type: str) -> None:
     """transformers' modeling module of a model family (seconds for some): once, for every fork after."""
     module = model_type.replace("-", "_")  # xlm-roberta: transformers.models.xlm_roberta
     if module and module.replace("_", "").isalnum():
-        try:
+        # Not a transformers family (or not installed): the worker says what is wrong.
+        with contextlib.suppress(Exception):
             importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-        except Exception:  # not a transformers family (or not installed): the worker says what is wrong
-            pass
 
 
 def fork_worker(sock: socket.socket, config, frontend_pid: int) -> int:

@@ -5,10 +5,12 @@ compared with a direct transformers forward on the same tiny models and inputs."
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import io
 import threading
 import time
+from typing import ClassVar
 
 import grpc
 import httpx
@@ -82,13 +84,11 @@ def unit(x) -> np.ndarray:
 
 # ------------------------------------------------------------- a media site
 class _Site(http.server.BaseHTTPRequestHandler):
-    files: dict[str, bytes] = {}
+    files: ClassVar[dict[str, bytes]] = {}  # shared by every handler instance
 
     def do_GET(self):
-        try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the server under test gave up on us
             self._answer()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server under test gave up on us, as it should have
 
     def _answer(self):
         if self.path == "/slow":  # answers nothing before the fetch timeout has passed

@@ -60,8 +60,9 @@ class Front:
         config = workdir / "front.yaml"
         config.write_text(yaml.safe_dump(front_config(hosts, self.port, self.admin_port)))
         self.log = workdir / "envoy.log"
-        self.proc = subprocess.Popen([envoy_binary(), "--config-path", str(config), "--disable-hot-restart",
-                                      "--log-level", "warn"], stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([envoy_binary(), "--config-path", str(config), "--disable-hot-restart",
+                                          "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
 
     def stats(self) -> dict[str, int]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?filter=^cluster\\.encoderd\\.",

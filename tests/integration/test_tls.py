@@ -109,9 +109,9 @@ def test_mutual_tls_serves_a_client_certificate_and_refuses_none(servers, pki):
     _, mutual = servers
     with EncoderClient(mutual.address, credentials=tls_credentials(pki.ca, pki.client_cert, pki.client_key)) as client:
         assert client.embed(["with a client certificate"], model="m").vectors.shape == (1, 384)
-    with EncoderClient(mutual.address, credentials=tls_credentials(pki.ca), timeout=10) as client:
-        with pytest.raises(Unavailable):
-            client.embed(["without one"], model="m")
+    with EncoderClient(mutual.address, credentials=tls_credentials(pki.ca), timeout=10) as client, \
+            pytest.raises(Unavailable):
+        client.embed(["without one"], model="m")
     assert _refused(grpc.insecure_channel(mutual.address)) == grpc.StatusCode.UNAVAILABLE
 
     url = f"https://127.0.0.1:{mutual.rest_port}/v1/embeddings"

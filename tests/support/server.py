@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -60,9 +61,10 @@ class ServerProcess:
 
     def launch(self) -> ServerProcess:
         """Start the process without waiting for it."""
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "encoderd.server.cli", "serve", *self.args],
-                                     env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # The child keeps its own copy of the log's descriptor.
+        with open(self.log_path, "wb") if self.log_path else contextlib.nullcontext(subprocess.DEVNULL) as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "encoderd.server.cli", "serve", *self.args],
+                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def start(self, timeout: float = 180) -> ServerProcess:

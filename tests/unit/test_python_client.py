@@ -148,9 +148,9 @@ def test_unavailable_is_retried_with_growing_backoff_until_it_succeeds(encoder):
 def test_after_the_last_attempt_the_typed_error_carries_the_servers_message(encoder):
     servicer, address = encoder
     servicer.reset([(grpc.StatusCode.RESOURCE_EXHAUSTED, "model m is overloaded")] * 10)
-    with EncoderClient(address, retry=RetryPolicy(max_attempts=3, initial_backoff=0.01)) as client:
-        with pytest.raises(ResourceExhausted) as err:
-            client.embed(["a"])
+    with EncoderClient(address, retry=RetryPolicy(max_attempts=3, initial_backoff=0.01)) as client, \
+            pytest.raises(ResourceExhausted) as err:
+        client.embed(["a"])
     assert len(servicer.calls) == 3 and err.value.attempts == 3
     assert err.value.message == "model m is overloaded"
     # Still a grpc.RpcError with code() / details(), as the raw errors were.
@@ -200,9 +200,9 @@ def test_per_call_timeout_overrides_the_clients(encoder):
 
 def test_no_server_is_unavailable_after_the_retries():
     policy = RetryPolicy(max_attempts=3, initial_backoff=0.01)
-    with EncoderClient(f"127.0.0.1:{free_port()}", retry=policy, timeout=10) as client:
-        with pytest.raises(Unavailable) as err:
-            client.list_models()
+    with EncoderClient(f"127.0.0.1:{free_port()}", retry=policy, timeout=10) as client, \
+            pytest.raises(Unavailable) as err:
+        client.list_models()
     assert err.value.attempts == 3 and err.value.message
 
 

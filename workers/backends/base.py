@@ -63,7 +63,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def output_dim(self) -> int: ...
 
-    def release_memory(self) -> None:
+    def release_memory(self) -> None:  # noqa: B027 - optional hook: most backends cache no device memory
         """Give cached device memory back (after an out-of-memory error)."""
 
     def warmup(self, max_length: int) -> None:

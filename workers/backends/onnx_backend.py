@@ -26,6 +26,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -339,7 +340,7 @@ def require_provider(name: str, hint: str) -> None:
 class OnnxBackend(Backend):
     engine = "onnx"
     # CPU: float32 and dynamic int8; CUDA: float32 and float16.
-    dtypes = {"cpu": ("float32", "int8"), "cuda": ("float32", "float16")}
+    dtypes: ClassVar[dict[str, tuple[str, ...]]] = {"cpu": ("float32", "int8"), "cuda": ("float32", "float16")}
 
     def load(self) -> None:
         require_text_kind(self.spec, self.engine)
