@@ -281,7 +281,7 @@ class ModelScheduler:
         except Unavailable as exc:
             self._retry_or_fail(batch, priority, exc)
             return
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - not swallowed: each request of the batch fails with it
             for item in batch:
                 item.request.fail(exc)
             return

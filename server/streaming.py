@@ -106,7 +106,7 @@ class _Stream:
             vectors = postprocess.finish_requested(pooled, model.spec.normalize, o)
             for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype), strict=True):
                 await self.results.put(pb.EmbedStreamResponse(id=message.id, embedding=embedding))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - not swallowed: each message of the group is answered with it
             for message in good:
                 await self.results.put(_error(message.id, exc))
 

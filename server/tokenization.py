@@ -37,7 +37,7 @@ def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: b
     if path.exists():
         try:
             tokenizer = Tokenizer.from_file(str(path))
-        except Exception as exc:  # the tokenizers library names no file in its parse errors
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library names no file in its parse errors
             raise ModelLoadError(f"{path}: not a readable tokenizer.json ({exc}); replace it from the model's "
                                  "repository") from None
     else:  # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.

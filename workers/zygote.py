@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     try:
         for name in PRELOAD:
             importlib.import_module(name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - reported to the frontend, which refuses to start with that message
         send(sock, ("error", f"importing the worker libraries failed: {type(exc).__name__}: {exc}"))
         return 1
     log.debug("imported %s in %.1fs", ", ".join(PRELOAD), time.perf_counter() - started)
@@ -137,7 +137,7 @@ def fork_worker(sock: socket.socket, config, frontend_pid: int) -> int:
                 os.close(write_end)
                 _become_worker(sock, config, frontend_pid, os.getppid())
             os.write(write_end, _LENGTH.pack(worker))
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - a forked child must reach os._exit, never unwind into the zygote's loop
             code = 1
         finally:
             os._exit(code)
@@ -169,7 +169,7 @@ def _become_worker(sock: socket.socket, config, frontend_pid: int, middle_pid: i
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else 1
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a forked worker must reach os._exit whatever ends it
         import traceback
 
         traceback.print_exc()

@@ -14,6 +14,7 @@ import os
 import signal
 import time
 
+import grpc
 import numpy as np
 import pytest
 from support.server import ServerProcess
@@ -89,7 +90,7 @@ def _kill_and_wait_serving(server, stub, pid: int, timeout: float = 120) -> int:
             if new not in (pid, 0):
                 _embed(stub)
                 return new
-        except Exception:  # UNAVAILABLE while it restarts
+        except (grpc.RpcError, IndexError):  # UNAVAILABLE, or no replica listed yet, while it restarts
             pass
         time.sleep(0.1)
 

@@ -333,7 +333,7 @@ def require_provider(name: str, hint: str) -> None:
         # the system library path; onnxruntime-gpu >= 1.21 can load them from there before a session needs them.
         try:
             ort.preload_dlls()
-        except Exception as exc:  # the session check that follows says what is really missing
+        except Exception as exc:  # noqa: BLE001 - the session check that follows says what is really missing
             log.warning("onnxruntime.preload_dlls() failed: %s", exc)
 
 
