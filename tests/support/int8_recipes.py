@@ -108,4 +108,5 @@ for _rnd in range(4):
         c = (out * ref).sum(1) / np.linalg.norm(out, axis=1) / np.linalg.norm(ref, axis=1)
         cos[r] = (c.min(), c.mean())
 for r in recipes:
-    print(f"{r:28s} {ntok / best[r]:8.0f} tok/s  x{best['float32'] / best[r]:.2f}  min cos {cos[r][0]:.4f} mean {cos[r][1]:.5f}", flush=True)
+    print(f"{r:28s} {ntok / best[r]:8.0f} tok/s  x{best['float32'] / best[r]:.2f}  "
+          f"min cos {cos[r][0]:.4f} mean {cos[r][1]:.5f}", flush=True)
