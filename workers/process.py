@@ -119,8 +119,8 @@ def _receive_loop(sock: zmq.Socket, inbox: Inbox) -> None:
             frames = sock.recv_multipart(copy=False)
         except zmq.ContextTerminated:
             return
-        kind, header, rest = protocol.decode(frames)
-        if kind == protocol.MessageType.BATCH:
+        _, header, rest = protocol.decode(frames)
+        if isinstance(header, protocol.BatchHeader):
             inbox.put(protocol.batch_from_frames(header, rest))
 
 

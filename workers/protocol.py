@@ -176,6 +176,8 @@ _HEADER_TYPES = {
     MessageType.FATAL: WorkerFatal,
     MessageType.HEARTBEAT: WorkerHeartbeat,
 }
+# What decode() returns: the header type is the one _HEADER_TYPES names for the message's type.
+Header = BatchHeader | ResultHeader | WorkerReady | WorkerFatal | WorkerHeartbeat
 _CONTROL_TYPES = {WorkerReady: MessageType.READY, WorkerFatal: MessageType.FATAL,
                   WorkerHeartbeat: MessageType.HEARTBEAT}
 _decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in _HEADER_TYPES.items()}
@@ -233,7 +235,7 @@ def encode_control(message: WorkerReady | WorkerFatal | WorkerHeartbeat) -> list
     return [_type_frame(_CONTROL_TYPES[type(message)]), _encoder.encode(message)]
 
 
-def decode(frames: list) -> tuple[MessageType, msgspec.Struct, list]:
+def decode(frames: list) -> tuple[MessageType, Header, list]:
     """Split a multipart message into its type, decoded header and raw frames."""
     kind = MessageType(bytes(frames[0])[0])
     return kind, _decoders[kind].decode(frames[1]), frames[2:]
