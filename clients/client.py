@@ -12,8 +12,9 @@ backoff within the call's deadline (see retry.RetryPolicy).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -106,6 +107,9 @@ def _open_channel(grpc_module, target: str, credentials: grpc.ChannelCredentials
 class _Methods:
     """The API, written once for both clients: each method builds a request and names the RPC and
     the conversion of its response; `_invoke` (blocking, or a coroutine in the async client) sends it."""
+
+    # (rpc name, request, convert response, timeout) -> converted response, or a coroutine of it (async client)
+    _invoke: Callable[[str, Any, Callable[[Any], Any], float | None], Any]
 
     def embed(self, inputs: list[str], model: str = "", *, normalize: bool | None = None, dimensions: int = 0,
               prompt: str = "", prompt_name: str = "", truncate: bool | None = None,

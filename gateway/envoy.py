@@ -223,7 +223,7 @@ def _tls_socket(settings: GatewaySettings) -> str:
 {client_ca}"""
 
 
-def _limit_fields(limits: ListenerLimits) -> dict[str, str]:
+def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
     duration = limits.max_connection_duration_s
     return {"header_timeout": f"{limits.header_timeout_s:g}s", "idle_timeout": f"{limits.idle_timeout_s:g}s",
                 "max_connection_duration": f"            max_connection_duration: {duration:g}s\n" if duration else "",

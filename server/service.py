@@ -103,8 +103,8 @@ def stream_rpc(method):
 
 def _priority(value: int) -> Priority:
     """The request's priority field, else the default of its API key."""
-    return {pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, pb.PRIORITY_BULK: Priority.BULK}.get(
-        value, DEFAULT_PRIORITY.get())
+    by_field: dict[int, Priority] = {pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, pb.PRIORITY_BULK: Priority.BULK}
+    return by_field.get(value, DEFAULT_PRIORITY.get())
 
 
 def _usage(tokens: int) -> pb.Usage:
