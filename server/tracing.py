@@ -60,6 +60,8 @@ def rpc_span(method: str, metadata, attributes: dict):
 def _span(method: str, metadata, attributes: dict):
     from opentelemetry import propagate, trace
 
+    assert _tracer is not None  # rpc_span calls this only while tracing is on
+
     service, _, name = method.partition("/")
     carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
     with _tracer.start_as_current_span(

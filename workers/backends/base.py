@@ -94,7 +94,7 @@ TEXT_KINDS = ("embedding", "reranker", "classifier")
 # on tiny random models of the family, and that everything else is refused. torch runs transformers'
 # own modules, so it serves every family. An engine is never trusted on a family it was not checked on:
 # a converter that accepts a model can still compute something else (a lost mask, other positions).
-ENGINE_FAMILIES = {
+ENGINE_FAMILIES: dict[str, dict[str, tuple[str, ...]]] = {
     "onnx": dict.fromkeys(("bert", "camembert", "deberta-v2", "distilbert", "modernbert", "mpnet", "qwen3", "roberta", "xlm-roberta"), TEXT_KINDS),
     # CTranslate2's converter knows these encoders; its DistilBERT has no head we can apply (pre_classifier + ReLU).
     # CamemBERT is not claimed: its converter rebuilds the vocabulary in CamemBERT's own fairseq layout and

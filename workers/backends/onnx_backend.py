@@ -25,6 +25,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
@@ -135,11 +136,12 @@ def int8_plan(graph) -> tuple[list[str], dict[str, list]]:
     """
     shapes = _matrix_shapes(graph)
     constants = {init.name for init in graph.initializer}
-    readers = {}
+    readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    keep_float, groups = [], {}
+    keep_float: list[str] = []
+    groups: dict[str, list] = {}
     for node in graph.node:
         if node.op_type != "MatMul" or node.input[1] not in shapes:
             continue
@@ -290,13 +292,16 @@ def ensure_onnx_model(spec: ModelSpec, dtype: str, cache_dir: str, trust_remote_
     if dtype == "float32":
         return base.path / MODEL_FILE, base.hit
     scheme = hardware.onnx_int8_recipe()
-    derive = {"int8": (f"quantizing {{}} to int8 ({scheme}: smoothed, dynamic, per-channel)", quantize_int8,
-                       spec.max_length, scheme),
-              "float16": ("converting {} to float16", convert_float16)}[dtype]
+    # (what it does, for the progress line; the conversion; its arguments after source and destination)
+    steps: dict[str, tuple[str, Callable[..., None], tuple]] = {
+        "int8": (f"quantizing {{}} to int8 ({scheme}: smoothed, dynamic, per-channel)", quantize_int8,
+                 (spec.max_length, scheme)),
+        "float16": ("converting {} to float16", convert_float16, ())}
+    what, convert, extra = steps[dtype]
     # The scheme is in the key: a graph quantized for a VNNI CPU is never reused on one it would saturate.
     recipe = {"recipe": INT8_RECIPE, "scheme": scheme} if dtype == "int8" else {}
     entry = cached_build(root, "onnx", f"{spec.name}-{dtype}", {**key, "dtype": dtype, **recipe}, lambda out: _timed(
-        derive[0].format(spec.name), derive[1], base.path / MODEL_FILE, out, *derive[2:]))
+        what.format(spec.name), convert, base.path / MODEL_FILE, out, *extra))
     return entry.path / MODEL_FILE, base.hit and entry.hit
 
 
