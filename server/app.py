@@ -6,6 +6,8 @@ import asyncio
 import gc
 import logging
 import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -181,6 +183,7 @@ async def _serve(config: ServerConfig) -> None:
 
 
 def serve(config: ServerConfig) -> None:
+    run: Callable[[Coroutine[Any, Any, None]], None]
     try:
         from uvloop import run
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -9,6 +9,7 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from typing import Any, cast
 
 from ..gateway.cli import add_commands as add_gateway_commands
 from ..gateway.cli import run as run_gateway_command
@@ -158,8 +159,9 @@ def apply_per_model(models: list[ModelConfig], flag: str, field: str, values: li
             where = models_file.where(m.name, flag.lstrip("-")) if models_file else "the models file"
             raise SystemExit(f"encoderd: {flag} {m.name}=... and {where} both set {flag.lstrip('-')} for "
                              f"{m.name!r}: keep one")
-    return [dataclasses.replace(m, **{field: chosen.get(m.name, chosen.get(None) if getattr(m, field) is None
-                                                        else getattr(m, field))}) for m in models]
+    # The field is named at run time; its value, parsed by the flag's type, is of the field's type.
+    return [dataclasses.replace(m, **cast("dict[str, Any]", {field: chosen.get(m.name, chosen.get(None) if getattr(
+        m, field) is None else getattr(m, field))})) for m in models]
 
 
 def default_batch_size(devices: str) -> int:

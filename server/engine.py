@@ -72,7 +72,7 @@ class ServedModel:
 
     async def compute(self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
         request = PendingRequest(len(tokens.ids))
-        types = tokens.type_ids or [None] * len(tokens.ids)
+        types: list[np.ndarray | None] = tokens.type_ids or [None] * len(tokens.ids)
         items = [WorkItem(ids, t, request, i) for i, (ids, t) in enumerate(zip(tokens.ids, types, strict=True))]
         return await self.scheduler.run(items, request, priority)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from typing import cast
 
 import numpy as np
 
@@ -127,8 +128,10 @@ async def _compute(engine: Engine, model: ServedModel, contents: list[Content], 
         loop.run_in_executor(engine.fetch_pool, media_bytes, c, engine.media_limits, f"{what}[{i}]")
         for i, c in enumerate(contents) if c.modality != "text"))
     media = iter(blobs)
-    payloads = [prefix + content.text if content.modality == "text" else next(media) for content in contents]
-    keys = [result_key("embed", side, str(truncate), p) if c.modality == "text"
+    payloads: list[str | bytes] = [prefix + content.text if content.modality == "text" else next(media)
+                                   for content in contents]
+    # A text's payload is its str, a media input's its bytes.
+    keys = [result_key("embed", side, str(truncate), p) if isinstance(p, str)
             else result_key(c.modality, hashlib.blake2b(p, digest_size=20).hexdigest())
             for c, p in zip(contents, payloads, strict=True)]
 
@@ -142,7 +145,7 @@ async def _compute(engine: Engine, model: ServedModel, contents: list[Content], 
     return await model.results.resolve(keys, compute, stack=not ragged)
 
 
-async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str, object, str]],
+async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str, str | bytes, str]],
                       request: PendingRequest, *, truncate: bool, side: str, bulk: bool
                       ) -> tuple[list[WorkItem], np.ndarray]:
     """Queue items for (modality, text or bytes, name) inputs, and each one's cost."""
@@ -151,7 +154,7 @@ async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str
     texts = [j for j, (modality, _, _) in enumerate(inputs) if modality == "text"]
     media = [j for j, (modality, _, _) in enumerate(inputs) if modality != "text"]
     if texts:
-        batch = [inputs[j][1] for j in texts]
+        batch = cast("list[str]", [inputs[j][1] for j in texts])  # a text input's payload is its str
         with engine.admit(model, batch, truncate=truncate):
             tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side, bulk=bulk)
         engine.check_token_budget(0, tokens.total_tokens)

@@ -105,6 +105,7 @@ def serve(sock: socket.socket) -> int:
     while (request := receive(sock)) is not None:
         config, frontend_pid = request
         _preload_family(config.spec.model_type)
+        reply: tuple[str, int | str]
         try:
             reply = ("forked", fork_worker(sock, config, frontend_pid))
         except OSError as exc:
