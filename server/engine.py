@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -72,7 +73,8 @@ class ServedModel:
 
     async def compute(self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
         request = PendingRequest(len(tokens.ids))
-        types: list[np.ndarray | None] = tokens.type_ids or [None] * len(tokens.ids)
+        no_types: list[np.ndarray | None] = [None] * len(tokens.ids)
+        types: Sequence[np.ndarray | None] = tokens.type_ids or no_types
         items = [WorkItem(ids, t, request, i) for i, (ids, t) in enumerate(zip(tokens.ids, types, strict=True))]
         return await self.scheduler.run(items, request, priority)
 
