@@ -10,8 +10,8 @@ score (query, passage) pairs of the same material.
 Inputs are tokenized here, in the worker, from the model's own tokenizer with truncation to
 spec.max_length, and batched as the scheduler batches traffic: sorted by length, then cut into
 batches of at most BATCH_SIZE inputs and BATCH_TOKENS padded tokens, whose lengths still differ
-(padded engines pad them; int8 activation scales are set per batch). Sorting keeps the check cheap: the long inputs share one batch instead of
-padding every batch to the maximum length. Changing anything here changes the reference: bump
+(padded engines pad them; int8 activation scales are set per batch). Sorting keeps the check
+cheap: the long inputs share one batch instead of padding every batch to the maximum length. Changing anything here changes the reference: bump
 VERSION.
 """
 
