@@ -11,8 +11,8 @@ Inputs are tokenized here, in the worker, from the model's own tokenizer with tr
 spec.max_length, and batched as the scheduler batches traffic: sorted by length, then cut into
 batches of at most BATCH_SIZE inputs and BATCH_TOKENS padded tokens, whose lengths still differ
 (padded engines pad them; int8 activation scales are set per batch). Sorting keeps the check
-cheap: the long inputs share one batch instead of padding every batch to the maximum length. Changing anything here changes the reference: bump
-VERSION.
+cheap: the long inputs share one batch instead of padding every batch to the maximum length.
+Changing anything here changes the reference: bump VERSION.
 """
 
 from __future__ import annotations
