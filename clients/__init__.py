@@ -3,14 +3,57 @@
 Installed with the server (`encoderd`) or alone (`encoderd-client`: grpcio, protobuf, numpy only).
 """
 
-from .client import (AsyncEncoderClient, Classification, EncoderClient, Embeddings, RerankResult, SparseVector,
-                     Tokens, audio, image)
-from .errors import (Cancelled, DeadlineExceeded, EncoderdError, FailedPrecondition, Internal, InvalidArgument,
-                     NotFound, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable, Unimplemented)
+from .client import (
+                     AsyncEncoderClient,
+                     Classification,
+                     Embeddings,
+                     EncoderClient,
+                     RerankResult,
+                     SparseVector,
+                     Tokens,
+                     audio,
+                     image,
+)
+from .errors import (
+                     Cancelled,
+                     DeadlineExceeded,
+                     EncoderdError,
+                     FailedPrecondition,
+                     Internal,
+                     InvalidArgument,
+                     NotFound,
+                     PermissionDenied,
+                     ResourceExhausted,
+                     Unauthenticated,
+                     Unavailable,
+                     Unimplemented,
+)
 from .retry import NO_RETRY, RetryPolicy
 from .tls import tls_credentials
 
-__all__ = ["AsyncEncoderClient", "Classification", "EncoderClient", "Embeddings", "RerankResult", "SparseVector",
-           "Tokens", "audio", "image", "RetryPolicy", "NO_RETRY", "tls_credentials",
-           "EncoderdError", "InvalidArgument", "NotFound", "FailedPrecondition", "ResourceExhausted", "Unavailable",
-           "DeadlineExceeded", "Unauthenticated", "PermissionDenied", "Cancelled", "Unimplemented", "Internal"]
+__all__ = [
+                     "NO_RETRY",
+                     "AsyncEncoderClient",
+                     "Cancelled",
+                     "Classification",
+                     "DeadlineExceeded",
+                     "Embeddings",
+                     "EncoderClient",
+                     "EncoderdError",
+                     "FailedPrecondition",
+                     "Internal",
+                     "InvalidArgument",
+                     "NotFound",
+                     "PermissionDenied",
+                     "RerankResult",
+                     "ResourceExhausted",
+                     "RetryPolicy",
+                     "SparseVector",
+                     "Tokens",
+                     "Unauthenticated",
+                     "Unavailable",
+                     "Unimplemented",
+                     "audio",
+                     "image",
+                     "tls_credentials",
+]

@@ -15,8 +15,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Iterator
 
 import grpc
 import numpy as np
@@ -148,7 +148,7 @@ def embed_to_jsonl(target: str, items: Iterable[tuple[str, str]], path: str, **k
     written = 0
     with open(path, "a") as out:
         for result in embed_iterable(target, items, skip_ids=done_ids(path), **kwargs):
-            record = {"id": result.id}
+            record: dict[str, str | None] = {"id": result.id}
             if result.vector is not None:
                 record["embedding"] = base64.b64encode(result.vector.astype("<f4").tobytes()).decode()
             else:

@@ -12,17 +12,19 @@ backoff within the call's deadline (see retry.RetryPolicy).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from . import bulk
+from . import bulk, vectors
 from .retry import RetryPolicy, acall_with_retry, call_with_retry, channel_options
-from . import vectors
+
+DEFAULT_RETRY = RetryPolicy()  # frozen: one shared default is safe
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,9 @@ class _Methods:
     """The API, written once for both clients: each method builds a request and names the RPC and
     the conversion of its response; `_invoke` (blocking, or a coroutine in the async client) sends it."""
 
+    # (rpc name, request, convert response, timeout) -> converted response, or a coroutine of it (async client)
+    _invoke: Callable[[str, Any, Callable[[Any], Any], float | None], Any]
+
     def embed(self, inputs: list[str], model: str = "", *, normalize: bool | None = None, dimensions: int = 0,
               prompt: str = "", prompt_name: str = "", truncate: bool | None = None,
               output_dtype: str = "float32", timeout: float | None = None) -> Embeddings:
@@ -184,7 +189,7 @@ class EncoderClient(_Methods):
     mutual TLS with a client certificate); `channel` to bring your own."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
-                 retry: RetryPolicy = RetryPolicy(), credentials: grpc.ChannelCredentials | None = None,
+                 retry: RetryPolicy = DEFAULT_RETRY, credentials: grpc.ChannelCredentials | None = None,
                  channel: grpc.Channel | None = None):
         self._channel = channel or _open_channel(grpc, target, credentials, retry)
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)
@@ -217,7 +222,7 @@ class AsyncEncoderClient(_Methods):
     """asyncio client over grpc.aio; create it inside a running event loop. Same methods, awaited."""
 
     def __init__(self, target: str = "127.0.0.1:50051", *, api_key: str | None = None, timeout: float | None = 60.0,
-                 retry: RetryPolicy = RetryPolicy(), credentials: grpc.ChannelCredentials | None = None,
+                 retry: RetryPolicy = DEFAULT_RETRY, credentials: grpc.ChannelCredentials | None = None,
                  channel: grpc.aio.Channel | None = None):
         self._channel = channel or _open_channel(grpc.aio, target, credentials, retry)
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)

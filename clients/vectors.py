@@ -7,11 +7,11 @@ import numpy as np
 from ..v1 import encoderd_pb2 as pb
 
 # Packed dtypes arrive in Embedding.data as little-endian bytes (see OutputDtype in the proto).
-_NUMPY = {pb.OUTPUT_DTYPE_FLOAT16: "<f2", pb.OUTPUT_DTYPE_INT8: "i1", pb.OUTPUT_DTYPE_UINT8: "u1",
+_NUMPY: dict[int, str] = {pb.OUTPUT_DTYPE_FLOAT16: "<f2", pb.OUTPUT_DTYPE_INT8: "i1", pb.OUTPUT_DTYPE_UINT8: "u1",
           pb.OUTPUT_DTYPE_BINARY: "i1", pb.OUTPUT_DTYPE_UBINARY: "u1"}
 
 
-def output_dtype(value: str | int) -> int:
+def output_dtype(value: str | pb.OutputDtype) -> pb.OutputDtype:
     """The OutputDtype enum for "float32", "float16", "int8", "uint8", "binary", "ubinary" (or the enum)."""
     if isinstance(value, int):
         return value

@@ -223,12 +223,12 @@ def _tls_socket(settings: GatewaySettings) -> str:
 {client_ca}"""
 
 
-def _limit_fields(limits: ListenerLimits) -> dict[str, str]:
+def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
     duration = limits.max_connection_duration_s
-    return dict(header_timeout=f"{limits.header_timeout_s:g}s", idle_timeout=f"{limits.idle_timeout_s:g}s",
-                max_connection_duration=f"            max_connection_duration: {duration:g}s\n" if duration else "",
-                drain=f"{DRAIN_S:g}", max_connections=limits.max_connections, buffer_bytes=limits.buffer_bytes,
-                max_header_kb=max(1, limits.max_header_bytes // 1024))
+    return {"header_timeout": f"{limits.header_timeout_s:g}s", "idle_timeout": f"{limits.idle_timeout_s:g}s",
+                "max_connection_duration": f"            max_connection_duration: {duration:g}s\n" if duration else "",
+                "drain": f"{DRAIN_S:g}", "max_connections": limits.max_connections, "buffer_bytes": limits.buffer_bytes,
+                "max_header_kb": max(1, limits.max_header_bytes // 1024)}
 
 
 def _lua_source(name: str) -> str:

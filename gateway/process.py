@@ -62,6 +62,12 @@ class EnvoyProcess:
         return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{self.settings.rest_port}"
 
     # -------------------------------------------------------------- lifecycle
+    @property
+    def _started(self) -> subprocess.Popen:
+        """Envoy's process: set by the first start, replaced by each restart, never cleared."""
+        assert self._proc is not None, "Envoy was not started"
+        return self._proc
+
     async def start(self, timeout: float = 30.0) -> None:
         await self._spawn_and_wait(timeout)
         self._supervisor = asyncio.create_task(self._supervise(), name="supervise[envoy]")
@@ -90,10 +96,10 @@ class EnvoyProcess:
         proves nothing when another process has the port (Envoy then exits on its bind error)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise GatewayError(f"Envoy exited with code {self._proc.returncode} at start "
+            if self._started.poll() is not None:
+                raise GatewayError(f"Envoy exited with code {self._started.returncode} at start "
                                    f"(--rest-port {self.settings.rest_port} taken? see its log above)")
-            if listens_on(self._proc.pid, self.settings.rest_port):
+            if listens_on(self._started.pid, self.settings.rest_port):
                 return
             await asyncio.sleep(0.05)
         self._kill()
@@ -101,18 +107,23 @@ class EnvoyProcess:
 
     async def _wait_exit(self) -> int:
         """Wait for the child without holding a thread: its pidfd becomes readable at exit."""
-        if self._proc.poll() is not None:
-            return self._proc.returncode
+        if self._started.poll() is not None:
+            return self._started.returncode
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
-        fd = os.pidfd_open(self._proc.pid)  # works on an unreaped zombie too: only we reap it
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        fd = os.pidfd_open(self._started.pid)  # works on an unreaped zombie too: only we reap it
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, on_exit)
         try:
             await exited
         finally:
             loop.remove_reader(fd)
             os.close(fd)
-        return self._proc.wait()
+        return self._started.wait()
 
     async def _supervise(self) -> None:
         backoff, fast_failures = 0.5, 0
@@ -130,7 +141,7 @@ class EnvoyProcess:
                               "is down (gRPC still serves). Fix the cause in Envoy's log above and restart "
                               "encoderd", fast_failures - 1, FAST_FAILURE_S, self.settings.rest_port)
                     return
-                log.error("Envoy (pid %d) exited with code %s; restarting it in %.1fs", self._proc.pid, code, backoff)
+                log.error("Envoy (pid %d) exited with code %s; restarting it in %.1fs", self._started.pid, code, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
                 if self._stopping:
@@ -138,12 +149,12 @@ class EnvoyProcess:
                 try:
                     started = time.monotonic()
                     await self._spawn_and_wait(30.0)
-                    log.info("Envoy restarted (pid %d)", self._proc.pid)
+                    log.info("Envoy restarted (pid %d)", self._started.pid)
                     backoff = 0.5
                     break
                 except GatewayError as exc:
                     log.error("%s", exc)
-                    code = self._proc.returncode
+                    code = self._started.returncode
                     fast_failures += 1
 
     def _kill(self) -> None:

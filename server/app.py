@@ -6,12 +6,14 @@ import asyncio
 import gc
 import logging
 import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..v1 import compat_pb2, encoderd_pb2
 from ..gateway.envoy import local_address
+from ..v1 import compat_pb2, encoderd_pb2
 from ..workers.protocol import frontend_grpc_socket
 from . import reflection_v1, systemd, tls, tracing
 from .auth import ApiKeyInterceptor, load_keys
@@ -181,6 +183,7 @@ async def _serve(config: ServerConfig) -> None:
 
 
 def serve(config: ServerConfig) -> None:
+    run: Callable[[Coroutine[Any, Any, None]], None]
     try:
         from uvloop import run
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

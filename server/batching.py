@@ -10,8 +10,9 @@ arrival order while batches stay tight.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, cast
 
 import numpy as np
 
@@ -19,8 +20,14 @@ from ..workers.protocol import MediaBatch, TokenBatch
 
 
 class RequestLike(Protocol):
+    """What the scheduler needs of a request (scheduler.PendingRequest)."""
+
     @property
     def done(self) -> bool: ...
+
+    def fill(self, index: int, row: np.ndarray) -> None: ...
+
+    def fail(self, error: Exception) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -47,7 +54,8 @@ class MediaItem(WorkItem):
     features: np.ndarray | None = None   # float32, one fixed shape per model and modality
     flag: int = 0                        # per-input flag for the worker (CLAP: is_longer)
     cost: int = 1
-    modality: str = "image"
+    # Per item here, one per class for text: a field may stand in for the base's class variable.
+    modality: str = "image"  # type: ignore[misc]
 
     @property
     def length(self) -> int:
@@ -79,7 +87,7 @@ def take_batch(queue: deque[WorkItem], limits: BatchLimits) -> list[WorkItem]:
             window.append(item)
     if not window:
         return []
-    candidates = range(len(window))
+    candidates: Sequence[int] = range(len(window))
     if limits.mixed_modalities:  # checked only there: text-only models skip the scan
         # One modality per batch, the oldest input's; the others wait in arrival order.
         first = window[0].modality
@@ -117,8 +125,8 @@ def queued_cost_reaches_budget(queue: deque[WorkItem], limits: BatchLimits) -> b
 def pack(batch: list[WorkItem], batch_id: int, urgent: bool = False) -> TokenBatch | MediaBatch:
     """Concatenate a batch's token ids into the wire format's packed arrays; `urgent` marks
     interactive text work, which the worker may run between the layers of a bulk batch."""
-    if batch[0].modality != "text":
-        return pack_media(batch, batch_id)
+    if batch[0].modality != "text":  # one modality per batch: all media items
+        return pack_media(cast("list[MediaItem]", batch), batch_id)
     types = None
     if any(item.type_ids is not None for item in batch):  # a classifier's text pairs batched with single texts
         types = [item.type_ids if item.type_ids is not None else np.zeros_like(item.ids) for item in batch]
@@ -129,6 +137,7 @@ def pack(batch: list[WorkItem], batch_id: int, urgent: bool = False) -> TokenBat
 
 def pack_media(batch: list[MediaItem], batch_id: int) -> MediaBatch:
     """Stack a media batch's tensors (one shape per modality) into one frame."""
-    features = np.stack([item.features for item in batch])
+    # A media item is made with its features (multimodal.py); None is only the field's default.
+    features = np.stack(cast("list[np.ndarray]", [item.features for item in batch]))
     flags = np.fromiter((item.flag for item in batch), dtype=np.int32, count=len(batch))
     return MediaBatch(batch_id, batch[0].modality, features, flags if flags.any() else None)

@@ -9,20 +9,30 @@ import os
 import re
 import sys
 from collections.abc import Callable
+from typing import Any, cast
 
-from ..workers.model_cache import default_cache_dir
-from ..workers.model_spec import DEFAULT_MODEL_NAME, ModelLoadError, Pooling, default_model_path
-from ..workers.protocol import HEARTBEAT_INTERVAL
 from ..gateway.cli import add_commands as add_gateway_commands
 from ..gateway.cli import run as run_gateway_command
 from ..gateway.envoy import ListenerLimits
+from ..workers.model_cache import default_cache_dir
+from ..workers.model_spec import DEFAULT_MODEL_NAME, ModelLoadError, Pooling, default_model_path
+from ..workers.protocol import HEARTBEAT_INTERVAL
 from .config import ModelConfig, ServerConfig
-from .tls import TlsFiles
 from .logs import FORMATS as LOG_FORMATS
 from .logs import configure_logging
-from .model_options import (DTYPES, ENGINES, KINDS, NameableValue, device_list, nameable_value, parse_per_model,
-                            pooling_mode, positive_int)
+from .model_options import (
+    DTYPES,
+    ENGINES,
+    KINDS,
+    NameableValue,
+    device_list,
+    nameable_value,
+    parse_per_model,
+    pooling_mode,
+    positive_int,
+)
 from .models_file import ModelsFile, ModelsFileError, load_models_file
+from .tls import TlsFiles
 
 
 def _env_name(flag: str) -> str:
@@ -40,7 +50,8 @@ def _env_list(name: str, sep: str = ",") -> list[str]:
 
 def _add(parser: argparse.ArgumentParser, flag: str, help: str, default=None, type=str, **kwargs) -> None:
     if flag in NAMEABLE_FLAGS:
-        return _add_nameable(parser, flag, help, default, type, **kwargs)
+        _add_nameable(parser, flag, help, default, type, **kwargs)
+        return
     env = _env_name(flag)
     if env in os.environ:
         default = type(os.environ[env])
@@ -148,8 +159,9 @@ def apply_per_model(models: list[ModelConfig], flag: str, field: str, values: li
             where = models_file.where(m.name, flag.lstrip("-")) if models_file else "the models file"
             raise SystemExit(f"encoderd: {flag} {m.name}=... and {where} both set {flag.lstrip('-')} for "
                              f"{m.name!r}: keep one")
-    return [dataclasses.replace(m, **{field: chosen.get(m.name, chosen.get(None) if getattr(m, field) is None
-                                                        else getattr(m, field))}) for m in models]
+    # The field is named at run time; its value, parsed by the flag's type, is of the field's type.
+    return [dataclasses.replace(m, **cast("dict[str, Any]", {field: chosen.get(m.name, chosen.get(None) if getattr(
+        m, field) is None else getattr(m, field))})) for m in models]
 
 
 def default_batch_size(devices: str) -> int:

@@ -70,8 +70,8 @@ class ServerConfig:
     rest_timeout: float = 300.0          # seconds per REST request before 504; 0 = none
     cors_allow_origins: tuple[str, ...] = ()   # browser origins allowed to call REST ("*": any); () = no CORS
     url_prefix: str = ""                 # REST routes under this path; "" = at the root
-    rest_limits: ListenerLimits = ListenerLimits()   # Envoy's timeouts and limits per REST client
-    tls: TlsFiles = TlsFiles()           # certificate, key, client CA for both listeners; empty = plaintext
+    rest_limits: ListenerLimits = field(default_factory=ListenerLimits)   # Envoy's timeouts and limits per REST client
+    tls: TlsFiles = field(default_factory=TlsFiles)  # certificate, key, client CA for both listeners; empty = plaintext
     log_level: str = "INFO"
     log_format: str = "text"             # "text" | "json" (JSON lines), frontend and workers
     otel_endpoint: str = ""              # OTLP/gRPC collector for traces; "" = tracing off

@@ -11,22 +11,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..workers.backends.base import BackendOptions
-from ..workers.model_spec import (ModelKind, ModelSpec, Pooling, check_prompts, load_model_spec, modalities,
-                                  resolve_model_path)
+from ..workers.model_spec import (
+    ModelKind,
+    ModelSpec,
+    Pooling,
+    check_prompts,
+    load_model_spec,
+    modalities,
+    resolve_model_path,
+)
 from ..workers.process import WorkerConfig
 from ..workers.protocol import HEARTBEAT_INTERVAL
 from . import metrics
 from .batching import BatchLimits, WorkItem
+from .choices import explain
 from .config import ModelConfig, ServerConfig
 from .errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
 from .media import MediaLimits, load_preprocessors
-from .choices import explain
 from .placement import Placement, plan_replicas
 from .result_cache import ResultCache, result_key
 from .scheduler import ModelScheduler, PendingRequest, Priority
@@ -65,8 +73,9 @@ class ServedModel:
 
     async def compute(self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
         request = PendingRequest(len(tokens.ids))
-        types = tokens.type_ids or [None] * len(tokens.ids)
-        items = [WorkItem(ids, t, request, i) for i, (ids, t) in enumerate(zip(tokens.ids, types))]
+        no_types: list[np.ndarray | None] = [None] * len(tokens.ids)
+        types: Sequence[np.ndarray | None] = tokens.type_ids or no_types
+        items = [WorkItem(ids, t, request, i) for i, (ids, t) in enumerate(zip(tokens.ids, types, strict=True))]
         return await self.scheduler.run(items, request, priority)
 
 

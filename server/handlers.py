@@ -33,15 +33,17 @@ def unknown_enum_value(message, path: str = "") -> str | None:
             value_field = field.message_type.fields_by_name["value"]
             items = [(f"{name}[{k!r}]", v) for k, v in value.items()] if value_field.message_type or \
                 value_field.enum_type else []
-            field = value_field
+            described = value_field  # a map's items are its values
         elif field.is_repeated:
+            described = field
             items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
         else:
+            described = field
             items = [(name, value)]
         for where, item in items:
-            if field.enum_type is not None and item not in field.enum_type.values_by_number:
+            if described.enum_type is not None and item not in described.enum_type.values_by_number:
                 return f"{where} = {item}"
-            if field.message_type is not None and (found := unknown_enum_value(item, where + ".")):
+            if described.message_type is not None and (found := unknown_enum_value(item, where + ".")):
                 return found
     return None
 

@@ -144,7 +144,7 @@ class AsyncEngine:
         engine.check_token_budget(estimate_tokens(texts, None))
         encodings = await served.tokenizer.tokenize(texts, add_special_tokens)
         engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
-        return [Tokens(list(e.ids), list(e.tokens), [tuple(o) for o in e.offsets]) for e in encodings]
+        return [Tokens(list(e.ids), list(e.tokens), [(start, end) for start, end in e.offsets]) for e in encodings]
 
 
 def _priority(bulk: bool) -> Priority:

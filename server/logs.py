@@ -85,7 +85,7 @@ def configure_logging(level: str, fmt: str = "text", *, worker: str = "") -> Non
         # Progress bars (model downloads and loading) would break the one-object-a-line stream.
         # Set before any Hugging Face library is imported; spawned workers inherit it.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-        static = {"pid": os.getpid()}
+        static: dict[str, int | str] = {"pid": os.getpid()}
         if worker:
             static["worker"] = worker
         handler.setFormatter(JsonFormatter(static))

@@ -163,13 +163,13 @@ def decode_image(data: bytes, limits: MediaLimits, what: str):
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
     except UnidentifiedImageError:
         raise InvalidInput(f"{what} is not an image in a supported format ({', '.join(IMAGE_FORMATS)})") from None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the decoder's own error, whatever it is, is about the client's bytes
         raise InvalidInput(f"{what}: cannot decode the image: {exc}") from None
     if image.width * image.height > limits.max_image_pixels:
         raise InvalidInput(f"{what} is {image.width}x{image.height} pixels; the limit is {limits.max_image_pixels}")
     try:
         image.load()  # decode now: truncated or corrupt data fails here, not in the processor
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the decoder's own error, whatever it is, is about the client's bytes
         raise InvalidInput(f"{what}: cannot decode the image: {exc}") from None
     return image
 
@@ -180,14 +180,14 @@ def decode_audio(data: bytes, limits: MediaLimits, rate: int, what: str) -> np.n
 
     try:
         info = soundfile.info(io.BytesIO(data))
-    except Exception as exc:  # libsndfile's verdict on client bytes
+    except Exception as exc:  # noqa: BLE001 - libsndfile's verdict on client bytes
         raise InvalidInput(f"{what} is not audio in a supported format (WAV, FLAC, OGG, MP3...): {exc}") from None
     if info.samplerate <= 0 or info.frames / info.samplerate > limits.max_audio_seconds:
         raise InvalidInput(f"{what} lasts {info.duration:.0f}s; the limit is {limits.max_audio_seconds:g}s")
     _check_resampling(info.samplerate, rate, what)
     try:
         samples, source_rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - libsndfile's verdict on client bytes
         raise InvalidInput(f"{what}: cannot decode the audio: {exc}") from None
     if samples.shape[0] == 0:
         raise InvalidInput(f"{what} holds no samples")
@@ -237,7 +237,7 @@ class ImagePreprocessor:
         image = decode_image(data, self.limits, what)
         try:
             pixels = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
-        except Exception as exc:  # exotic modes (16-bit, CMYK variants...) the processor rejects
+        except Exception as exc:  # noqa: BLE001 - exotic modes (16-bit, CMYK variants...) the processor rejects
             raise InvalidInput(f"{what}: cannot preprocess the image ({image.mode}, {image.size}): {exc}") from None
         pixels = np.ascontiguousarray(pixels, dtype=np.float32)
         cost = (pixels.shape[-2] // self.patch) * (pixels.shape[-1] // self.patch) + 1
@@ -262,7 +262,7 @@ class AudioPreprocessor:
         samples = decode_audio(data, self.limits, self.rate, what)
         try:
             out = self.extractor(samples, sampling_rate=self.rate, return_tensors="np")
-        except Exception as exc:  # e.g. a clip too short for the extractor's window
+        except Exception as exc:  # noqa: BLE001 - e.g. a clip too short for the extractor's window
             raise InvalidInput(f"{what}: cannot extract audio features: {exc}") from None
         features = np.ascontiguousarray(out["input_features"][0], dtype=np.float32)
         is_longer = int(np.asarray(out.get("is_longer", [[False]])).reshape(-1)[0])

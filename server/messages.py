@@ -6,7 +6,7 @@ from ..v1 import encoderd_pb2 as pb
 from . import postprocess
 from .errors import InvalidInput
 
-_OUTPUT_DTYPES = {pb.OUTPUT_DTYPE_FLOAT16: "float16", pb.OUTPUT_DTYPE_INT8: "int8", pb.OUTPUT_DTYPE_UINT8: "uint8",
+_OUTPUT_DTYPES: dict[int, str] = {pb.OUTPUT_DTYPE_FLOAT16: "float16", pb.OUTPUT_DTYPE_INT8: "int8", pb.OUTPUT_DTYPE_UINT8: "uint8",
                   pb.OUTPUT_DTYPE_BINARY: "binary", pb.OUTPUT_DTYPE_UBINARY: "ubinary"}
 
 

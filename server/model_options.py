@@ -99,7 +99,8 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
 def parse_per_model(flag: str, parse_value: Callable[[str], object]) -> Callable[[str], tuple[str | None, object]]:
     """The argparse type of a per-model flag: `[NAME=]VALUE` -> (NAME or None for every model, value)."""
     def parse(text: str) -> tuple[str | None, object]:
-        name, sep, value = text.partition("=")
+        given, sep, value = text.partition("=")
+        name: str | None = given
         if not sep:
             name, value = None, text
         if (sep and not name) or not value:

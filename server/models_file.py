@@ -108,7 +108,7 @@ def _key_path(snippet: str, tomllib) -> tuple | None:
             node = node[-1]
             continue
         key = next(iter(node))
-        path, node = path + (key,), node[key]
+        path, node = (*path, key), node[key]
     return path
 
 
@@ -130,8 +130,8 @@ def _parse_yaml(path: str, text: str) -> tuple[dict, dict[tuple, int]]:
     def walk(node, prefix: tuple) -> None:
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
-                lines.setdefault(prefix + (key.value,), key.start_mark.line + 1)
-                walk(value, prefix + (key.value,))
+                lines.setdefault((*prefix, key.value), key.start_mark.line + 1)
+                walk(value, (*prefix, key.value))
 
     walk(root, ())
     return data if data is not None else {}, lines

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from typing import cast
 
 import numpy as np
 
@@ -127,12 +128,13 @@ async def _compute(engine: Engine, model: ServedModel, contents: list[Content], 
     blobs = await asyncio.gather(*(
         loop.run_in_executor(engine.fetch_pool, media_bytes, c, engine.media_limits, f"{what}[{i}]")
         for i, c in enumerate(contents) if c.modality != "text"))
-    payloads, media = [], iter(blobs)
-    for content in contents:
-        payloads.append(prefix + content.text if content.modality == "text" else next(media))
-    keys = [result_key("embed", side, str(truncate), p) if c.modality == "text"
+    media = iter(blobs)
+    payloads: list[str | bytes] = [prefix + content.text if content.modality == "text" else next(media)
+                                   for content in contents]
+    # A text's payload is its str, a media input's its bytes.
+    keys = [result_key("embed", side, str(truncate), p) if isinstance(p, str)
             else result_key(c.modality, hashlib.blake2b(p, digest_size=20).hexdigest())
-            for c, p in zip(contents, payloads)]
+            for c, p in zip(contents, payloads, strict=True)]
 
     async def compute(indices: list[int]):
         request = PendingRequest(len(indices), ragged)
@@ -144,7 +146,7 @@ async def _compute(engine: Engine, model: ServedModel, contents: list[Content], 
     return await model.results.resolve(keys, compute, stack=not ragged)
 
 
-async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str, object, str]],
+async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str, str | bytes, str]],
                       request: PendingRequest, *, truncate: bool, side: str, bulk: bool
                       ) -> tuple[list[WorkItem], np.ndarray]:
     """Queue items for (modality, text or bytes, name) inputs, and each one's cost."""
@@ -153,16 +155,16 @@ async def _work_items(engine: Engine, model: ServedModel, inputs: list[tuple[str
     texts = [j for j, (modality, _, _) in enumerate(inputs) if modality == "text"]
     media = [j for j, (modality, _, _) in enumerate(inputs) if modality != "text"]
     if texts:
-        batch = [inputs[j][1] for j in texts]
+        batch = cast("list[str]", [inputs[j][1] for j in texts])  # a text input's payload is its str
         with engine.admit(model, batch, truncate=truncate):
             tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side, bulk=bulk)
         engine.check_token_budget(0, tokens.total_tokens)
-        for j, ids in zip(texts, tokens.ids):
+        for j, ids in zip(texts, tokens.ids, strict=True):
             items[j], costs[j] = WorkItem(ids, None, request, j), len(ids)
     loop = asyncio.get_running_loop()
     done = await asyncio.gather(*(loop.run_in_executor(engine.media_pool, model.media[inputs[j][0]], inputs[j][1],
                                                        inputs[j][2]) for j in media))
-    for j, (features, flag, cost) in zip(media, done):
+    for j, (features, flag, cost) in zip(media, done, strict=True):
         items[j] = MediaItem(_NO_IDS, None, request, j, features=features, flag=flag, cost=cost,
                              modality=inputs[j][0])
         costs[j] = cost

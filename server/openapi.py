@@ -13,7 +13,7 @@ import re
 
 from google.protobuf.descriptor import FieldDescriptor
 
-SCALARS = {
+SCALARS: dict[int, dict[str, object]] = {
     FieldDescriptor.TYPE_DOUBLE: {"type": "number"}, FieldDescriptor.TYPE_FLOAT: {"type": "number"},
     FieldDescriptor.TYPE_BOOL: {"type": "boolean"}, FieldDescriptor.TYPE_STRING: {"type": "string"},
     FieldDescriptor.TYPE_BYTES: {"type": "string", "contentEncoding": "base64"},

@@ -279,7 +279,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         if dimensions:
             raise InvalidInput("`dimensions` does not apply to multi-vector models")
         if modality == "text":
-            texts, token_ids = embedding_inputs(request.input)
+            texts, _token_ids = embedding_inputs(request.input)
             if texts is None:
                 raise InvalidInput("multi-vector models take text, not token ids")
             inputs = [Content(text=t) for t in texts]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Literal, overload
 
 import numpy as np
 
@@ -42,7 +43,15 @@ class ResultCache:
         self._inflight: dict[bytes, asyncio.Future] = {}
         self._lru: OrderedDict[bytes, tuple[np.ndarray, int]] = OrderedDict()
 
-    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: bool = True) -> tuple[np.ndarray, int]:
+    @overload
+    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: Literal[True] = True
+                      ) -> tuple[np.ndarray, int]: ...
+
+    @overload
+    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: bool) -> tuple[np.ndarray | list, int]: ...
+
+    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: bool = True
+                      ) -> tuple[np.ndarray | list, int]:
         """Rows for every key, in order, and the total token count; `stack=False`
         leaves ragged rows (multi-vector, sparse) as a list."""
         rows: list = [None] * len(keys)

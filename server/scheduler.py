@@ -58,7 +58,7 @@ DEFAULT_PRIORITY: contextvars.ContextVar[Priority] = contextvars.ContextVar("def
 class PendingRequest:
     """One request's inputs, reassembled in order as their batches finish."""
 
-    __slots__ = ("future", "rows", "remaining", "ragged")
+    __slots__ = ("future", "ragged", "remaining", "rows")
 
     def __init__(self, n_inputs: int, ragged: bool = False):
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -106,6 +106,7 @@ class ModelScheduler:
         self._interactive_seen = float("-inf")  # when interactive work last arrived
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._computing: set[asyncio.Task] = set()  # the event loop keeps only weak references to tasks
 
     @property
     def queued(self) -> int:
@@ -269,7 +270,9 @@ class ModelScheduler:
         load.batches += 1
         load.tokens += tokens
         load.bulk_batches += priority == Priority.BULK
-        asyncio.create_task(self._compute(replica, batch, priority, tokens))
+        task = asyncio.create_task(self._compute(replica, batch, priority, tokens))
+        self._computing.add(task)
+        task.add_done_callback(self._computing.discard)
 
     async def _compute(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority, tokens: int) -> None:
         started = time.perf_counter()
@@ -278,7 +281,7 @@ class ModelScheduler:
         except Unavailable as exc:
             self._retry_or_fail(batch, priority, exc)
             return
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - not swallowed: each request of the batch fails with it
             for item in batch:
                 item.request.fail(exc)
             return
@@ -290,7 +293,7 @@ class ModelScheduler:
             self._wake.set()
         metrics.observe_batch(self.model, replica.label, batch, self.limits[priority].padded,
                               time.perf_counter() - started)
-        for item, row in zip(batch, rows):
+        for item, row in zip(batch, rows, strict=True):
             item.request.fill(item.index, row)
 
     def _retry_or_fail(self, batch: list[WorkItem], priority: Priority, error: Exception) -> None:

@@ -12,12 +12,12 @@ import grpc
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from . import logs, metrics, multimodal, postprocess, tracing
+from .auth import presented_key
 from .engine import Engine, estimate_tokens
 from .errors import EncoderdError, InvalidInput
 from .handlers import MalformedRequest
 from .media import Content
 from .messages import embeddings_message
-from .auth import presented_key
 from .scheduler import DEFAULT_PRIORITY, Priority
 from .streaming import embed_stream
 
@@ -103,8 +103,8 @@ def stream_rpc(method):
 
 def _priority(value: int) -> Priority:
     """The request's priority field, else the default of its API key."""
-    return {pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, pb.PRIORITY_BULK: Priority.BULK}.get(
-        value, DEFAULT_PRIORITY.get())
+    by_field: dict[int, Priority] = {pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, pb.PRIORITY_BULK: Priority.BULK}
+    return by_field.get(value, DEFAULT_PRIORITY.get())
 
 
 def _usage(tokens: int) -> pb.Usage:

@@ -20,9 +20,9 @@ from google.rpc import status_pb2
 from ..v1 import encoderd_pb2 as pb
 from ..workers.model_spec import ModelKind
 from . import metrics, postprocess
-from .messages import embeddings_message
 from .errors import EncoderdError, InvalidInput, Overloaded
 from .handlers import MalformedRequest
+from .messages import embeddings_message
 from .scheduler import Priority
 
 WINDOW = 1024     # inputs of one stream inside the server at once
@@ -104,9 +104,9 @@ class _Stream:
                 except Overloaded:
                     await asyncio.sleep(0.05)  # bulk work waits for room instead of failing
             vectors = postprocess.finish_requested(pooled, model.spec.normalize, o)
-            for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype)):
+            for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype), strict=True):
                 await self.results.put(pb.EmbedStreamResponse(id=message.id, embedding=embedding))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - not swallowed: each message of the group is answered with it
             for message in good:
                 await self.results.put(_error(message.id, exc))
 

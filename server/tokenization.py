@@ -37,7 +37,7 @@ def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: b
     if path.exists():
         try:
             tokenizer = Tokenizer.from_file(str(path))
-        except Exception as exc:  # the tokenizers library names no file in its parse errors
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library names no file in its parse errors
             raise ModelLoadError(f"{path}: not a readable tokenizer.json ({exc}); replace it from the model's "
                                  "repository") from None
     else:  # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
@@ -47,7 +47,8 @@ def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: b
                                                   trust_remote_code=trust_remote_code).backend_tokenizer
     if lowercase and not _lowercases(tokenizer.normalizer):
         rest = tokenizer.normalizer
-        rest = [] if rest is None else list(rest) if isinstance(rest, normalizers.Sequence) else [rest]
+        # A normalizers.Sequence iterates over its parts; the tokenizers stubs do not say so.
+        rest = [] if rest is None else list(rest) if isinstance(rest, normalizers.Sequence) else [rest]  # type: ignore[call-overload]
         tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase(), *rest])
     return tokenizer
 
@@ -56,7 +57,7 @@ def _lowercases(normalizer) -> bool:
     """Whether a Lowercase normalizer is there already; the same test sentence-transformers makes
     (a BertNormalizer's own lowercase does not count: it adds a Lowercase then too, harmlessly)."""
     if isinstance(normalizer, normalizers.Sequence):
-        return any(isinstance(n, normalizers.Lowercase) for n in normalizer)
+        return any(isinstance(n, normalizers.Lowercase) for n in normalizer)  # type: ignore[attr-defined]  # iterable, unstubbed
     return isinstance(normalizer, normalizers.Lowercase)
 
 
@@ -105,8 +106,8 @@ class ModelTokenizer:
                      pairs_with: str | None = None, bulk: bool = False) -> Tokenized:
         """Tokenize inputs (or (pairs_with, input) pairs) into per-input id arrays. An input may
         itself be a (text, text_pair) pair, encoded (and truncated) as the tokenizer pairs them."""
-        if pairs_with is not None and self.pair_template is not None:
-            return await self._encode_pairs(pairs_with, texts, truncate, side, bulk)
+        if pairs_with is not None and (template := self.pair_template) is not None:
+            return await self._encode_pairs(template, pairs_with, texts, truncate, side, bulk)
         batch = [(pairs_with, t) for t in texts] if pairs_with is not None else texts
         encodings = await self._in_chunks(self._by_side[side].encode_batch, batch, bulk)
         return self._collect(encodings, truncate, any(isinstance(item, tuple) for item in batch))
@@ -122,15 +123,14 @@ class ModelTokenizer:
             out += await loop.run_in_executor(executor, functools.partial(encode_batch, chunk, **kwargs))
         return out
 
-    async def _encode_pairs(self, query: str, documents: list[str], truncate: bool, side: str,
-                            bulk: bool) -> Tokenized:
+    async def _encode_pairs(self, template: PairTemplate, query: str, documents: list[str], truncate: bool,
+                            side: str, bulk: bool) -> Tokenized:
         """(query, document) pairs with the query tokenized once, not once per document: each
         pair is assembled from ids with the tokenizer's own pair template and truncation
         (longest_first, see pair_lengths), which tests check against tokenizer.encode(q, d)."""
         plain = functools.partial(self.untruncated.encode_batch, add_special_tokens=False)
         (query_ids,) = [e.ids for e in await self._in_chunks(plain, [query], bulk)]
         doc_ids = [e.ids for e in await self._in_chunks(plain, documents, bulk)]
-        template = self.pair_template
         budget = self.max_length - template.added
         ids, types = [], []
         for i, doc in enumerate(doc_ids):

@@ -20,7 +20,7 @@ _provider = None
 
 def configure(endpoint: str, service_name: str = "encoderd") -> bool:
     """Start exporting spans to `endpoint` (host:port or URL); True when tracing is on."""
-    global _tracer, _provider
+    global _tracer, _provider  # noqa: PLW0603 - the process's one tracer, set at start and drain
     if not endpoint:
         return False
     try:
@@ -43,7 +43,7 @@ def configure(endpoint: str, service_name: str = "encoderd") -> bool:
 
 def shutdown() -> None:
     """Flush the spans still buffered (at drain)."""
-    global _tracer, _provider
+    global _tracer, _provider  # noqa: PLW0603 - the process's one tracer, set at start and drain
     if _provider is not None:
         _provider.shutdown()
     _tracer = _provider = None
@@ -59,6 +59,8 @@ def rpc_span(method: str, metadata, attributes: dict):
 @contextlib.contextmanager
 def _span(method: str, metadata, attributes: dict):
     from opentelemetry import propagate, trace
+
+    assert _tracer is not None  # rpc_span calls this only while tracing is on
 
     service, _, name = method.partition("/")
     carrier = {key: value for key, value in metadata or () if isinstance(value, str)}

@@ -16,7 +16,7 @@ import logging
 import multiprocessing
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import zmq
@@ -25,7 +25,7 @@ import zmq.asyncio
 from ..workers import protocol
 from ..workers.process import WorkerConfig, run_worker
 from .errors import BackendError, Unavailable
-from .zygote_client import Zygote
+from .zygote_client import ForkedWorker, Zygote
 
 log = logging.getLogger("encoderd.worker_client")
 
@@ -54,9 +54,10 @@ class WorkerClient:
         self._zmq = zmq.asyncio.Context.instance()
         self._pending: dict[int, asyncio.Future] = {}
         self._next_batch_id = 0
-        self._process = None
+        self._process: multiprocessing.process.BaseProcess | ForkedWorker | None = None
         self._exit_waiter: asyncio.Future | None = None   # the one future that owns the sentinel's reader
-        self._batches = self._results = None
+        self._batches: zmq.asyncio.Socket | None = None
+        self._results: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._supervisor: asyncio.Task | None = None
         self._stopping = False
@@ -102,14 +103,16 @@ class WorkerClient:
             died.cancel()
             self._last_heartbeat = asyncio.get_running_loop().time()
             self._stalled = False
-            self._set_ready(ready.result())
-            return self.ready_info
+            info: protocol.WorkerReady = ready.result()
+            self._set_ready(info)
+            return info
+        assert self._process is not None  # started above; only _teardown drops it
         reason = (ready.exception() if ready in done else
                   f"worker exited with code {self._process.exitcode}" if died in done else "start timed out")
         await self._teardown()
         raise WorkerStartError(f"{self.label}: {reason}")
 
-    async def _start_process(self, config: WorkerConfig):
+    async def _start_process(self, config: WorkerConfig) -> multiprocessing.process.BaseProcess | ForkedWorker:
         """Forked from the zygote (CPU workers), else spawned: either way a child of this process."""
         if self._zygote and config.options.device == "cpu":
             forked = await self._zygote.fork_async(config)
@@ -125,18 +128,19 @@ class WorkerClient:
         tag = self.label.rpartition("/")[2].replace(":", "_")[:16]  # the directory is this frontend's: short
         self._batch_address = protocol.new_ipc_address(tag + "-in")
         self._result_address = protocol.new_ipc_address(tag + "-out")
-        self._batches = self._zmq.socket(zmq.PUSH)
-        self._batches.setsockopt(zmq.SNDHWM, 64)   # admission bounds traffic; this is a backstop
-        self._batches.setsockopt(zmq.LINGER, 0)
-        self._batches.bind(self._batch_address)
-        self._results = self._zmq.socket(zmq.PULL)
-        self._results.setsockopt(zmq.LINGER, 0)
-        self._results.bind(self._result_address)
+        self._batches = batches = self._zmq.socket(zmq.PUSH)
+        batches.setsockopt(zmq.SNDHWM, 64)   # admission bounds traffic; this is a backstop
+        batches.setsockopt(zmq.LINGER, 0)
+        batches.bind(self._batch_address)
+        self._results = results = self._zmq.socket(zmq.PULL)
+        results.setsockopt(zmq.LINGER, 0)
+        results.bind(self._result_address)
 
     def _process_exit(self) -> asyncio.Future:
         """A future that completes when the worker process exits (its sentinel fd)."""
         loop = asyncio.get_running_loop()
         exited = loop.create_future()
+        assert self._process is not None, "no worker process to watch"
         sentinel = self._process.sentinel
 
         def on_exit():
@@ -162,6 +166,7 @@ class WorkerClient:
             if self._stopping:
                 return
             self.restarts += 1
+            assert self._process is not None  # it just exited; _teardown, below, drops it
             if not self._stalled:  # a stall was logged when it was found
                 log.error("worker %s (pid %s) died with exit code %s; failing its %d pending batches",
                           self.label, self.pid, self._process.exitcode, len(self._pending))
@@ -197,7 +202,8 @@ class WorkerClient:
                     self.label, self.pid, silent, self._stall_timeout, len(self._pending))
         self._stalled = True
         self._mark_down(Unavailable(f"model worker {self.label} stopped responding; it is being restarted"))
-        self._process.kill()
+        if self._process is not None:
+            self._process.kill()
 
     def _mark_down(self, error: Exception) -> None:
         self._set_ready(None)
@@ -234,7 +240,7 @@ class WorkerClient:
         await self._teardown()
 
     # ---------------------------------------------------------------- batches
-    async def compute(self, batch: protocol.TokenBatch) -> np.ndarray:
+    async def compute(self, batch: protocol.TokenBatch | protocol.MediaBatch) -> np.ndarray | list:
         """Send one batch and wait for its output rows."""
         if not self.ready:
             raise Unavailable(f"model worker {self.label} is unavailable (crashed or restarting)")
@@ -242,6 +248,7 @@ class WorkerClient:
         batch.batch_id = self._next_batch_id
         future = asyncio.get_running_loop().create_future()
         self._pending[batch.batch_id] = future
+        assert self._batches is not None  # ready: its sockets are open
         try:
             await self._batches.send_multipart(protocol.encode_batch(batch), copy=False)
             return await future
@@ -250,11 +257,12 @@ class WorkerClient:
 
     async def _read_results(self, ready: asyncio.Future) -> None:
         results = self._results
+        assert results is not None  # opened before the reader starts
         while True:
             frames = await results.recv_multipart(copy=False)
-            kind, header, rest = protocol.decode(frames)
+            _, header, rest = protocol.decode(frames)
             self._last_heartbeat = asyncio.get_running_loop().time()  # any message shows it alive
-            if kind == protocol.MessageType.RESULT:
+            if isinstance(header, protocol.ResultHeader):
                 future = self._pending.get(header.batch_id)
                 if future is None or future.done():
                     continue  # its request was cancelled meanwhile
@@ -262,7 +270,7 @@ class WorkerClient:
                     future.set_exception(BackendError(f"model {self.label}: {header.error}"))
                 else:
                     future.set_result(protocol.result_array(header, rest))
-            elif kind == protocol.MessageType.READY and not ready.done():
+            elif isinstance(header, protocol.WorkerReady) and not ready.done():
                 ready.set_result(header)
-            elif kind == protocol.MessageType.FATAL and not ready.done():
+            elif isinstance(header, protocol.WorkerFatal) and not ready.done():
                 ready.set_exception(WorkerStartError(header.message))

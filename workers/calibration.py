@@ -9,10 +9,10 @@ score (query, passage) pairs of the same material.
 
 Inputs are tokenized here, in the worker, from the model's own tokenizer with truncation to
 spec.max_length, and batched as the scheduler batches traffic: sorted by length, then cut into
-batches of at most BATCH_SIZE inputs and BATCH_TOKENS padded tokens, whose lengths still differ (padded engines pad them; int8 activation scales
-are set per batch). Sorting keeps the check cheap: the long inputs share one batch instead of
-padding every batch to the maximum length. Changing anything here changes the reference: bump
-VERSION.
+batches of at most BATCH_SIZE inputs and BATCH_TOKENS padded tokens, whose lengths still differ
+(padded engines pad them; int8 activation scales are set per batch). Sorting keeps the check
+cheap: the long inputs share one batch instead of padding every batch to the maximum length.
+Changing anything here changes the reference: bump VERSION.
 """
 
 from __future__ import annotations
@@ -64,12 +64,12 @@ CODE = (
 )
 
 MULTILINGUAL = (
-    "东京是日本的首都，也是世界上人口最多的都市圈之一。",
+    "东京是日本的首都，也是世界上人口最多的都市圈之一。",  # noqa: RUF001 - real Chinese punctuation, on purpose
     "猫はこたつの中で丸くなって眠っている。",
     "القاهرة هي عاصمة مصر وأكبر مدنها، وتقع على ضفاف نهر النيل.",
     "Москва — столица России, крупнейший по численности населения город страны.",
     "भारत की राजधानी नई दिल्ली है और यह यमुना नदी के किनारे स्थित है।",
-    "Η Αθήνα είναι η πρωτεύουσα της Ελλάδας και μία από τις αρχαιότερες πόλεις του κόσμου.",
+    "Η Αθήνα είναι η πρωτεύουσα της Ελλάδας και μία από τις αρχαιότερες πόλεις του κόσμου.",  # noqa: RUF001 - Greek
     "서울은 대한민국의 수도이며 한강이 도시를 가로질러 흐른다.",
     "กรุงเทพมหานครเป็นเมืองหลวงของประเทศไทย",
     "Die Straßenbahn fährt heute wegen Bauarbeiten nur bis zur Haltestelle Müllerstraße.",
@@ -150,4 +150,4 @@ def _batch_rows(lengths: list[int], batch_size: int) -> list[range]:
         if end - start > max(1, batch_size) or (end - start > 1 and (end - start) * lengths[end - 1] > BATCH_TOKENS):
             batches.append(range(start, end - 1))
             start = end - 1
-    return batches + [range(start, len(lengths))] if lengths else []
+    return [*batches, range(start, len(lengths))] if lengths else []

@@ -210,7 +210,8 @@ def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") ->
 
 
 def _log_verdict(report: Report, what: str, allow_low: bool, fallback: str = "") -> None:
-    timing = f"{report.inputs} inputs, {report.seconds:.1f}s, reference {'cached' if report.reference_cached else 'computed'}"
+    reference = "cached" if report.reference_cached else "computed"
+    timing = f"{report.inputs} inputs, {report.seconds:.1f}s, reference {reference}"
     if report.status == PASSED:
         log.info("fidelity self-check passed: %s: %s [%s]", what, describe(report.figures), timing)
         return

@@ -14,7 +14,9 @@ from __future__ import annotations
 import enum
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -145,7 +147,8 @@ def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:
             f"download failed ({type(exc).__name__}: {exc}). Offline? Pass a local model directory.") from exc
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path) -> Any:
+    """The parsed file (an object for config files, a list for modules.json); {} when absent."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -159,7 +162,7 @@ def _pad_token_id(config: dict) -> int:
     return pad if isinstance(pad, int) else 0
 
 
-def detect_kind(config: dict, modules: list[dict] = ()) -> ModelKind:
+def detect_kind(config: dict, modules: Sequence[dict] = ()) -> ModelKind:
     architectures = config.get("architectures") or []
     module_types = [m.get("type", "") for m in modules]
     if any(a.endswith("ForSequenceClassification") for a in architectures):
@@ -392,7 +395,7 @@ def _lowercase(model_dir: Path) -> bool:
     return bool(_read_json(model_dir / "sentence_bert_config.json").get("do_lower_case", False))
 
 
-def check_prompts(spec: "ModelSpec", prompts: dict[str, str]) -> None:
+def check_prompts(spec: ModelSpec, prompts: dict[str, str]) -> None:
     """A model whose pooling excludes the prompt (include_prompt false) is served without prompts:
     encoderd pools over every token, so a prompted vector would differ from sentence-transformers'."""
     used = sorted(name for name, text in prompts.items() if text)
@@ -499,7 +502,7 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None, *, pool
     if not config:
         raise ModelLoadError(f"{path} has no config.json: not a transformers model directory")
     require_trusted_code(path, config, trust_remote_code)
-    modules = _read_json(model_dir / "modules.json") or []
+    modules: list[dict] = _read_json(model_dir / "modules.json") or []
     kind = kind or detect_kind(config, modules)
     id2label = config.get("id2label") or {}
     labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if kind in (

@@ -119,8 +119,8 @@ def _receive_loop(sock: zmq.Socket, inbox: Inbox) -> None:
             frames = sock.recv_multipart(copy=False)
         except zmq.ContextTerminated:
             return
-        kind, header, rest = protocol.decode(frames)
-        if kind == protocol.MessageType.BATCH:
+        _, header, rest = protocol.decode(frames)
+        if isinstance(header, protocol.BatchHeader):
             inbox.put(protocol.batch_from_frames(header, rest))
 
 
@@ -154,7 +154,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
             log.exception("model load failed")
         results.send_multipart(protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}")))
         results.close()
-        raise SystemExit(2)
+        raise SystemExit(2) from exc
 
     inbox = Inbox()
     batch_socket = ctx.socket(zmq.PULL)

@@ -21,7 +21,9 @@ dimension of each value.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
+import itertools
 import os
 import shutil
 import tempfile
@@ -109,14 +111,14 @@ class TokenBatch(msgspec.Struct, gc=False):
         return np.diff(self.cu_seqlens)
 
     @classmethod
-    def from_sequences(cls, batch_id: int, ids: list, types: list | None = None) -> "TokenBatch":
+    def from_sequences(cls, batch_id: int, ids: list, types: list | None = None) -> TokenBatch:
         """Pack per-sequence token ids (and token types, for pairs) back to back."""
         cu = np.zeros(len(ids) + 1, dtype=np.int32)
         np.cumsum([len(s) for s in ids], out=cu[1:])
         packed_types = None if types is None else np.concatenate(types).astype(np.int32, copy=False)
         return cls(batch_id, np.concatenate(ids).astype(np.int32, copy=False), cu, packed_types)
 
-    def split(self, at: int) -> tuple["TokenBatch", "TokenBatch"]:
+    def split(self, at: int) -> tuple[TokenBatch, TokenBatch]:
         """The first `at` sequences and the rest, as two batches (views, no copies)."""
         cut = int(self.cu_seqlens[at])
         types = self.token_type_ids
@@ -151,17 +153,17 @@ class Ragged(msgspec.Struct, gc=False):
     def split(self) -> list:
         """Per input: a (rows_i, cols) array, or for sparse vectors an (indices, values) pair."""
         bounds = self.cu_seqlens.tolist()
-        spans = zip(bounds[:-1], bounds[1:])
+        spans = itertools.pairwise(bounds)
         if self.indices is None:
             return [self.values[a:b] for a, b in spans]
         flat = self.values.reshape(-1)
         return [(self.indices[a:b], flat[a:b]) for a, b in spans]
 
     @classmethod
-    def join(cls, parts: list["Ragged"]) -> "Ragged":
+    def join(cls, parts: list[Ragged]) -> Ragged:
         """The outputs of consecutive sub-batches as one (inputs in order)."""
         offsets = np.cumsum([0] + [len(p.values) for p in parts[:-1]])
-        cu = np.concatenate([parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets)])
+        cu = np.concatenate([parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets, strict=True)])
         indices = None if parts[0].indices is None else np.concatenate([p.indices for p in parts])
         return cls(np.concatenate([p.values for p in parts]), cu.astype(np.int32), indices)
 
@@ -174,6 +176,8 @@ _HEADER_TYPES = {
     MessageType.FATAL: WorkerFatal,
     MessageType.HEARTBEAT: WorkerHeartbeat,
 }
+# What decode() returns: the header type is the one _HEADER_TYPES names for the message's type.
+Header = BatchHeader | ResultHeader | WorkerReady | WorkerFatal | WorkerHeartbeat
 _CONTROL_TYPES = {WorkerReady: MessageType.READY, WorkerFatal: MessageType.FATAL,
                   WorkerHeartbeat: MessageType.HEARTBEAT}
 _decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in _HEADER_TYPES.items()}
@@ -231,7 +235,7 @@ def encode_control(message: WorkerReady | WorkerFatal | WorkerHeartbeat) -> list
     return [_type_frame(_CONTROL_TYPES[type(message)]), _encoder.encode(message)]
 
 
-def decode(frames: list) -> tuple[MessageType, msgspec.Struct, list]:
+def decode(frames: list) -> tuple[MessageType, Header, list]:
     """Split a multipart message into its type, decoded header and raw frames."""
     kind = MessageType(bytes(frames[0])[0])
     return kind, _decoders[kind].decode(frames[1]), frames[2:]
@@ -268,7 +272,7 @@ def _ipc_directory() -> str:
     """This frontend's own socket directory (mode 0700, so no other user can connect), made on
     first use under ENCODERD_RPC_DIR or the temp dir, and removed at exit. After a kill -9 of
     the frontend its workers remove their sockets and the directory (remove_ipc_files)."""
-    global _private_dir
+    global _private_dir  # noqa: PLW0603 - made once per process, on first use
     if _private_dir is None:
         base = os.environ.get("ENCODERD_RPC_DIR") or tempfile.gettempdir()
         _private_dir = tempfile.mkdtemp(prefix="encoderd-", dir=base)
@@ -300,12 +304,8 @@ def remove_ipc_files(*addresses: str, with_directory: bool = False) -> None:
     if with_directory:
         paths += [os.path.join(directory, FRONTEND_GRPC_SOCKET) for directory in {os.path.dirname(p) for p in paths}]
     for path in paths:
-        try:
+        with contextlib.suppress(OSError):  # gone already
             os.unlink(path)
-        except OSError:
-            pass  # gone already
     for directory in {os.path.dirname(p) for p in paths} if with_directory else ():
-        try:
+        with contextlib.suppress(OSError):  # it still holds another worker's sockets: the last worker out removes it
             os.rmdir(directory)
-        except OSError:
-            pass  # it still holds another worker's sockets: the last worker out removes it

@@ -16,6 +16,7 @@ frontend (PR_SET_PDEATHSIG, and EOF on its socket).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
     try:
         for name in PRELOAD:
             importlib.import_module(name)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - reported to the frontend, which refuses to start with that message
         send(sock, ("error", f"importing the worker libraries failed: {type(exc).__name__}: {exc}"))
         return 1
     log.debug("imported %s in %.1fs", ", ".join(PRELOAD), time.perf_counter() - started)
@@ -104,6 +105,7 @@ def serve(sock: socket.socket) -> int:
     while (request := receive(sock)) is not None:
         config, frontend_pid = request
         _preload_family(config.spec.model_type)
+        reply: tuple[str, int | str]
         try:
             reply = ("forked", fork_worker(sock, config, frontend_pid))
         except OSError as exc:
@@ -116,10 +118,9 @@ def _preload_family(model_type: str) -> None:
     """transformers' modeling module of a model family (seconds for some): once, for every fork after."""
     module = model_type.replace("-", "_")  # xlm-roberta: transformers.models.xlm_roberta
     if module and module.replace("_", "").isalnum():
-        try:
+        # Not a transformers family (or not installed): the worker says what is wrong.
+        with contextlib.suppress(Exception):
             importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-        except Exception:  # not a transformers family (or not installed): the worker says what is wrong
-            pass
 
 
 def fork_worker(sock: socket.socket, config, frontend_pid: int) -> int:
@@ -137,7 +138,7 @@ def fork_worker(sock: socket.socket, config, frontend_pid: int) -> int:
                 os.close(write_end)
                 _become_worker(sock, config, frontend_pid, os.getppid())
             os.write(write_end, _LENGTH.pack(worker))
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - a forked child must reach os._exit, never unwind into the zygote's loop
             code = 1
         finally:
             os._exit(code)
@@ -169,16 +170,14 @@ def _become_worker(sock: socket.socket, config, frontend_pid: int, middle_pid: i
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else 1
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a forked worker must reach os._exit whatever ends it
         import traceback
 
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
         os._exit(code)
 
 

@@ -46,7 +46,7 @@ def matmul_peak(threads: int, sizes, seconds: float = 0.4) -> dict:
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    result = {"threads": threads}
+    result: dict[str, int | float | dict[str, float]] = {"threads": threads}
     try:
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
             per_shape = {}

@@ -91,7 +91,7 @@ def run_phases(address: str, seconds: float) -> dict:
     stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
     chunks = chunk_corpus(2000)
     query_latencies(stub, 2)  # warm up
-    results = {"idle": {"query_ms": query_latencies(stub, seconds)}}
+    results: dict[str, dict[str, list[float] | float]] = {"idle": {"query_ms": query_latencies(stub, seconds)}}
     # Solo before and after mixed: a host whose speed drifts (shared CPUs, clocks) or a server still
     # warming up would otherwise bias the stream's share toward one side; its solo is their mean.
     for phase, priority in (("bulk solo", pb.PRIORITY_BULK), ("mixed", pb.PRIORITY_BULK),
@@ -100,7 +100,11 @@ def run_phases(address: str, seconds: float) -> dict:
         stream.start()
         time.sleep(3)  # reach steady state
         start = time.perf_counter()
-        latencies = query_latencies(stub, seconds) if phase.startswith("mixed") else (time.sleep(seconds) or [])
+        if phase.startswith("mixed"):
+            latencies = query_latencies(stub, seconds)
+        else:
+            time.sleep(seconds)
+            latencies = []
         end = time.perf_counter()
         stream.stop.set()
         stream.join(timeout=60)

@@ -55,7 +55,7 @@ async def _bulk_client(embed, work: Workload, args, state: dict) -> None:
         try:
             got = await embed([work.corpus[i] for i in idx])
             ok = got == len(idx)
-        except Exception as exc:  # counted and reported, never fatal: a benchmark keeps going
+        except Exception as exc:  # noqa: BLE001 - counted and reported, never fatal: a benchmark keeps going
             ok, state["last_error"] = False, f"{type(exc).__name__}: {str(exc)[:200]}"
         t1 = time.monotonic()
         if not ok:
@@ -123,7 +123,7 @@ async def _stream_client(stub, pb, model: str, work: Workload, args, state: dict
                 state["errors"], state["last_error"] = state["errors"] + 1, reply.error.message[:200]
             elif state["window"][0] <= t1 <= state["deadline"]:
                 state["done"].append((t1, t1 - t0, 1, int(work.real[k % n])))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - counted and reported, never fatal: a benchmark keeps going
         state["errors"], state["last_error"] = state["errors"] + 1, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
@@ -215,7 +215,7 @@ def _sequential(call, items, probe: CpuProbe | None, warmup: int) -> Sequential:
         try:
             call(item)
             latencies.append(time.perf_counter() - t0)
-        except Exception as exc:  # counted and reported, never fatal
+        except Exception as exc:  # noqa: BLE001 - counted and reported, never fatal
             errors, last_error = errors + 1, f"{type(exc).__name__}: {str(exc)[:200]}"
     snap1 = probe.snapshot()
     return Sequential(latencies, errors, last_error, snap1["t"] - snap0["t"], CpuProbe.cores(snap0, snap1))

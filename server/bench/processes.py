@@ -42,13 +42,18 @@ class Managed:
                                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.cwd)
         return self
 
+    def _started(self) -> subprocess.Popen:
+        assert self.proc is not None, f"{self.name} was not started"
+        return self.proc
+
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self._started().pid
 
     def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; log {self.log_path}:\n"
+        proc = self._started()
+        if proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {proc.returncode}; log {self.log_path}:\n"
                                f"{self.log_tail()}")
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -58,10 +63,8 @@ class Managed:
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)  # graceful: the server stops its own children
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)  # anything of its group still there
         self.proc.wait()

@@ -119,7 +119,7 @@ def run_recovery(args, embed_dir: str, logs: Path, infinity_venv: Path | None) -
             log(f"recovery round {round_ + 1}/{args.recovery_runs}: cold start of {name}")
             run_logs = logs / f"{name.replace('(', '-').rstrip(')')}-{round_}"
             run_logs.mkdir(parents=True, exist_ok=True)
-            server, probe, started = (_infinity(infinity_venv, embed_dir, run_logs) if name == "infinity"
+            server, probe, started = (_infinity(infinity_venv, embed_dir, run_logs) if name == "infinity" and infinity_venv
                                       else _encoderd(args, embed_dir, run_logs, variants[name]))
             try:
                 cold[name].append(_until_served(probe, server, started))

@@ -99,7 +99,7 @@ async def run(args) -> list[dict]:
     try:
         import httpx
     except ImportError:
-        raise SystemExit("encoderd.server.bench.rest needs httpx: pip install httpx (or the encoderd[dev] extra)")
+        raise SystemExit("encoderd.server.bench.rest needs httpx: pip install httpx (or the encoderd[dev] extra)") from None
 
     counter = itertools.count()
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)

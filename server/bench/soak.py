@@ -44,7 +44,7 @@ def build_models(cache: Path) -> dict[str, str]:
     """The embedder, reranker and classifier directories (the latter two built once, offline)."""
     sys.path.insert(0, str(REPO_ROOT / "tests"))  # the tests' `support` package builds them
     try:
-        from support.models import build_classifier, build_reranker
+        from support.models import build_classifier, build_reranker  # type: ignore[import-not-found]  # tests/, on sys.path above
     finally:
         sys.path.remove(str(REPO_ROOT / "tests"))
     from ...workers.model_spec import default_model_path
@@ -65,7 +65,7 @@ class Traffic(threading.Thread):
         super().__init__(daemon=True)
         self.address, self.rng, self.stop = address, random.Random(seed), stop
         self.serial = seed * 10**9
-        self.calls = {k: 0 for k in KINDS}
+        self.calls = dict.fromkeys(KINDS, 0)
         self.errors: dict[str, int] = {}
 
     def _texts(self, n: int) -> list[str]:
@@ -172,7 +172,8 @@ def main(argv=None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="encoderd-soak-"))
     variants = [("this", None)] + ([(f"ref-{args.compare_ref}", str(export_ref(args.compare_ref)))]
                                    if args.compare_ref else [])
-    servers, pids, stop, clients = [], {}, threading.Event(), []
+    servers, pids, stop = [], {}, threading.Event()
+    clients: list[Traffic] = []
     try:
         for label, path in variants:
             server, address = start(label, path, models, shlex.split(args.serve_args), logs)
@@ -200,7 +201,7 @@ def main(argv=None) -> int:
     summary = summarize(samples, list(pids))
     report(summary)
     calls = {k: sum(c.calls[k] for c in clients) for k in KINDS}
-    errors = {}
+    errors: dict[str, int] = {}
     for c in clients:
         for code, n in c.errors.items():
             errors[code] = errors.get(code, 0) + n

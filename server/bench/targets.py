@@ -115,6 +115,8 @@ class SentenceTransformersTarget:
         return len(self.model.encode(texts, batch_size=batch_size, show_progress_bar=False))
 
     def rerank(self, query: str, docs: list[str]) -> int:
+        if self.cross is None:
+            raise ValueError("this target was made without a reranker (rerank_dir)")
         return len(self.cross.predict([(query, d) for d in docs], show_progress_bar=False))
 
     def padding_ratio(self, texts: list[str], lengths: np.ndarray, batch_size: int) -> float:

@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.hardware import choose_cpu_dtype, choose_cpu_layout, cpu_budget
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
-from support.server import ServerProcess
 
 
 def test_defaults_are_chosen_for_this_host_and_logged(tmp_path, minilm_path):

@@ -10,15 +10,16 @@ import shutil
 import signal
 import socket
 import time
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+from support.corpus import sentences
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
-from support.corpus import sentences
-from support.server import ServerProcess
 
 BUDGET = 4096
 MAX_QUEUED = 64
@@ -157,8 +158,8 @@ def test_while_loading_calls_get_unavailable_and_sigterm_exits_cleanly(tmp_path)
                 try:
                     stub = proc.stub()
                     models = stub.ListModels(pb.ListModelsRequest(), timeout=2).models
-                    code, details = _code(lambda: stub.Embed(pb.EmbedRequest(model="embedder", inputs=["a"]),
-                                                             timeout=2))
+                    code, details = _code(lambda stub=stub: stub.Embed(pb.EmbedRequest(model="embedder", inputs=["a"]),
+                                                                       timeout=2))
                     embed = http.post("/v1/embeddings", json={"model": "embedder", "input": "a"})
                     listed = http.get("/v1/models").json()["data"]
                 except (grpc.RpcError, httpx.HTTPError, ValueError):

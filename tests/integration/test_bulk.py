@@ -12,13 +12,13 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from support.corpus import WORDS
+from support.server import ServerProcess
 
 from encoderd.clients.bulk import embed_iterable, embed_to_jsonl
 from encoderd.server.streaming import WINDOW
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
-from support.corpus import WORDS
-from support.server import ServerProcess
 
 
 def _metric(server, name: str, labels: str = "") -> float:
@@ -73,7 +73,7 @@ def test_stream_of_10k_with_a_slow_reader_stays_within_the_window(server, stub):
     assert _metric(server, "encoderd_stream_inputs_in_flight") == 0
     sample = [0, 1, 4999, 9999]
     unary = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[texts[i] for i in sample]))
-    for i, embedding in zip(sample, unary.embeddings):
+    for i, embedding in zip(sample, unary.embeddings, strict=True):
         np.testing.assert_allclose(seen[f"id-{i}"], embedding.values, atol=1e-6)
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.server import ServerProcess
 
 from encoderd.clients import EncoderClient
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
-from support.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent('''
 
 
 def _run(args, timeout, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs, check=False)
 
 
 def _index_reachable() -> str | None:

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.skipif(os.environ.get("ENCODERD_TEST_IMAGES") != "1",
 
 
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, check=False)
     if check and result.returncode != 0:
         raise AssertionError(f"podman {' '.join(args)}: {result.stderr[-3000:]}")
     return result
@@ -56,14 +56,14 @@ def engine_env(tmp_path_factory) -> dict[str, str]:
         if not shutil.which(tool):
             pytest.skip(f"{tool} is missing (Debian package {package})")
     env = dict(os.environ)
-    base = subprocess.run([str(BUILD), "--base-only"], capture_output=True, text=True, timeout=900, env=env)
+    base = subprocess.run([str(BUILD), "--base-only"], capture_output=True, text=True, timeout=900, env=env, check=False)
     if base.returncode != 0:
         pytest.skip(f"cannot build the base image here: {base.stderr.strip().splitlines()[-1:]}")
     probe = podman("run", "--rm", "--network", "host", BASE, "true", check=False)
     if probe.returncode != 0:
         env["CONTAINERS_CONF"] = str(sandbox_conf(tmp_path_factory.mktemp("podman") / "containers.conf"))
         retry = subprocess.run(["podman", "run", "--rm", "--network", "host", BASE, "true"],
-                               capture_output=True, text=True, timeout=120, env=env)
+                               capture_output=True, text=True, timeout=120, env=env, check=False)
         if retry.returncode != 0:
             pytest.skip(f"containers cannot run in this sandbox: {retry.stderr.strip()[-300:]}")
     os.environ.update({k: v for k, v in env.items() if k == "CONTAINERS_CONF"})
@@ -73,7 +73,7 @@ def engine_env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def image(engine_env) -> str:
     started = time.monotonic()
-    build = subprocess.run([str(BUILD), "--tag", IMAGE], capture_output=True, text=True, timeout=1800, env=engine_env)
+    build = subprocess.run([str(BUILD), "--tag", IMAGE], capture_output=True, text=True, timeout=1800, env=engine_env, check=False)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     print(f"image built in {time.monotonic() - started:.0f} s")
     return IMAGE

@@ -9,10 +9,10 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from support.corpus import sentences
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
-from support.corpus import sentences
 
 TEXTS = sentences(96, max_words=300, seed=7)
 
@@ -99,7 +99,7 @@ def test_classify_equals_transformers_softmax(stub, classifier_path):
     with torch.no_grad():
         logits = model(**tok(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")).logits
     want = torch.softmax(logits, dim=-1).numpy()
-    for row, result in zip(want, response.results):
+    for row, result in zip(want, response.results, strict=True):
         got = {s.label: s.score for s in result.labels}
         assert [s.label for s in result.labels] == [model.config.id2label[i] for i in np.argsort(-row, kind="stable")]
         np.testing.assert_allclose([got[model.config.id2label[i]] for i in range(3)], row, atol=1e-5)

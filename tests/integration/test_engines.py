@@ -20,14 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.corpus import sentences
+from support.models import TOKENIZER_FILES, build_classifier, build_reranker
 
 from encoderd.workers import hardware
 from encoderd.workers.backends import BackendOptions, create_backend, resolve_engine, resolve_options
 from encoderd.workers.model_cache import MANIFEST, cached_build, fingerprint_model
 from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
 from encoderd.workers.protocol import TokenBatch
-from support.corpus import sentences
-from support.models import TOKENIZER_FILES, build_classifier, build_reranker
 
 KINDS = ("embedding", "reranker", "classifier")
 # (engine, dtype, library): what runs on this CPU.
@@ -165,8 +165,8 @@ def test_engine_matches_torch(engine, dtype, library, kind, specs, inputs, refer
 def test_onnx_float16_graph_is_valid(specs, inputs, reference, cache_dir):
     """The float16 graph CUDA would run, checked on CPU (onnxruntime's CPU kernels take float16 too)."""
     pytest.importorskip("onnxruntime")
-    from encoderd.workers.backends.onnx_backend import create_session, ensure_onnx_model
     from encoderd.workers.backends.base import padded
+    from encoderd.workers.backends.onnx_backend import create_session, ensure_onnx_model
     from encoderd.workers.pooling import pool
 
     spec = specs["embedding"]
@@ -235,9 +235,9 @@ def test_ct2_rejects_heads_it_does_not_know(arch):
 
     from encoderd.workers.backends.ct2_backend import extract_head
 
-    sizes = {"DistilBert": dict(dim=32, n_layers=1, n_heads=2, hidden_dim=64),
-             "Electra": dict(embedding_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                             intermediate_size=64)}[arch]
+    sizes = {"DistilBert": {"dim": 32, "n_layers": 1, "n_heads": 2, "hidden_dim": 64},
+             "Electra": {"embedding_size": 32, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                             "intermediate_size": 64}}[arch]
     config = getattr(transformers, f"{arch}Config")(**sizes)
     model = getattr(transformers, f"{arch}ForSequenceClassification")(config)
     with pytest.raises(ValueError, match="--engine onnx or torch"):
@@ -429,9 +429,9 @@ def test_server_with_onnx_engine_matches_sentence_transformers(tmp_path, cache_d
     pytest.importorskip("onnxruntime")
     pytest.importorskip("grpc")
     from sentence_transformers import SentenceTransformer
+    from support.server import ServerProcess
 
     from encoderd.v1 import encoderd_pb2 as pb
-    from support.server import ServerProcess
 
     texts = TEXTS[:24]
     with ServerProcess("--engine", "onnx", "--cache-dir", cache_dir, "--cpu-threads", "1",

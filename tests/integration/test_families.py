@@ -22,13 +22,13 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from support.corpus import sentences
+from support.families import FAMILIES, KINDS, MAX_POSITIONS, build
 
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder, resolve_engine
 from encoderd.workers.backends.base import ENGINE_FAMILIES
 from encoderd.workers.model_spec import ModelKind, Pooling, load_model_spec
 from encoderd.workers.protocol import TokenBatch
-from support.corpus import sentences
-from support.families import FAMILIES, KINDS, MAX_POSITIONS, build
 
 _SHORT = sentences(22, max_words=300, seed=11)   # 5 to ~380 tokens
 _LONG = sentences(2, min_words=600, max_words=700, seed=5)  # past every family's 512 tokens: truncated
@@ -256,9 +256,9 @@ def test_max_length_from_the_position_table_alone(family, references, models_dir
 def test_server_serves_xlm_roberta_reranker_and_qwen3_embedder(references, models_dir, tmp_path):
     pytest.importorskip("grpc")
     from sentence_transformers import CrossEncoder, SentenceTransformer
+    from support.server import ServerProcess
 
     from encoderd.v1 import encoderd_pb2 as pb
-    from support.server import ServerProcess
 
     reranker, _ = case(references, models_dir, "xlm-roberta", "reranker")
     embedder, _ = case(references, models_dir, "qwen3", "embedding")

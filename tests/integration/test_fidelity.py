@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_cache import MANIFEST
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
-from support.server import ServerProcess
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 SCALE_BUG = 1.25  # every int8 weight scale off by 25%: what a quantizer with a wrong range would write
@@ -134,7 +134,7 @@ def test_a_broken_conversion_is_refused(int8_server, cache_dir, tmp_path):
     assert code != 0
     text = log.read_text()
     assert "reusing cached onnx entry" in text  # the broken graph itself was loaded, not rebuilt
-    [line] = [l for l in text.splitlines() if "fidelity self-check FAILED" in l and "not serving it" in l]
+    [line] = [ln for ln in text.splitlines() if "fidelity self-check FAILED" in ln and "not serving it" in ln]
     figure = float(re.search(r"min_cosine (\d\.\d+) \(floor 0\.99\)", line).group(1))
     assert figure < 0.95
     assert " ERROR " in line and "--dtype float32" in line and "--allow-low-fidelity" in line

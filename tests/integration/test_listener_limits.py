@@ -11,14 +11,13 @@ import select
 import socket
 import time
 
-import grpc
 import httpx
 import pytest
+from support.server import ServerProcess
 
 from encoderd.gateway.envoy import DRAIN_S
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1.encoderd_pb2_grpc import EncoderStub
-from support.server import ServerProcess
 
 HEADER_TIMEOUT = 1.0
 IDLE_TIMEOUT = 2.0

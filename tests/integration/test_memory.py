@@ -13,9 +13,9 @@ import random
 from pathlib import Path
 
 import pytest
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from support.server import ServerProcess
 
 WORDS = "each batch has a shape the worker has never seen before so its kernels are new".split()
 WARMUP_BATCHES, BATCHES = 8, 50

@@ -10,10 +10,10 @@ import urllib.request
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support.corpus import sentences
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
-from support.corpus import sentences
 
 EMBEDDER = DEFAULT_MODEL_NAME
 MODELS = (EMBEDDER, "reranker", "classifier")
@@ -61,7 +61,7 @@ def scrapes(server, stub):
                                        ("classifier", "Encoder/Classify")])
 def test_requests_and_latency_by_model_and_rpc(scrapes, model, rpc):
     before, after = scrapes
-    ok = dict(model=model, rpc=rpc, code="OK")
+    ok = {"model": model, "rpc": rpc, "code": "OK"}
     assert total(after, "encoderd_requests_total", **ok) > total(before, "encoderd_requests_total", **ok)
     count = "encoderd_request_duration_seconds_count"
     assert total(after, count, model=model, rpc=rpc) > total(before, count, model=model, rpc=rpc)
@@ -70,8 +70,8 @@ def test_requests_and_latency_by_model_and_rpc(scrapes, model, rpc):
 
 def test_errors_are_counted_by_code_without_echoing_unknown_model_names(scrapes):
     before, after = scrapes
-    for labels in (dict(model="(unknown)", rpc="Encoder/Embed", code="NOT_FOUND"),
-                   dict(model=EMBEDDER, rpc="Encoder/Embed", code="INVALID_ARGUMENT")):
+    for labels in ({"model": "(unknown)", "rpc": "Encoder/Embed", "code": "NOT_FOUND"},
+                   {"model": EMBEDDER, "rpc": "Encoder/Embed", "code": "INVALID_ARGUMENT"}):
         assert total(after, "encoderd_requests_total", **labels) == total(before, "encoderd_requests_total", **labels) + 1
     assert not has(after, "encoderd_requests_total", model="no-such-model")  # label sets stay bounded
 
@@ -142,7 +142,7 @@ def test_embed_stream_is_counted_and_carries_the_request_id(server, stub):
     assert bad.value.code() == grpc.StatusCode.NOT_FOUND
     after = scrape(server)
     for code, model in (("OK", EMBEDDER), ("NOT_FOUND", "(unknown)")):
-        labels = dict(model=model, rpc=rpc, code=code)
+        labels = {"model": model, "rpc": rpc, "code": code}
         assert total(after, "encoderd_requests_total", **labels) == total(before, "encoderd_requests_total", **labels) + 1
     count = "encoderd_request_duration_seconds_count"
     assert total(after, count, model=EMBEDDER, rpc=rpc) == total(before, count, model=EMBEDDER, rpc=rpc) + 1

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from encoderd.v1 import encoderd_pb2 as pb
 from support.corpus import sentences
 from support.model_repos import build_hub_cache, build_remote_code_model
 from support.server import ServerProcess
+
+from encoderd.v1 import encoderd_pb2 as pb
 
 # Long inputs too, so truncation at 64 tokens (not the model's own 256) shows.
 TEXTS = sentences(24, min_words=3, max_words=200, seed=15)
@@ -128,7 +128,7 @@ def test_onnx_refuses_the_repository_codes_own_family(tmp_path, remote_code_mode
 
     spec = load_model_spec("relu", remote_code_model, trust_remote_code=True)
     backend = create_backend("onnx", spec, BackendOptions(threads=1, cache_dir=str(tmp_path), trust_remote_code=True))
-    with pytest.raises(ValueError, match="does not serve relu, a relu_bert embedding model.*serve relu_bert "
+    with pytest.raises(ValueError, match=r"does not serve relu, a relu_bert embedding model.*serve relu_bert "
                                          "embedding models: torch"):
         backend.load()
 

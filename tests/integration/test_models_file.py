@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
-from support.server import ServerProcess
 
 # The server exports MiniLM to ONNX int8 and self-checks it at start: minutes on a loaded 2-core host.
 pytestmark = pytest.mark.timeout(600)
@@ -55,5 +55,5 @@ def test_each_model_runs_with_its_own_engine_and_dtype(file_server, stub):
     # ...and the int8 embedder stays close to the float32 one.
     got = file_server.stub().Embed(pb.EmbedRequest(model="mini", inputs=TEXTS))
     want = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=TEXTS))
-    cosines = [np.dot(a.values, b.values) for a, b in zip(got.embeddings, want.embeddings)]
+    cosines = [np.dot(a.values, b.values) for a, b in zip(got.embeddings, want.embeddings, strict=True)]
     assert min(cosines) > 0.98, cosines

@@ -5,10 +5,12 @@ compared with a direct transformers forward on the same tiny models and inputs."
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import io
 import threading
 import time
+from typing import ClassVar
 
 import grpc
 import httpx
@@ -17,10 +19,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from encoderd.v1 import encoderd_pb2 as pb
 from support.multimodal_models import CLAP_SAMPLING_RATE, build_clap, build_clip, build_colbert, build_sparse
 from support.server import ServerProcess, free_port
+
+from encoderd.v1 import encoderd_pb2 as pb
 
 pytest.importorskip("PIL")
 pytest.importorskip("soundfile")
@@ -82,13 +84,11 @@ def unit(x) -> np.ndarray:
 
 # ------------------------------------------------------------- a media site
 class _Site(http.server.BaseHTTPRequestHandler):
-    files: dict[str, bytes] = {}
+    files: ClassVar[dict[str, bytes]] = {}  # shared by every handler instance
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
-        try:
+    def do_GET(self):
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the server under test gave up on us
             self._answer()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the server under test gave up on us, as it should have
 
     def _answer(self):
         if self.path == "/slow":  # answers nothing before the fetch timeout has passed
@@ -172,8 +172,15 @@ class References:
     """Direct transformers forwards on the same directories and inputs."""
 
     def __init__(self, paths):
-        from transformers import (AutoTokenizer, BertForMaskedLM, BertModel, ClapFeatureExtractor, ClapModel,
-                                  CLIPModel, CLIPProcessor)
+        from transformers import (
+            AutoTokenizer,
+            BertForMaskedLM,
+            BertModel,
+            ClapFeatureExtractor,
+            ClapModel,
+            CLIPModel,
+            CLIPProcessor,
+        )
 
         torch.set_num_threads(1)
         self.clip = CLIPModel.from_pretrained(paths["clip"]).eval()
@@ -196,7 +203,7 @@ class References:
         out = self.clip.get_text_features(input_ids=tok.input_ids, attention_mask=tok.attention_mask)
         tokens = self.clip.text_projection(out.last_hidden_state).numpy()
         mask = tok.attention_mask.bool().numpy()
-        return out.pooler_output.numpy(), [unit(t[m]) for t, m in zip(tokens, mask)]
+        return out.pooler_output.numpy(), [unit(t[m]) for t, m in zip(tokens, mask, strict=True)]
 
     @torch.no_grad()
     def clip_images(self, images) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -226,7 +233,7 @@ class References:
     def colbert_tokens(self, texts) -> list[np.ndarray]:
         tok = self.bert_tokenizer(texts, padding=True, return_tensors="pt")
         hidden = self.colbert(**tok).last_hidden_state @ self.colbert_proj.T
-        return [unit(h[m]) for h, m in zip(hidden.numpy(), tok.attention_mask.bool().numpy())]
+        return [unit(h[m]) for h, m in zip(hidden.numpy(), tok.attention_mask.bool().numpy(), strict=True)]
 
     @torch.no_grad()
     def splade(self, texts) -> np.ndarray:
@@ -313,7 +320,7 @@ def test_colbert_token_vectors_match_transformers(stub, refs):
     expected = refs.colbert_tokens(texts)
     assert response.dimensions == 16
     assert [e.rows for e in response.embeddings] == [len(e) for e in expected]
-    for got, want in zip(response.embeddings, expected):
+    for got, want in zip(response.embeddings, expected, strict=True):
         np.testing.assert_allclose(np.array(got.values).reshape(got.rows, 16), want, atol=TOL)
     assert response.usage.prompt_tokens == sum(len(e) for e in expected)
 
@@ -325,7 +332,7 @@ def test_colpali_patch_and_token_vectors(stub, refs):
     text_emb, tokens = refs.clip_text([CLIP_TEXTS[1]])
     got = [np.array(e.values).reshape(e.rows, 16) for e in response.embeddings]
     assert [len(g) for g in got] == [17, len(tokens[0]), 17]  # 16 patches + CLS per image; real tokens per text
-    for g, want in zip(got, [patches[0], tokens[0], patches[1]]):
+    for g, want in zip(got, [patches[0], tokens[0], patches[1]], strict=True):
         np.testing.assert_allclose(g, want, atol=TOL)
     # Tied to CLIP itself: the CLS vector is the CLIP image embedding, the end token's the text embedding.
     np.testing.assert_allclose(got[0][0], unit(image_emb[0]), atol=TOL)
@@ -362,13 +369,13 @@ def test_splade_vectors_match_the_reference(stub, refs):
     expected = refs.splade(texts)
     response = stub.EmbedSparse(pb.EmbedSparseRequest(model="splade", inputs=texts))
     assert response.dimensions == 30522
-    for got, want in zip(response.embeddings, expected):
+    for got, want in zip(response.embeddings, expected, strict=True):
         assert list(got.indices) == sorted(got.indices)
         dense = np.zeros(30522)
         dense[list(got.indices)] = got.values
         np.testing.assert_allclose(dense, want, atol=TOL)
     top = stub.EmbedSparse(pb.EmbedSparseRequest(model="splade", inputs=texts, top_k=8, threshold=0.05))
-    for got, want in zip(top.embeddings, expected):
+    for got, want in zip(top.embeddings, expected, strict=True):
         best = np.sort(np.argsort(-want)[:8])
         assert list(got.indices) == best.tolist() and all(v > 0.05 for v in got.values)
         np.testing.assert_allclose(got.values, want[best], atol=TOL)

@@ -14,10 +14,10 @@ from concurrent import futures
 
 import grpc
 import pytest
+from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
-from support.server import ServerProcess
 
 otlp = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc",
                            reason="the [otel] extra is not installed")
@@ -117,7 +117,7 @@ def log_records(server) -> list[dict]:
 
 
 def test_ready_is_notified_once_models_are_warm(operated):
-    server, notify, _ = operated
+    _server, notify, _ = operated
     ready = notify.wait_for("READY")
     assert ready["READY"] == "1" and ready["STATUS"].startswith("serving 1 model(s) on 127.0.0.1:")
     loading = notify.messages.index(notify.wait_for("STATUS"))

@@ -22,10 +22,10 @@ import httpx
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from encoderd.v1 import encoderd_pb2 as pb
 from support.corpus import sentences
 from support.server import ServerProcess
+
+from encoderd.v1 import encoderd_pb2 as pb
 
 TEXTS = sentences(64, max_words=60, seed=11)
 

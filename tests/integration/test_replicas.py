@@ -14,10 +14,10 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-
-from encoderd.v1 import encoderd_pb2 as pb
 from support.corpus import sentences
 from support.server import ServerProcess
+
+from encoderd.v1 import encoderd_pb2 as pb
 
 TEXTS = sentences(40, max_words=80, seed=5)
 

@@ -14,15 +14,15 @@ import time
 import httpx
 import numpy as np
 import pytest
-
-from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from support.corpus import sentences
 from support.server import ServerProcess
 
+from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+
 TEXTS = sentences(24, max_words=80, seed=3)
 QUERY = "how do search engines rank documents"
-DOCS = sentences(9, max_words=40, seed=11) + ["a cross encoder reranks candidate documents for search engines"]
+DOCS = [*sentences(9, max_words=40, seed=11), "a cross encoder reranks candidate documents for search engines"]
 MAX_QUEUED = 64  # small, so a few concurrent requests overflow it (429)
 
 
@@ -174,7 +174,7 @@ def test_classify_through_encoder_annotations(http, stub):
     body = response.json()
     grpc = stub.Classify(pb.ClassifyRequest(model="classifier", inputs=texts))
     assert body["usage"] == {"prompt_tokens": grpc.usage.prompt_tokens, "total_tokens": grpc.usage.total_tokens}
-    for rest_result, grpc_result in zip(body["results"], grpc.results):
+    for rest_result, grpc_result in zip(body["results"], grpc.results, strict=True):
         assert [ls["label"] for ls in rest_result["labels"]] == [ls.label for ls in grpc_result.labels]
         np.testing.assert_allclose([ls["score"] for ls in rest_result["labels"]],
                                    [ls.score for ls in grpc_result.labels], atol=1e-6)
@@ -361,7 +361,7 @@ def test_gateway_render_writes_a_valid_standalone_config(tmp_path):
     assert (out / "encoderd.pb").stat().st_size > 1000
     assert "STRICT_DNS" in config and "port_value: 8080" in config
     check = subprocess.run([find_envoy(), "--mode", "validate", "--config-path", str(out / "envoy.yaml"),
-                            "--disable-hot-restart"], capture_output=True, text=True)
+                            "--disable-hot-restart"], capture_output=True, text=True, check=False)
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -372,11 +372,11 @@ async def test_authorization_reaches_grpc_metadata():
 
     import grpc
     from google.api import httpbody_pb2
+    from support.server import free_port
 
     from encoderd.gateway.envoy import GatewaySettings
     from encoderd.gateway.process import EnvoyProcess
     from encoderd.v1 import compat_pb2_grpc
-    from support.server import free_port
 
     class EchoMetadata(compat_pb2_grpc.CompatServicer):
         async def Health(self, request, context):

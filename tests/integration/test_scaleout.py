@@ -20,11 +20,11 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from support.server import ServerProcess, free_port
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
-from support.server import ServerProcess, free_port
 
 FRONT = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "front.yaml"
 CLIENTS = 6               # concurrent callers
@@ -60,8 +60,9 @@ class Front:
         config = workdir / "front.yaml"
         config.write_text(yaml.safe_dump(front_config(hosts, self.port, self.admin_port)))
         self.log = workdir / "envoy.log"
-        self.proc = subprocess.Popen([envoy_binary(), "--config-path", str(config), "--disable-hot-restart",
-                                      "--log-level", "warn"], stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([envoy_binary(), "--config-path", str(config), "--disable-hot-restart",
+                                          "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
 
     def stats(self) -> dict[str, int]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?filter=^cluster\\.encoderd\\.",

@@ -19,6 +19,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from support.corpus import sentences
+from support.server import ServerProcess
+from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
 from encoderd.server import postprocess
 from encoderd.server.tokenization import ModelTokenizer, load_tokenizer
@@ -28,25 +31,22 @@ from encoderd.workers.model_spec import (ModelKind, ModelLoadError, Pooling, Sco
                                          load_model_spec)
 from encoderd.workers.protocol import TokenBatch
 from encoderd.workers.st_modules import SentenceModules
-from support.corpus import sentences
-from support.server import ServerProcess
-from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
 CASED = ["Hello World from PARIS and Berlin", "The EU's GDP Grew in Q3", "iPhone USB-C CamelCaseIdentifier HTTPServer"]
 # 6 to 200+ tokens: the long ones are cut at the models' max_seq_length of 128
 TEXTS = sentences(11, max_words=160, seed=23) + sentences(2, min_words=140, max_words=200, seed=5) + CASED
 EMBEDDERS = {
     # LaBSE-style: CLS, Dense layers, Normalize; as sentence-transformers 6.2 writes it
-    "cls-dense-new": dict(fmt="new", pooling=("cls",), modules=(Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)),
-    "mean-dense-old": dict(fmt="old", pooling=("mean",),
-                           modules=(Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)),
+    "cls-dense-new": {"fmt": "new", "pooling": ("cls",), "modules": (Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)},
+    "mean-dense-old": {"fmt": "old", "pooling": ("mean",),
+                           "modules": (Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)},
     # Three modes concatenated (legacy booleans), lower-casing over a cased tokenizer, no Normalize
-    "concat-old-lowercase": dict(fmt="old", pooling=("cls", "max", "mean"), modules=(Dense(96, "GELU"),),
-                                 lowercase=True, cased_tokenizer=True, include_prompt=False),
+    "concat-old-lowercase": {"fmt": "old", "pooling": ("cls", "max", "mean"), "modules": (Dense(96, "GELU"),),
+                                 "lowercase": True, "cased_tokenizer": True, "include_prompt": False},
     # The other modes, a Normalize before a residual Dense, and one after
-    "concat-new-residual": dict(fmt="new", pooling=("weightedmean", "mean_sqrt_len_tokens", "lasttoken"),
-                                modules=(NORMALIZE, Dense(64, "Sigmoid", residual=True), NORMALIZE)),
-    "max-new-plain": dict(fmt="new", pooling=("max",)),
+    "concat-new-residual": {"fmt": "new", "pooling": ("weightedmean", "mean_sqrt_len_tokens", "lasttoken"),
+                                "modules": (NORMALIZE, Dense(64, "Sigmoid", residual=True), NORMALIZE)},
+    "max-new-plain": {"fmt": "new", "pooling": ("max",)},
 }
 # (model, engine, variant): the torch padding-free forward on every model; the padded one, and the
 # numpy pooling of the other engines, on models that together hold every pooling mode and Dense shape.
@@ -261,7 +261,7 @@ def edit_json(path: Path, change) -> None:
 
 
 def insert_module(module: dict):
-    return lambda d: edit_json(d / "modules.json", lambda m: m[:2] + [module] + m[2:])
+    return lambda d: edit_json(d / "modules.json", lambda m: [*m[:2], module, *m[2:]])
 
 
 REFUSALS = {
@@ -304,7 +304,7 @@ def test_unknown_heads_are_refused(heads, st_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="problem_type 'ordinal_regression'"):
         load_model_spec("problem", path)
     path = str(build_head_model(st_dir / "ce-tanh", ("score",), cross_encoder_activation="Tanh"))
-    with pytest.raises(ModelLoadError, match="activation 'torch.nn.modules.activation.Tanh'"):
+    with pytest.raises(ModelLoadError, match=r"activation 'torch\.nn\.modules\.activation\.Tanh'"):
         load_model_spec("ce", path)
     # Several labels: a CrossEncoder's Identity (its default there) leaves Classify's softmax.
     path = str(build_head_model(st_dir / "ce-3-identity", ("a", "b", "c"), cross_encoder_activation="Identity"))
@@ -363,6 +363,6 @@ def test_serve_refuses_at_start(embedders, tmp_path):
         server.stop()
     text = server.log_text()
     # One line naming the module and the reason (start-up errors carry no traceback).
-    [line] = [l for l in text.splitlines() if "'sentence_transformers.models.LayerNorm'" in l]
+    [line] = [ln for ln in text.splitlines() if "'sentence_transformers.models.LayerNorm'" in ln]
     assert line.startswith("encoderd: ") and "encoderd serves only what it reproduces exactly" in line, text
     assert "Traceback" not in text

@@ -9,14 +9,17 @@ business (`encoderd bench --modes recovery`), not a test's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 
+import grpc
 import numpy as np
 import pytest
-from encoderd.v1 import encoderd_pb2 as pb
 from support.server import ServerProcess
+
+from encoderd.v1 import encoderd_pb2 as pb
 
 ZYGOTE_MODULE = "encoderd.workers.zygote"
 
@@ -44,10 +47,8 @@ def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            try:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                 children.setdefault(_stat(int(entry))[1], []).append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
     out, todo = [], [root]
     while todo:
         out.extend(kids := children.get(todo.pop(), []))
@@ -89,7 +90,7 @@ def _kill_and_wait_serving(server, stub, pid: int, timeout: float = 120) -> int:
             if new not in (pid, 0):
                 _embed(stub)
                 return new
-        except Exception:  # UNAVAILABLE while it restarts
+        except (grpc.RpcError, IndexError):  # UNAVAILABLE, or no replica listed yet, while it restarts
             pass
         time.sleep(0.1)
 

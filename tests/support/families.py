@@ -75,8 +75,8 @@ FAMILIES = {f.name: f for f in [
            _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                  eos_token_id=2), "mean", "roberta"),
     Family("distilbert", "DistilBertConfig", "DistilBertModel", "DistilBertForSequenceClassification",
-           dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128, initializer_range=INIT_RANGE,
-                max_position_embeddings=MAX_POSITIONS, pad_token_id=0), "mean", "distilbert"),
+           {"dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128, "initializer_range": INIT_RANGE,
+                "max_position_embeddings": MAX_POSITIONS, "pad_token_id": 0}, "mean", "distilbert"),
     Family("mpnet", "MPNetConfig", "MPNetModel", "MPNetForSequenceClassification",
            _tiny(max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1, bos_token_id=0, eos_token_id=2),
            "mean", "mpnet"),
@@ -101,7 +101,7 @@ FAMILIES = {f.name: f for f in [
 
 # ------------------------------------------------------------------ tokenizers
 def _training_text() -> list[str]:
-    return sentences(400, max_words=60, seed=3) + ["0123456789 .,;:!?'\"()[]{}<>-_/\\@#$%^&*+=~`|"]
+    return [*sentences(400, max_words=60, seed=3), "0123456789 .,;:!?'\"()[]{}<>-_/\\@#$%^&*+=~`|"]
 
 
 def _bpe(specials: list[str]):
@@ -282,8 +282,8 @@ def build(family_name: str, kind: str, out_dir: Path) -> Path:
     tmp.mkdir(parents=True)
     vocab = _save_tokenizer(family, tmp)
     labels = LABELS.get(kind, [])
-    head = dict(num_labels=len(labels), id2label=dict(enumerate(labels)),
-                label2id={label: i for i, label in enumerate(labels)}) if labels else {}
+    head = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+                "label2id": {label: i for i, label in enumerate(labels)}} if labels else {}
     config = getattr(transformers, family.config_class)(
         vocab_size=vocab, **family.config, **_special_ids(tmp, family), **head)
     torch.manual_seed(0)

@@ -17,13 +17,13 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np
 import torch
+
+from encoderd.server.tokenization import load_tokenizer
+from encoderd.workers.backends import BackendOptions, packed_linear, torch_backend
+from encoderd.workers.model_spec import default_model_path, load_model_spec
+from encoderd.workers.protocol import TokenBatch
 from support.broad_corpus import broad_corpus
 from support.corpus import sentences
-from encoderd.workers.model_spec import load_model_spec, default_model_path
-from encoderd.workers.backends import BackendOptions
-from encoderd.workers.backends import torch_backend, packed_linear, packed_bert
-from encoderd.workers.protocol import TokenBatch
-from encoderd.server.tokenization import load_tokenizer
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 spec = load_model_spec("m", default_model_path())
@@ -69,7 +69,7 @@ def build(recipe):
             layer.output.dense = q(layer.output.dense)
         else:
             layer.output.dense = packed_linear.PackedLinear(layer.output.dense)
-    b.packed.qkv = [q(l) for l in b.packed.qkv]
+    b.packed.qkv = [q(lin) for lin in b.packed.qkv]
     return b
 
 class Smoothed(torch.nn.Module):
@@ -82,12 +82,12 @@ def calibrate(b):
     from encoderd.workers import calibration
     cal = calibration.texts(tok, spec.max_length)
     cenc = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(cal)]
-    lins = [m for m in list(b.packed.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear]]
+    lins = list(list(b.packed.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear])
     ranges = {}
     def hook(m, args):
         x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
         ranges[m] = torch.maximum(ranges[m], x) if m in ranges else x
-    hs = [l.register_forward_pre_hook(hook) for l in lins]
+    hs = [lin.register_forward_pre_hook(hook) for lin in lins]
     for i in range(0, len(cenc), 16):
         b.forward(TokenBatch.from_sequences(-1, cenc[i:i + 16]))
     for h in hs: h.remove()
@@ -97,15 +97,16 @@ def run(b):
     outs = [b.forward(x) for x in batches]
     return np.concatenate(outs)
 
-recipes = ["float32"] + sys.argv[2].split(",")
+recipes = ["float32", *sys.argv[2].split(",")]
 backends = {r: build(r) for r in recipes}
 ref = run(backends["float32"])
-best = {r: 1e9 for r in recipes}; cos = {}
+best = dict.fromkeys(recipes, 1000000000.0); cos = {}
 torch.set_num_threads(threads)
-for rnd in range(4):
+for _rnd in range(4):
     for r, b in backends.items():
         t = time.process_time(); out = run(b); best[r] = min(best[r], time.process_time() - t)
         c = (out * ref).sum(1) / np.linalg.norm(out, axis=1) / np.linalg.norm(ref, axis=1)
         cos[r] = (c.min(), c.mean())
 for r in recipes:
-    print(f"{r:28s} {ntok / best[r]:8.0f} tok/s  x{best['float32'] / best[r]:.2f}  min cos {cos[r][0]:.4f} mean {cos[r][1]:.5f}", flush=True)
+    print(f"{r:28s} {ntok / best[r]:8.0f} tok/s  x{best['float32'] / best[r]:.2f}  "
+          f"min cos {cos[r][0]:.4f} mean {cos[r][1]:.5f}", flush=True)

@@ -61,7 +61,7 @@ def clip_tokenizer():
     vocab = {symbol: i for i, symbol in enumerate(alphabet + [a + "</w>" for a in alphabet])}
     merges = []
     for word in CLIP_WORDS:
-        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        pieces = [*list(word[:-1]), word[-1] + "</w>"]
         current = pieces[0]
         for piece in pieces[1:]:
             if (current, piece) not in merges:
@@ -79,12 +79,12 @@ def build_clip(out_dir: Path) -> Path:
 
         tokenizer = clip_tokenizer()
         config = CLIPConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, max_position_embeddings=77,
-                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id),
-            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                               image_size=32, patch_size=8),
+            text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 2, "max_position_embeddings": 77,
+                             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                             "pad_token_id": tokenizer.pad_token_id},
+            vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                               "image_size": 32, "patch_size": 8},
             projection_dim=16)
         _seed()
         CLIPModel(config).eval().save_pretrained(tmp)
@@ -103,12 +103,12 @@ def build_clap(out_dir: Path) -> Path:
         from transformers import ClapConfig, ClapFeatureExtractor, ClapModel
 
         config = ClapConfig(
-            text_config=dict(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, max_position_embeddings=514, type_vocab_size=1,
-                             pad_token_id=0),  # MiniLM's [PAD]: the text tower derives positions from it
-            audio_config=dict(spec_size=64, num_mel_bins=64, window_size=4, patch_size=4, patch_stride=(4, 4),
-                              depths=[1, 1], num_attention_heads=[2, 2], patch_embeds_hidden_size=16, hidden_size=32,
-                              enable_fusion=True, fusion_type="aff_2d"),
+            text_config={"vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 2, "max_position_embeddings": 514, "type_vocab_size": 1,
+                             "pad_token_id": 0},  # MiniLM's [PAD]: the text tower derives positions from it
+            audio_config={"spec_size": 64, "num_mel_bins": 64, "window_size": 4, "patch_size": 4, "patch_stride": (4, 4),
+                              "depths": [1, 1], "num_attention_heads": [2, 2], "patch_embeds_hidden_size": 16, "hidden_size": 32,
+                              "enable_fusion": True, "fusion_type": "aff_2d"},
             projection_dim=16)
         _seed()
         ClapModel(config).eval().save_pretrained(tmp)

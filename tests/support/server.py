@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -17,7 +18,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from encoderd.v1 import encoderd_pb2_grpc
-
 
 # Loopback requests must not follow an http_proxy from the environment.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -59,14 +59,15 @@ class ServerProcess:
     def rest_url(self) -> str:
         return f"{'https' if self._rest_opener is not _DIRECT else 'http'}://127.0.0.1:{self.rest_port}"
 
-    def launch(self) -> "ServerProcess":
+    def launch(self) -> ServerProcess:
         """Start the process without waiting for it."""
-        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen([sys.executable, "-m", "encoderd.server.cli", "serve", *self.args],
-                                     env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # The child keeps its own copy of the log's descriptor.
+        with open(self.log_path, "wb") if self.log_path else contextlib.nullcontext(subprocess.DEVNULL) as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "encoderd.server.cli", "serve", *self.args],
+                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
-    def start(self, timeout: float = 180) -> "ServerProcess":
+    def start(self, timeout: float = 180) -> ServerProcess:
         self.launch()
         try:
             self.wait_serving(timeout)

@@ -1,8 +1,8 @@
 """The client distribution's metadata stays in step with the server distribution's."""
 
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,11 +5,11 @@ with its reason; every explicit flag wins. Fake hardware descriptions, no model 
 from __future__ import annotations
 
 import pytest
+from test_hardware import host
 
 from encoderd.server import placement
 from encoderd.server.cli import build_parser, config_from_args
 from encoderd.workers.hardware import CpuBudget, choose_cpu_dtype, choose_cpu_layout, parse_cgroup_v1, parse_cgroup_v2
-from test_hardware import host
 
 
 @pytest.mark.parametrize("text, cpus", [("max 100000", None), ("200000 100000", 2.0), ("150000 100000", 1.5),

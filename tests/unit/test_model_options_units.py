@@ -7,11 +7,19 @@ import json
 from pathlib import Path
 
 import pytest
+from support.model_repos import build_hub_cache
 
 from encoderd.server.cli import build_parser, config_from_args
-from encoderd.workers.model_spec import (DEFAULT_MODEL_NAME, ModelKind, ModelLoadError, Pooling, default_model_path,
-                                         load_model_spec, require_known_architectures, resolve_model_path)
-from support.model_repos import build_hub_cache
+from encoderd.workers.model_spec import (
+    DEFAULT_MODEL_NAME,
+    ModelKind,
+    ModelLoadError,
+    Pooling,
+    default_model_path,
+    load_model_spec,
+    require_known_architectures,
+    resolve_model_path,
+)
 
 MAIN, V1 = "a" * 40, "b" * 40
 
@@ -147,7 +155,7 @@ def test_a_stock_model_type_with_an_auto_map_is_refused_without_trust(tmp_path):
 
 def test_an_architecture_transformers_lacks_is_refused_in_the_worker(tmp_path):
     path = _with_config(tmp_path, architectures=["MysteryBertModel"])
-    with pytest.raises(ModelLoadError, match="names architecture MysteryBertModel, which transformers .* "
+    with pytest.raises(ModelLoadError, match=r"names architecture MysteryBertModel, which transformers .* "
                                              "does not define, and ships no code for it"):
         require_known_architectures(path, trust_remote_code=True)
     require_known_architectures(default_model_path(), trust_remote_code=False)
@@ -202,7 +210,7 @@ def test_the_packed_forward_never_replaces_repository_code():
 
 # -------------------------------------------------------------- revision
 def test_a_revision_for_a_local_directory_is_refused():
-    with pytest.raises(ModelLoadError, match="--revision 'v2' is for hub models, but .* is a local directory"):
+    with pytest.raises(ModelLoadError, match=r"--revision 'v2' is for hub models, but .* is a local directory"):
         resolve_model_path(default_model_path(), "v2")
 
 

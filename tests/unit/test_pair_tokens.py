@@ -43,7 +43,7 @@ def test_pairs_match_the_tokenizers_pair_encoding(which, max_length, pool, reran
             query = _text(rnd, rnd.choice([1, 5, 40, 300, 900]))
             documents = [_text(rnd, rnd.choice([1, 3, 30, 200, 700])) for _ in range(8)]
             got = asyncio.run(tokenizer.encode(documents, side=side, pairs_with=query))
-            for doc, ids, types in zip(documents, got.ids, got.type_ids):
+            for doc, ids, types in zip(documents, got.ids, got.type_ids, strict=True):
                 want = reference.encode(query, doc)
                 assert ids.tolist() == want.ids and types.tolist() == want.type_ids
 

@@ -33,5 +33,5 @@ def test_buf_lint_is_clean(tmp_path):
     image = build_image(tmp_path / "encoderd.binpb")
     result = subprocess.run([str(buf), "lint", f"{image}#format=binpb", "--path", "encoderd",
                              "--config", str(ROOT / "protos" / "buf.yaml")],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, f"buf lint findings:\n{result.stdout}{result.stderr}"

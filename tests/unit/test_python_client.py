@@ -5,6 +5,7 @@ the methods the shared test server cannot serve (multi-modal, multi-vector, spar
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import shutil
 import subprocess
@@ -14,13 +15,23 @@ import time
 import grpc
 import numpy as np
 import pytest
+from support.server import free_port
 
-from encoderd.clients import (NO_RETRY, AsyncEncoderClient, EncoderClient, InvalidArgument, NotFound,
-                              ResourceExhausted, RetryPolicy, Unavailable, audio, image)
+from encoderd.clients import (
+    NO_RETRY,
+    AsyncEncoderClient,
+    EncoderClient,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    RetryPolicy,
+    Unavailable,
+    audio,
+    image,
+)
 from encoderd.clients.errors import DeadlineExceeded, EncoderdError
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
-from support.server import free_port
 
 FAST = RetryPolicy(max_attempts=4, initial_backoff=0.05, multiplier=2, jitter=0)
 
@@ -120,7 +131,7 @@ def encoder(scripted):
 
 
 def _gaps(calls) -> list[float]:
-    return [b[0] - a[0] for a, b in zip(calls, calls[1:])]
+    return [b[0] - a[0] for a, b in itertools.pairwise(calls)]
 
 
 def test_unavailable_is_retried_with_growing_backoff_until_it_succeeds(encoder):
@@ -137,9 +148,9 @@ def test_unavailable_is_retried_with_growing_backoff_until_it_succeeds(encoder):
 def test_after_the_last_attempt_the_typed_error_carries_the_servers_message(encoder):
     servicer, address = encoder
     servicer.reset([(grpc.StatusCode.RESOURCE_EXHAUSTED, "model m is overloaded")] * 10)
-    with EncoderClient(address, retry=RetryPolicy(max_attempts=3, initial_backoff=0.01)) as client:
-        with pytest.raises(ResourceExhausted) as err:
-            client.embed(["a"])
+    with EncoderClient(address, retry=RetryPolicy(max_attempts=3, initial_backoff=0.01)) as client, \
+            pytest.raises(ResourceExhausted) as err:
+        client.embed(["a"])
     assert len(servicer.calls) == 3 and err.value.attempts == 3
     assert err.value.message == "model m is overloaded"
     # Still a grpc.RpcError with code() / details(), as the raw errors were.
@@ -152,9 +163,8 @@ def test_retries_stop_at_the_callers_deadline(encoder):
     servicer.reset([(grpc.StatusCode.UNAVAILABLE, "down")] * 100)
     policy = RetryPolicy(max_attempts=100, initial_backoff=0.1, multiplier=1, jitter=0)
     start = time.monotonic()
-    with EncoderClient(address, retry=policy, timeout=0.55) as client:
-        with pytest.raises(Unavailable) as err:
-            client.embed(["a"])
+    with EncoderClient(address, retry=policy, timeout=0.55) as client, pytest.raises(Unavailable) as err:
+        client.embed(["a"])
     elapsed = time.monotonic() - start
     # Attempts at about 0, 0.1, ..., 0.5; a sixth retry would start past the deadline, so none is made.
     assert elapsed < 0.55 + 0.05
@@ -168,18 +178,16 @@ def test_an_attempt_that_outlives_the_deadline_is_deadline_exceeded_and_not_retr
     servicer, address = encoder
     servicer.reset(delay=2.0)
     start = time.monotonic()
-    with EncoderClient(address, retry=FAST, timeout=0.3) as client:
-        with pytest.raises(DeadlineExceeded):
-            client.embed(["a"])
+    with EncoderClient(address, retry=FAST, timeout=0.3) as client, pytest.raises(DeadlineExceeded):
+        client.embed(["a"])
     assert time.monotonic() - start < 0.8 and len(servicer.calls) == 1
 
 
 def test_client_errors_are_not_retried(encoder):
     servicer, address = encoder
     servicer.reset([(grpc.StatusCode.INVALID_ARGUMENT, "input 0 is empty")])
-    with EncoderClient(address, retry=FAST) as client:
-        with pytest.raises(InvalidArgument, match="input 0 is empty"):
-            client.embed([""])
+    with EncoderClient(address, retry=FAST) as client, pytest.raises(InvalidArgument, match="input 0 is empty"):
+        client.embed([""])
     assert len(servicer.calls) == 1
 
 
@@ -192,9 +200,9 @@ def test_per_call_timeout_overrides_the_clients(encoder):
 
 def test_no_server_is_unavailable_after_the_retries():
     policy = RetryPolicy(max_attempts=3, initial_backoff=0.01)
-    with EncoderClient(f"127.0.0.1:{free_port()}", retry=policy, timeout=10) as client:
-        with pytest.raises(Unavailable) as err:
-            client.list_models()
+    with EncoderClient(f"127.0.0.1:{free_port()}", retry=policy, timeout=10) as client, \
+            pytest.raises(Unavailable) as err:
+        client.list_models()
     assert err.value.attempts == 3 and err.value.message
 
 
@@ -234,9 +242,8 @@ def test_tls_credentials_and_api_key(tls_pair):
     try:
         with EncoderClient(address, api_key="k1", credentials=grpc.ssl_channel_credentials(cert)) as client:
             assert client.embed(["a"]).vectors.shape == (1, 2)
-        with EncoderClient(address, retry=NO_RETRY, timeout=5) as plaintext:
-            with pytest.raises(Unavailable):
-                plaintext.embed(["a"])
+        with EncoderClient(address, retry=NO_RETRY, timeout=5) as plaintext, pytest.raises(Unavailable):
+            plaintext.embed(["a"])
     finally:
         tls_server.stop()
     assert servicer.authorization == ["Bearer k1"]
@@ -304,8 +311,8 @@ def test_backoff_grows_to_its_cap_with_jitter_below_it():
     assert RetryPolicy(jitter=0).backoff(3) == pytest.approx(0.4)
 
 
-@pytest.mark.parametrize("bad", [dict(max_attempts=0), dict(jitter=1.5), dict(multiplier=0.5),
-                                 dict(initial_backoff=-1)])
+@pytest.mark.parametrize("bad", [{"max_attempts": 0}, {"jitter": 1.5}, {"multiplier": 0.5},
+                                 {"initial_backoff": -1}])
 def test_invalid_policies_are_refused(bad):
     with pytest.raises(ValueError):
         RetryPolicy(**bad)

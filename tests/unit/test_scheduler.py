@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from encoderd.server.batching import BatchLimits, WorkItem
-from encoderd.server.errors import Overloaded
-from encoderd.server.errors import Unavailable
+from encoderd.server.errors import Overloaded, Unavailable
 from encoderd.server.scheduler import ModelScheduler, PendingRequest, Priority
 
 

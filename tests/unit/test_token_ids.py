@@ -35,8 +35,8 @@ def test_special_tokens_are_added_once_and_kept_when_cut(tmp_path, layout):
     post_processor, prefix, suffix = LAYOUTS[layout]
     tokenizer = ModelTokenizer(_tokenizer_dir(tmp_path, post_processor), 6, ThreadPoolExecutor(1))
     assert tokenizer.special_affixes == (prefix, suffix)
-    assert tokenizer.with_special_tokens([3, 4]) == prefix + [3, 4] + suffix
-    assert tokenizer.with_special_tokens(prefix + [3, 4] + suffix) == prefix + [3, 4] + suffix  # carried already
+    assert tokenizer.with_special_tokens([3, 4]) == [*prefix, 3, 4, *suffix]
+    assert tokenizer.with_special_tokens([*prefix, 3, 4, *suffix]) == [*prefix, 3, 4, *suffix]  # carried already
     cut = tokenizer.with_special_tokens([5] * 20)
     assert len(cut) == 6 and cut[:len(prefix)] == prefix and cut[len(cut) - len(suffix):] == suffix
     # The same ids the text path computes, truncation included.

@@ -92,4 +92,4 @@ def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
     return getattr(module, class_name)(spec, options)
 
 
-__all__ = ["Backend", "BackendOptions", "ENGINES", "create_backend", "resolve_engine", "resolve_options"]
+__all__ = ["ENGINES", "Backend", "BackendOptions", "create_backend", "resolve_engine", "resolve_options"]

@@ -63,7 +63,7 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def output_dim(self) -> int: ...
 
-    def release_memory(self) -> None:
+    def release_memory(self) -> None:  # noqa: B027 - optional hook: most backends cache no device memory
         """Give cached device memory back (after an out-of-memory error)."""
 
     def warmup(self, max_length: int) -> None:
@@ -94,9 +94,8 @@ TEXT_KINDS = ("embedding", "reranker", "classifier")
 # on tiny random models of the family, and that everything else is refused. torch runs transformers'
 # own modules, so it serves every family. An engine is never trusted on a family it was not checked on:
 # a converter that accepts a model can still compute something else (a lost mask, other positions).
-ENGINE_FAMILIES = {
-    "onnx": {family: TEXT_KINDS for family in ("bert", "camembert", "deberta-v2", "distilbert", "modernbert",
-                                               "mpnet", "qwen3", "roberta", "xlm-roberta")},
+ENGINE_FAMILIES: dict[str, dict[str, tuple[str, ...]]] = {
+    "onnx": dict.fromkeys(("bert", "camembert", "deberta-v2", "distilbert", "modernbert", "mpnet", "qwen3", "roberta", "xlm-roberta"), TEXT_KINDS),
     # CTranslate2's converter knows these encoders; its DistilBERT has no head we can apply (pre_classifier + ReLU).
     # CamemBERT is not claimed: its converter rebuilds the vocabulary in CamemBERT's own fairseq layout and
     # rejects the test model's, so it is unverified here.

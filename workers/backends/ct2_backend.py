@@ -19,6 +19,7 @@ int8 compute types: they are a few hundred FLOPs per input.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -77,9 +78,10 @@ def extract_head(model) -> dict[str, np.ndarray]:
     head = getattr(model, "classifier", None)
     pooler = getattr(model.base_model, "pooler", None)
     # Matched by structure *and* activation: ELECTRA's head also has dense/out_proj but uses GELU.
-    if isinstance(head, torch.nn.Linear) and isinstance(getattr(pooler, "activation", None), torch.nn.Tanh):
+    if isinstance(head, torch.nn.Linear) and pooler is not None and \
+            isinstance(getattr(pooler, "activation", None), torch.nn.Tanh):
         first, second = _linear(pooler.dense), _linear(head)
-    elif type(head).__name__ in TANH_HEADS:
+    elif head is not None and type(head).__name__ in TANH_HEADS:
         first, second = _linear(head.dense), _linear(head.out_proj)
     else:
         raise ValueError(f"the ctranslate2 engine cannot apply the classification head of {type(model).__name__} "
@@ -131,7 +133,7 @@ def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path, t
 
     _Converter(model_dir).convert(str(out_dir), quantization=quantization, force=True)
     if head is not None:
-        np.savez(out_dir / HEAD_FILE, **head)
+        np.savez(out_dir / HEAD_FILE, **head)  # type: ignore[arg-type]  # numpy's stub reads **head as allow_pickle
 
 
 def ensure_converted(spec, ctype: str, cache_dir: str, trust_remote_code: bool = False) -> tuple[Path, bool]:
@@ -178,10 +180,10 @@ class CT2Backend(Backend):
     def forward(self, batch: TokenBatch) -> np.ndarray:
         # Ragged lists (not a padded array) so CTranslate2 moves them to whichever device it runs on.
         bounds = batch.cu_seqlens
-        ids = [batch.input_ids[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+        ids = [batch.input_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
         types = None
         if batch.token_type_ids is not None:
-            types = [batch.token_type_ids[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])]
+            types = [batch.token_type_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
         hidden = self._to_numpy(self.encoder.forward_batch(ids, token_type_ids=types).last_hidden_state)
         if self.head is not None:
             return apply_head(self.head, hidden[:, 0])

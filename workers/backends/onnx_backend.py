@@ -25,7 +25,9 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -134,11 +136,12 @@ def int8_plan(graph) -> tuple[list[str], dict[str, list]]:
     """
     shapes = _matrix_shapes(graph)
     constants = {init.name for init in graph.initializer}
-    readers = {}
+    readers: dict[str, int] = {}
     for node in graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    keep_float, groups = [], {}
+    keep_float: list[str] = []
+    groups: dict[str, list] = {}
     for node in graph.node:
         if node.op_type != "MatMul" or node.input[1] not in shapes:
             continue
@@ -170,7 +173,7 @@ def activation_ranges(source: Path, names: list[str], length: int, work: Path) -
     onnx.save(model, str(work / "calibrate.onnx"), save_as_external_data=_is_big(source))
     session = create_session(work / "calibrate.onnx", ["CPUExecutionProvider"], 0)
     values = session.run(names, calibration_feed(model.graph, length))
-    return {name: np.abs(x).reshape(-1, x.shape[-1]).max(0) for name, x in zip(names, values)}
+    return {name: np.abs(x).reshape(-1, x.shape[-1]).max(0) for name, x in zip(names, values, strict=True)}
 
 
 def smooth(model, groups: dict[str, list], ranges: dict[str, np.ndarray]) -> None:
@@ -186,7 +189,7 @@ def smooth(model, groups: dict[str, list], ranges: dict[str, np.ndarray]) -> Non
         arrays = [numpy_helper.to_array(weights[node.input[1]]) for node in nodes]
         w_max = np.max([np.abs(w).max(1) for w in arrays], axis=0)
         s = np.maximum(ranges[activation], 1e-5) ** SMOOTH_ALPHA / np.maximum(w_max, 1e-5) ** (1 - SMOOTH_ALPHA)
-        for node, w in zip(nodes, arrays):
+        for node, w in zip(nodes, arrays, strict=True):
             weights[node.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32),
                                                                     node.input[1]))
             node.input[0] = f"{activation}/smoothed"
@@ -224,8 +227,8 @@ def quantize_int8(source: Path, out_dir: Path, max_length: int, recipe: str) -> 
     big = _is_big(source)
     model = onnx.load(str(source))
     keep_float, groups = int8_plan(model.graph)
-    with tempfile.TemporaryDirectory(dir=out_dir) as work:
-        work = Path(work)
+    with tempfile.TemporaryDirectory(dir=out_dir) as work_dir:
+        work = Path(work_dir)
         smooth(model, groups, activation_ranges(source, list(groups), min(128, max_length), work))
         onnx.save(model, str(work / MODEL_FILE), save_as_external_data=big)
         # Quantize an export, never an onnxruntime-optimized (fused) graph: quantize_dynamic fails on those.
@@ -289,13 +292,16 @@ def ensure_onnx_model(spec: ModelSpec, dtype: str, cache_dir: str, trust_remote_
     if dtype == "float32":
         return base.path / MODEL_FILE, base.hit
     scheme = hardware.onnx_int8_recipe()
-    derive = {"int8": (f"quantizing {{}} to int8 ({scheme}: smoothed, dynamic, per-channel)", quantize_int8,
-                       spec.max_length, scheme),
-              "float16": ("converting {} to float16", convert_float16)}[dtype]
+    # (what it does, for the progress line; the conversion; its arguments after source and destination)
+    steps: dict[str, tuple[str, Callable[..., None], tuple]] = {
+        "int8": (f"quantizing {{}} to int8 ({scheme}: smoothed, dynamic, per-channel)", quantize_int8,
+                 (spec.max_length, scheme)),
+        "float16": ("converting {} to float16", convert_float16, ())}
+    what, convert, extra = steps[dtype]
     # The scheme is in the key: a graph quantized for a VNNI CPU is never reused on one it would saturate.
     recipe = {"recipe": INT8_RECIPE, "scheme": scheme} if dtype == "int8" else {}
     entry = cached_build(root, "onnx", f"{spec.name}-{dtype}", {**key, "dtype": dtype, **recipe}, lambda out: _timed(
-        derive[0].format(spec.name), derive[1], base.path / MODEL_FILE, out, *derive[2:]))
+        what.format(spec.name), convert, base.path / MODEL_FILE, out, *extra))
     return entry.path / MODEL_FILE, base.hit and entry.hit
 
 
@@ -332,14 +338,14 @@ def require_provider(name: str, hint: str) -> None:
         # the system library path; onnxruntime-gpu >= 1.21 can load them from there before a session needs them.
         try:
             ort.preload_dlls()
-        except Exception as exc:  # the session check that follows says what is really missing
+        except Exception as exc:  # noqa: BLE001 - the session check that follows says what is really missing
             log.warning("onnxruntime.preload_dlls() failed: %s", exc)
 
 
 class OnnxBackend(Backend):
     engine = "onnx"
     # CPU: float32 and dynamic int8; CUDA: float32 and float16.
-    dtypes = {"cpu": ("float32", "int8"), "cuda": ("float32", "float16")}
+    dtypes: ClassVar[dict[str, tuple[str, ...]]] = {"cpu": ("float32", "int8"), "cuda": ("float32", "float16")}
 
     def load(self) -> None:
         require_text_kind(self.spec, self.engine)

@@ -28,11 +28,18 @@ import glob
 import logging
 import os
 from pathlib import Path
+from typing import ClassVar
 
 from ..model_cache import cached_build, default_cache_dir
 from .base import require_family, require_text_kind
-from .onnx_backend import (OnnxBackend, check_onnxruntime_install, create_session, device_index,
-                           ensure_onnx_model, require_provider)
+from .onnx_backend import (
+    OnnxBackend,
+    check_onnxruntime_install,
+    create_session,
+    device_index,
+    ensure_onnx_model,
+    require_provider,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +95,7 @@ def profile_shapes(names: list[str], max_batch: int, max_length: int) -> dict[st
 
 class TensorRTBackend(OnnxBackend):
     engine = "tensorrt"
-    dtypes = {"cuda": ("float32", "float16")}
+    dtypes: ClassVar[dict[str, tuple[str, ...]]] = {"cuda": ("float32", "float16")}
 
     def load(self) -> None:
         require_text_kind(self.spec, self.engine)

@@ -122,13 +122,15 @@ class TorchBackend(Backend):
 
     def _packed_steps(self, batch: TokenBatch):
         """The padding-free forward, pausing after each layer."""
+        packed = self.packed
+        assert packed is not None  # called only for a model it could pack
         with torch.inference_mode():
             ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
             cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(self.device)
             types = (None if batch.token_type_ids is None
                      else torch.from_numpy(batch.token_type_ids).to(self.device, torch.long))
-            packed = packed_encoder.PackedBatch.of(ids, cu_seqlens, types)
-            layers = self.packed.hidden_states(packed)
+            batch_view = packed_encoder.PackedBatch.of(ids, cu_seqlens, types)
+            layers = packed.hidden_states(batch_view)
             while True:
                 self._size_threads(len(batch.input_ids))  # each step: a batch run in a pause may change it
                 try:
@@ -138,9 +140,9 @@ class TorchBackend(Backend):
                     break
                 yield
             if self.spec.kind == ModelKind.EMBEDDING:
-                result = self.packed.pool(hidden, cu_seqlens, self.spec.pooling)
+                result = packed.pool(hidden, cu_seqlens, self.spec.pooling)
             else:
-                result = self.packed.logits(hidden, packed)
+                result = packed.logits(hidden, batch_view)
             return result.float().cpu().numpy()
 
     def _size_threads(self, tokens: int | None) -> None:

@@ -76,7 +76,7 @@ def _tensors(path: Path, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name) for name in names if name in f.keys()}
+        return {name: f.get_tensor(name) for name in names if name in f.keys()}  # noqa: SIM118 - safe_open has no __contains__
 
 
 def _linear(weights: dict[str, torch.Tensor]) -> torch.nn.Linear:
