@@ -22,8 +22,16 @@ from .options import build_parser, log, resolve_options, serving_threads, worker
 from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
 from .recovery import run_recovery
 from .report import floors, print_floors, print_ratios, print_table, ratios
-from .servers import (RERANKER_NAME, build_reranker, encoderd_probe_groups, infinity_venv, list_models, serve_flags,
-                      start_encoderd, start_infinity)
+from .servers import (
+    RERANKER_NAME,
+    build_reranker,
+    encoderd_probe_groups,
+    infinity_venv,
+    list_models,
+    serve_flags,
+    start_encoderd,
+    start_infinity,
+)
 from .targets import GrpcTarget, RestTarget, SentenceTransformersTarget
 
 

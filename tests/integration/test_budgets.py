@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import time
-from pathlib import Path
 
 import grpc
 import httpx

@@ -10,12 +10,12 @@ import base64
 import httpx
 import numpy as np
 import pytest
-
-from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from support.corpus import sentences
 from support.multimodal_models import build_clip, build_colbert, build_sparse
 from support.server import ServerProcess
+
+from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 M = DEFAULT_MODEL_NAME
 TEXTS = sentences(6, max_words=30, seed=17)
@@ -520,7 +520,7 @@ def _fuzz_bodies():
             "truncation_direction", "parameters", "normalize", "dimensions", "output_dimension", "top_n",
             "return_documents", "return_text", "raw_scores", "add_special_tokens", "skip_special_tokens",
             "max_tokens", "prompt_name", "images", "encoding_format", "modality"]
-    return st.fixed_dictionaries({"model": model}, optional={k: value for k in keys}) | value
+    return st.fixed_dictionaries({"model": model}, optional=dict.fromkeys(keys, value)) | value
 
 
 COMPAT_POSTS = ["/embeddings", "/rerank", "/classify", "/embed", "/embed_all", "/embed_sparse", "/predict",

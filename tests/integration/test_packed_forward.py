@@ -18,14 +18,14 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from support.corpus import sentences
+from support.families import build as build_family
+from support.models import build_classifier, build_reranker
 
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
 from encoderd.workers.backends.torch_backend import pool
 from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
 from encoderd.workers.protocol import TokenBatch
-from support.corpus import sentences
-from support.families import build as build_family
-from support.models import build_classifier, build_reranker
 
 TEXTS = sentences(40, max_words=300, seed=11)   # 3 to 256+ tokens: some are truncated
 QUERY = "which engine serves encoders fastest"
@@ -203,9 +203,9 @@ def test_served_with_torch_compile_equals_sentence_transformers(tmp_path):
     warm-up, and served embeddings equal sentence-transformers on the same weights."""
     pytest.importorskip("zmq")
     from sentence_transformers import SentenceTransformer
+    from support.server import ServerProcess
 
     from encoderd.v1 import encoderd_pb2 as pb
-    from support.server import ServerProcess
 
     texts = TEXTS[:16]
     log = tmp_path / "server.log"

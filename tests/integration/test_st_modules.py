@@ -27,8 +27,14 @@ from encoderd.server import postprocess
 from encoderd.server.tokenization import ModelTokenizer, load_tokenizer
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
-from encoderd.workers.model_spec import (ModelKind, ModelLoadError, Pooling, ScoreActivation, check_prompts,
-                                         load_model_spec)
+from encoderd.workers.model_spec import (
+    ModelKind,
+    ModelLoadError,
+    Pooling,
+    ScoreActivation,
+    check_prompts,
+    load_model_spec,
+)
 from encoderd.workers.protocol import TokenBatch
 from encoderd.workers.st_modules import SentenceModules
 
