@@ -30,7 +30,7 @@ from .errors import from_rpc_error
 @dataclass(frozen=True)
 class StreamResult:
     id: str
-    vector: np.ndarray | None      # float32, or None when the input failed
+    vector: np.ndarray | None  # float32, or None when the input failed
     error: str | None = None
 
 
@@ -84,9 +84,16 @@ def _prepare(options: dict) -> tuple[int, tuple | None]:
     return dtype, ((("authorization", f"Bearer {api_key}"),) if api_key else None)
 
 
-def embed_iterable(target: str | grpc.Channel, items: Iterable[tuple[str, str]], *, model: str = "",
-                   skip_ids: Iterable[str] = (), progress: bool = True, total: int | None = None,
-                   **options) -> Iterator[StreamResult]:
+def embed_iterable(
+    target: str | grpc.Channel,
+    items: Iterable[tuple[str, str]],
+    *,
+    model: str = "",
+    skip_ids: Iterable[str] = (),
+    progress: bool = True,
+    total: int | None = None,
+    **options,
+) -> Iterator[StreamResult]:
     """Yield a StreamResult per (id, text) item, in completion order.
 
     `options` are EmbedStreamRequest fields (normalize, dimensions, prompt_name, output_dtype as
@@ -105,25 +112,32 @@ def embed_iterable(target: str | grpc.Channel, items: Iterable[tuple[str, str]],
     except grpc.RpcError as error:
         raise from_rpc_error(error) from None
     finally:
-        call.cancel()      # an abandoned iteration must not leave the stream open
+        call.cancel()  # an abandoned iteration must not leave the stream open
         bar.close()
         if isinstance(target, str):
             channel.close()
 
 
-async def aembed_iterable(channel: grpc.aio.Channel, items: Iterable[tuple[str, str]], *, model: str = "",
-                          skip_ids: Iterable[str] = (), **options) -> AsyncIterator[StreamResult]:
+async def aembed_iterable(
+    channel: grpc.aio.Channel,
+    items: Iterable[tuple[str, str]],
+    *,
+    model: str = "",
+    skip_ids: Iterable[str] = (),
+    **options,
+) -> AsyncIterator[StreamResult]:
     """embed_iterable for asyncio, over a grpc.aio channel."""
     dtype, metadata = _prepare(options)
-    call = encoderd_pb2_grpc.EncoderStub(channel).EmbedStream(_requests(items, model, set(skip_ids), options),
-                                                              metadata=metadata)
+    call = encoderd_pb2_grpc.EncoderStub(channel).EmbedStream(
+        _requests(items, model, set(skip_ids), options), metadata=metadata
+    )
     try:
         async for response in call:
             yield _result(response, dtype)
     except grpc.RpcError as error:
         raise from_rpc_error(error) from None
     finally:
-        call.cancel()      # an abandoned iteration must not leave the stream open
+        call.cancel()  # an abandoned iteration must not leave the stream open
 
 
 def done_ids(path: str) -> set[str]:

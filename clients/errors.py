@@ -35,26 +35,31 @@ class EncoderdError(grpc.RpcError):
 
 class InvalidArgument(EncoderdError):
     """A malformed request: an empty input, an unknown option, an input too long without truncation."""
+
     status = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class NotFound(EncoderdError):
     """No served model has this name."""
+
     status = grpc.StatusCode.NOT_FOUND
 
 
 class FailedPrecondition(EncoderdError):
     """The call does not fit the model (Rerank on an embedding model, say)."""
+
     status = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class ResourceExhausted(EncoderdError):
     """The model's queue is full (--max-queued-inputs / --max-queued-tokens), or a message too large."""
+
     status = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class Unavailable(EncoderdError):
     """No server answers, the model's worker is restarting, or the server is draining."""
+
     status = grpc.StatusCode.UNAVAILABLE
 
 
@@ -64,6 +69,7 @@ class DeadlineExceeded(EncoderdError):
 
 class Unauthenticated(EncoderdError):
     """A missing or wrong API key."""
+
     status = grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -77,17 +83,32 @@ class Cancelled(EncoderdError):
 
 class Unimplemented(EncoderdError):
     """The server is older than this client and lacks the method."""
+
     status = grpc.StatusCode.UNIMPLEMENTED
 
 
 class Internal(EncoderdError):
     """The server failed for a reason that is not the caller's."""
+
     status = grpc.StatusCode.INTERNAL
 
 
-_BY_STATUS = {cls.status: cls for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted,
-                                          Unavailable, DeadlineExceeded, Unauthenticated, PermissionDenied,
-                                          Cancelled, Unimplemented, Internal)}
+_BY_STATUS = {
+    cls.status: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        ResourceExhausted,
+        Unavailable,
+        DeadlineExceeded,
+        Unauthenticated,
+        PermissionDenied,
+        Cancelled,
+        Unimplemented,
+        Internal,
+    )
+}
 
 
 def from_rpc_error(error: grpc.RpcError, attempts: int = 1) -> EncoderdError:

@@ -88,8 +88,9 @@ def call_with_retry(send: Callable[[float | None], T], policy: RetryPolicy, time
         time.sleep(delay)
 
 
-async def acall_with_retry(send: Callable[[float | None], Awaitable[T]], policy: RetryPolicy,
-                           timeout: float | None) -> T:
+async def acall_with_retry(
+    send: Callable[[float | None], Awaitable[T]], policy: RetryPolicy, timeout: float | None
+) -> T:
     """The asyncio form of call_with_retry."""
     attempts = _Attempts(policy, timeout)
     while True:
@@ -107,5 +108,7 @@ def channel_options(policy: RetryPolicy) -> list[tuple[str, int]]:
     to 2 min) before it tries again and fails every call meanwhile, so retries of a server that
     is restarting would all be spent before the channel looked at it again."""
     initial_ms = max(int(policy.initial_backoff * 1000), 1)
-    return [("grpc.initial_reconnect_backoff_ms", initial_ms),
-            ("grpc.max_reconnect_backoff_ms", max(int(policy.max_backoff * 1000), initial_ms))]
+    return [
+        ("grpc.initial_reconnect_backoff_ms", initial_ms),
+        ("grpc.max_reconnect_backoff_ms", max(int(policy.max_backoff * 1000), initial_ms)),
+    ]

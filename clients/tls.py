@@ -29,5 +29,6 @@ def tls_credentials(root_certs: Pem = None, cert_chain: Pem = None, private_key:
     """grpc.ssl_channel_credentials from file paths or PEM bytes."""
     if (cert_chain is None) != (private_key is None):
         raise ValueError("a client certificate needs both cert_chain and private_key")
-    return grpc.ssl_channel_credentials(root_certificates=_pem(root_certs), private_key=_pem(private_key),
-                                        certificate_chain=_pem(cert_chain))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_pem(root_certs), private_key=_pem(private_key), certificate_chain=_pem(cert_chain)
+    )

@@ -7,8 +7,13 @@ import numpy as np
 from ..v1 import encoderd_pb2 as pb
 
 # Packed dtypes arrive in Embedding.data as little-endian bytes (see OutputDtype in the proto).
-_NUMPY: dict[int, str] = {pb.OUTPUT_DTYPE_FLOAT16: "<f2", pb.OUTPUT_DTYPE_INT8: "i1", pb.OUTPUT_DTYPE_UINT8: "u1",
-          pb.OUTPUT_DTYPE_BINARY: "i1", pb.OUTPUT_DTYPE_UBINARY: "u1"}
+_NUMPY: dict[int, str] = {
+    pb.OUTPUT_DTYPE_FLOAT16: "<f2",
+    pb.OUTPUT_DTYPE_INT8: "i1",
+    pb.OUTPUT_DTYPE_UINT8: "u1",
+    pb.OUTPUT_DTYPE_BINARY: "i1",
+    pb.OUTPUT_DTYPE_UBINARY: "u1",
+}
 
 
 def output_dtype(value: str | pb.OutputDtype) -> pb.OutputDtype:

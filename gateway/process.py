@@ -36,7 +36,7 @@ _LAUNCHER = (
     "if os.getppid() != int(sys.argv[1]): os._exit(1)  # the parent died before prctl\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
-MAX_FAST_FAILURES = 5   # restarts in a row that die within FAST_FAILURE_S before the supervisor gives up
+MAX_FAST_FAILURES = 5  # restarts in a row that die within FAST_FAILURE_S before the supervisor gives up
 FAST_FAILURE_S = 10.0
 _ENVOY_LOG_LEVELS = {"DEBUG": "info", "INFO": "warning", "WARNING": "warning", "ERROR": "error"}
 
@@ -73,10 +73,21 @@ class EnvoyProcess:
         self._supervisor = asyncio.create_task(self._supervise(), name="supervise[envoy]")
 
     def _spawn(self, config: Path) -> subprocess.Popen:
-        args = [self.binary, "--config-path", str(config), "--disable-hot-restart",
-                "--log-level", self.log_level, "--log-format", "%Y-%m-%d %T,%e %l envoy: %v"]
-        return subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *args],
-                                stdin=subprocess.DEVNULL, process_group=0)
+        args = [
+            self.binary,
+            "--config-path",
+            str(config),
+            "--disable-hot-restart",
+            "--log-level",
+            self.log_level,
+            "--log-format",
+            "%Y-%m-%d %T,%e %l envoy: %v",
+        ]
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *args],
+            stdin=subprocess.DEVNULL,
+            process_group=0,
+        )
 
     async def _spawn_and_wait(self, timeout: float) -> None:
         """Start Envoy and wait until its listener accepts connections.
@@ -97,8 +108,10 @@ class EnvoyProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._started.poll() is not None:
-                raise GatewayError(f"Envoy exited with code {self._started.returncode} at start "
-                                   f"(--rest-port {self.settings.rest_port} taken? see its log above)")
+                raise GatewayError(
+                    f"Envoy exited with code {self._started.returncode} at start "
+                    f"(--rest-port {self.settings.rest_port} taken? see its log above)"
+                )
             if listens_on(self._started.pid, self.settings.rest_port):
                 return
             await asyncio.sleep(0.05)
@@ -137,11 +150,18 @@ class EnvoyProcess:
             fast_failures = fast_failures + 1 if time.monotonic() - started < FAST_FAILURE_S else 1
             while not self._stopping:
                 if fast_failures > MAX_FAST_FAILURES:
-                    log.error("Envoy failed %d times in a row within %.0fs of starting; giving up: REST on port %d "
-                              "is down (gRPC still serves). Fix the cause in Envoy's log above and restart "
-                              "encoderd", fast_failures - 1, FAST_FAILURE_S, self.settings.rest_port)
+                    log.error(
+                        "Envoy failed %d times in a row within %.0fs of starting; giving up: REST on port %d "
+                        "is down (gRPC still serves). Fix the cause in Envoy's log above and restart "
+                        "encoderd",
+                        fast_failures - 1,
+                        FAST_FAILURE_S,
+                        self.settings.rest_port,
+                    )
                     return
-                log.error("Envoy (pid %d) exited with code %s; restarting it in %.1fs", self._started.pid, code, backoff)
+                log.error(
+                    "Envoy (pid %d) exited with code %s; restarting it in %.1fs", self._started.pid, code, backoff
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
                 if self._stopping:

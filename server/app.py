@@ -28,8 +28,10 @@ log = logging.getLogger("encoderd")
 
 OVERALL = ""  # the health service's name for the server as a whole
 # Names that report the same status as OVERALL: generic gRPC probes ask for the service they call.
-OVERALL_ALIASES = (encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
-                   compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name)
+OVERALL_ALIASES = (
+    encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
+    compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name,
+)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -40,11 +42,14 @@ class Server:
         self.engine = Engine(config, on_model_state=self._on_model_state)
         keys = load_keys(config.api_keys + config.bulk_api_keys, config.api_key_file)
         interceptors = [ApiKeyInterceptor(keys, open_health=config.open_health)] if keys else []
-        self.grpc = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-        ])
+        self.grpc = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
         self._stop = asyncio.Event()
         self.bound_port: int | None = None
         self.gateway = None  # the Envoy child serving REST, when on
@@ -70,19 +75,27 @@ class Server:
         tracing.configure(cfg.otel_endpoint)
         await self._set_overall(health_pb2.HealthCheckResponse.NOT_SERVING)
         add_servicer(self.grpc, EncoderService(self.engine), encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"])
-        add_servicer(self.grpc, CompatService(self.engine, self.health), compat_pb2.DESCRIPTOR.services_by_name["Compat"])
+        add_servicer(
+            self.grpc, CompatService(self.engine, self.health), compat_pb2.DESCRIPTOR.services_by_name["Compat"]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection_v1.enable((
-            encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
-            compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name), self.grpc)
+        reflection_v1.enable(
+            (
+                encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
+                compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            ),
+            self.grpc,
+        )
         credentials = tls.server_credentials(cfg.tls) if cfg.tls else None  # a bad file: one line, now
-        check_ports(cfg.host, {"--grpc-port": cfg.grpc_port, "--rest-port": cfg.rest_port,
-                               "--metrics-port": cfg.metrics_port})
+        check_ports(
+            cfg.host, {"--grpc-port": cfg.grpc_port, "--rest-port": cfg.rest_port, "--metrics-port": cfg.metrics_port}
+        )
         address = f"{cfg.host}:{cfg.grpc_port}"
         try:
-            self.bound_port = (self.grpc.add_secure_port(address, credentials) if credentials
-                               else self.grpc.add_insecure_port(address))
+            self.bound_port = (
+                self.grpc.add_secure_port(address, credentials) if credentials else self.grpc.add_insecure_port(address)
+            )
         except RuntimeError:  # taken between the check and now
             self.bound_port = 0
         if not self.bound_port:
@@ -101,8 +114,9 @@ class Server:
             try:
                 start_http_server(cfg.metrics_port, addr=cfg.host)
             except OSError as exc:
-                raise StartupError(f"cannot listen on {cfg.host}:{cfg.metrics_port} (--metrics-port): "
-                                   f"{exc.strerror}") from None
+                raise StartupError(
+                    f"cannot listen on {cfg.host}:{cfg.metrics_port} (--metrics-port): {exc.strerror}"
+                ) from None
         systemd.status(f"loading {len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)}")
         await self.engine.start()
         await self._set_overall(health_pb2.HealthCheckResponse.SERVING)
@@ -113,8 +127,13 @@ class Server:
         # a 640-client flood: pauses of 100-190 ms otherwise, each one a stall of every call).
         gc.freeze()
         security = "" if not cfg.tls else " (mutual TLS)" if cfg.tls.client_ca else " (TLS)"
-        log.info("encoderd ready: gRPC%s on %s:%d serving %s", security, cfg.host, self.bound_port,
-                 ", ".join(self.engine.models))
+        log.info(
+            "encoderd ready: gRPC%s on %s:%d serving %s",
+            security,
+            cfg.host,
+            self.bound_port,
+            ", ".join(self.engine.models),
+        )
 
     async def drain_and_stop(self) -> None:
         """Stop accepting, let in-flight calls finish (up to the drain timeout), stop workers."""
@@ -166,11 +185,19 @@ async def start_gateway(cfg: ServerConfig, upstream: str):
     from ..gateway.envoy import GatewaySettings
     from ..gateway.process import EnvoyProcess
 
-    settings = GatewaySettings(grpc_addresses=(upstream,), rest_host=cfg.host,
-                               rest_port=cfg.rest_port, max_body_bytes=cfg.rest_max_body_bytes,
-                               timeout_s=cfg.rest_timeout, cors_allow_origins=cfg.cors_allow_origins,
-                               url_prefix=cfg.url_prefix, limits=cfg.rest_limits, tls_cert=cfg.tls.cert,
-                               tls_key=cfg.tls.key, tls_client_ca=cfg.tls.client_ca)
+    settings = GatewaySettings(
+        grpc_addresses=(upstream,),
+        rest_host=cfg.host,
+        rest_port=cfg.rest_port,
+        max_body_bytes=cfg.rest_max_body_bytes,
+        timeout_s=cfg.rest_timeout,
+        cors_allow_origins=cfg.cors_allow_origins,
+        url_prefix=cfg.url_prefix,
+        limits=cfg.rest_limits,
+        tls_cert=cfg.tls.cert,
+        tls_key=cfg.tls.key,
+        tls_client_ca=cfg.tls.client_ca,
+    )
     envoy = EnvoyProcess(settings, cfg.envoy_bin, cfg.log_level)
     await envoy.start()
     log.info("REST gateway: Envoy %s (pid %d) on %s -> gRPC %s", envoy.binary, envoy.pid, envoy.url, upstream)

@@ -71,12 +71,15 @@ def _refusing(handler: grpc.RpcMethodHandler | None, message: str):
     if handler is None:
         return None
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream, handler.request_deserializer,
-                                                     handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(
+            refuse_stream, handler.request_deserializer, handler.response_serializer
+        )
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, handler.request_deserializer,
-                                                    handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(
+            refuse_stream, handler.request_deserializer, handler.response_serializer
+        )
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse_unary, handler.request_deserializer,
-                                                    handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(
+            refuse_unary, handler.request_deserializer, handler.response_serializer
+        )
     return grpc.unary_unary_rpc_method_handler(refuse_unary, handler.request_deserializer, handler.response_serializer)

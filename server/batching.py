@@ -32,12 +32,12 @@ class RequestLike(Protocol):
 
 @dataclass(slots=True, eq=False)
 class WorkItem:
-    ids: np.ndarray                  # int32 token ids of one input
-    type_ids: np.ndarray | None      # int32 segment ids (pairs), else None
+    ids: np.ndarray  # int32 token ids of one input
+    type_ids: np.ndarray | None  # int32 segment ids (pairs), else None
     request: RequestLike
-    index: int                       # position among the request's inputs
-    enqueued: float = 0.0            # monotonic time it was queued
-    attempts: int = 0                # batches it rode in that were lost with their worker
+    index: int  # position among the request's inputs
+    enqueued: float = 0.0  # monotonic time it was queued
+    attempts: int = 0  # batches it rode in that were lost with their worker
     modality: ClassVar[str] = "text"  # a batch holds one modality (MediaItem overrides it)
 
     @property
@@ -51,8 +51,8 @@ class MediaItem(WorkItem):
     (server/media.py says how each modality counts), stands in for the token
     length everywhere the scheduler budgets: batches, queue bounds, load."""
 
-    features: np.ndarray | None = None   # float32, one fixed shape per model and modality
-    flag: int = 0                        # per-input flag for the worker (CLAP: is_longer)
+    features: np.ndarray | None = None  # float32, one fixed shape per model and modality
+    flag: int = 0  # per-input flag for the worker (CLAP: is_longer)
     cost: int = 1
     # Per item here, one per class for text: a field may stand in for the base's class variable.
     modality: str = "image"  # type: ignore[misc]
@@ -66,9 +66,9 @@ class MediaItem(WorkItem):
 class BatchLimits:
     max_batch_size: int = 64
     max_batch_tokens: int = 8192
-    padded: bool = True              # cost = size x longest; else the sum of lengths
-    window: int = 512                # inputs considered together when sorting
-    mixed_modalities: bool = False   # the model takes text and media: one modality per batch
+    padded: bool = True  # cost = size x longest; else the sum of lengths
+    window: int = 512  # inputs considered together when sorting
+    mixed_modalities: bool = False  # the model takes text and media: one modality per batch
 
     def cost(self, size: int, longest: int, total: int) -> int:
         return size * longest if self.padded else total
@@ -104,8 +104,10 @@ def _chunk_holding(order: list[int], window: list[WorkItem], limits: BatchLimits
     total = 0
     for i in order:
         length = window[i].length
-        fits = (len(chunk) < limits.max_batch_size
-                and limits.cost(len(chunk) + 1, length, total + length) <= limits.max_batch_tokens)
+        fits = (
+            len(chunk) < limits.max_batch_size
+            and limits.cost(len(chunk) + 1, length, total + length) <= limits.max_batch_tokens
+        )
         if chunk and not fits:
             if oldest in chunk:
                 return chunk

@@ -32,6 +32,8 @@ def _dtype_reason(cfg: ServerConfig, placements: list[Placement], engine: str, d
         return f"dtype {dtype} (--dtype auto: float16 on CUDA)"
     wanted, why = hardware.choose_cpu_dtype(engine)
     if wanted != dtype:
-        return (f"dtype {dtype} (--dtype auto chose {wanted}: {why}; it failed the fidelity self-check, "
-                f"so {dtype} (worker log has the figures))")
+        return (
+            f"dtype {dtype} (--dtype auto chose {wanted}: {why}; it failed the fidelity self-check, "
+            f"so {dtype} (worker log has the figures))"
+        )
     return f"dtype {dtype} (--dtype auto: {why})"

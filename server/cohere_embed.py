@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import uuid
+from typing import Any
 
 import numpy as np
 from google.api import httpbody_pb2
@@ -33,8 +34,9 @@ TRUNCATE = {"": ("right", True), "END": ("right", True), "START": ("left", True)
 
 def contents_of(request: cpb.CohereEmbedRequest) -> list[Content]:
     """The inputs in order: `texts`, `images` (data URIs), or v2's `inputs` (one text or one image each)."""
-    given = [f"`{f}`" for f in ("texts", "images") if getattr(request, f)] + \
-        (["`inputs`"] if request.HasField("inputs") else [])
+    given = [f"`{f}`" for f in ("texts", "images") if getattr(request, f)] + (
+        ["`inputs`"] if request.HasField("inputs") else []
+    )
     if len(given) > 1:
         raise InvalidInput(f"send one of `texts`, `images` or `inputs`, not {' and '.join(given)}")
     if request.images:
@@ -62,9 +64,11 @@ def _input_content(item, index: int) -> Content:
     if not images:
         return Content(text=" ".join(value for _, value in parts))
     if len(parts) > 1:
-        raise InvalidInput(f"inputs[{index}] holds an image with other parts: one vector for text and image "
-                           "together (Cohere's v4 fused embedding) is not something the models here compute; "
-                           "send each text and each image as an input of its own")
+        raise InvalidInput(
+            f"inputs[{index}] holds an image with other parts: one vector for text and image "
+            "together (Cohere's v4 fused embedding) is not something the models here compute; "
+            "send each text and each image as an input of its own"
+        )
     return Content("image", url=images[0])
 
 
@@ -76,13 +80,19 @@ def _part(part, index: int) -> tuple[str, str]:
         return "text", fields["text"].string_value
     if kind == "image_url" and "image_url" in fields:
         image = fields["image_url"]
-        url = (image.string_value if image.WhichOneof("kind") == "string_value" else
-               image.struct_value.fields["url"].string_value
-               if image.WhichOneof("kind") == "struct_value" and "url" in image.struct_value.fields else "")
+        url = (
+            image.string_value
+            if image.WhichOneof("kind") == "string_value"
+            else image.struct_value.fields["url"].string_value
+            if image.WhichOneof("kind") == "struct_value" and "url" in image.struct_value.fields
+            else ""
+        )
         if url:
             return "image", url
-    raise InvalidInput(f"inputs[{index}].content holds a part that is neither {{\"type\": \"text\", \"text\": ...}} "
-                       f"nor {{\"type\": \"image_url\", \"image_url\": {{\"url\": \"data:...\"}}}}")
+    raise InvalidInput(
+        f'inputs[{index}].content holds a part that is neither {{"type": "text", "text": ...}} '
+        f'nor {{"type": "image_url", "image_url": {{"url": "data:..."}}}}'
+    )
 
 
 def embedding_types(request: cpb.CohereEmbedRequest, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -122,17 +132,24 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     warnings = []
     prompt_name = request.input_type if request.input_type in model.prompts else ""
     if request.input_type and not prompt_name and texts:
-        warnings.append(f"model {model.spec.name!r} has no prompt named {request.input_type!r}: "
-                        f"the texts were embedded without one")
+        warnings.append(
+            f"model {model.spec.name!r} has no prompt named {request.input_type!r}: the texts were embedded without one"
+        )
     if n_images:
         model, pooled, tokens = await _embed_media(service, model, contents, prompt_name, truncate, side)
     else:
-        model, pooled, tokens = await service.engine.embed(model.spec.name, texts, truncate=truncate, side=side,
-                                                           prompt_name=prompt_name, priority=DEFAULT_PRIORITY.get())
+        model, pooled, tokens = await service.engine.embed(
+            model.spec.name,
+            texts,
+            truncate=truncate,
+            side=side,
+            prompt_name=prompt_name,
+            priority=DEFAULT_PRIORITY.get(),
+        )
     dimensions = compat._positive(request, "output_dimension")
     vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
     billed = {"input_tokens": tokens, **({"images": n_images} if n_images else {})}
-    meta = {"api_version": {"version": version}, "billed_units": billed}
+    meta: dict[str, Any] = {"api_version": {"version": version}, "billed_units": billed}
     if warnings:
         meta["warnings"] = warnings
     body = {"id": str(uuid.uuid4()), "texts": texts, "meta": meta}
@@ -147,13 +164,16 @@ async def _embed_media(service, model, contents: list[Content], prompt_name: str
     """Texts and images through the model's multi-modal path (texts with their prompt, as the text path)."""
     prefix = service.engine.prompt_text(model, "", prompt_name) if prompt_name else ""
     contents = [Content(text=prefix + c.text) if c.modality == "text" else c for c in contents]
-    return await multimodal.embed_contents(service.engine, model.spec.name, contents, truncate=truncate, side=side,
-                                           priority=DEFAULT_PRIORITY.get())
+    return await multimodal.embed_contents(
+        service.engine, model.spec.name, contents, truncate=truncate, side=side, priority=DEFAULT_PRIORITY.get()
+    )
 
 
 def _check_max_tokens(request: cpb.CohereEmbedRequest, model_max: int) -> None:
     """v2's `max_tokens`: honoured when it is at least the model's own maximum (inputs are cut there)."""
     max_tokens = compat._positive(request, "max_tokens")
     if max_tokens and max_tokens < model_max:
-        raise InvalidInput(f"`max_tokens` below the model's maximum ({model_max}) is not supported; "
-                           f"inputs are cut at {model_max} tokens")
+        raise InvalidInput(
+            f"`max_tokens` below the model's maximum ({model_max}) is not supported; "
+            f"inputs are cut at {model_max} tokens"
+        )

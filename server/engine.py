@@ -56,8 +56,8 @@ class ServedModel:
     results: ResultCache
     prompts: dict[str, str]
     media: dict = field(default_factory=dict)  # modality -> preprocessor (server/media.py), media kinds only
-    fidelity_status: str = ""                  # the first replica's start-up self-check (workers/fidelity.py)
-    fidelity: tuple = ()                       # its protocol.FidelityFigure's
+    fidelity_status: str = ""  # the first replica's start-up self-check (workers/fidelity.py)
+    fidelity: tuple = ()  # its protocol.FidelityFigure's
 
     @property
     def ready(self) -> bool:
@@ -68,8 +68,11 @@ class ServedModel:
         infos = [r.ready_info for r in self.replicas if r.ready_info]
         if infos:
             return infos[0].output_dim
-        return len(self.spec.labels) if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER) \
+        return (
+            len(self.spec.labels)
+            if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
             else self.spec.hidden_size
+        )
 
     async def compute(self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
         request = PendingRequest(len(tokens.ids))
@@ -119,13 +122,24 @@ class Engine:
         cfg = self.config.for_model(model)  # its engine, dtype, replicas, batch limits...: own, else the server's
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, resolve_model_path, model.source, model.revision)
-        spec = load_model_spec(model.name, path, ModelKind(model.kind) if model.kind else None,
-                               pooling=Pooling(model.pooling) if model.pooling else None,
-                               max_length=model.max_length, trust_remote_code=cfg.trust_remote_code)
+        spec = load_model_spec(
+            model.name,
+            path,
+            ModelKind(model.kind) if model.kind else None,
+            pooling=Pooling(model.pooling) if model.pooling else None,
+            max_length=model.max_length,
+            trust_remote_code=cfg.trust_remote_code,
+        )
         prompts = {**spec.prompts, **dict(cfg.prompts)}
         check_prompts(spec, prompts)
-        tokenizer = ModelTokenizer(path, spec.max_length, self._tokenizer_pool, self._bulk_tokenizer_pool,
-                                   lowercase=spec.lowercase, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = ModelTokenizer(
+            path,
+            spec.max_length,
+            self._tokenizer_pool,
+            self._bulk_tokenizer_pool,
+            lowercase=spec.lowercase,
+            trust_remote_code=cfg.trust_remote_code,
+        )
         # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
         media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
         placements = plan_replicas(cfg.device, cfg.replicas, cfg.cpu_threads)
@@ -133,40 +147,79 @@ class Engine:
         started = time.perf_counter()
         log.info("starting %d worker(s) for %s (%s, kind=%s)", len(replicas), spec.name, path, spec.kind.value)
         infos = await asyncio.gather(*(replica.start() for replica in replicas))
-        log.info("model %s ready in %.1fs (pids %s, %s/%s; fidelity %s%s)", spec.name, time.perf_counter() - started,
-                 ",".join(str(i.pid) for i in infos), infos[0].engine, infos[0].dtype, infos[0].fidelity_status,
-                 "".join(f", {f.metric} {f.value:.5f}" for f in infos[0].fidelity))
+        log.info(
+            "model %s ready in %.1fs (pids %s, %s/%s; fidelity %s%s)",
+            spec.name,
+            time.perf_counter() - started,
+            ",".join(str(i.pid) for i in infos),
+            infos[0].engine,
+            infos[0].dtype,
+            infos[0].fidelity_status,
+            "".join(f", {f.metric} {f.value:.5f}" for f in infos[0].fidelity),
+        )
         log.info("chose %s", explain(spec.name, cfg, placements, infos[0].engine, infos[0].dtype))
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
         scheduler = self._scheduler(spec, replicas, cfg, padded=any(i.is_padded for i in infos))
-        return ServedModel(spec, tokenizer, replicas, scheduler, infos[0].engine, infos[0].dtype,
-                           ResultCache(spec.name, cfg.cache_size), prompts, await media,
-                           infos[0].fidelity_status, infos[0].fidelity)
+        return ServedModel(
+            spec,
+            tokenizer,
+            replicas,
+            scheduler,
+            infos[0].engine,
+            infos[0].dtype,
+            ResultCache(spec.name, cfg.cache_size),
+            prompts,
+            await media,
+            infos[0].fidelity_status,
+            infos[0].fidelity,
+        )
 
-    def _scheduler(self, spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerConfig,
-                   padded: bool) -> ModelScheduler:
+    def _scheduler(
+        self, spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerConfig, padded: bool
+    ) -> ModelScheduler:
         mixed = len(modalities(spec.kind)) > 1
         limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
         bulk_tokens = min(cfg.bulk_batch_tokens or cfg.max_batch_tokens, cfg.max_batch_tokens)
         bulk_limits = BatchLimits(cfg.max_batch_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
-        scheduler = ModelScheduler(spec.name, replicas, limits, bulk_limits=bulk_limits,
-                                   batch_delay=cfg.batch_delay_ms / 1000, max_queued=cfg.max_queued_inputs,
-                                   max_queued_tokens=cfg.max_queued_tokens)
+        scheduler = ModelScheduler(
+            spec.name,
+            replicas,
+            limits,
+            bulk_limits=bulk_limits,
+            batch_delay=cfg.batch_delay_ms / 1000,
+            max_queued=cfg.max_queued_inputs,
+            max_queued_tokens=cfg.max_queued_tokens,
+        )
         scheduler.start()
         return scheduler
 
     def _replica(self, spec: ModelSpec, placement: Placement, cfg: ServerConfig) -> WorkerClient:
-        options = BackendOptions(device=placement.device, dtype=cfg.dtype, threads=placement.threads,
-                                 cache_dir=cfg.cache_dir, max_batch_size=cfg.max_batch_size,
-                                 compile=cfg.torch_compile, trust_remote_code=cfg.trust_remote_code)
+        options = BackendOptions(
+            device=placement.device,
+            dtype=cfg.dtype,
+            threads=placement.threads,
+            cache_dir=cfg.cache_dir,
+            max_batch_size=cfg.max_batch_size,
+            compile=cfg.torch_compile,
+            trust_remote_code=cfg.trust_remote_code,
+        )
         label = f"{spec.name}@{placement.label}"
 
         def make_config(batch_address: str, result_address: str) -> WorkerConfig:
-            return WorkerConfig(spec, cfg.engine, options, batch_address, result_address, cfg.log_level, label,
-                                cpu_affinity=placement.cores, log_format=cfg.log_format,
-                                allow_low_fidelity=cfg.allow_low_fidelity,
-                                heartbeat_interval=HEARTBEAT_INTERVAL if cfg.worker_stall_timeout else 0.0)
+            return WorkerConfig(
+                spec,
+                cfg.engine,
+                options,
+                batch_address,
+                result_address,
+                cfg.log_level,
+                label,
+                cpu_affinity=placement.cores,
+                log_format=cfg.log_format,
+                allow_low_fidelity=cfg.allow_low_fidelity,
+                heartbeat_interval=HEARTBEAT_INTERVAL if cfg.worker_stall_timeout else 0.0,
+            )
 
         restarts_counted = 0
         metrics.WORKER_RESTARTS.labels(spec.name, label)  # export the series at 0, so increase() sees the first
@@ -180,8 +233,14 @@ class Engine:
                 restarts_counted = worker.restarts
             self._on_model_state(spec.name, self.models[spec.name].ready if spec.name in self.models else ready)
 
-        worker = WorkerClient(make_config, label, on_state, start_timeout=cfg.worker_start_timeout,
-                              stall_timeout=cfg.worker_stall_timeout, zygote=self.zygote)
+        worker = WorkerClient(
+            make_config,
+            label,
+            on_state,
+            start_timeout=cfg.worker_start_timeout,
+            stall_timeout=cfg.worker_stall_timeout,
+            zygote=self.zygote,
+        )
         self._workers.append(worker)
         return worker
 
@@ -205,14 +264,18 @@ class Engine:
         elif name in self.loading or (not name and not self.models and self.loading):
             raise Unavailable(f"model {name or next(iter(self.loading))!r} is loading; retry shortly")
         elif not name:
-            raise InvalidInput(f"the request names no model and several are served: set `model` to one of "
-                               f"{', '.join(sorted(self.models))}")
+            raise InvalidInput(
+                f"the request names no model and several are served: set `model` to one of "
+                f"{', '.join(sorted(self.models))}"
+            )
         else:
             raise ModelNotFound(f"model {name!r} is not served here; served models: {', '.join(sorted(self.models))}")
         kinds = (kind,) if isinstance(kind, ModelKind) else kind
         if kinds is not None and model.spec.kind not in kinds:
-            raise WrongModelKind(f"model {model.spec.name!r} is a {model.spec.kind.value} model; "
-                                 f"this call needs a {' or '.join(k.value for k in kinds)} model")
+            raise WrongModelKind(
+                f"model {model.spec.name!r} is a {model.spec.kind.value} model; "
+                f"this call needs a {' or '.join(k.value for k in kinds)} model"
+            )
         return model
 
     def check_inputs(self, texts, what: str = "inputs") -> list[str]:
@@ -241,8 +304,10 @@ class Engine:
         count = estimate if exact is None else exact
         if budget and count > budget:
             kind = "at least" if exact is None else ""
-            raise InvalidInput(f"the request holds {kind} {count} tokens; the limit is {budget} per request "
-                               "(--max-request-tokens): split it".replace("  ", " "))
+            raise InvalidInput(
+                f"the request holds {kind} {count} tokens; the limit is {budget} per request "
+                "(--max-request-tokens): split it".replace("  ", " ")
+            )
 
     def admit(self, model: ServedModel, texts: list[str], *, truncate: bool = True, pairs_with: str = ""):
         """Budgets and queue admission before tokenization: refused at once when the request is
@@ -259,20 +324,32 @@ class Engine:
             raise InvalidInput("set `prompt` or `prompt_name`, not both")
         if prompt_name:
             if prompt_name not in model.prompts:
-                raise InvalidInput(f"model {model.spec.name!r} has no prompt named {prompt_name!r}; it has: "
-                                   f"{', '.join(sorted(model.prompts)) or 'none'}")
+                raise InvalidInput(
+                    f"model {model.spec.name!r} has no prompt named {prompt_name!r}; it has: "
+                    f"{', '.join(sorted(model.prompts)) or 'none'}"
+                )
             text = model.prompts[prompt_name]
         else:
             text = self.check_text(prompt, "`prompt`") or model.prompts.get(model.spec.default_prompt_name or "", "")
         if text and not model.spec.include_prompt:
             # Its pooling skips the prompt's tokens, which encoderd does not compute (see check_prompts).
-            raise InvalidInput(f"model {model.spec.name!r} takes no prompt: its pooling excludes prompt tokens "
-                               "(include_prompt: false), which encoderd does not compute")
+            raise InvalidInput(
+                f"model {model.spec.name!r} takes no prompt: its pooling excludes prompt tokens "
+                "(include_prompt: false), which encoderd does not compute"
+            )
         return text
 
-    async def embed(self, name: str, texts, *, truncate: bool = True, side: str = "right", prompt: str = "",
-                    prompt_name: str = "", priority: Priority = Priority.INTERACTIVE
-                    ) -> tuple[ServedModel, np.ndarray, int]:
+    async def embed(
+        self,
+        name: str,
+        texts,
+        *,
+        truncate: bool = True,
+        side: str = "right",
+        prompt: str = "",
+        prompt_name: str = "",
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> tuple[ServedModel, np.ndarray, int]:
         """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's)."""
         model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP))
         model.scheduler.refuse_if_full(len(texts))  # a flood is refused before any other work
@@ -284,8 +361,9 @@ class Engine:
         async def compute(indices: list[int]):
             batch = [texts[i] for i in indices]
             with self.admit(model, batch, truncate=truncate):
-                tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side,
-                                                      bulk=priority == Priority.BULK)
+                tokens = await model.tokenizer.encode(
+                    batch, truncate=truncate, side=side, bulk=priority == Priority.BULK
+                )
             self.check_token_budget(0, tokens.total_tokens)
             return await model.compute(tokens, priority), tokens.lengths
 
@@ -305,14 +383,25 @@ class Engine:
             # Checked as floats: JSON numbers arrive as doubles, and 1e300 must not wrap around.
             values = np.asarray(seq, dtype=np.float64)
             if not ((values >= 0) & (values < vocab) & (values == np.floor(values))).all():
-                raise InvalidInput(f"inputs[{i}] holds a value that is not a token id: ids are integers in [0, {vocab})")
-            ids.append(np.asarray(model.tokenizer.with_special_tokens(values.astype(np.int64).tolist()),
-                                  dtype=np.int32))
+                raise InvalidInput(
+                    f"inputs[{i}] holds a value that is not a token id: ids are integers in [0, {vocab})"
+                )
+            ids.append(
+                np.asarray(model.tokenizer.with_special_tokens(values.astype(np.int64).tolist()), dtype=np.int32)
+            )
         tokens = Tokenized(ids, None, sum(len(a) for a in ids))
         return model, await model.compute(tokens), tokens.total_tokens
 
-    async def score_pairs(self, name: str, query: str, documents, *, truncate: bool = True, side: str = "right",
-                          priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
+    async def score_pairs(
+        self,
+        name: str,
+        query: str,
+        documents,
+        *,
+        truncate: bool = True,
+        side: str = "right",
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> tuple[ServedModel, np.ndarray, int]:
         """Cross-encoder logits (n,) of (query, document) pairs and the token count."""
         model = self.get(name, ModelKind.RERANKER)
         model.scheduler.refuse_if_full(len(documents))  # a flood is refused before any other work
@@ -324,8 +413,9 @@ class Engine:
         async def compute(indices: list[int]):
             batch = [documents[i] for i in indices]
             with self.admit(model, batch, truncate=truncate, pairs_with=query):
-                tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side,
-                                                      pairs_with=query, bulk=priority == Priority.BULK)
+                tokens = await model.tokenizer.encode(
+                    batch, truncate=truncate, side=side, pairs_with=query, bulk=priority == Priority.BULK
+                )
             self.check_token_budget(0, tokens.total_tokens)
             return await model.compute(tokens, priority), tokens.lengths
 
@@ -333,8 +423,9 @@ class Engine:
         logits, n_tokens = await model.results.resolve(keys, compute)
         return model, logits[:, 0], n_tokens
 
-    async def classify(self, name: str, texts, *, truncate: bool = True, side: str = "right",
-                       priority: Priority = Priority.INTERACTIVE) -> tuple[ServedModel, np.ndarray, int]:
+    async def classify(
+        self, name: str, texts, *, truncate: bool = True, side: str = "right", priority: Priority = Priority.INTERACTIVE
+    ) -> tuple[ServedModel, np.ndarray, int]:
         """Classifier logits (n, labels) and the token count. An input is a text or a (text,
         text_pair) pair (TEI's /predict), which the model reads as its tokenizer pairs them."""
         model = self.get(name, ModelKind.CLASSIFIER)
@@ -344,8 +435,9 @@ class Engine:
         async def compute(indices: list[int]):
             batch = [texts[i] for i in indices]
             with self.admit(model, ["".join(t) if isinstance(t, tuple) else t for t in batch], truncate=truncate):
-                tokens = await model.tokenizer.encode(batch, truncate=truncate, side=side,
-                                                      bulk=priority == Priority.BULK)
+                tokens = await model.tokenizer.encode(
+                    batch, truncate=truncate, side=side, bulk=priority == Priority.BULK
+                )
             self.check_token_budget(0, tokens.total_tokens)
             return await model.compute(tokens, priority), tokens.lengths
 

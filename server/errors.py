@@ -14,6 +14,7 @@ class EncoderdError(Exception):
 
 class InvalidInput(EncoderdError):
     """Malformed request, empty input, bad option, input too long."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -23,6 +24,7 @@ class ModelNotFound(EncoderdError):
 
 class WrongModelKind(EncoderdError):
     """The call does not fit the model (Rerank on an embedding model)."""
+
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -32,9 +34,11 @@ class Overloaded(EncoderdError):
 
 class Unavailable(EncoderdError):
     """The model's worker crashed, is restarting or the server is draining."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
 class BackendError(EncoderdError):
     """The backend failed on a batch for a reason that is not the client's."""
+
     code = grpc.StatusCode.INTERNAL

@@ -25,14 +25,18 @@ def unknown_enum_value(message, path: str = "") -> str | None:
     define, or None. Only set enum and message fields are walked, so plain requests cost little;
     google.protobuf types (Struct: REST JSON bodies) hold no enum of ours and are skipped."""
     for field, value in message.ListFields():
-        if field.enum_type is None and (field.message_type is None or
-                                        field.message_type.full_name.startswith("google.protobuf.")):
+        if field.enum_type is None and (
+            field.message_type is None or field.message_type.full_name.startswith("google.protobuf.")
+        ):
             continue
         name = f"{path}{field.name}"
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             value_field = field.message_type.fields_by_name["value"]
-            items = [(f"{name}[{k!r}]", v) for k, v in value.items()] if value_field.message_type or \
-                value_field.enum_type else []
+            items = (
+                [(f"{name}[{k!r}]", v) for k, v in value.items()]
+                if value_field.message_type or value_field.enum_type
+                else []
+            )
             described = value_field  # a map's items are its values
         elif field.is_repeated:
             described = field
@@ -57,6 +61,7 @@ def _safe(message_class):
         if bad := unknown_enum_value(message):
             return MalformedRequest(f"{bad} is not a valid value of that field's enum")
         return message
+
     return deserialize
 
 
@@ -71,7 +76,9 @@ def add_servicer(server: grpc.aio.Server, servicer, service_descriptor) -> None:
             (True, False): grpc.stream_unary_rpc_method_handler,
             (True, True): grpc.stream_stream_rpc_method_handler,
         }[(method.client_streaming, method.server_streaming)]
-        handlers[method.name] = factory(getattr(servicer, method.name),
-                                        request_deserializer=_safe(request_class),
-                                        response_serializer=response_class.SerializeToString)
+        handlers[method.name] = factory(
+            getattr(servicer, method.name),
+            request_deserializer=_safe(request_class),
+            response_serializer=response_class.SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))

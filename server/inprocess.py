@@ -32,7 +32,7 @@ SIDES = ("right", "left")
 
 @dataclass(frozen=True)
 class Ranked:
-    index: int       # the document's position in the request
+    index: int  # the document's position in the request
     score: float
     document: str = ""
 
@@ -41,7 +41,7 @@ class Ranked:
 class Tokens:
     ids: list[int]
     tokens: list[str]
-    offsets: list[tuple[int, int]]   # character spans in the input
+    offsets: list[tuple[int, int]]  # character spans in the input
 
 
 def server_config(models: tuple[str, ...] = (), config: str | None = None, **options) -> ServerConfig:
@@ -106,31 +106,60 @@ class AsyncEngine:
         return {name: model.spec.kind.value for name, model in self.engine.models.items()}
 
     # ------------------------------------------------------------------ calls
-    async def embed(self, texts: list[str], model: str = "", *, normalize: bool | None = None, dimensions: int = 0,
-                    output_dtype: str = "float32", truncate: bool = True, truncation_direction: str = "right",
-                    prompt: str = "", prompt_name: str = "", bulk: bool = False) -> np.ndarray:
+    async def embed(
+        self,
+        texts: list[str],
+        model: str = "",
+        *,
+        normalize: bool | None = None,
+        dimensions: int = 0,
+        output_dtype: str = "float32",
+        truncate: bool = True,
+        truncation_direction: str = "right",
+        prompt: str = "",
+        prompt_name: str = "",
+        bulk: bool = False,
+    ) -> np.ndarray:
         """(n, dim) float32 embeddings, L2-normalized when the model says so (as the server), or
         packed `output_dtype` rows (float16, int8, uint8, binary, ubinary) as the server sends them."""
         _one_of(output_dtype, OUTPUT_DTYPES, "output_dtype")
         _one_of(truncation_direction, SIDES, "truncation_direction")
-        served, pooled, _ = await self.engine.embed(model, texts, truncate=truncate, side=truncation_direction,
-                                                    prompt=prompt, prompt_name=prompt_name, priority=_priority(bulk))
-        vectors = finish_embeddings(pooled, normalize=served.spec.normalize if normalize is None else normalize,
-                                    dimensions=dimensions)
+        served, pooled, _ = await self.engine.embed(
+            model,
+            texts,
+            truncate=truncate,
+            side=truncation_direction,
+            prompt=prompt,
+            prompt_name=prompt_name,
+            priority=_priority(bulk),
+        )
+        vectors = finish_embeddings(
+            pooled, normalize=served.spec.normalize if normalize is None else normalize, dimensions=dimensions
+        )
         return vectors if output_dtype == "float32" else quantize(vectors, output_dtype)
 
-    async def rerank(self, query: str, documents: list[str], model: str = "", *, top_n: int = 0,
-                     raw_scores: bool = False, return_documents: bool = False, truncate: bool = True,
-                     bulk: bool = False) -> list[Ranked]:
+    async def rerank(
+        self,
+        query: str,
+        documents: list[str],
+        model: str = "",
+        *,
+        top_n: int = 0,
+        raw_scores: bool = False,
+        return_documents: bool = False,
+        truncate: bool = True,
+        bulk: bool = False,
+    ) -> list[Ranked]:
         """The documents best first, scored by the model's activation (or raw logits)."""
-        served, logits, _ = await self.engine.score_pairs(model, query, documents, truncate=truncate,
-                                                          priority=_priority(bulk))
+        served, logits, _ = await self.engine.score_pairs(
+            model, query, documents, truncate=truncate, priority=_priority(bulk)
+        )
         values = scores(logits, served.spec.score_activation, raw_scores)
-        return [Ranked(int(i), float(values[i]), documents[i] if return_documents else "")
-                for i in rank(values, top_n)]
+        return [Ranked(int(i), float(values[i]), documents[i] if return_documents else "") for i in rank(values, top_n)]
 
-    async def classify(self, texts: list[str], model: str = "", *, raw_scores: bool = False, truncate: bool = True,
-                       bulk: bool = False) -> list[list[tuple[str, float]]]:
+    async def classify(
+        self, texts: list[str], model: str = "", *, raw_scores: bool = False, truncate: bool = True, bulk: bool = False
+    ) -> list[list[tuple[str, float]]]:
         """Per input, (label, score) pairs best first."""
         served, logits, _ = await self.engine.classify(model, texts, truncate=truncate, priority=_priority(bulk))
         values = scores(logits, served.spec.score_activation, raw_scores)

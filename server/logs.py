@@ -19,8 +19,8 @@ import time
 import uuid
 
 FORMATS = ("text", "json")
-REQUEST_ID_KEY = "x-request-id"   # gRPC metadata key (lower case, as gRPC requires)
-_MAX_REQUEST_ID = 128             # a client's id is echoed back and logged: keep it small and printable
+REQUEST_ID_KEY = "x-request-id"  # gRPC metadata key (lower case, as gRPC requires)
+_MAX_REQUEST_ID = 128  # a client's id is echoed back and logged: keep it small and printable
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("encoderd_request_id", default="")
 

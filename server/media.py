@@ -50,7 +50,7 @@ class Content:
     """One input of a multi-modal request: a text, or an image / audio clip given
     as encoded bytes or as a URL (http(s) or data:)."""
 
-    modality: str = "text"      # "text" | "image" | "audio"
+    modality: str = "text"  # "text" | "image" | "audio"
     text: str = ""
     data: bytes = b""
     url: str = ""
@@ -58,11 +58,11 @@ class Content:
 
 @dataclass(frozen=True)
 class MediaLimits:
-    max_bytes: int = 20 * 1024 * 1024    # per media input, encoded
-    fetch_timeout: float = 10.0           # seconds for a whole URL fetch
-    allow_urls: bool = True               # fetch http(s) URLs at all
-    max_image_pixels: int = 50_000_000    # decoded; guards against decompression bombs
-    max_audio_seconds: float = 600.0      # decoded
+    max_bytes: int = 20 * 1024 * 1024  # per media input, encoded
+    fetch_timeout: float = 10.0  # seconds for a whole URL fetch
+    allow_urls: bool = True  # fetch http(s) URLs at all
+    max_image_pixels: int = 50_000_000  # decoded; guards against decompression bombs
+    max_audio_seconds: float = 600.0  # decoded
 
 
 # ------------------------------------------------------------------ bytes
@@ -204,8 +204,10 @@ MAX_RESAMPLING_TERM = 2000
 def _check_resampling(source_rate: int, rate: int, what: str) -> None:
     common = gcd(source_rate, rate)
     if max(source_rate, rate) // common > MAX_RESAMPLING_TERM:
-        raise InvalidInput(f"{what}: cannot resample {source_rate} Hz to the model's {rate} Hz; "
-                           f"use a common sample rate (8, 16, 22.05, 44.1, 48 kHz...)")
+        raise InvalidInput(
+            f"{what}: cannot resample {source_rate} Hz to the model's {rate} Hz; "
+            f"use a common sample rate (8, 16, 22.05, 44.1, 48 kHz...)"
+        )
 
 
 def resample(samples: np.ndarray, source_rate: int, rate: int) -> np.ndarray:
@@ -279,8 +281,12 @@ def load_preprocessors(spec: ModelSpec, limits: MediaLimits) -> dict:
         if modality in PREPROCESSORS:
             with _LOAD_LOCK:
                 loaded[modality] = PREPROCESSORS[modality](spec.path, limits)
-            log.info("%s: %s inputs via %s", spec.name, modality, type(getattr(
-                loaded[modality], "processor", getattr(loaded[modality], "extractor", None))).__name__)
+            log.info(
+                "%s: %s inputs via %s",
+                spec.name,
+                modality,
+                type(getattr(loaded[modality], "processor", getattr(loaded[modality], "extractor", None))).__name__,
+            )
     return loaded
 
 

@@ -6,8 +6,13 @@ from ..v1 import encoderd_pb2 as pb
 from . import postprocess
 from .errors import InvalidInput
 
-_OUTPUT_DTYPES: dict[int, str] = {pb.OUTPUT_DTYPE_FLOAT16: "float16", pb.OUTPUT_DTYPE_INT8: "int8", pb.OUTPUT_DTYPE_UINT8: "uint8",
-                  pb.OUTPUT_DTYPE_BINARY: "binary", pb.OUTPUT_DTYPE_UBINARY: "ubinary"}
+_OUTPUT_DTYPES: dict[int, str] = {
+    pb.OUTPUT_DTYPE_FLOAT16: "float16",
+    pb.OUTPUT_DTYPE_INT8: "int8",
+    pb.OUTPUT_DTYPE_UINT8: "uint8",
+    pb.OUTPUT_DTYPE_BINARY: "binary",
+    pb.OUTPUT_DTYPE_UBINARY: "ubinary",
+}
 
 
 def embeddings_message(vectors, output_dtype: int) -> list[pb.Embedding]:

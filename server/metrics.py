@@ -15,54 +15,85 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30)
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 UNKNOWN_MODEL = "(unknown)"  # requests naming a model we do not serve share one series
 
 # ---------------------------------------------------------------- requests
-REQUESTS = Counter("encoderd_requests", "Finished RPCs, by status code (errors are code != OK)",
-                   ["model", "rpc", "code"])
-REQUEST_SECONDS = Histogram("encoderd_request_duration_seconds", "RPC latency, end to end in the frontend",
-                            ["model", "rpc"], buckets=_LATENCY_BUCKETS)
-AUTH_FAILURES = Counter("encoderd_auth_failures", "Calls refused for a missing or wrong API key, by route "
-                        "(the gRPC method; REST routes arrive as theirs)", ["route"])
+REQUESTS = Counter(
+    "encoderd_requests", "Finished RPCs, by status code (errors are code != OK)", ["model", "rpc", "code"]
+)
+REQUEST_SECONDS = Histogram(
+    "encoderd_request_duration_seconds",
+    "RPC latency, end to end in the frontend",
+    ["model", "rpc"],
+    buckets=_LATENCY_BUCKETS,
+)
+AUTH_FAILURES = Counter(
+    "encoderd_auth_failures",
+    "Calls refused for a missing or wrong API key, by route (the gRPC method; REST routes arrive as theirs)",
+    ["route"],
+)
 REJECTED = Counter("encoderd_rejected_requests", "Requests refused before queueing", ["model", "reason"])
 
 # --------------------------------------------------------------- scheduler
-QUEUED_INPUTS = Counter("encoderd_queued_inputs", "Inputs accepted into a model's queue, by priority",
-                        ["model", "priority"])
+QUEUED_INPUTS = Counter(
+    "encoderd_queued_inputs", "Inputs accepted into a model's queue, by priority", ["model", "priority"]
+)
 QUEUE_DEPTH = Gauge("encoderd_queue_depth", "Inputs waiting for a batch", ["model"])
-QUEUE_WAIT = Histogram("encoderd_queue_wait_seconds", "Time an input waited in the queue for its batch",
-                       ["model"], buckets=_LATENCY_BUCKETS)
-DROPPED = Counter("encoderd_dropped_inputs", "Queued inputs dropped before compute (request cancelled or failed)",
-                  ["model"])
+QUEUE_WAIT = Histogram(
+    "encoderd_queue_wait_seconds",
+    "Time an input waited in the queue for its batch",
+    ["model"],
+    buckets=_LATENCY_BUCKETS,
+)
+DROPPED = Counter(
+    "encoderd_dropped_inputs", "Queued inputs dropped before compute (request cancelled or failed)", ["model"]
+)
 BATCHES = Counter("encoderd_batches", "Batches computed by workers (forward passes)", ["model"])
 BATCH_SIZE = Histogram("encoderd_batch_size", "Inputs per batch", ["model"], buckets=_SIZE_BUCKETS)
-BATCH_TOKENS = Histogram("encoderd_batch_tokens", "Tokens computed per batch, padding included", ["model"],
-                         buckets=_TOKEN_BUCKETS)
-BATCH_SECONDS = Histogram("encoderd_batch_duration_seconds", "Batch round trip to the worker (compute)",
-                          ["model", "replica"], buckets=_LATENCY_BUCKETS)
+BATCH_TOKENS = Histogram(
+    "encoderd_batch_tokens", "Tokens computed per batch, padding included", ["model"], buckets=_TOKEN_BUCKETS
+)
+BATCH_SECONDS = Histogram(
+    "encoderd_batch_duration_seconds",
+    "Batch round trip to the worker (compute)",
+    ["model", "replica"],
+    buckets=_LATENCY_BUCKETS,
+)
 REAL_TOKENS = Counter("encoderd_real_tokens", "Tokens of the inputs", ["model"])
 COMPUTED_TOKENS = Counter("encoderd_computed_tokens", "Tokens computed, padding included", ["model"])
 
-CACHE = Counter("encoderd_cache_lookups", "Result cache and in-flight dedup lookups by outcome "
-                "(hit, miss, inflight_hit)", ["model", "outcome"])
+CACHE = Counter(
+    "encoderd_cache_lookups",
+    "Result cache and in-flight dedup lookups by outcome (hit, miss, inflight_hit)",
+    ["model", "outcome"],
+)
 STREAM_INPUTS_IN_FLIGHT = Gauge("encoderd_stream_inputs_in_flight", "EmbedStream inputs inside the server")
 
 # ----------------------------------------------------------------- workers
 # `replica` is a worker's label, e.g. "reranker@cuda:1"; bounded by --replicas x devices.
 WORKER_RESTARTS = Counter("encoderd_worker_restarts", "Worker processes restarted after dying", ["model", "replica"])
 WORKER_UP = Gauge("encoderd_worker_up", "1 while this worker of the model is ready", ["model", "replica"])
-MODEL_LOAD_SECONDS = Gauge("encoderd_model_load_seconds",
-                           "Seconds from spawning the model's workers at start-up until all were loaded and warm",
-                           ["model"])
+MODEL_LOAD_SECONDS = Gauge(
+    "encoderd_model_load_seconds",
+    "Seconds from spawning the model's workers at start-up until all were loaded and warm",
+    ["model"],
+)
 # The start-up fidelity self-check (workers/fidelity.py): one series per figure of the model's kind.
-MODEL_FIDELITY = Gauge("encoderd_model_fidelity", "Start-up fidelity self-check against float32 of the same weights "
-                       "(metric: min_cosine, max_prob_diff, kendall_tau, top1_agreement)", ["model", "metric"])
-MODEL_FIDELITY_BOUND = Gauge("encoderd_model_fidelity_bound", "The dtype's floor for that figure (max_prob_diff: "
-                             "its ceiling)", ["model", "metric"])
+MODEL_FIDELITY = Gauge(
+    "encoderd_model_fidelity",
+    "Start-up fidelity self-check against float32 of the same weights "
+    "(metric: min_cosine, max_prob_diff, kendall_tau, top1_agreement)",
+    ["model", "metric"],
+)
+MODEL_FIDELITY_BOUND = Gauge(
+    "encoderd_model_fidelity_bound",
+    "The dtype's floor for that figure (max_prob_diff: its ceiling)",
+    ["model", "metric"],
+)
 
 
 def model_label(served, name: str) -> str:

@@ -24,6 +24,7 @@ def choice(names: tuple[str, ...], what: str) -> Callable[[str], str]:
         if value not in names:
             raise argparse.ArgumentTypeError(f"unknown {what} {value!r}: choose one of {', '.join(names)}")
         return value
+
     return parse
 
 
@@ -32,7 +33,8 @@ def pooling_mode(value: str) -> str:
         return Pooling(value).value
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"unknown pooling {value!r}: choose one of {', '.join(p.value for p in Pooling)}") from None
+            f"unknown pooling {value!r}: choose one of {', '.join(p.value for p in Pooling)}"
+        ) from None
 
 
 def positive_int(value: str) -> int:
@@ -64,16 +66,17 @@ def device_list(value: str) -> str:
     devices = [d.strip() for d in value.split(",")]
     for device in devices:
         if not _DEVICE.fullmatch(device):
-            raise argparse.ArgumentTypeError(f"unknown device {device!r}: use cpu, cuda or cuda:N, "
-                                             "or a comma-separated list of them")
+            raise argparse.ArgumentTypeError(
+                f"unknown device {device!r}: use cpu, cuda or cuda:N, or a comma-separated list of them"
+            )
     return ",".join(devices)
 
 
 @dataclass(frozen=True)
 class ModelOption:
-    field: str                       # the ModelConfig field it sets
-    parse: Callable[[str], object]   # text -> value; argparse.ArgumentTypeError when bad
-    file_type: type = str            # the value type a models file gives (int: a TOML/YAML integer)
+    field: str  # the ModelConfig field it sets
+    parse: Callable[[str], object]  # text -> value; argparse.ArgumentTypeError when bad
+    file_type: type = str  # the value type a models file gives (int: a TOML/YAML integer)
 
 
 # Keyed by the flag's name: `--max-length m=128` is `max-length = 128` in a model's table. The models
@@ -98,6 +101,7 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
 # ------------------------------------------------- the `[NAME=]VALUE` flags (server/cli.py)
 def parse_per_model(flag: str, parse_value: Callable[[str], object]) -> Callable[[str], tuple[str | None, object]]:
     """The argparse type of a per-model flag: `[NAME=]VALUE` -> (NAME or None for every model, value)."""
+
     def parse(text: str) -> tuple[str | None, object]:
         given, sep, value = text.partition("=")
         name: str | None = given
@@ -109,6 +113,7 @@ def parse_per_model(flag: str, parse_value: Callable[[str], object]) -> Callable
             return name, parse_value(value)
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: {exc}") from None
+
     return parse
 
 
@@ -128,8 +133,11 @@ class NameableValue(argparse.Action):
         if name is None:
             setattr(namespace, self.dest, value)
         else:
-            setattr(namespace, self.dest + "_per_model", [*(getattr(namespace, self.dest + "_per_model") or []),
-                                                          (name, value)])
+            setattr(
+                namespace,
+                self.dest + "_per_model",
+                [*(getattr(namespace, self.dest + "_per_model") or []), (name, value)],
+            )
 
 
 def nameable_value(flag: str, type, choices) -> Callable[[str], tuple[str | None, object]]:
@@ -145,4 +153,5 @@ def nameable_value(flag: str, type, choices) -> Callable[[str], tuple[str | None
         if choices and value not in choices:
             raise argparse.ArgumentTypeError(f"bad {flag} {text!r}: choose one of {', '.join(choices)}")
         return None, value
+
     return parse

@@ -40,7 +40,7 @@ class ModelsFileError(ValueError):
 class ModelsFile:
     path: str
     models: tuple[ModelConfig, ...]
-    lines: dict[tuple, int]   # key path ("models", NAME, KEY) -> its line (1-based)
+    lines: dict[tuple, int]  # key path ("models", NAME, KEY) -> its line (1-based)
 
     def where(self, *keys: str) -> str:
         """`path:line` of a key path, else of its nearest enclosing table that has a line."""
@@ -116,8 +116,9 @@ def _parse_yaml(path: str, text: str) -> tuple[dict, dict[tuple, int]]:
     try:
         import yaml
     except ModuleNotFoundError:
-        raise ModelsFileError(f"{path}: a YAML models file needs PyYAML (pip install pyyaml); "
-                              "or write it as TOML (models.toml)") from None
+        raise ModelsFileError(
+            f"{path}: a YAML models file needs PyYAML (pip install pyyaml); or write it as TOML (models.toml)"
+        ) from None
     try:
         data = yaml.safe_load(text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -143,12 +144,16 @@ def _models(data, file: ModelsFile) -> list[ModelConfig]:
         raise ModelsFileError(f"{file.path}: expected a `models` table, one entry per served model")
     for key in data:
         if key != "models":
-            raise ModelsFileError(f"{_top(file, key)}: unknown top-level key "
-                                  f"{key!r}: the file holds `models` only (server-wide settings are flags)")
+            raise ModelsFileError(
+                f"{_top(file, key)}: unknown top-level key "
+                f"{key!r}: the file holds `models` only (server-wide settings are flags)"
+            )
     models = data.get("models")
     if not isinstance(models, dict) or not models:
-        raise ModelsFileError(f"{file.where()}: `models` must hold one table per served model, "
-                              "e.g. [models.NAME] with source = \"PATH_OR_HUB_ID\"")
+        raise ModelsFileError(
+            f"{file.where()}: `models` must hold one table per served model, "
+            'e.g. [models.NAME] with source = "PATH_OR_HUB_ID"'
+        )
     return [_model(str(name), table, file) for name, table in models.items()]
 
 
@@ -160,8 +165,10 @@ def _model(name: str, table, file: ModelsFile) -> ModelConfig:
     if not name:
         raise ModelsFileError(f"{file.where(name)}: a model's name is empty")
     if not isinstance(table, dict):
-        raise ModelsFileError(f"{file.where(name)}: model {name!r} must be a table of settings, "
-                              f"e.g. [models.{name}] with source = \"PATH_OR_HUB_ID\"")
+        raise ModelsFileError(
+            f"{file.where(name)}: model {name!r} must be a table of settings, "
+            f'e.g. [models.{name}] with source = "PATH_OR_HUB_ID"'
+        )
     for key in table:
         if key not in KEYS:
             close = difflib.get_close_matches(str(key), KEYS, n=1)
@@ -169,10 +176,15 @@ def _model(name: str, table, file: ModelsFile) -> ModelConfig:
             raise ModelsFileError(f"{file.where(name, key)}: model {name!r}: unknown key {key!r}{hint}")
     source = table.get("source")
     if not isinstance(source, str) or not source:
-        raise ModelsFileError(f"{file.where(name, 'source')}: model {name!r} needs source = \"PATH_OR_HUB_ID\" "
-                              "(a local directory or a hub id)")
-    values = {option.field: _value(name, key, table[key], option, file)
-              for key, option in MODEL_OPTIONS.items() if key in table}
+        raise ModelsFileError(
+            f'{file.where(name, "source")}: model {name!r} needs source = "PATH_OR_HUB_ID" '
+            "(a local directory or a hub id)"
+        )
+    values = {
+        option.field: _value(name, key, table[key], option, file)
+        for key, option in MODEL_OPTIONS.items()
+        if key in table
+    }
     return ModelConfig(name=name, source=source, prompts=_prompts(name, table.get("prompts", {}), file), **values)
 
 
@@ -192,6 +204,8 @@ def _value(name: str, key: str, value, option, file: ModelsFile):
 
 def _prompts(name: str, prompts, file: ModelsFile) -> tuple[tuple[str, str], ...]:
     if not isinstance(prompts, dict) or not all(isinstance(v, str) for v in prompts.values()):
-        raise ModelsFileError(f"{file.where(name, 'prompts')}: model {name!r}: prompts must be a table of "
-                              "NAME = \"TEXT\", e.g. prompts = { query = \"query: \" }")
+        raise ModelsFileError(
+            f"{file.where(name, 'prompts')}: model {name!r}: prompts must be a table of "
+            'NAME = "TEXT", e.g. prompts = { query = "query: " }'
+        )
     return tuple((str(k), v) for k, v in prompts.items())

@@ -14,20 +14,45 @@ import re
 from google.protobuf.descriptor import FieldDescriptor
 
 SCALARS: dict[int, dict[str, object]] = {
-    FieldDescriptor.TYPE_DOUBLE: {"type": "number"}, FieldDescriptor.TYPE_FLOAT: {"type": "number"},
-    FieldDescriptor.TYPE_BOOL: {"type": "boolean"}, FieldDescriptor.TYPE_STRING: {"type": "string"},
+    FieldDescriptor.TYPE_DOUBLE: {"type": "number"},
+    FieldDescriptor.TYPE_FLOAT: {"type": "number"},
+    FieldDescriptor.TYPE_BOOL: {"type": "boolean"},
+    FieldDescriptor.TYPE_STRING: {"type": "string"},
     FieldDescriptor.TYPE_BYTES: {"type": "string", "contentEncoding": "base64"},
     # proto3 JSON: 64-bit integers are strings (numbers accepted too)
-    **{t: {"type": ["string", "integer"]} for t in (FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64,
-                                                    FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED64,
-                                                    FieldDescriptor.TYPE_SFIXED64)},
+    **{
+        t: {"type": ["string", "integer"]}
+        for t in (
+            FieldDescriptor.TYPE_INT64,
+            FieldDescriptor.TYPE_UINT64,
+            FieldDescriptor.TYPE_SINT64,
+            FieldDescriptor.TYPE_FIXED64,
+            FieldDescriptor.TYPE_SFIXED64,
+        )
+    },
 }
 # Well-known types, as proto3 JSON writes them.
-WELL_KNOWN = {"google.protobuf.Value": {}, "google.protobuf.Struct": {"type": "object"},
-              "google.protobuf.ListValue": {"type": "array"}, "google.protobuf.Empty": {"type": "object"},
-              "google.api.HttpBody": {}}
-ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    "message": {"type": "string"}, "type": {"type": "string"}, "param": {}, "code": {"type": "string"}}}}}
+WELL_KNOWN = {
+    "google.protobuf.Value": {},
+    "google.protobuf.Struct": {"type": "object"},
+    "google.protobuf.ListValue": {"type": "array"},
+    "google.protobuf.Empty": {"type": "object"},
+    "google.api.HttpBody": {},
+}
+ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {},
+                "code": {"type": "string"},
+            },
+        }
+    },
+}
 
 
 def _field_schema(field, schemas: dict) -> dict:
@@ -46,8 +71,10 @@ def _message_ref(message, schemas: dict) -> dict:
         return dict(WELL_KNOWN[message.full_name])
     if message.full_name not in schemas:
         schemas[message.full_name] = {}  # placeholder first: messages may refer to themselves
-        schemas[message.full_name] = {"type": "object", "properties": {
-            f.name: _field_schema(f, schemas) for f in message.fields}}
+        schemas[message.full_name] = {
+            "type": "object",
+            "properties": {f.name: _field_schema(f, schemas) for f in message.fields},
+        }
     return {"$ref": f"#/components/schemas/{message.full_name}"}
 
 
@@ -59,22 +86,35 @@ def _path(template: str) -> tuple[str, list[str]]:
 
 def _operation(service, method, verb: str, template: str, body: str, index: int, schemas: dict) -> dict:
     path_names = _path(template)[1]
-    operation = {"operationId": f"{service.name}.{method.name}" + (f".{index}" if index else ""),
-                 "tags": [service.name], "summary": method.name}
+    operation = {
+        "operationId": f"{service.name}.{method.name}" + (f".{index}" if index else ""),
+        "tags": [service.name],
+        "summary": method.name,
+    }
     parameters = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in path_names]
     if body == "*":
-        operation["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": _message_ref(method.input_type, schemas)}}}
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": _message_ref(method.input_type, schemas)}},
+        }
     else:  # GET: the request's other fields are query parameters
-        parameters += [{"name": f.name, "in": "query", "schema": _field_schema(f, schemas)}
-                       for f in method.input_type.fields if f.name not in path_names]
+        parameters += [
+            {"name": f.name, "in": "query", "schema": _field_schema(f, schemas)}
+            for f in method.input_type.fields
+            if f.name not in path_names
+        ]
     if parameters:
         operation["parameters"] = parameters
     operation["responses"] = {
-        "200": {"description": "OK", "content": {"application/json": {"schema": _message_ref(method.output_type,
-                                                                                             schemas)}}},
-        "default": {"description": "an error", "content": {"application/json": {
-            "schema": {"$ref": "#/components/schemas/Error"}}}}}
+        "200": {
+            "description": "OK",
+            "content": {"application/json": {"schema": _message_ref(method.output_type, schemas)}},
+        },
+        "default": {
+            "description": "an error",
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        },
+    }
     return operation
 
 
@@ -96,9 +136,16 @@ def document() -> dict:
                         continue
                     template = getattr(binding, verb)
                     paths.setdefault(_path(template)[0], {})[verb] = _operation(
-                        service, method, verb, template, binding.body, index, schemas)
-    return {"openapi": "3.1.0",
-            "info": {"title": "encoderd REST API", "version": "v1",
-                     "description": "OpenAI-, Cohere-, Infinity- and TEI-compatible routes and encoderd's own, "
-                                    "generated from the google.api.http rules of protos/encoderd/v1."},
-            "paths": dict(sorted(paths.items())), "components": {"schemas": schemas}}
+                        service, method, verb, template, binding.body, index, schemas
+                    )
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "encoderd REST API",
+            "version": "v1",
+            "description": "OpenAI-, Cohere-, Infinity- and TEI-compatible routes and encoderd's own, "
+            "generated from the google.api.http rules of protos/encoderd/v1.",
+        },
+        "paths": dict(sorted(paths.items())),
+        "components": {"schemas": schemas},
+    }

@@ -16,9 +16,9 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class Placement:
-    device: str                  # "cpu" or "cuda:N"
+    device: str  # "cpu" or "cuda:N"
     cores: tuple[int, ...] = ()  # CPU affinity of the worker process; () = inherit
-    threads: int = 0             # intra-op threads; 0 = the backend's default
+    threads: int = 0  # intra-op threads; 0 = the backend's default
 
     @property
     def label(self) -> str:

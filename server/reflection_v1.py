@@ -46,7 +46,10 @@ def enable(service_names: tuple[str, ...], server: grpc.aio.Server) -> None:
     reflection.enable_server_reflection(names, server)
     servicer = reflection.aio.ReflectionServicer(names)
     handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo, request_deserializer=v1alpha.ServerReflectionRequest.FromString,
-        response_serializer=v1alpha.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
-        "ServerReflectionInfo": handler}),))
+        servicer.ServerReflectionInfo,
+        request_deserializer=v1alpha.ServerReflectionRequest.FromString,
+        response_serializer=v1alpha.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"ServerReflectionInfo": handler}),)
+    )

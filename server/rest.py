@@ -69,11 +69,12 @@ def media_inputs(value: struct_pb2.Value, modality: str) -> list[Content]:
     """Infinity's image / audio `input`: a string or a list of strings, each a data
     URI, an http(s) URL or bare base64 (decoded later, off the event loop)."""
     kind = value.WhichOneof("kind")
-    items = ([value] if kind == "string_value" else
-             list(value.list_value.values) if kind == "list_value" else [])
+    items = [value] if kind == "string_value" else list(value.list_value.values) if kind == "list_value" else []
     if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
-        raise InvalidInput(f"`input` must be a string or a non-empty list of strings (data URIs, http(s) URLs or "
-                           f"base64) for modality {modality!r}")
+        raise InvalidInput(
+            f"`input` must be a string or a non-empty list of strings (data URIs, http(s) URLs or "
+            f"base64) for modality {modality!r}"
+        )
     return [Content(modality, url=v.string_value) for v in items]
 
 
@@ -81,7 +82,7 @@ def rerank_documents(value: struct_pb2.Value, rank_fields=()) -> tuple[list[str]
     """Cohere `documents` -> (the texts ranked, the documents as given): strings, or objects
     (the v1 API) ranked on their `text`, or on `rank_fields` as "key: value" lines."""
     if value.WhichOneof("kind") != "list_value":
-        raise InvalidInput("`documents` is required and must be a list of strings or of {\"text\": ...} objects")
+        raise InvalidInput('`documents` is required and must be a list of strings or of {"text": ...} objects')
     texts, originals = [], []
     for i, item in enumerate(value.list_value.values):
         kind = item.WhichOneof("kind")
@@ -92,7 +93,7 @@ def rerank_documents(value: struct_pb2.Value, rank_fields=()) -> tuple[list[str]
             texts.append(_document_text(item.struct_value, rank_fields, i))
             originals.append(json_format.MessageToDict(item.struct_value))
         else:
-            raise InvalidInput(f"documents[{i}] must be a string or an object with a string \"text\" field")
+            raise InvalidInput(f'documents[{i}] must be a string or an object with a string "text" field')
     return texts, originals
 
 
@@ -100,8 +101,10 @@ def _document_text(document: struct_pb2.Struct, rank_fields, index: int) -> str:
     fields = document.fields
     for key in rank_fields or ("text",):
         if key not in fields or fields[key].WhichOneof("kind") != "string_value":
-            raise InvalidInput(f"documents[{index}] must be a string or an object with a string {key!r} field" +
-                               (" (one of `rank_fields`)" if rank_fields else ""))
+            raise InvalidInput(
+                f"documents[{index}] must be a string or an object with a string {key!r} field"
+                + (" (one of `rank_fields`)" if rank_fields else "")
+            )
     if not rank_fields:
         return fields["text"].string_value
     return "\n".join(f"{key}: {fields[key].string_value}" for key in rank_fields)
@@ -130,8 +133,10 @@ def _positive(request, field: str) -> int:
 
 # ----------------------------------------------------------------- responses
 def _json(document: dict) -> httpbody_pb2.HttpBody:
-    return httpbody_pb2.HttpBody(content_type="application/json",
-                                 data=json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode())
+    return httpbody_pb2.HttpBody(
+        content_type="application/json",
+        data=json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(),
+    )
 
 
 def _infinity_id() -> dict:
@@ -169,8 +174,9 @@ def render_embeddings(model: str, vectors, encoding_format: str, tokens: int) ->
         rows = float_rows(model, vectors)
     data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in enumerate(rows))
     tail = json.dumps({"model": model, "usage": _usage(tokens)}, ensure_ascii=False, separators=(",", ":"))[1:]
-    return httpbody_pb2.HttpBody(content_type="application/json",
-                                 data=f'{{"object":"list","data":[{data}],{tail}'.encode())
+    return httpbody_pb2.HttpBody(
+        content_type="application/json", data=f'{{"object":"list","data":[{data}],{tail}'.encode()
+    )
 
 
 def render_multivectors(model: str, rows: list[np.ndarray], encoding_format: str, tokens: int) -> httpbody_pb2.HttpBody:
@@ -182,32 +188,48 @@ def render_multivectors(model: str, rows: list[np.ndarray], encoding_format: str
         rendered = [json.dumps(r.tolist(), separators=(",", ":")) for r in rows]
     data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in enumerate(rendered))
     tail = json.dumps({"model": model, "usage": _usage(tokens)}, ensure_ascii=False, separators=(",", ":"))[1:]
-    return httpbody_pb2.HttpBody(content_type="application/json",
-                                 data=f'{{"object":"list","data":[{data}],{tail}'.encode())
+    return httpbody_pb2.HttpBody(
+        content_type="application/json", data=f'{{"object":"list","data":[{data}],{tail}'.encode()
+    )
 
 
 def openai_model(model: ServedModel) -> dict:
-    info = json_format.MessageToDict(model_info(model), preserving_proto_field_name=True,
-                                     always_print_fields_with_no_presence=True)
+    info = json_format.MessageToDict(
+        model_info(model), preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     return {"id": info.pop("id"), "object": "model", "created": 0, "owned_by": "encoderd", **info}
 
 
 # Infinity's names for what a model can do, by kind.
-INFINITY_CAPABILITIES = {ModelKind.EMBEDDING: ["embed"], ModelKind.RERANKER: ["rerank"],
-                         ModelKind.CLASSIFIER: ["classify"], ModelKind.CLIP: ["embed", "image_embed"],
-                         ModelKind.CLAP: ["embed", "audio_embed"], ModelKind.COLBERT: ["embed"],
-                         ModelKind.COLPALI: ["embed", "image_embed"], ModelKind.SPARSE: []}
+INFINITY_CAPABILITIES = {
+    ModelKind.EMBEDDING: ["embed"],
+    ModelKind.RERANKER: ["rerank"],
+    ModelKind.CLASSIFIER: ["classify"],
+    ModelKind.CLIP: ["embed", "image_embed"],
+    ModelKind.CLAP: ["embed", "audio_embed"],
+    ModelKind.COLBERT: ["embed"],
+    ModelKind.COLPALI: ["embed", "image_embed"],
+    ModelKind.SPARSE: [],
+}
 
 
 def infinity_model(model: ServedModel) -> dict:
     """openai_model plus Infinity's `stats`, `backend` and `capabilities`. `owned_by` is
     "infinity" because Infinity's client parses it as an enum of that one value."""
     scheduler = model.scheduler
-    stats = {"queue_fraction": scheduler.queued / max(scheduler.max_queued, 1), "queue_absolute": scheduler.queued,
-             "results_pending": sum(load.batches for load in scheduler.load.values()),
-             "batch_size": scheduler.limits[Priority.INTERACTIVE].max_batch_size}
-    return {**openai_model(model), "owned_by": "infinity", "stats": stats, "backend": model.engine,
-            "capabilities": INFINITY_CAPABILITIES.get(model.spec.kind, [])}
+    stats = {
+        "queue_fraction": scheduler.queued / max(scheduler.max_queued, 1),
+        "queue_absolute": scheduler.queued,
+        "results_pending": sum(load.batches for load in scheduler.load.values()),
+        "batch_size": scheduler.limits[Priority.INTERACTIVE].max_batch_size,
+    }
+    return {
+        **openai_model(model),
+        "owned_by": "infinity",
+        "stats": stats,
+        "backend": model.engine,
+        "capabilities": INFINITY_CAPABILITIES.get(model.spec.kind, []),
+    }
 
 
 # ------------------------------------------------------------------- service
@@ -247,11 +269,12 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     async def CreateAudioEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
         return await self._embeddings(request, "audio")
 
-    async def _embeddings(self, request: cpb.OpenAIEmbeddingsRequest, modality: str,
-                          zero_is_full: bool = False) -> httpbody_pb2.HttpBody:
+    async def _embeddings(
+        self, request: cpb.OpenAIEmbeddingsRequest, modality: str, zero_is_full: bool = False
+    ) -> httpbody_pb2.HttpBody:
         encoding_format = request.encoding_format or "float"
         if encoding_format not in ENCODING_FORMATS:
-            raise InvalidInput(f"`encoding_format` must be \"float\" or \"base64\", not {encoding_format!r}")
+            raise InvalidInput(f'`encoding_format` must be "float" or "base64", not {encoding_format!r}')
         if modality not in MODALITIES:
             raise InvalidInput(f"`modality` must be one of {', '.join(MODALITIES)}, not {modality!r}")
         # Infinity reads `dimensions: 0` as full size; OpenAI's API has no such value.
@@ -261,8 +284,9 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             return await self._multivectors(request, modality, encoding_format, dimensions)
         if modality != "text":
             name = self._model_taking(request.model, modality)
-            model, pooled, tokens = await multimodal.embed_contents(self.engine, name,
-                                                                    media_inputs(request.input, modality))
+            model, pooled, tokens = await multimodal.embed_contents(
+                self.engine, name, media_inputs(request.input, modality)
+            )
             vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
             return render_embeddings(model.spec.name, vectors, encoding_format, tokens)
         texts, token_ids = embedding_inputs(request.input)
@@ -288,12 +312,21 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         model, rows, tokens = await multimodal.embed_multivector(self.engine, request.model, inputs)
         return render_multivectors(model.spec.name, rows, encoding_format, tokens)
 
-    async def rerank_scores(self, name: str, query: str, documents: list[str], *, raw_scores: bool,
-                      truncate: bool = True, side: str = "right"):
+    async def rerank_scores(
+        self,
+        name: str,
+        query: str,
+        documents: list[str],
+        *,
+        raw_scores: bool,
+        truncate: bool = True,
+        side: str = "right",
+    ):
         """(model, scores, tokens): a cross-encoder's scores (its activation), or its logits when asked."""
         name = self.model_name(name, ModelKind.RERANKER)
-        model, logits, tokens = await self.engine.score_pairs(name, query, documents, truncate=truncate, side=side,
-                                                              priority=DEFAULT_PRIORITY.get())
+        model, logits, tokens = await self.engine.score_pairs(
+            name, query, documents, truncate=truncate, side=side, priority=DEFAULT_PRIORITY.get()
+        )
         return model, postprocess.scores(logits, model.spec.score_activation, raw_scores), tokens
 
     @rpc
@@ -307,16 +340,24 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     async def _cohere_rerank(self, request: cpb.CohereRerankRequest, version: str) -> httpbody_pb2.HttpBody:
         top_n = _positive(request, "top_n")
         texts, documents = rerank_documents(request.documents, tuple(request.rank_fields))
-        model, scores, tokens = await self.rerank_scores(request.model, request.query, texts,
-                                                         raw_scores=request.raw_scores)
+        model, scores, tokens = await self.rerank_scores(
+            request.model, request.query, texts, raw_scores=request.raw_scores
+        )
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
             result = {"index": i, "relevance_score": float(scores[i])}
             if request.return_documents:
                 result["document"] = documents[i]  # every field of an object document, as Cohere v1 returns
             results.append(result)
-        return _json({"id": str(uuid.uuid4()), "results": results, "model": model.spec.name, "usage": _usage(tokens),
-                      "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}}})
+        return _json(
+            {
+                "id": str(uuid.uuid4()),
+                "results": results,
+                "model": model.spec.name,
+                "usage": _usage(tokens),
+                "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}},
+            }
+        )
 
     @rpc
     async def RootRerank(self, request: cpb.RootRerankRequest, context) -> httpbody_pb2.HttpBody:
@@ -331,34 +372,48 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         tei.reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
         top_n = _positive(request, "top_n")
         documents, _ = rerank_documents(request.documents)
-        model, scores, tokens = await self.rerank_scores(request.model, request.query, documents,
-                                                         raw_scores=request.raw_scores)
+        model, scores, tokens = await self.rerank_scores(
+            request.model, request.query, documents, raw_scores=request.raw_scores
+        )
         results = []
         for i in postprocess.rank(scores, top_n).tolist():
             result = {"relevance_score": float(scores[i]), "index": i}
             if request.return_documents:
                 result["document"] = documents[i]  # Infinity's shape: the string itself
             results.append(result)
-        return _json({"object": "rerank", "results": results, "model": model.spec.name, "usage": _usage(tokens),
-                      **_infinity_id()})
+        return _json(
+            {
+                "object": "rerank",
+                "results": results,
+                "model": model.spec.name,
+                "usage": _usage(tokens),
+                **_infinity_id(),
+            }
+        )
 
     @rpc
     async def InfinityClassify(self, request: cpb.InfinityClassifyRequest, context) -> httpbody_pb2.HttpBody:
         texts = string_list(request.input, "input")
         name = self.model_name(request.model, ModelKind.CLASSIFIER)
         model, scores, tokens = await self.classifications(name, texts, raw_scores=request.raw_scores)
-        return _json({"object": "classify", "data": scores, "model": model.spec.name, "usage": _usage(tokens),
-                      **_infinity_id()})
+        return _json(
+            {"object": "classify", "data": scores, "model": model.spec.name, "usage": _usage(tokens), **_infinity_id()}
+        )
 
-    async def classifications(self, name: str, texts: list[str], *, raw_scores: bool, truncate: bool = True,
-                        side: str = "right") -> tuple[ServedModel, list[list[dict]], int]:
+    async def classifications(
+        self, name: str, texts: list[str], *, raw_scores: bool, truncate: bool = True, side: str = "right"
+    ) -> tuple[ServedModel, list[list[dict]], int]:
         """Per input, every label with its score ({"score", "label"}), best first."""
-        model, logits, tokens = await self.engine.classify(name, texts, truncate=truncate, side=side,
-                                                           priority=DEFAULT_PRIORITY.get())
+        model, logits, tokens = await self.engine.classify(
+            name, texts, truncate=truncate, side=side, priority=DEFAULT_PRIORITY.get()
+        )
         scores = postprocess.scores(logits, model.spec.score_activation, raw_scores)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
-        return model, [[{"score": float(row[j]), "label": labels[j]} for j in postprocess.rank(row, 0)]
-                       for row in scores], tokens
+        return (
+            model,
+            [[{"score": float(row[j]), "label": labels[j]} for j in postprocess.rank(row, 0)] for row in scores],
+            tokens,
+        )
 
     # Cohere embed: server/cohere_embed.py.
     @rpc
@@ -408,8 +463,10 @@ class CompatService(compat_pb2_grpc.CompatServicer):
 
     @rpc
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
-        loading = [{"id": name, "object": "model", "created": 0, "owned_by": "encoderd", "status": "loading"}
-                   for name in sorted(self.engine.loading)]
+        loading = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "encoderd", "status": "loading"}
+            for name in sorted(self.engine.loading)
+        ]
         return _json({"object": "list", "data": [openai_model(m) for m in self.engine.models.values()] + loading})
 
     @rpc

@@ -44,14 +44,14 @@ class ResultCache:
         self._lru: OrderedDict[bytes, tuple[np.ndarray, int]] = OrderedDict()
 
     @overload
-    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: Literal[True] = True
-                      ) -> tuple[np.ndarray, int]: ...
+    async def resolve(
+        self, keys: list[bytes], compute: ComputeFn, stack: Literal[True] = True
+    ) -> tuple[np.ndarray, int]: ...
 
     @overload
     async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: bool) -> tuple[np.ndarray | list, int]: ...
 
-    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: bool = True
-                      ) -> tuple[np.ndarray | list, int]:
+    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: bool = True) -> tuple[np.ndarray | list, int]:
         """Rows for every key, in order, and the total token count; `stack=False`
         leaves ragged rows (multi-vector, sparse) as a list."""
         rows: list = [None] * len(keys)
@@ -71,7 +71,7 @@ class ResultCache:
                 rows[i], tokens[i] = cached
                 metrics.CACHE.labels(self.model, "hit").inc()
             elif key in owned:
-                owned[key].append(i)   # a repeat within this request
+                owned[key].append(i)  # a repeat within this request
             elif key in waiting:
                 waiting[key][1].append(i)
             elif key in self._inflight:

@@ -51,8 +51,9 @@ class Priority(enum.IntEnum):
 
 # The priority of a request that names none: interactive, unless its API key is a bulk key
 # (set per call by the service layer).
-DEFAULT_PRIORITY: contextvars.ContextVar[Priority] = contextvars.ContextVar("default_priority",
-                                                                            default=Priority.INTERACTIVE)
+DEFAULT_PRIORITY: contextvars.ContextVar[Priority] = contextvars.ContextVar(
+    "default_priority", default=Priority.INTERACTIVE
+)
 
 
 class PendingRequest:
@@ -89,9 +90,18 @@ class ReplicaLoad:
 
 
 class ModelScheduler:
-    def __init__(self, model: str, replicas: list[WorkerClient], limits: BatchLimits, *,
-                 bulk_limits: BatchLimits | None = None, batch_delay: float = 0.005,
-                 max_queued: int = 16384, max_queued_tokens: int = 0, max_in_flight: int = 2):
+    def __init__(
+        self,
+        model: str,
+        replicas: list[WorkerClient],
+        limits: BatchLimits,
+        *,
+        bulk_limits: BatchLimits | None = None,
+        batch_delay: float = 0.005,
+        max_queued: int = 16384,
+        max_queued_tokens: int = 0,
+        max_in_flight: int = 2,
+    ):
         self.model = model
         self.replicas = replicas
         self.limits = {Priority.INTERACTIVE: limits, Priority.BULK: bulk_limits or limits}
@@ -148,10 +158,13 @@ class ModelScheduler:
             raise Unavailable(f"model {self.model} is unavailable (its worker is restarting)")
         queued, queued_tokens = self.queued + self._reserved[0], self._queued_tokens + self._reserved[1]
         if queued + inputs > self.max_queued or (
-                self.max_queued_tokens and queued_tokens + tokens > self.max_queued_tokens):
+            self.max_queued_tokens and queued_tokens + tokens > self.max_queued_tokens
+        ):
             metrics.REJECTED.labels(self.model, "queue_full").inc()
-            raise Overloaded(f"model {self.model} is overloaded ({queued} inputs, {queued_tokens} tokens "
-                             f"queued or tokenizing); retry later")
+            raise Overloaded(
+                f"model {self.model} is overloaded ({queued} inputs, {queued_tokens} tokens "
+                f"queued or tokenizing); retry later"
+            )
 
     def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
         """Queue a request's inputs, or refuse at once when over a bound."""
@@ -168,8 +181,9 @@ class ModelScheduler:
         self._queue_changed()
         self._wake.set()
 
-    async def run(self, items: list[WorkItem], request: PendingRequest,
-                  priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
+    async def run(
+        self, items: list[WorkItem], request: PendingRequest, priority: Priority = Priority.INTERACTIVE
+    ) -> np.ndarray:
         """Queue the inputs and wait for all their rows; cancellation drops queued ones."""
         self.submit(items, priority)
         try:
@@ -214,8 +228,11 @@ class ModelScheduler:
         gets full batches; next to interactive work, each bulk batch is short, so a live
         query waits for little more than its own compute."""
         live = time.monotonic() - self._interactive_seen < INTERACTIVE_WINDOW
-        return self.limits[Priority.BULK if live else Priority.INTERACTIVE] if priority == Priority.BULK \
+        return (
+            self.limits[Priority.BULK if live else Priority.INTERACTIVE]
+            if priority == Priority.BULK
             else self.limits[priority]
+        )
 
     def _share_among_idle(self, queue: deque[WorkItem], limits: BatchLimits) -> BatchLimits:
         """With k replicas idle, cut the next batches to about 1/k of the queued tokens each:
@@ -237,8 +254,13 @@ class ModelScheduler:
     def _pick_replica(self, priority: Priority) -> WorkerClient | None:
         # Bulk leaves one slot of each replica free for interactive work.
         bulk_cap = max(1, self.max_in_flight - 1)
-        free = [r for r in self.replicas if r.ready and self.load[r].batches < self.max_in_flight
-                and (priority == Priority.INTERACTIVE or self.load[r].bulk_batches < bulk_cap)]
+        free = [
+            r
+            for r in self.replicas
+            if r.ready
+            and self.load[r].batches < self.max_in_flight
+            and (priority == Priority.INTERACTIVE or self.load[r].bulk_batches < bulk_cap)
+        ]
         return min(free, key=lambda r: self.load[r].tokens) if free else None
 
     def _should_close(self, queue: deque[WorkItem], limits: BatchLimits) -> bool:
@@ -259,8 +281,11 @@ class ModelScheduler:
         now = time.monotonic()
         for item in batch:
             metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
-        self._queued_tokens = sum(item.length for q in self.queues.values() for item in q) if dropped else (
-            self._queued_tokens - sum(item.length for item in batch))
+        self._queued_tokens = (
+            sum(item.length for q in self.queues.values() for item in q)
+            if dropped
+            else (self._queued_tokens - sum(item.length for item in batch))
+        )
         self._queue_changed()
         return batch
 
@@ -291,8 +316,9 @@ class ModelScheduler:
             load.tokens -= tokens
             load.bulk_batches -= priority == Priority.BULK
             self._wake.set()
-        metrics.observe_batch(self.model, replica.label, batch, self.limits[priority].padded,
-                              time.perf_counter() - started)
+        metrics.observe_batch(
+            self.model, replica.label, batch, self.limits[priority].padded, time.perf_counter() - started
+        )
         for item, row in zip(batch, rows, strict=True):
             item.request.fill(item.index, row)
 

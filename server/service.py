@@ -23,8 +23,11 @@ from .streaming import embed_stream
 
 log = logging.getLogger("encoderd.service")
 
-_SIDES = {pb.TRUNCATION_DIRECTION_UNSPECIFIED: "right", pb.TRUNCATION_DIRECTION_RIGHT: "right",
-          pb.TRUNCATION_DIRECTION_LEFT: "left"}
+_SIDES = {
+    pb.TRUNCATION_DIRECTION_UNSPECIFIED: "right",
+    pb.TRUNCATION_DIRECTION_RIGHT: "right",
+    pb.TRUNCATION_DIRECTION_LEFT: "left",
+}
 
 
 @contextlib.asynccontextmanager
@@ -49,15 +52,17 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", name)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log",
-                                rid_metadata)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log", rid_metadata)
         except BaseException:  # cancelled: the client's deadline passed, it hung up, or the server is stopping
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             if not expired:  # one line, no traceback: a client that leaves is not our error
-                log.warning("%s: the call ended before its answer was sent (the client cancelled, disconnected "
-                            "or stopped reading, or the server is stopping)", rpc_label)
+                log.warning(
+                    "%s: the call ended before its answer was sent (the client cancelled, disconnected "
+                    "or stopped reading, or the server is stopping)",
+                    rpc_label,
+                )
             raise
         finally:
             elapsed = time.perf_counter() - started
@@ -70,6 +75,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
 
 def rpc(method):
     """A unary RPC, observed (see `_observed`)."""
+
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         async with _observed(self, method.__name__, getattr(request, "model", ""), context) as rid_metadata:
@@ -87,6 +93,7 @@ def rpc(method):
 def stream_rpc(method):
     """A bidirectional-streaming RPC, observed from its first message (which names the model)
     to its last response. The method gets that first message apart from the rest."""
+
     @functools.wraps(method)
     async def wrapper(self, request_iterator, context: grpc.aio.ServicerContext):
         requests = request_iterator.__aiter__()
@@ -137,12 +144,18 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     @rpc
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         model, pooled, tokens = await self.engine.embed(
-            request.model, request.inputs, truncate=_truncate(request), side=_SIDES.get(request.truncation_direction, "right"),
-            prompt=request.prompt, prompt_name=request.prompt_name,
-            priority=_priority(request.priority))
+            request.model,
+            request.inputs,
+            truncate=_truncate(request),
+            side=_SIDES.get(request.truncation_direction, "right"),
+            prompt=request.prompt,
+            prompt_name=request.prompt_name,
+            priority=_priority(request.priority),
+        )
         vectors = postprocess.finish_requested(pooled, model.spec.normalize, request)
-        return pb.EmbedResponse(model=model.spec.name, usage=_usage(tokens),
-                                embeddings=embeddings_message(vectors, request.output_dtype))
+        return pb.EmbedResponse(
+            model=model.spec.name, usage=_usage(tokens), embeddings=embeddings_message(vectors, request.output_dtype)
+        )
 
     @stream_rpc
     async def EmbedStream(self, first, requests, context):
@@ -152,25 +165,37 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
-        model, logits, tokens = await self.engine.score_pairs(request.model, request.query, request.documents,
-                                                              truncate=_truncate(request),
-                                                              priority=_priority(request.priority))
+        model, logits, tokens = await self.engine.score_pairs(
+            request.model,
+            request.query,
+            request.documents,
+            truncate=_truncate(request),
+            priority=_priority(request.priority),
+        )
         scores = postprocess.scores(logits, model.spec.score_activation, request.raw_scores)
-        results = [pb.RerankResult(index=int(i), relevance_score=float(scores[i]),
-                                   document=request.documents[i] if request.return_documents else "")
-                   for i in postprocess.rank(scores, request.top_n)]
+        results = [
+            pb.RerankResult(
+                index=int(i),
+                relevance_score=float(scores[i]),
+                document=request.documents[i] if request.return_documents else "",
+            )
+            for i in postprocess.rank(scores, request.top_n)
+        ]
         return pb.RerankResponse(model=model.spec.name, results=results, usage=_usage(tokens))
 
     @rpc
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
-        model, logits, tokens = await self.engine.classify(request.model, request.inputs, truncate=_truncate(request),
-                                                           priority=_priority(request.priority))
+        model, logits, tokens = await self.engine.classify(
+            request.model, request.inputs, truncate=_truncate(request), priority=_priority(request.priority)
+        )
         scores = postprocess.scores(logits, model.spec.score_activation, request.raw_scores)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         results = []
         for row in scores:
             order = postprocess.rank(row, 0)
-            results.append(pb.Classification(labels=[pb.LabelScore(label=labels[j], score=float(row[j])) for j in order]))
+            results.append(
+                pb.Classification(labels=[pb.LabelScore(label=labels[j], score=float(row[j])) for j in order])
+            )
         return pb.ClassifyResponse(model=model.spec.name, results=results, usage=_usage(tokens))
 
     @rpc
@@ -181,50 +206,89 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         self.engine.check_token_budget(estimate_tokens(texts, None))
         encodings = await model.tokenizer.tokenize(texts, add_special)
         self.engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
-        return pb.TokenizeResponse(model=model.spec.name, results=[
-            pb.TokenizedInput(ids=e.ids, tokens=e.tokens, offsets=[pb.TokenSpan(start=s, end=t) for s, t in e.offsets])
-            for e in encodings])
+        return pb.TokenizeResponse(
+            model=model.spec.name,
+            results=[
+                pb.TokenizedInput(
+                    ids=e.ids, tokens=e.tokens, offsets=[pb.TokenSpan(start=s, end=t) for s, t in e.offsets]
+                )
+                for e in encodings
+            ],
+        )
 
     @rpc
     async def EmbedMultimodal(self, request: pb.EmbedMultimodalRequest, context) -> pb.EmbedMultimodalResponse:
         model, pooled, usage = await multimodal.embed_contents(
-            self.engine, request.model, contents(request.inputs), truncate=_truncate(request),
-            priority=_priority(request.priority))
+            self.engine,
+            request.model,
+            contents(request.inputs),
+            truncate=_truncate(request),
+            priority=_priority(request.priority),
+        )
         vectors = postprocess.finish_requested(pooled, model.spec.normalize, request)
-        return pb.EmbedMultimodalResponse(model=model.spec.name, usage=_usage(usage),
-                                          embeddings=embeddings_message(vectors, request.output_dtype))
+        return pb.EmbedMultimodalResponse(
+            model=model.spec.name, usage=_usage(usage), embeddings=embeddings_message(vectors, request.output_dtype)
+        )
 
     @rpc
     async def EmbedMultiVector(self, request: pb.EmbedMultiVectorRequest, context) -> pb.EmbedMultiVectorResponse:
         model, rows, usage = await multimodal.embed_multivector(
-            self.engine, request.model, contents(request.inputs), truncate=_truncate(request), prompt=request.prompt,
-            priority=_priority(request.priority))
+            self.engine,
+            request.model,
+            contents(request.inputs),
+            truncate=_truncate(request),
+            prompt=request.prompt,
+            priority=_priority(request.priority),
+        )
         return pb.EmbedMultiVectorResponse(
-            model=model.spec.name, dimensions=model.output_dim, usage=_usage(usage),
-            embeddings=[pb.MultiVector(rows=len(r), values=r.reshape(-1).tolist()) for r in rows])
+            model=model.spec.name,
+            dimensions=model.output_dim,
+            usage=_usage(usage),
+            embeddings=[pb.MultiVector(rows=len(r), values=r.reshape(-1).tolist()) for r in rows],
+        )
 
     @rpc
     async def MaxSim(self, request: pb.MaxSimRequest, context) -> pb.MaxSimResponse:
         model, scores, usage = await multimodal.maxsim(
-            self.engine, request.model, request.query, contents(request.documents, "documents"),
-            truncate=_truncate(request), query_prompt=request.query_prompt, document_prompt=request.document_prompt,
-            priority=_priority(request.priority))
+            self.engine,
+            request.model,
+            request.query,
+            contents(request.documents, "documents"),
+            truncate=_truncate(request),
+            query_prompt=request.query_prompt,
+            document_prompt=request.document_prompt,
+            priority=_priority(request.priority),
+        )
         documents = request.documents
-        results = [pb.RerankResult(index=int(i), relevance_score=float(scores[i]),
-                                   document=documents[i].text if request.return_documents else "")
-                   for i in postprocess.rank(scores, request.top_n)]
+        results = [
+            pb.RerankResult(
+                index=int(i),
+                relevance_score=float(scores[i]),
+                document=documents[i].text if request.return_documents else "",
+            )
+            for i in postprocess.rank(scores, request.top_n)
+        ]
         return pb.MaxSimResponse(model=model.spec.name, results=results, usage=_usage(usage))
 
     @rpc
     async def EmbedSparse(self, request: pb.EmbedSparseRequest, context) -> pb.EmbedSparseResponse:
         model, vectors, usage = await multimodal.embed_sparse(
-            self.engine, request.model, request.inputs, truncate=_truncate(request),
-            side=_SIDES.get(request.truncation_direction, "right"), prompt=request.prompt,
-            priority=_priority(request.priority), top_k=request.top_k,
-            threshold=request.threshold)
+            self.engine,
+            request.model,
+            request.inputs,
+            truncate=_truncate(request),
+            side=_SIDES.get(request.truncation_direction, "right"),
+            prompt=request.prompt,
+            priority=_priority(request.priority),
+            top_k=request.top_k,
+            threshold=request.threshold,
+        )
         return pb.EmbedSparseResponse(
-            model=model.spec.name, dimensions=model.output_dim, usage=_usage(usage),
-            embeddings=[pb.SparseEmbedding(indices=i.tolist(), values=v.tolist()) for i, v in vectors])
+            model=model.spec.name,
+            dimensions=model.output_dim,
+            usage=_usage(usage),
+            embeddings=[pb.SparseEmbedding(indices=i.tolist(), values=v.tolist()) for i, v in vectors],
+        )
 
     @rpc
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
@@ -233,13 +297,28 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
 
 def model_info(model) -> pb.ModelInfo:
-    replicas = [pb.ModelReplica(device=r.ready_info.device if r.ready_info else r.label.rpartition("@")[2],
-                                pid=r.pid or 0, restarts=r.restarts, status="ready" if r.ready else "unavailable")
-                for r in model.replicas]
+    replicas = [
+        pb.ModelReplica(
+            device=r.ready_info.device if r.ready_info else r.label.rpartition("@")[2],
+            pid=r.pid or 0,
+            restarts=r.restarts,
+            status="ready" if r.ready else "unavailable",
+        )
+        for r in model.replicas
+    ]
     return pb.ModelInfo(
-        id=model.spec.name, kind=model.spec.kind.value, max_input_tokens=model.spec.max_length,
-        dimensions=model.output_dim, engine=model.engine, device=",".join(sorted({r.device for r in replicas})),
-        dtype=model.dtype, labels=list(model.spec.labels), status="ready" if model.ready else "unavailable",
-        replicas=replicas, fidelity_status=model.fidelity_status,
-        fidelity=[pb.FidelityFigure(metric=f.metric, value=f.value, bound=f.bound, passed=f.passed)
-                  for f in model.fidelity])
+        id=model.spec.name,
+        kind=model.spec.kind.value,
+        max_input_tokens=model.spec.max_length,
+        dimensions=model.output_dim,
+        engine=model.engine,
+        device=",".join(sorted({r.device for r in replicas})),
+        dtype=model.dtype,
+        labels=list(model.spec.labels),
+        status="ready" if model.ready else "unavailable",
+        replicas=replicas,
+        fidelity_status=model.fidelity_status,
+        fidelity=[
+            pb.FidelityFigure(metric=f.metric, value=f.value, bound=f.bound, passed=f.passed) for f in model.fidelity
+        ],
+    )

@@ -33,5 +33,7 @@ def _check_free(host: str, port: int, flag: str) -> None:
         try:
             probe.bind(address)
         except OSError as exc:
-            raise StartupError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}; stop what holds the "
-                               f"port or choose another with {flag}") from None
+            raise StartupError(
+                f"cannot listen on {host}:{port} ({flag}): {exc.strerror}; stop what holds the "
+                f"port or choose another with {flag}"
+            ) from None

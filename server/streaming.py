@@ -25,8 +25,8 @@ from .handlers import MalformedRequest
 from .messages import embeddings_message
 from .scheduler import Priority
 
-WINDOW = 1024     # inputs of one stream inside the server at once
-GROUP = 64        # inputs sent to the scheduler together
+WINDOW = 1024  # inputs of one stream inside the server at once
+GROUP = 64  # inputs sent to the scheduler together
 _END = object()
 
 
@@ -46,7 +46,7 @@ class _Stream:
         self.incoming: asyncio.Queue = asyncio.Queue()
         self.results: asyncio.Queue = asyncio.Queue()
         self.groups: set[asyncio.Task] = set()
-        self.held = 0   # window slots taken by inputs not yet answered
+        self.held = 0  # window slots taken by inputs not yet answered
 
     async def read(self, first, requests) -> None:
         await self._admit(first)
@@ -98,8 +98,13 @@ class _Stream:
             while True:
                 try:
                     model, pooled, _ = await self.engine.embed(
-                        o.model, [m.input for m in good], truncate=o.truncate if o.HasField("truncate") else True,
-                        prompt=o.prompt, prompt_name=o.prompt_name, priority=self.priority)
+                        o.model,
+                        [m.input for m in good],
+                        truncate=o.truncate if o.HasField("truncate") else True,
+                        prompt=o.prompt,
+                        prompt_name=o.prompt_name,
+                        priority=self.priority,
+                    )
                     break
                 except Overloaded:
                     await asyncio.sleep(0.05)  # bulk work waits for room instead of failing

@@ -27,16 +27,21 @@ from .scheduler import DEFAULT_PRIORITY, Priority
 
 SIDES = {"": "right", "right": "right", "left": "left"}
 # huggingface_hub's function_to_apply for /predict, over a row of logits ("": the model's default).
-ACTIVATIONS = {"": None, "none": lambda row: row, "sigmoid": postprocess.sigmoid,
-               "softmax": lambda row: postprocess.softmax(row[None, :])[0]}
+ACTIVATIONS = {
+    "": None,
+    "none": lambda row: row,
+    "sigmoid": postprocess.sigmoid,
+    "softmax": lambda row: postprocess.softmax(row[None, :])[0],
+}
 
 
 def reject_set(request, fields: tuple[str, ...], context: str) -> None:
     """Fields of another API's shape that cannot apply here: a 400, never silently ignored."""
     for field in fields:
         descriptor = request.DESCRIPTOR.fields_by_name[field]
-        is_set = (request.HasField(field) if descriptor.has_presence
-                  else getattr(request, field) != descriptor.default_value)
+        is_set = (
+            request.HasField(field) if descriptor.has_presence else getattr(request, field) != descriptor.default_value
+        )
         if is_set:
             raise InvalidInput(f"`{field}` does not apply {context}")
 
@@ -44,7 +49,7 @@ def reject_set(request, fields: tuple[str, ...], context: str) -> None:
 def side(value: str) -> str:
     """TEI's truncation_direction ("right" / "left", any case) as the tokenizer's side."""
     if value.lower() not in SIDES:
-        raise InvalidInput(f"`truncation_direction` must be \"right\" or \"left\", not {value!r}")
+        raise InvalidInput(f'`truncation_direction` must be "right" or "left", not {value!r}')
     return SIDES[value.lower()]
 
 
@@ -53,10 +58,10 @@ class Options:
     truncate: bool
     side: str
     prompt_name: str
-    normalize: bool | None   # None: not given
-    dimensions: int          # 0: not given
-    function_to_apply: str   # "": not given
-    top_k: int               # 0: not given
+    normalize: bool | None  # None: not given
+    dimensions: int  # 0: not given
+    function_to_apply: str  # "": not given
+    top_k: int  # 0: not given
 
 
 def options(request) -> Options:
@@ -81,9 +86,15 @@ def options(request) -> Options:
     function = pick("function_to_apply", "").lower()
     if function not in ACTIVATIONS:
         raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {function!r}")
-    return Options(truncate=pick("truncate", True), side=side(pick("truncation_direction", "")),
-                   prompt_name=pick("prompt_name", ""), normalize=pick("normalize", None),
-                   dimensions=positive["dimensions"] or 0, function_to_apply=function, top_k=positive["top_k"] or 0)
+    return Options(
+        truncate=pick("truncate", True),
+        side=side(pick("truncation_direction", "")),
+        prompt_name=pick("prompt_name", ""),
+        normalize=pick("normalize", None),
+        dimensions=positive["dimensions"] or 0,
+        function_to_apply=function,
+        top_k=positive["top_k"] or 0,
+    )
 
 
 def _body(text: str) -> httpbody_pb2.HttpBody:
@@ -100,8 +111,10 @@ def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> 
         return name
     of_kind = [n for n, m in service.engine.models.items() if m.spec.kind in kinds]
     if not of_kind:
-        raise WrongModelKind(f"{route} needs a {' or '.join(k.value for k in kinds)} model, and none is served here "
-                             f"(served: {', '.join(sorted(service.engine.models))})")
+        raise WrongModelKind(
+            f"{route} needs a {' or '.join(k.value for k in kinds)} model, and none is served here "
+            f"(served: {', '.join(sorted(service.engine.models))})"
+        )
     return of_kind[0] if len(of_kind) == 1 else ""  # "": the engine asks for `model`
 
 
@@ -122,16 +135,23 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
     texts, token_ids = compat.embedding_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
     if texts is not None:
-        model, pooled, _ = await service.engine.embed(name, texts, truncate=opts.truncate, side=opts.side,
-                                                      prompt_name=opts.prompt_name, priority=DEFAULT_PRIORITY.get())
+        model, pooled, _ = await service.engine.embed(
+            name,
+            texts,
+            truncate=opts.truncate,
+            side=opts.side,
+            prompt_name=opts.prompt_name,
+            priority=DEFAULT_PRIORITY.get(),
+        )
     else:
         if opts.prompt_name or opts.side != "right" or not opts.truncate:
-            raise InvalidInput("token-id inputs are used as given: `prompt_name`, `truncate` and "
-                               "`truncation_direction` apply to text inputs only")
+            raise InvalidInput(
+                "token-id inputs are used as given: `prompt_name`, `truncate` and "
+                "`truncation_direction` apply to text inputs only"
+            )
         model, pooled, _ = await service.engine.embed_ids(name, token_ids)
     # TEI normalizes unless told not to, whatever the model's own default.
-    vectors = postprocess.finish_embeddings(pooled, normalize=opts.normalize is not False,
-                                            dimensions=opts.dimensions)
+    vectors = postprocess.finish_embeddings(pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions)
     return _body("[" + ",".join(compat.float_rows(model.spec.name, vectors)) + "]")
 
 
@@ -151,9 +171,14 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     texts = _texts(request, "/embed_all")
     name = pick_model(service, request.model, tuple(MULTI_VECTOR_KINDS), "/embed_all")
     prompt = service.engine.prompt_text(service.engine.get(name, tuple(MULTI_VECTOR_KINDS)), "", opts.prompt_name)
-    model, rows, _ = await multimodal.embed_multivector(service.engine, name, [Content(text=t) for t in texts],
-                                                        truncate=opts.truncate, prompt=prompt,
-                                                        priority=DEFAULT_PRIORITY.get())
+    model, rows, _ = await multimodal.embed_multivector(
+        service.engine,
+        name,
+        [Content(text=t) for t in texts],
+        truncate=opts.truncate,
+        prompt=prompt,
+        priority=DEFAULT_PRIORITY.get(),
+    )
     rendered = ("[" + ",".join(compat.float_rows(model.spec.name, r)) + "]" for r in rows)
     return _body("[" + ",".join(rendered) + "]")
 
@@ -165,14 +190,27 @@ async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
     texts = _texts(request, "/embed_sparse")
     name = pick_model(service, request.model, (ModelKind.SPARSE,), "/embed_sparse")
     prompt = service.engine.prompt_text(service.engine.get(name, ModelKind.SPARSE), "", opts.prompt_name)
-    _, vectors, _ = await multimodal.embed_sparse(service.engine, name, texts, truncate=opts.truncate,
-                                                  side=opts.side, prompt=prompt, priority=DEFAULT_PRIORITY.get())
-    return _json([[{"index": int(i), "value": float(v)} for i, v in zip(indices, values)]
-                  for indices, values in vectors])
+    _, vectors, _ = await multimodal.embed_sparse(
+        service.engine,
+        name,
+        texts,
+        truncate=opts.truncate,
+        side=opts.side,
+        prompt=prompt,
+        priority=DEFAULT_PRIORITY.get(),
+    )
+    return _json(
+        [
+            [{"index": int(i), "value": float(v)} for i, v in zip(indices, values, strict=True)]
+            for indices, values in vectors
+        ]
+    )
 
 
-PREDICT_SHAPES = ('a string, a pair of strings ["text", "text_pair"], or a batch of one-string lists and '
-                  'pairs [["text"], ["text", "text_pair"], ...]')
+PREDICT_SHAPES = (
+    'a string, a pair of strings ["text", "text_pair"], or a batch of one-string lists and '
+    'pairs [["text"], ["text", "text_pair"], ...]'
+)
 
 
 def _strings(values) -> list[str] | None:
@@ -195,14 +233,13 @@ def predict_inputs(value) -> tuple[list[str | tuple[str, str]], bool]:
         strings = _strings(items)
         if strings is None or len(strings) > 2:
             raise InvalidInput(f"`inputs` must be {PREDICT_SHAPES}")
-        return [strings[0] if len(strings) == 1 else tuple(strings)], False
+        return [strings[0] if len(strings) == 1 else (strings[0], strings[1])], False
     batch = []
     for i, item in enumerate(items):
         strings = _strings(item.list_value.values) if item.WhichOneof("kind") == "list_value" else None
         if strings is None or len(strings) not in (1, 2):
-            raise InvalidInput(f"inputs[{i}] must be [\"text\"] or [\"text\", \"text_pair\"]: `inputs` is "
-                               f"{PREDICT_SHAPES}")
-        batch.append(strings[0] if len(strings) == 1 else tuple(strings))
+            raise InvalidInput(f'inputs[{i}] must be ["text"] or ["text", "text_pair"]: `inputs` is {PREDICT_SHAPES}')
+        batch.append(strings[0] if len(strings) == 1 else (strings[0], strings[1]))
     return batch, True
 
 
@@ -216,17 +253,18 @@ async def predict(service, request) -> httpbody_pb2.HttpBody:
     texts, batched = predict_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
     activation = ACTIVATIONS[opts.function_to_apply]
-    _, results, _ = await service.classifications(name, texts, raw_scores=request.raw_scores or bool(activation),
-                                                  truncate=opts.truncate, side=opts.side)
+    _, results, _ = await service.classifications(
+        name, texts, raw_scores=request.raw_scores or bool(activation), truncate=opts.truncate, side=opts.side
+    )
     if activation:  # monotonic within a row: the best-first order of the logits holds
         results = [_activated(row, activation) for row in results]
-    results = [row[:opts.top_k or None] for row in results]
+    results = [row[: opts.top_k or None] for row in results]
     return _json(results if batched else results[0])
 
 
 def _activated(row: list[dict], activation) -> list[dict]:
     scores = activation(np.array([label["score"] for label in row], dtype=np.float32))
-    return [{**label, "score": float(score)} for label, score in zip(row, scores)]
+    return [{**label, "score": float(score)} for label, score in zip(row, scores, strict=True)]
 
 
 async def similarity(service, request) -> httpbody_pb2.HttpBody:
@@ -237,8 +275,14 @@ async def similarity(service, request) -> httpbody_pb2.HttpBody:
     if not source or not sentences:
         raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/similarity")
-    _, pooled, _ = await service.engine.embed(name, [source, *sentences], truncate=opts.truncate, side=opts.side,
-                                              prompt_name=opts.prompt_name, priority=DEFAULT_PRIORITY.get())
+    _, pooled, _ = await service.engine.embed(
+        name,
+        [source, *sentences],
+        truncate=opts.truncate,
+        side=opts.side,
+        prompt_name=opts.prompt_name,
+        priority=DEFAULT_PRIORITY.get(),
+    )
     vectors = postprocess.finish_embeddings(pooled, normalize=True)
     return _json([float(s) for s in vectors[1:] @ vectors[0]])
 
@@ -251,8 +295,14 @@ async def rerank(service, request) -> httpbody_pb2.HttpBody:
     if not texts:
         raise InvalidInput("`texts` is required: a non-empty list of strings")
     truncate = request.truncate if request.HasField("truncate") else True
-    _, scores, _ = await service.rerank_scores(name, request.query, texts, raw_scores=request.raw_scores,
-                                         truncate=truncate, side=side(request.truncation_direction))
+    _, scores, _ = await service.rerank_scores(
+        name,
+        request.query,
+        texts,
+        raw_scores=request.raw_scores,
+        truncate=truncate,
+        side=side(request.truncation_direction),
+    )
     results = []
     for i in postprocess.rank(scores, 0).tolist():
         result = {"index": i, "score": float(scores[i])}
@@ -271,14 +321,15 @@ async def tokenize(service, request) -> httpbody_pb2.HttpBody:
     service.engine.check_token_budget(estimate_tokens(texts, None))
     encodings = await model.tokenizer.tokenize(texts, add_special)
     service.engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
-    return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings)])
+    return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)])
 
 
 def _tokens(text: str, encoding) -> list[dict]:
     """TEI's SimpleToken list: special tokens carry their own text and no offsets."""
     out = []
-    for token_id, token, (start, stop), special in zip(encoding.ids, encoding.tokens, encoding.offsets,
-                                                       encoding.special_tokens_mask):
+    for token_id, token, (start, stop), special in zip(
+        encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask, strict=True
+    ):
         if special:
             out.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
         else:
@@ -293,8 +344,10 @@ def decode_ids(value, vocab: int) -> list[list[int]]:
     if items and all(v.WhichOneof("kind") == "number_value" for v in items):
         sequences = [[v.number_value for v in items]]
     elif items and all(v.WhichOneof("kind") == "list_value" for v in items):
-        sequences = [[v.number_value if v.WhichOneof("kind") == "number_value" else -1.0
-                      for v in item.list_value.values] for item in items]
+        sequences = [
+            [v.number_value if v.WhichOneof("kind") == "number_value" else -1.0 for v in item.list_value.values]
+            for item in items
+        ]
     else:
         raise InvalidInput("`ids` is required: a non-empty list of token ids, or a list of such lists")
     for i, seq in enumerate(sequences):
@@ -321,22 +374,37 @@ def _model_type(model) -> dict:
         modes = [TEI_POOLING.get(mode.value, mode.value) for mode in model.spec.pooling]
         return {"embedding": {"pooling": "+".join(modes)}}  # several: concatenated, in this order
     labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(model.output_dim))
-    return {model.spec.kind.value: {"id2label": {str(i): label for i, label in enumerate(labels)},
-                                    "label2id": {label: i for i, label in enumerate(labels)}}}
+    return {
+        model.spec.kind.value: {
+            "id2label": {str(i): label for i, label in enumerate(labels)},
+            "label2id": {label: i for i, label in enumerate(labels)},
+        }
+    }
 
 
 async def info(service, request) -> httpbody_pb2.HttpBody:
     model = service.engine.get(request.model)
     config = service.engine.config
     limits = model.scheduler.limits[Priority.INTERACTIVE]
-    return _json({
-        "model_id": model.spec.name, "model_sha": None, "model_dtype": model.dtype,
-        "served_model_name": model.spec.name, "model_type": _model_type(model),
-        "max_concurrent_requests": model.scheduler.max_queued, "max_input_length": model.spec.max_length,
-        "max_batch_tokens": limits.max_batch_tokens, "max_batch_requests": limits.max_batch_size,  # its own
-        "max_client_batch_size": config.max_inputs_per_request, "auto_truncate": True,
-        "tokenization_workers": config.tokenizer_threads, "version": _version(), "sha": None, "docker_label": None,
-    })
+    return _json(
+        {
+            "model_id": model.spec.name,
+            "model_sha": None,
+            "model_dtype": model.dtype,
+            "served_model_name": model.spec.name,
+            "model_type": _model_type(model),
+            "max_concurrent_requests": model.scheduler.max_queued,
+            "max_input_length": model.spec.max_length,
+            "max_batch_tokens": limits.max_batch_tokens,
+            "max_batch_requests": limits.max_batch_size,  # its own
+            "max_client_batch_size": config.max_inputs_per_request,
+            "auto_truncate": True,
+            "tokenization_workers": config.tokenizer_threads,
+            "version": _version(),
+            "sha": None,
+            "docker_label": None,
+        }
+    )
 
 
 # POST /: per model kind, the route (its request message, handler and path) TEI would pick.
@@ -356,8 +424,10 @@ async def root(service, request: cpb.TeiRootRequest) -> httpbody_pb2.HttpBody:
     """TEI's POST /: the request, narrowed to the message of the model's route (a field that
     route does not take is a 400), handled by that route."""
     if not request.model and len(service.engine.models) > 1:
-        raise InvalidInput(f"POST / needs `model` when several models are served (here: "
-                           f"{', '.join(sorted(service.engine.models))}); or post to /embed, /predict, /rerank")
+        raise InvalidInput(
+            f"POST / needs `model` when several models are served (here: "
+            f"{', '.join(sorted(service.engine.models))}); or post to /embed, /predict, /rerank"
+        )
     model = service.engine.get(request.model)
     message_class, handler, path = ROOT_ROUTES[model.spec.kind]
     fields = json_format.MessageToDict(request, preserving_proto_field_name=True)
@@ -365,8 +435,9 @@ async def root(service, request: cpb.TeiRootRequest) -> httpbody_pb2.HttpBody:
     try:
         narrowed = json_format.ParseDict(fields, message_class())
     except json_format.ParseError as exc:
-        raise InvalidInput(f"POST / serves {model.spec.name!r} as TEI's {path}, which does not take this request: "
-                           f"{exc}") from None
+        raise InvalidInput(
+            f"POST / serves {model.spec.name!r} as TEI's {path}, which does not take this request: {exc}"
+        ) from None
     return await handler(service, narrowed)
 
 

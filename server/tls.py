@@ -20,9 +20,9 @@ from .startup import StartupError
 
 @dataclass(frozen=True)
 class TlsFiles:
-    cert: str = ""         # PEM certificate chain, the server's first; "" = TLS off
-    key: str = ""          # its PEM private key (unencrypted)
-    client_ca: str = ""    # PEM CA bundle for client certificates; "" = no client certificate asked
+    cert: str = ""  # PEM certificate chain, the server's first; "" = TLS off
+    key: str = ""  # its PEM private key (unencrypted)
+    client_ca: str = ""  # PEM CA bundle for client certificates; "" = no client certificate asked
 
     def __bool__(self) -> bool:
         return bool(self.cert or self.key or self.client_ca)
@@ -39,36 +39,50 @@ def _read(path: str, flag: str) -> bytes:
 def check(tls: TlsFiles) -> None:
     """Load the files as the listeners will, so that a bad one stops the start here, in one line."""
     if not (tls.cert and tls.key):
-        given = " and ".join(f for f, v in (("--tls-cert", tls.cert), ("--tls-key", tls.key),
-                                             ("--tls-client-ca", tls.client_ca)) if v)
+        given = " and ".join(
+            f for f, v in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-client-ca", tls.client_ca)) if v
+        )
         raise StartupError(f"TLS needs both --tls-cert and --tls-key (given: {given})")
-    expected = {"--tls-cert": b"-----BEGIN CERTIFICATE-----", "--tls-key": b"PRIVATE KEY-----",
-                "--tls-client-ca": b"-----BEGIN CERTIFICATE-----"}
+    expected = {
+        "--tls-cert": b"-----BEGIN CERTIFICATE-----",
+        "--tls-key": b"PRIVATE KEY-----",
+        "--tls-client-ca": b"-----BEGIN CERTIFICATE-----",
+    }
     for flag, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-client-ca", tls.client_ca)):
         text = _read(path, flag) if path else b""
         if path and expected[flag] not in text:
-            raise StartupError(f"{flag} {path} holds no PEM {'private key' if flag == '--tls-key' else 'certificate'} "
-                               f"(expected a '{expected[flag].decode().strip('-')}' block)")
+            raise StartupError(
+                f"{flag} {path} holds no PEM {'private key' if flag == '--tls-key' else 'certificate'} "
+                f"(expected a '{expected[flag].decode().strip('-')}' block)"
+            )
         if flag == "--tls-key" and b"ENCRYPTED" in text:
-            raise StartupError(f"--tls-key {path} is encrypted: give the key without a passphrase "
-                               "(and readable by this user only)")
+            raise StartupError(
+                f"--tls-key {path} is encrypted: give the key without a passphrase (and readable by this user only)"
+            )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(tls.cert, tls.key)
     except ssl.SSLError as exc:
-        why = ("the key does not match the certificate" if "KEY_VALUES_MISMATCH" in str(exc)
-               else f"they do not load as a certificate chain and its private key ({exc.reason or exc})")
+        why = (
+            "the key does not match the certificate"
+            if "KEY_VALUES_MISMATCH" in str(exc)
+            else f"they do not load as a certificate chain and its private key ({exc.reason or exc})"
+        )
         raise StartupError(f"--tls-cert {tls.cert} / --tls-key {tls.key}: {why}") from None
     if tls.client_ca:
         try:
             context.load_verify_locations(cafile=tls.client_ca)
         except ssl.SSLError as exc:
-            raise StartupError(f"--tls-client-ca {tls.client_ca}: no CA certificate in it "
-                               f"({exc.reason or exc})") from None
+            raise StartupError(
+                f"--tls-client-ca {tls.client_ca}: no CA certificate in it ({exc.reason or exc})"
+            ) from None
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     check(tls)
     client_ca = _read(tls.client_ca, "--tls-client-ca") if tls.client_ca else None
-    return grpc.ssl_server_credentials([(_read(tls.key, "--tls-key"), _read(tls.cert, "--tls-cert"))],
-                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(tls.key, "--tls-key"), _read(tls.cert, "--tls-cert"))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer, normalizers
@@ -21,8 +23,8 @@ from .errors import InvalidInput
 
 @dataclass(slots=True)
 class Tokenized:
-    ids: list[np.ndarray]                 # int32 per input
-    type_ids: list[np.ndarray] | None     # int32 per input, for pairs
+    ids: list[np.ndarray]  # int32 per input
+    type_ids: list[np.ndarray] | None  # int32 per input, for pairs
     total_tokens: int
 
     @property
@@ -38,13 +40,15 @@ def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: b
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - the tokenizers library names no file in its parse errors
-            raise ModelLoadError(f"{path}: not a readable tokenizer.json ({exc}); replace it from the model's "
-                                 "repository") from None
+            raise ModelLoadError(
+                f"{path}: not a readable tokenizer.json ({exc}); replace it from the model's repository"
+            ) from None
     else:  # Slow-tokenizer-only models: let transformers convert to a fast tokenizer.
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=True,
-                                                  trust_remote_code=trust_remote_code).backend_tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_dir, use_fast=True, trust_remote_code=trust_remote_code
+        ).backend_tokenizer
     if lowercase and not _lowercases(tokenizer.normalizer):
         rest = tokenizer.normalizer
         # A normalizers.Sequence iterates over its parts; the tokenizers stubs do not say so.
@@ -62,9 +66,15 @@ def _lowercases(normalizer) -> bool:
 
 
 class ModelTokenizer:
-    def __init__(self, model_dir: str, max_length: int, executor: ThreadPoolExecutor,
-                 bulk_executor: ThreadPoolExecutor | None = None, lowercase: bool = False,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_dir: str,
+        max_length: int,
+        executor: ThreadPoolExecutor,
+        bulk_executor: ThreadPoolExecutor | None = None,
+        lowercase: bool = False,
+        trust_remote_code: bool = False,
+    ):
         self.max_length = max_length
         self._executor = executor
         # Bulk work tokenizes on its own thread, so a live query never queues behind
@@ -84,31 +94,39 @@ class ModelTokenizer:
         full = self.untruncated.encode("a").ids
         plain = self.untruncated.encode("a", add_special_tokens=False).ids
         for start in range(len(full) - len(plain) + 1):
-            if full[start:start + len(plain)] == plain:
-                return full[:start], full[start + len(plain):]
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
         return [], []
 
     def with_special_tokens(self, ids: list[int]) -> list[int]:
         """Token ids as the model expects them: its special tokens added unless the ids already
         carry them, cut to the maximum length between them (as the text path truncates)."""
         prefix, suffix = self.special_affixes
-        start = len(prefix) if ids[:len(prefix)] == prefix else 0
-        end = len(ids) - len(suffix) if suffix and ids[-len(suffix):] == suffix else len(ids)
-        body = ids[start:max(start, end)]
-        return prefix + body[:max(self.max_length - len(prefix) - len(suffix), 0)] + suffix
+        start = len(prefix) if ids[: len(prefix)] == prefix else 0
+        end = len(ids) - len(suffix) if suffix and ids[-len(suffix) :] == suffix else len(ids)
+        body = ids[start : max(start, end)]
+        return prefix + body[: max(self.max_length - len(prefix) - len(suffix), 0)] + suffix
 
     def _truncating_copy(self, base: Tokenizer, side: str) -> Tokenizer:
         tok = Tokenizer.from_str(base.to_str())
         tok.enable_truncation(self.max_length, direction=side)
         return tok
 
-    async def encode(self, texts: list[str | tuple[str, str]], *, truncate: bool = True, side: str = "right",
-                     pairs_with: str | None = None, bulk: bool = False) -> Tokenized:
+    async def encode(
+        self,
+        texts: Sequence[str | tuple[str, str]],
+        *,
+        truncate: bool = True,
+        side: str = "right",
+        pairs_with: str | None = None,
+        bulk: bool = False,
+    ) -> Tokenized:
         """Tokenize inputs (or (pairs_with, input) pairs) into per-input id arrays. An input may
         itself be a (text, text_pair) pair, encoded (and truncated) as the tokenizer pairs them."""
         if pairs_with is not None and (template := self.pair_template) is not None:
-            return await self._encode_pairs(template, pairs_with, texts, truncate, side, bulk)
-        batch = [(pairs_with, t) for t in texts] if pairs_with is not None else texts
+            documents = cast("list[str]", texts)  # pairs_with: the inputs are single texts (documents)
+            return await self._encode_pairs(template, pairs_with, documents, truncate, side, bulk)
+        batch = [(pairs_with, t) for t in texts] if pairs_with is not None else list(texts)
         encodings = await self._in_chunks(self._by_side[side].encode_batch, batch, bulk)
         return self._collect(encodings, truncate, any(isinstance(item, tuple) for item in batch))
 
@@ -123,8 +141,9 @@ class ModelTokenizer:
             out += await loop.run_in_executor(executor, functools.partial(encode_batch, chunk, **kwargs))
         return out
 
-    async def _encode_pairs(self, template: PairTemplate, query: str, documents: list[str], truncate: bool,
-                            side: str, bulk: bool) -> Tokenized:
+    async def _encode_pairs(
+        self, template: PairTemplate, query: str, documents: list[str], truncate: bool, side: str, bulk: bool
+    ) -> Tokenized:
         """(query, document) pairs with the query tokenized once, not once per document: each
         pair is assembled from ids with the tokenizer's own pair template and truncation
         (longest_first, see pair_lengths), which tests check against tokenizer.encode(q, d)."""
@@ -136,8 +155,9 @@ class ModelTokenizer:
         for i, doc in enumerate(doc_ids):
             n_query, n_doc = pair_lengths(len(query_ids), len(doc), budget)
             if not truncate and (n_query, n_doc) != (len(query_ids), len(doc)):
-                raise InvalidInput(f"input {i} is longer than the model's maximum of {self.max_length} "
-                                   "tokens and truncation is off")
+                raise InvalidInput(
+                    f"input {i} is longer than the model's maximum of {self.max_length} tokens and truncation is off"
+                )
             pair_ids, pair_types = template.assemble(_cut(query_ids, n_query, side), _cut(doc, n_doc, side))
             ids.append(pair_ids)
             types.append(pair_types)
@@ -156,8 +176,10 @@ class ModelTokenizer:
             return None
         for a, b in (("hello world", "b c d e"), ("x", "a much longer second text, with punctuation")):
             want = self.untruncated.encode(a, b)
-            got = template.assemble(self.untruncated.encode(a, add_special_tokens=False).ids,
-                                    self.untruncated.encode(b, add_special_tokens=False).ids)
+            got = template.assemble(
+                self.untruncated.encode(a, add_special_tokens=False).ids,
+                self.untruncated.encode(b, add_special_tokens=False).ids,
+            )
             if got[0].tolist() != want.ids or got[1].tolist() != want.type_ids:
                 return None
         return template
@@ -166,19 +188,20 @@ class ModelTokenizer:
         if not truncate:
             too_long = [i for i, e in enumerate(encodings) if e.overflowing]
             if too_long:
-                raise InvalidInput(f"input {too_long[0]} is longer than the model's maximum of {self.max_length} "
-                                   f"tokens and truncation is off ({len(too_long)} inputs too long)")
+                raise InvalidInput(
+                    f"input {too_long[0]} is longer than the model's maximum of {self.max_length} "
+                    f"tokens and truncation is off ({len(too_long)} inputs too long)"
+                )
         ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
         types = [np.asarray(e.type_ids, dtype=np.int32) for e in encodings] if pairs else None
         return Tokenized(ids, types, sum(len(i) for i in ids))
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
-        return await self._in_chunks(self.untruncated.encode_batch, texts, False,
-                                     add_special_tokens=add_special_tokens)
+        return await self._in_chunks(self.untruncated.encode_batch, texts, False, add_special_tokens=add_special_tokens)
 
 
-CHUNK_INPUTS = 64            # inputs per tokenizer call ...
-CHUNK_CHARS = 256 * 1024     # ... and characters (a few tens of ms of one core)
+CHUNK_INPUTS = 64  # inputs per tokenizer call ...
+CHUNK_CHARS = 256 * 1024  # ... and characters (a few tens of ms of one core)
 
 
 def _chunks(batch: list):
@@ -209,12 +232,13 @@ def pair_lengths(n1: int, n2: int, budget: int) -> tuple[int, int]:
 
 
 def _cut(ids: list[int], n: int, side: str) -> list[int]:
-    return ids[:n] if side == "right" else ids[len(ids) - n:]
+    return ids[:n] if side == "right" else ids[len(ids) - n :]
 
 
 @dataclass(frozen=True)
 class PairTemplate:
     """prefix + A + middle + B + suffix, each special run with its type ids; A and B's own types."""
+
     prefix: tuple[list[int], list[int]]
     middle: tuple[list[int], list[int]]
     suffix: tuple[list[int], list[int]]
@@ -236,11 +260,14 @@ class PairTemplate:
         i, j = ids.index(a[0]), ids.index(b[0])
         if i > j:
             return None
-        return cls((ids[:i], types[:i]), (ids[i + 1:j], types[i + 1:j]), (ids[j + 1:], types[j + 1:]),
-                   types[i], types[j])
+        return cls(
+            (ids[:i], types[:i]), (ids[i + 1 : j], types[i + 1 : j]), (ids[j + 1 :], types[j + 1 :]), types[i], types[j]
+        )
 
     def assemble(self, a: list[int], b: list[int]) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(self.prefix[0] + a + self.middle[0] + b + self.suffix[0], dtype=np.int32)
-        types = np.asarray(self.prefix[1] + [self.type_a] * len(a) + self.middle[1] + [self.type_b] * len(b)
-                           + self.suffix[1], dtype=np.int32)
+        types = np.asarray(
+            self.prefix[1] + [self.type_a] * len(a) + self.middle[1] + [self.type_b] * len(b) + self.suffix[1],
+            dtype=np.int32,
+        )
         return ids, types

@@ -29,8 +29,9 @@ def configure(endpoint: str, service_name: str = "encoderd") -> bool:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
-        log.warning("--otel-endpoint is set but OpenTelemetry is not installed (pip install 'encoderd[otel]'); "
-                    "tracing is off")
+        log.warning(
+            "--otel-endpoint is set but OpenTelemetry is not installed (pip install 'encoderd[otel]'); tracing is off"
+        )
         return False
     insecure = not endpoint.startswith("https://")
     # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME from the environment over ours.
@@ -65,10 +66,13 @@ def _span(method: str, metadata, attributes: dict):
     service, _, name = method.partition("/")
     carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
     with _tracer.start_as_current_span(
-            f"encoderd.v1.{method}", context=propagate.extract(carrier), kind=trace.SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": f"encoderd.v1.{service}", "rpc.method": name,
-                        **attributes},
-            record_exception=False, set_status_on_exception=False) as span:  # finish() sets the status
+        f"encoderd.v1.{method}",
+        context=propagate.extract(carrier),
+        kind=trace.SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.service": f"encoderd.v1.{service}", "rpc.method": name, **attributes},
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:  # finish() sets the status
         yield span
 
 

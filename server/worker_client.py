@@ -37,25 +37,31 @@ class WorkerStartError(Exception):
 
 
 class WorkerClient:
-    def __init__(self, make_config: Callable[[str, str], WorkerConfig], label: str,
-                 on_state: Callable[[bool], None] = lambda ready: None,
-                 start_timeout: float = 900.0, max_backoff: float = 30.0, stall_timeout: float = 0.0,
-                 zygote: Zygote | None = None):
-        self._make_config = make_config   # (batch_address, result_address) -> WorkerConfig
-        self._zygote = zygote             # forks CPU workers with torch already imported; None: spawn
+    def __init__(
+        self,
+        make_config: Callable[[str, str], WorkerConfig],
+        label: str,
+        on_state: Callable[[bool], None] = lambda ready: None,
+        start_timeout: float = 900.0,
+        max_backoff: float = 30.0,
+        stall_timeout: float = 0.0,
+        zygote: Zygote | None = None,
+    ):
+        self._make_config = make_config  # (batch_address, result_address) -> WorkerConfig
+        self._zygote = zygote  # forks CPU workers with torch already imported; None: spawn
         self.label = label
         self._on_state = on_state
         self._start_timeout = start_timeout
         self._max_backoff = max_backoff
-        self._stall_timeout = stall_timeout   # 0 = no heartbeat check
-        self._last_heartbeat = 0.0            # loop.time() of the last message from the worker
-        self._stalled = False                 # killed by the heartbeat check, not dead on its own
+        self._stall_timeout = stall_timeout  # 0 = no heartbeat check
+        self._last_heartbeat = 0.0  # loop.time() of the last message from the worker
+        self._stalled = False  # killed by the heartbeat check, not dead on its own
         self._watchdog: asyncio.Task | None = None
         self._zmq = zmq.asyncio.Context.instance()
         self._pending: dict[int, asyncio.Future] = {}
         self._next_batch_id = 0
         self._process: multiprocessing.process.BaseProcess | ForkedWorker | None = None
-        self._exit_waiter: asyncio.Future | None = None   # the one future that owns the sentinel's reader
+        self._exit_waiter: asyncio.Future | None = None  # the one future that owns the sentinel's reader
         self._batches: zmq.asyncio.Socket | None = None
         self._results: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -107,8 +113,13 @@ class WorkerClient:
             self._set_ready(info)
             return info
         assert self._process is not None  # started above; only _teardown drops it
-        reason = (ready.exception() if ready in done else
-                  f"worker exited with code {self._process.exitcode}" if died in done else "start timed out")
+        reason = (
+            ready.exception()
+            if ready in done
+            else f"worker exited with code {self._process.exitcode}"
+            if died in done
+            else "start timed out"
+        )
         await self._teardown()
         raise WorkerStartError(f"{self.label}: {reason}")
 
@@ -119,8 +130,9 @@ class WorkerClient:
             if forked:
                 log.info("worker %s forked from the zygote (pid %d)", self.label, forked.pid)
                 return forked
-        process = _spawn.Process(target=run_worker, args=(config, os.getpid()),
-                                 name=f"encoderd-worker[{self.label}]", daemon=True)
+        process = _spawn.Process(
+            target=run_worker, args=(config, os.getpid()), name=f"encoderd-worker[{self.label}]", daemon=True
+        )
         process.start()
         return process
 
@@ -129,7 +141,7 @@ class WorkerClient:
         self._batch_address = protocol.new_ipc_address(tag + "-in")
         self._result_address = protocol.new_ipc_address(tag + "-out")
         self._batches = batches = self._zmq.socket(zmq.PUSH)
-        batches.setsockopt(zmq.SNDHWM, 64)   # admission bounds traffic; this is a backstop
+        batches.setsockopt(zmq.SNDHWM, 64)  # admission bounds traffic; this is a backstop
         batches.setsockopt(zmq.LINGER, 0)
         batches.bind(self._batch_address)
         self._results = results = self._zmq.socket(zmq.PULL)
@@ -168,15 +180,22 @@ class WorkerClient:
             self.restarts += 1
             assert self._process is not None  # it just exited; _teardown, below, drops it
             if not self._stalled:  # a stall was logged when it was found
-                log.error("worker %s (pid %s) died with exit code %s; failing its %d pending batches",
-                          self.label, self.pid, self._process.exitcode, len(self._pending))
+                log.error(
+                    "worker %s (pid %s) died with exit code %s; failing its %d pending batches",
+                    self.label,
+                    self.pid,
+                    self._process.exitcode,
+                    len(self._pending),
+                )
             await self._teardown()
             while not self._stopping:
                 await asyncio.sleep(backoff)
                 try:
                     started = time.perf_counter()
                     info = await self._spawn_and_wait()
-                    log.info("worker %s restarted (pid %d) in %.1fs", self.label, info.pid, time.perf_counter() - started)
+                    log.info(
+                        "worker %s restarted (pid %d) in %.1fs", self.label, info.pid, time.perf_counter() - started
+                    )
                     backoff = 0.0
                     break
                 except WorkerStartError as exc:
@@ -197,9 +216,15 @@ class WorkerClient:
 
     def _on_stall(self, silent: float) -> None:
         """Down at once (health, callers), then SIGKILL: the supervisor sees the exit and restarts it."""
-        log.warning("worker %s (pid %s) stalled: no heartbeat for %.1fs (--worker-stall-timeout %.1fs); "
-                    "failing its %d pending batches, killing and restarting it",
-                    self.label, self.pid, silent, self._stall_timeout, len(self._pending))
+        log.warning(
+            "worker %s (pid %s) stalled: no heartbeat for %.1fs (--worker-stall-timeout %.1fs); "
+            "failing its %d pending batches, killing and restarting it",
+            self.label,
+            self.pid,
+            silent,
+            self._stall_timeout,
+            len(self._pending),
+        )
         self._stalled = True
         self._mark_down(Unavailable(f"model worker {self.label} stopped responding; it is being restarted"))
         if self._process is not None:

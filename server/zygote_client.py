@@ -98,9 +98,9 @@ class Zygote:
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
-        self._disabled = ""        # why forking is off for good (then: spawn, warned once)
+        self._disabled = ""  # why forking is off for good (then: spawn, warned once)
         self._stopped = False
-        self._ready = False        # its imports are done (it said so)
+        self._ready = False  # its imports are done (it said so)
         self.pid: int | None = None
 
     def start(self) -> None:
@@ -116,8 +116,14 @@ class Zygote:
             self._disable("this kernel refuses PR_SET_CHILD_SUBREAPER")
             return
         ours, theirs = socket.socketpair()
-        argv = [sys.executable, "-m", "encoderd.workers.zygote", str(theirs.fileno()), str(os.getpid()),
-                *self._log_args]
+        argv = [
+            sys.executable,
+            "-m",
+            "encoderd.workers.zygote",
+            str(theirs.fileno()),
+            str(os.getpid()),
+            *self._log_args,
+        ]
         try:
             self._process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         except OSError as exc:
@@ -181,8 +187,11 @@ class Zygote:
 
     def _disable(self, why: str) -> None:
         if not self._disabled:
-            log.warning("zygote unavailable (%s): CPU workers are spawned, each importing torch and transformers "
-                        "itself (slower starts and restarts)", why)
+            log.warning(
+                "zygote unavailable (%s): CPU workers are spawned, each importing torch and transformers "
+                "itself (slower starts and restarts)",
+                why,
+            )
         self._disabled = why or "off"
 
     def _stop_process(self) -> None:

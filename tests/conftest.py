@@ -44,9 +44,17 @@ def classifier_path(models_dir) -> str:
 def server(tmp_path_factory, reranker_path, classifier_path):
     """One encoderd process serving an embedder, a reranker and a classifier."""
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    proc = ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}",
-                         "--model", f"reranker={reranker_path}", "--model", f"classifier={classifier_path}",
-                         "--max-inputs-per-request", "256", log_path=log)
+    proc = ServerProcess(
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+        "--model",
+        f"reranker={reranker_path}",
+        "--model",
+        f"classifier={classifier_path}",
+        "--max-inputs-per-request",
+        "256",
+        log_path=log,
+    )
     proc.start()
     yield proc
     assert proc.stop() == 0, proc.log_text()

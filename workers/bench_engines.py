@@ -33,15 +33,27 @@ from .model_cache import default_cache_dir
 from .model_spec import ModelKind, default_model_path, load_model_spec
 from .protocol import TokenBatch
 
-CPU_MATRIX = [("torch", "float32"), ("onnx", "float32"), ("onnx", "int8"),
-              ("ctranslate2", "float32"), ("ctranslate2", "int8")]
-GPU_MATRIX = [("torch", "float16"), ("onnx", "float16"), ("ctranslate2", "float16"),
-              ("ctranslate2", "int8_float16"), ("tensorrt", "float16")]
+CPU_MATRIX = [
+    ("torch", "float32"),
+    ("onnx", "float32"),
+    ("onnx", "int8"),
+    ("ctranslate2", "float32"),
+    ("ctranslate2", "int8"),
+]
+GPU_MATRIX = [
+    ("torch", "float16"),
+    ("onnx", "float16"),
+    ("ctranslate2", "float16"),
+    ("ctranslate2", "int8_float16"),
+    ("tensorrt", "float16"),
+]
 KINDS = ("embedding", "reranker", "classifier")
 # Words that are one WordPiece token each in the MiniLM vocabulary, so word count ~ token count.
-WORDS = ("the model reads each word and maps it to a vector so that close meanings end near one another while "
-         "search systems rank many short and long documents for every query users send during the day and night "
-         "cats dogs rain sun money market river city music game food water light paper house").split()
+WORDS = (
+    "the model reads each word and maps it to a vector so that close meanings end near one another while "
+    "search systems rank many short and long documents for every query users send during the day and night "
+    "cats dogs rain sun money market river city music game food water light paper house"
+).split()
 QUERY = "which documents answer the question about search systems"
 MAX_LENGTH = 512  # MiniLM's position limit: lets the corpus reach 500 tokens
 
@@ -66,8 +78,9 @@ def build_head_model(kind: str, out: Path) -> str:
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(default_model_path(),
-                                                               num_labels=1 if kind == "reranker" else 3)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        default_model_path(), num_labels=1 if kind == "reranker" else 3
+    )
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
@@ -83,9 +96,11 @@ def batches(spec, texts: list[str], batch_size: int, pairs: bool) -> list[TokenB
     tok.enable_truncation(spec.max_length)
     tok.no_padding()
     encodings = sorted(tok.encode_batch([(QUERY, t) for t in texts] if pairs else texts), key=lambda e: len(e.ids))
-    chunks = [encodings[start:start + batch_size] for start in range(0, len(encodings), batch_size)]
-    return [TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if pairs else None)
-            for k, chunk in enumerate(chunks)]
+    chunks = [encodings[start : start + batch_size] for start in range(0, len(encodings), batch_size)]
+    return [
+        TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if pairs else None)
+        for k, chunk in enumerate(chunks)
+    ]
 
 
 def load(engine: str, dtype: str, spec, options: BackendOptions):
@@ -113,8 +128,12 @@ def measure_kind(spec, matrix, work: list[TokenBatch], options: BackendOptions, 
         try:
             loaded[engine, dtype] = load(engine, dtype, spec, options)
         except Exception as exc:  # noqa: BLE001 - one missing engine should not hide the others' numbers
-            rows[engine, dtype] = {"engine": engine, "dtype": dtype, "kind": spec.kind.value,
-                                   "error": f"{type(exc).__name__}: {exc}"}
+            rows[engine, dtype] = {
+                "engine": engine,
+                "dtype": dtype,
+                "kind": spec.kind.value,
+                "error": f"{type(exc).__name__}: {exc}",
+            }
     best: dict = {}
     for _ in range(rounds):
         for key, (backend, _) in loaded.items():
@@ -125,23 +144,34 @@ def measure_kind(spec, matrix, work: list[TokenBatch], options: BackendOptions, 
     tokens = sum(int(b.cu_seqlens[-1]) for b in work)
     for (engine, dtype), latencies in best.items():
         total = sum(latencies)
-        rows[engine, dtype] = {"engine": engine, "dtype": dtype, "kind": spec.kind.value,
-                               "inputs_per_s": inputs / total, "tokens_per_s": tokens / total,
-                               "p50_batch_ms": 1000 * statistics.median(latencies),
-                               "load_s": loaded[engine, dtype][1], "inputs": inputs, "tokens": tokens}
+        rows[engine, dtype] = {
+            "engine": engine,
+            "dtype": dtype,
+            "kind": spec.kind.value,
+            "inputs_per_s": inputs / total,
+            "tokens_per_s": tokens / total,
+            "p50_batch_ms": 1000 * statistics.median(latencies),
+            "load_s": loaded[engine, dtype][1],
+            "inputs": inputs,
+            "tokens": tokens,
+        }
     return [rows[key] for key in matrix]
 
 
 def print_table(rows: list[dict], header: str) -> None:
     print(header)
-    print(f"{'engine':12s} {'dtype':13s} {'kind':11s} {'inputs/s':>9s} {'tokens/s':>9s} {'p50 batch ms':>13s} "
-          f"{'load s':>7s}")
+    print(
+        f"{'engine':12s} {'dtype':13s} {'kind':11s} {'inputs/s':>9s} {'tokens/s':>9s} {'p50 batch ms':>13s} "
+        f"{'load s':>7s}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['engine']:12s} {r['dtype']:13s} {r['kind']:11s} failed: {r['error']}")
             continue
-        print(f"{r['engine']:12s} {r['dtype']:13s} {r['kind']:11s} {r['inputs_per_s']:9.1f} {r['tokens_per_s']:9.0f} "
-              f"{r['p50_batch_ms']:13.1f} {r['load_s']:7.1f}")
+        print(
+            f"{r['engine']:12s} {r['dtype']:13s} {r['kind']:11s} {r['inputs_per_s']:9.1f} {r['tokens_per_s']:9.0f} "
+            f"{r['p50_batch_ms']:13.1f} {r['load_s']:7.1f}"
+        )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -162,12 +192,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     on_gpu = args.device.startswith("cuda")
-    matrix = ([tuple(pair.split(":")) for pair in args.engines.split(",")] if args.engines
-              else (GPU_MATRIX if on_gpu else CPU_MATRIX))
+    matrix = (
+        [tuple(pair.split(":")) for pair in args.engines.split(",")]
+        if args.engines
+        else (GPU_MATRIX if on_gpu else CPU_MATRIX)
+    )
     n = 32 if args.quick else args.inputs
     texts = corpus(n)
-    options = BackendOptions(device=args.device, threads=args.threads, cache_dir=args.cache_dir,
-                             max_batch_size=args.batch_size)
+    options = BackendOptions(
+        device=args.device, threads=args.threads, cache_dir=args.cache_dir, max_batch_size=args.batch_size
+    )
     models = Path(args.cache_dir) / "bench-models"
     rows = []
     for kind in args.kinds.split(","):
@@ -178,9 +212,12 @@ def main(argv=None) -> int:
         print(f"  {kind} done", file=sys.stderr, flush=True)
     mean_tokens = sum(int(b.cu_seqlens[-1]) for b in work) / n
     threads = args.threads or len(os.sched_getaffinity(0))
-    print_table(rows, f"\nMiniLM-L6 on {args.device}, {n} inputs of 5-500 tokens (mean {mean_tokens:.0f}), "
-                      f"length-sorted batches of {args.batch_size}, {threads} thread(s), "
-                      f"best of {1 if args.quick else args.rounds} round(s)")
+    print_table(
+        rows,
+        f"\nMiniLM-L6 on {args.device}, {n} inputs of 5-500 tokens (mean {mean_tokens:.0f}), "
+        f"length-sorted batches of {args.batch_size}, {threads} thread(s), "
+        f"best of {1 if args.quick else args.rounds} round(s)",
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all("error" not in r for r in rows) else 1

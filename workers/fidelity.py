@@ -58,8 +58,10 @@ FLOORS = {
     "int8": {"min_cosine": 0.99, "max_prob_diff": 0.06, "kendall_tau": 0.88, "top1_agreement": 0.9},
 }
 PASSED, LOW, UNCHECKED = "passed", "low", "unchecked"
-REMEDY = ("use --dtype float32, another --engine, or pass --allow-low-fidelity "
-          "(ENCODERD_ALLOW_LOW_FIDELITY=1) to serve it anyway")
+REMEDY = (
+    "use --dtype float32, another --engine, or pass --allow-low-fidelity "
+    "(ENCODERD_ALLOW_LOW_FIDELITY=1) to serve it anyway"
+)
 
 
 class LowFidelity(Exception):
@@ -68,7 +70,7 @@ class LowFidelity(Exception):
 
 @dataclass(frozen=True)
 class Report:
-    status: str                           # PASSED, LOW (served: --allow-low-fidelity) or UNCHECKED
+    status: str  # PASSED, LOW (served: --allow-low-fidelity) or UNCHECKED
     figures: tuple[FidelityFigure, ...]
     inputs: int = 0
     seconds: float = 0.0
@@ -136,20 +138,31 @@ def judge(figures: dict[str, float], dtype: str) -> tuple[FidelityFigure, ...]:
 
 def describe(figures: tuple[FidelityFigure, ...]) -> str:
     """'min_cosine 0.99712 (floor 0.99)' for the log."""
-    return ", ".join(f"{f.metric} {f.value:.5f} ({'ceiling' if f.metric in CEILING_METRICS else 'floor'} {f.bound})"
-                     for f in figures)
+    return ", ".join(
+        f"{f.metric} {f.value:.5f} ({'ceiling' if f.metric in CEILING_METRICS else 'floor'} {f.bound})" for f in figures
+    )
 
 
 # ---------------------------------------------------------------- reference
-def reference(spec: ModelSpec, batches: list[TokenBatch], cache_dir: str,
-              trust_remote_code: bool = False) -> tuple[np.ndarray, bool]:
+def reference(
+    spec: ModelSpec, batches: list[TokenBatch], cache_dir: str, trust_remote_code: bool = False
+) -> tuple[np.ndarray, bool]:
     """The float32 reference outputs of the calibration set, and whether they came from the cache."""
-    key = {"model": fingerprint_model(spec.path), "model_kind": spec.kind.value,
-           "pooling": msgspec.json.encode(spec.pooling).decode(), "max_length": spec.max_length,
-           "calibration": calibration.VERSION, "versions": library_versions("torch", "transformers", "tokenizers")}
-    entry = cached_build(cache_dir or default_cache_dir(), "fidelity", f"{spec.name}-reference", key,
-                         lambda out: np.save(out / REFERENCE_FILE,
-                                                    _compute_reference(spec, batches, trust_remote_code)))
+    key = {
+        "model": fingerprint_model(spec.path),
+        "model_kind": spec.kind.value,
+        "pooling": msgspec.json.encode(spec.pooling).decode(),
+        "max_length": spec.max_length,
+        "calibration": calibration.VERSION,
+        "versions": library_versions("torch", "transformers", "tokenizers"),
+    }
+    entry = cached_build(
+        cache_dir or default_cache_dir(),
+        "fidelity",
+        f"{spec.name}-reference",
+        key,
+        lambda out: np.save(out / REFERENCE_FILE, _compute_reference(spec, batches, trust_remote_code)),
+    )
     return np.load(entry.path / REFERENCE_FILE), entry.hit
 
 
@@ -195,16 +208,21 @@ def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") ->
     it warns and reports LOW)."""
     what = f"{spec.name} ({backend.engine} {backend.options.dtype} on {backend.options.device})"
     if spec.kind not in CHECKED_KINDS:
-        log.info("fidelity self-check: %s not checked: the calibration set covers embedding, reranker and "
-                 "classifier models, not %s", what, spec.kind.value)
+        log.info(
+            "fidelity self-check: %s not checked: the calibration set covers embedding, reranker and "
+            "classifier models, not %s",
+            what,
+            spec.kind.value,
+        )
         return Report(UNCHECKED, ())
     started = time.perf_counter()
     batches = calibration.batches(spec, backend.options.max_batch_size)
     want, cached = reference(spec, batches, backend.options.cache_dir, backend.options.trust_remote_code)
     got = np.concatenate([backend.forward(batch) for batch in batches])
     figures = judge(measure(spec.kind, got, want), backend.options.dtype)
-    report = Report(PASSED if all(f.passed for f in figures) else LOW, figures, len(want),
-                    time.perf_counter() - started, cached)
+    report = Report(
+        PASSED if all(f.passed for f in figures) else LOW, figures, len(want), time.perf_counter() - started, cached
+    )
     _log_verdict(report, what, allow_low, fallback)
     return report
 

@@ -44,8 +44,8 @@ VNNI_INT8 = ("avx512_vnni", "avx_vnni", "amx_int8")
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
 NATIVE_FP16 = ("avx512_fp16", "amx_fp16")
 # ONNX Runtime int8 recipes (onnx_backend.quantize_int8 reads the name; it is part of the cache key).
-ONNX_INT8_SIGNED = "s8-smooth"      # u8 x s8: exact only where the products accumulate in int32 (VNNI, AMX)
-ONNX_INT8_UNSIGNED = "u8u8-smooth"   # u8 x u8: MLAS widens both to int16 and sums pairs in int32 (vpmaddwd)
+ONNX_INT8_SIGNED = "s8-smooth"  # u8 x s8: exact only where the products accumulate in int32 (VNNI, AMX)
+ONNX_INT8_UNSIGNED = "u8u8-smooth"  # u8 x u8: MLAS widens both to int16 and sums pairs in int32 (vpmaddwd)
 CUDA_BF16_CAPABILITY = (8, 0)
 
 
@@ -56,11 +56,11 @@ class UnsupportedOnHardware(ValueError):
 
 @dataclass(frozen=True)
 class CpuInfo:
-    arch: str                    # platform.machine(): x86_64, aarch64, ...
-    model: str                   # "AMD EPYC 7763 64-Core Processor", or "" if unknown
-    flags: frozenset[str]        # after ENCODERD_CPU_FLAGS_MASK
+    arch: str  # platform.machine(): x86_64, aarch64, ...
+    model: str  # "AMD EPYC 7763 64-Core Processor", or "" if unknown
+    flags: frozenset[str]  # after ENCODERD_CPU_FLAGS_MASK
     masked: frozenset[str] = frozenset()  # what the mask removed
-    known: bool = True           # False where the instruction sets could not be read (not Linux)
+    known: bool = True  # False where the instruction sets could not be read (not Linux)
 
     @property
     def is_x86(self) -> bool:
@@ -139,8 +139,7 @@ def cuda_capability(device: str) -> tuple[int, int] | None:
 CPU_ENGINES = ("torch", "onnx", "ctranslate2")
 
 _INT8_ALTERNATIVES = {
-    "ctranslate2": "use --engine onnx --dtype int8 (unsigned weights there, which cannot saturate) "
-                   "or --dtype float32",
+    "ctranslate2": "use --engine onnx --dtype int8 (unsigned weights there, which cannot saturate) or --dtype float32",
 }
 
 
@@ -154,8 +153,9 @@ def onnx_int8_recipe(info: CpuInfo | None = None) -> str:
     return ONNX_INT8_SIGNED if info.int8_exact else ONNX_INT8_UNSIGNED
 
 
-def check_dtype(engine: str, dtype: str, device: str, info: CpuInfo | None = None,
-                capability: tuple[int, int] | None = None) -> None:
+def check_dtype(
+    engine: str, dtype: str, device: str, info: CpuInfo | None = None, capability: tuple[int, int] | None = None
+) -> None:
     """Raise UnsupportedOnHardware where `engine` cannot run `dtype` on `device` fast and accurately.
     `capability` overrides the CUDA compute capability read from torch (tests)."""
     if device.startswith("cuda"):
@@ -169,17 +169,20 @@ def _check_cpu(engine: str, dtype: str, info: CpuInfo) -> None:
         raise UnsupportedOnHardware(
             f"--dtype bfloat16 on CPU needs native bfloat16 instructions ({_missing(NATIVE_BF16)}), which this "
             f"CPU lacks ({info.describe()}): it would be emulated at ~1 GFLOP/s, dozens of times slower than float32. "
-            "Use --dtype float32 (or int8 with --engine onnx).")
+            "Use --dtype float32 (or int8 with --engine onnx)."
+        )
     if dtype == "float16" and not info.has_any(NATIVE_FP16):
         raise UnsupportedOnHardware(
             f"--dtype float16 on CPU needs native float16 arithmetic ({_missing(NATIVE_FP16)}), which this CPU "
             f"lacks ({info.describe()}): it would be emulated at ~1 GFLOP/s. Use --dtype float32"
-            + (", or bfloat16 (this CPU has it)." if info.has_any(NATIVE_BF16) else "."))
+            + (", or bfloat16 (this CPU has it)." if info.has_any(NATIVE_BF16) else ".")
+        )
     if dtype.startswith("int8") and engine in _INT8_ALTERNATIVES and not info.int8_exact:
         raise UnsupportedOnHardware(
             f"--engine {engine} --dtype {dtype} on this CPU ({info.describe()}) would run int8 matrix products "
             f"without VNNI ({_missing(VNNI_INT8)}), whose int16 intermediate sums saturate and corrupt the "
-            f"output (measured min cosine 0.97 on an AVX2-only CPU); {_INT8_ALTERNATIVES[engine]}.")
+            f"output (measured min cosine 0.97 on an AVX2-only CPU); {_INT8_ALTERNATIVES[engine]}."
+        )
     if dtype.startswith("int8") and engine == "ctranslate2":
         # Even exact (VNNI) int8 GEMMs leave CTranslate2's per-tensor activation scales too coarse for
         # short and non-Latin inputs: worst cosine 0.9869 on the fidelity calibration set and 0.9886 on
@@ -187,7 +190,8 @@ def _check_cpu(engine: str, dtype: str, info: CpuInfo) -> None:
         raise UnsupportedOnHardware(
             f"--engine ctranslate2 --dtype {dtype} on CPU ({info.describe()}) falls below the int8 accuracy floor "
             f"(min cosine 0.99 to float32) on short and non-English inputs even with VNNI (measured 0.987); "
-            f"{_INT8_ALTERNATIVES[engine]}.")
+            f"{_INT8_ALTERNATIVES[engine]}."
+        )
 
 
 def _check_cuda(engine: str, dtype: str, device: str, capability: tuple[int, int] | None) -> None:
@@ -197,8 +201,8 @@ def _check_cuda(engine: str, dtype: str, device: str, capability: tuple[int, int
         raise UnsupportedOnHardware(
             f"--dtype bfloat16 on {device} needs compute capability {'.'.join(map(str, CUDA_BF16_CAPABILITY))} "
             f"(Ampere) or newer; this GPU is {capability[0]}.{capability[1]} and would emulate it. "
-            "Use --dtype float16.")
-
+            "Use --dtype float16."
+        )
 
 
 # ------------------------------------------------------------------ CPU budget and defaults
@@ -257,8 +261,9 @@ def cgroup_cpu_quota() -> float | None:
 @dataclass(frozen=True)
 class CpuBudget:
     """The CPUs this process may use: its affinity, cut by its cgroup quota."""
+
     affinity: tuple[int, ...]
-    quota: float | None = None    # CPUs; None = no quota
+    quota: float | None = None  # CPUs; None = no quota
 
     @property
     def usable(self) -> int:
@@ -270,7 +275,7 @@ class CpuBudget:
     @property
     def cores(self) -> tuple[int, ...]:
         """The cores to pin workers to: the first `usable` of the affinity."""
-        return self.affinity[:self.usable]
+        return self.affinity[: self.usable]
 
     def describe(self) -> str:
         quota = f"cgroup quota {self.quota:g} CPUs" if self.quota is not None else "no cgroup quota"
@@ -283,8 +288,8 @@ def cpu_budget() -> CpuBudget:
 
 @dataclass(frozen=True)
 class Layout:
-    replicas: int     # CPU worker processes per model
-    threads: int      # intra-op threads each
+    replicas: int  # CPU worker processes per model
+    threads: int  # intra-op threads each
     why: str
 
 
@@ -295,14 +300,23 @@ def choose_cpu_layout(usable: int, replicas: int = 0, threads: int = 0) -> Layou
     if replicas:
         return Layout(replicas, max(1, usable // replicas), f"--replicas {replicas} given: an even share of the cores")
     if threads:
-        return Layout(max(1, usable // threads), threads, f"--cpu-threads {threads} given: one worker per {threads} cores")
+        return Layout(
+            max(1, usable // threads), threads, f"--cpu-threads {threads} given: one worker per {threads} cores"
+        )
     if usable <= SMALL_HOST_CORES:
-        return Layout(usable, 1, f"up to {SMALL_HOST_CORES} cores: one single-thread worker per core "
-                                 "(no OpenMP barriers; measured fastest on small hosts)")
+        return Layout(
+            usable,
+            1,
+            f"up to {SMALL_HOST_CORES} cores: one single-thread worker per core "
+            "(no OpenMP barriers; measured fastest on small hosts)",
+        )
     per_worker = max(MIN_THREADS_PER_WORKER, -(-usable // MAX_AUTO_REPLICAS))
-    return Layout(max(1, usable // per_worker), per_worker,
-                  f"over {SMALL_HOST_CORES} cores: workers of {per_worker} threads (a long input still gets "
-                  f"several cores; at most {MAX_AUTO_REPLICAS} copies of the model)")
+    return Layout(
+        max(1, usable // per_worker),
+        per_worker,
+        f"over {SMALL_HOST_CORES} cores: workers of {per_worker} threads (a long input still gets "
+        f"several cores; at most {MAX_AUTO_REPLICAS} copies of the model)",
+    )
 
 
 # int8 under --dtype auto: never, on any CPU measured, because no recipe gives both >= 1.5x the

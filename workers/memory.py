@@ -29,8 +29,8 @@ import os
 import time
 
 KERNEL_CACHE_CAPACITY = 64
-TRIM_IDLE_INTERVAL = 1.0    # seconds between trims when the worker goes idle
-TRIM_BUSY_INTERVAL = 10.0   # ... and at least this often under unbroken load
+TRIM_IDLE_INTERVAL = 1.0  # seconds between trims when the worker goes idle
+TRIM_BUSY_INTERVAL = 10.0  # ... and at least this often under unbroken load
 _CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
 
 

@@ -76,11 +76,12 @@ def fingerprint_model(model_dir: str | os.PathLike) -> str:
 @dataclass(frozen=True)
 class CacheEntry:
     path: Path
-    hit: bool          # True: found on disk; False: built by this call
+    hit: bool  # True: found on disk; False: built by this call
 
 
-def cached_build(root: str | os.PathLike, kind: str, label: str, key: dict,
-                 build: Callable[[Path], None]) -> CacheEntry:
+def cached_build(
+    root: str | os.PathLike, kind: str, label: str, key: dict, build: Callable[[Path], None]
+) -> CacheEntry:
     """Return the entry for `key`, calling `build(tmp_dir)` to fill it on a miss.
 
     `kind` groups entries ("onnx", "ct2", ...). Only the hash of `key` names
@@ -126,15 +127,19 @@ def _build(parent: Path, final: Path, kind: str, manifest: dict, build: Callable
         started = time.perf_counter()
         build(tmp)
         seconds = time.perf_counter() - started
-        (tmp / MANIFEST).write_text(json.dumps({**manifest, "build_seconds": round(seconds, 2),
-                                                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
+        (tmp / MANIFEST).write_text(
+            json.dumps(
+                {**manifest, "build_seconds": round(seconds, 2), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                indent=1,
+            )
+        )
         if _publish(tmp, final):
             log.info("cached %s entry %s (built in %.1fs)", kind, final, seconds)
             return CacheEntry(final, hit=False)
         log.info("another process cached %s entry %s first; using it", kind, final)
         return CacheEntry(final, hit=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)   # gone already when published
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when published
 
 
 def _publish(tmp: Path, final: Path) -> bool:

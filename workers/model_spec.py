@@ -25,13 +25,13 @@ DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 class ModelKind(str, enum.Enum):
     EMBEDDING = "embedding"
-    RERANKER = "reranker"      # a cross-encoder with one output
+    RERANKER = "reranker"  # a cross-encoder with one output
     CLASSIFIER = "classifier"  # a sequence classifier over id2label
-    CLIP = "clip"              # image-text dual encoder (CLIPModel): texts and images in one space
-    CLAP = "clap"              # audio-text dual encoder (ClapModel): texts and audio in one space
-    COLBERT = "colbert"        # late interaction over text: one unit vector per token
-    COLPALI = "colpali"        # late interaction over images and text, on a CLIP model: one per patch / token
-    SPARSE = "sparse"          # SPLADE over a masked-LM head: a sparse vocabulary-sized vector
+    CLIP = "clip"  # image-text dual encoder (CLIPModel): texts and images in one space
+    CLAP = "clap"  # audio-text dual encoder (ClapModel): texts and audio in one space
+    COLBERT = "colbert"  # late interaction over text: one unit vector per token
+    COLPALI = "colpali"  # late interaction over images and text, on a CLIP model: one per patch / token
+    SPARSE = "sparse"  # SPLADE over a masked-LM head: a sparse vocabulary-sized vector
 
 
 # What each kind takes. Text is every kind's; the media modalities need their tower.
@@ -51,11 +51,12 @@ def modalities(kind: ModelKind) -> tuple[str, ...]:
 
 class Pooling(str, enum.Enum):
     """sentence-transformers' pooling modes, named as its current `pooling_mode` config key names them."""
+
     MEAN = "mean"
     CLS = "cls"
     MAX = "max"
     LAST_TOKEN = "lasttoken"
-    WEIGHTED_MEAN = "weightedmean"          # weights 1, 2, 3... by position
+    WEIGHTED_MEAN = "weightedmean"  # weights 1, 2, 3... by position
     MEAN_SQRT_LEN = "mean_sqrt_len_tokens"  # sum / sqrt(tokens)
 
 
@@ -66,27 +67,40 @@ def pooling_modes(pooling: Pooling | tuple[Pooling, ...]) -> tuple[Pooling, ...]
 
 class ScoreActivation(str, enum.Enum):
     """What turns a reranker's or classifier's logits into scores."""
-    SOFTMAX = "softmax"    # single-label classification: one distribution over the labels
-    SIGMOID = "sigmoid"    # multi-label classification (each label alone), and one-label cross-encoders
+
+    SOFTMAX = "softmax"  # single-label classification: one distribution over the labels
+    SIGMOID = "sigmoid"  # multi-label classification (each label alone), and one-label cross-encoders
     IDENTITY = "identity"  # regression, or a cross-encoder whose config says Identity: the logits as they are
 
 
 class DenseModule(msgspec.Struct, frozen=True):
     """A sentence-transformers Dense module: activation(x @ W.T + b) (+ a residual), after pooling."""
 
-    path: str                     # its directory: config.json and model.safetensors / pytorch_model.bin
+    path: str  # its directory: config.json and model.safetensors / pytorch_model.bin
     in_features: int
     out_features: int
-    activation: str               # a torch.nn class name from DENSE_ACTIVATIONS
+    activation: str  # a torch.nn class name from DENSE_ACTIVATIONS
     bias: bool = True
-    residual: bool = False        # use_residual: + x (or + x @ R.T when the widths differ)
+    residual: bool = False  # use_residual: + x (or + x @ R.T when the widths differ)
     normalize_input: bool = False  # a Normalize module sits right before this one
 
 
 # Activations a Dense module may name (as `torch.nn.modules.activation.Tanh` and the like); all take
 # no arguments, which is how sentence-transformers builds them from the config.
-DENSE_ACTIVATIONS = ("Identity", "Tanh", "Sigmoid", "ReLU", "GELU", "SiLU", "LeakyReLU", "ELU", "Softplus",
-                     "Mish", "Hardtanh", "Softsign")
+DENSE_ACTIVATIONS = (
+    "Identity",
+    "Tanh",
+    "Sigmoid",
+    "ReLU",
+    "GELU",
+    "SiLU",
+    "LeakyReLU",
+    "ELU",
+    "Softplus",
+    "Mish",
+    "Hardtanh",
+    "Softsign",
+)
 
 
 class ModelSpec(msgspec.Struct, frozen=True):
@@ -97,17 +111,17 @@ class ModelSpec(msgspec.Struct, frozen=True):
     kind: ModelKind
     max_length: int
     pooling: tuple[Pooling, ...] = (Pooling.MEAN,)  # several: concatenated (see pooling_modes)
-    normalize: bool = False       # L2 at the end (the frontend does it, after the worker's Dense modules)
+    normalize: bool = False  # L2 at the end (the frontend does it, after the worker's Dense modules)
     labels: tuple[str, ...] = ()
     hidden_size: int = 0
-    prompts: dict[str, str] = {}          # sentence-transformers named prompts
+    prompts: dict[str, str] = {}  # sentence-transformers named prompts
     default_prompt_name: str | None = None
-    include_prompt: bool = True   # False: pooling must skip the prompt's tokens; served without prompts only
+    include_prompt: bool = True  # False: pooling must skip the prompt's tokens; served without prompts only
     dense: tuple[DenseModule, ...] = ()  # applied in the worker after pooling (workers/st_modules.py)
-    lowercase: bool = False       # sentence-transformers' do_lower_case: texts lower-cased before tokenizing
+    lowercase: bool = False  # sentence-transformers' do_lower_case: texts lower-cased before tokenizing
     score_activation: ScoreActivation = ScoreActivation.SIGMOID  # rerankers and classifiers
-    model_type: str = ""                  # config.json's: the family engines claim or refuse (bert, qwen3, ...)
-    pad_token_id: int = 0                 # what padded engines fill with: decoder classifiers score the last non-pad token
+    model_type: str = ""  # config.json's: the family engines claim or refuse (bert, qwen3, ...)
+    pad_token_id: int = 0  # what padded engines fill with: decoder classifiers score the last non-pad token
 
 
 class ModelLoadError(Exception):
@@ -131,8 +145,10 @@ def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:
     `revision` (branch, tag or commit; None = the default branch)."""
     if os.path.isdir(path_or_hub_id):
         if revision:
-            raise ModelLoadError(f"--revision {revision!r} is for hub models, but {path_or_hub_id!r} is a local "
-                                 "directory: check out that revision there, or drop --revision for this model")
+            raise ModelLoadError(
+                f"--revision {revision!r} is for hub models, but {path_or_hub_id!r} is a local "
+                "directory: check out that revision there, or drop --revision for this model"
+            )
         return os.path.abspath(path_or_hub_id)
     if path_or_hub_id.startswith((".", "/", "~")):
         raise ModelLoadError(f"model directory {path_or_hub_id!r} does not exist")
@@ -144,7 +160,8 @@ def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:
         at = f" at revision {revision!r}" if revision else ""
         raise ModelLoadError(
             f"cannot load {path_or_hub_id!r}{at}: it is not a local directory and the Hugging Face hub "
-            f"download failed ({type(exc).__name__}: {exc}). Offline? Pass a local model directory.") from exc
+            f"download failed ({type(exc).__name__}: {exc}). Offline? Pass a local model directory."
+        ) from exc
 
 
 def _read_json(path: Path) -> Any:
@@ -169,8 +186,10 @@ def detect_kind(config: dict, modules: Sequence[dict] = ()) -> ModelKind:
         n_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
         return ModelKind.RERANKER if n_labels == 1 else ModelKind.CLASSIFIER
     if "ColPaliForRetrieval" in architectures:
-        raise ModelLoadError("ColPaliForRetrieval (PaliGemma) checkpoints are not supported; serve a CLIP model "
-                             "with the :colpali kind for ColPali-style multi-vector page embeddings")
+        raise ModelLoadError(
+            "ColPaliForRetrieval (PaliGemma) checkpoints are not supported; serve a CLIP model "
+            "with the :colpali kind for ColPali-style multi-vector page embeddings"
+        )
     if "CLIPModel" in architectures or config.get("model_type") == "clip":
         return ModelKind.CLIP
     if "ClapModel" in architectures or config.get("model_type") == "clap":
@@ -199,10 +218,22 @@ _LEGACY_POOLING_KEYS = {
     "pooling_mode_weightedmean_tokens": Pooling.WEIGHTED_MEAN,
     "pooling_mode_lasttoken": Pooling.LAST_TOKEN,
 }
-_POOLING_KEYS = {"embedding_dimension", "word_embedding_dimension", "pooling_mode", "include_prompt",
-                 *_LEGACY_POOLING_KEYS}
-_DENSE_KEYS = {"in_features", "out_features", "bias", "activation_function", "module_input_name",
-               "module_output_name", "use_residual"}
+_POOLING_KEYS = {
+    "embedding_dimension",
+    "word_embedding_dimension",
+    "pooling_mode",
+    "include_prompt",
+    *_LEGACY_POOLING_KEYS,
+}
+_DENSE_KEYS = {
+    "in_features",
+    "out_features",
+    "bias",
+    "activation_function",
+    "module_input_name",
+    "module_output_name",
+    "use_residual",
+}
 _SENTENCE_EMBEDDING = "sentence_embedding"
 
 
@@ -214,32 +245,49 @@ def _st_class(module: dict) -> str:
 
 def _module_error(model_dir: Path, module: dict, why: str) -> ModelLoadError:
     where = model_dir / str(module.get("path", "")) if module.get("path") else model_dir
-    return ModelLoadError(f"{model_dir / 'modules.json'}: module {module.get('name', module.get('idx', '?'))} "
-                          f"({module.get('type')!r}, in {where}) {why}; encoderd serves only what it "
-                          f"reproduces exactly")
+    return ModelLoadError(
+        f"{model_dir / 'modules.json'}: module {module.get('name', module.get('idx', '?'))} "
+        f"({module.get('type')!r}, in {where}) {why}; encoderd serves only what it "
+        f"reproduces exactly"
+    )
 
 
 def _check_keys(path: Path, config: dict, known: set[str]) -> None:
     unknown = sorted(set(config) - known)
     if unknown:
-        raise ModelLoadError(f"{path}: unknown setting(s) {', '.join(unknown)}; encoderd does not know what they "
-                             f"change, so it does not serve this model")
+        raise ModelLoadError(
+            f"{path}: unknown setting(s) {', '.join(unknown)}; encoderd does not know what they "
+            f"change, so it does not serve this model"
+        )
 
 
 def _check_transformer(model_dir: Path, module: dict) -> None:
     if _st_class(module) != "Transformer":
-        raise _module_error(model_dir, module, "is the first module, which encoderd only runs as a transformers "
-                                               "model (a sentence-transformers Transformer module)")
+        raise _module_error(
+            model_dir,
+            module,
+            "is the first module, which encoderd only runs as a transformers "
+            "model (a sentence-transformers Transformer module)",
+        )
     if module.get("path"):
-        raise _module_error(model_dir, module, "keeps the transformer in a subdirectory; encoderd loads it from the "
-                                               "model directory itself")
+        raise _module_error(
+            model_dir,
+            module,
+            "keeps the transformer in a subdirectory; encoderd loads it from the model directory itself",
+        )
     st_config = _read_json(model_dir / "sentence_bert_config.json")
     text = (st_config.get("modality_config") or {}).get("text") or {}
-    if (st_config.get("transformer_task", "feature-extraction") != "feature-extraction"
-            or text.get("method_output_name", "last_hidden_state") != "last_hidden_state"
-            or st_config.get("module_output_name", "token_embeddings") != "token_embeddings"):
-        raise _module_error(model_dir, module, "is not a feature-extraction transformer ending in its last hidden "
-                                               f"states (see {model_dir / 'sentence_bert_config.json'})")
+    if (
+        st_config.get("transformer_task", "feature-extraction") != "feature-extraction"
+        or text.get("method_output_name", "last_hidden_state") != "last_hidden_state"
+        or st_config.get("module_output_name", "token_embeddings") != "token_embeddings"
+    ):
+        raise _module_error(
+            model_dir,
+            module,
+            "is not a feature-extraction transformer ending in its last hidden "
+            f"states (see {model_dir / 'sentence_bert_config.json'})",
+        )
 
 
 def _read_pooling(model_dir: Path, module: dict) -> tuple[tuple[Pooling, ...], bool]:
@@ -254,8 +302,10 @@ def _read_pooling(model_dir: Path, module: dict) -> tuple[tuple[Pooling, ...], b
     known = [mode.value for mode in Pooling]
     unknown = [name for name in names if name not in known]
     if unknown or not names:
-        raise ModelLoadError(f"{path}: pooling mode {unknown[0] if unknown else names!r} is not one encoderd "
-                             f"computes ({', '.join(known)})")
+        raise ModelLoadError(
+            f"{path}: pooling mode {unknown[0] if unknown else names!r} is not one encoderd "
+            f"computes ({', '.join(known)})"
+        )
     return tuple(Pooling(name) for name in names), bool(config.get("include_prompt", True))
 
 
@@ -265,8 +315,10 @@ def _dense_activation(path: Path, config: dict) -> str:
     name = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
     short = name.rpartition(".")[2]
     if not name.startswith("torch.nn.") or short not in DENSE_ACTIVATIONS:
-        raise ModelLoadError(f"{path}: activation function {name!r} is not one encoderd computes "
-                             f"(torch.nn {', '.join(DENSE_ACTIVATIONS)})")
+        raise ModelLoadError(
+            f"{path}: activation function {name!r} is not one encoderd computes "
+            f"(torch.nn {', '.join(DENSE_ACTIVATIONS)})"
+        )
     return short
 
 
@@ -275,16 +327,22 @@ def _read_dense(model_dir: Path, module: dict, normalize_input: bool) -> DenseMo
     path = directory / "config.json"
     config = _read_json(path)
     _check_keys(path, config, _DENSE_KEYS)
-    if config.get("module_input_name", _SENTENCE_EMBEDDING) != _SENTENCE_EMBEDDING or \
-            config.get("module_output_name", _SENTENCE_EMBEDDING) not in (None, _SENTENCE_EMBEDDING):
+    if config.get("module_input_name", _SENTENCE_EMBEDDING) != _SENTENCE_EMBEDDING or config.get(
+        "module_output_name", _SENTENCE_EMBEDDING
+    ) not in (None, _SENTENCE_EMBEDDING):
         raise _module_error(model_dir, module, "does not map the sentence embedding to itself")
     if not any((directory / name).exists() for name in ("model.safetensors", "pytorch_model.bin")):
         raise _module_error(model_dir, module, "has no weights (model.safetensors or pytorch_model.bin)")
     try:
-        return DenseModule(path=str(directory), in_features=int(config["in_features"]),
-                           out_features=int(config["out_features"]), activation=_dense_activation(path, config),
-                           bias=bool(config.get("bias", True)), residual=bool(config.get("use_residual", False)),
-                           normalize_input=normalize_input)
+        return DenseModule(
+            path=str(directory),
+            in_features=int(config["in_features"]),
+            out_features=int(config["out_features"]),
+            activation=_dense_activation(path, config),
+            bias=bool(config.get("bias", True)),
+            residual=bool(config.get("use_residual", False)),
+            normalize_input=normalize_input,
+        )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{path}: not a Dense module config ({type(exc).__name__}: {exc})") from exc
 
@@ -297,6 +355,7 @@ def _check_normalize(model_dir: Path, module: dict) -> None:
 
 class _Pipeline(msgspec.Struct, frozen=True):
     """An embedding model's sentence-transformers modules, as encoderd runs them."""
+
     pooling: tuple[Pooling, ...] = (Pooling.MEAN,)
     include_prompt: bool = True
     dense: tuple[DenseModule, ...] = ()
@@ -318,8 +377,9 @@ def _embedding_pipeline(model_dir: Path, modules: list[dict], hidden_size: int) 
     for module in modules[2:]:
         kind = _st_class(module)
         if kind not in _AFTER_POOLING:
-            raise _module_error(model_dir, module, "is not a module encoderd runs after pooling "
-                                                   f"({', '.join(_AFTER_POOLING)})")
+            raise _module_error(
+                model_dir, module, f"is not a module encoderd runs after pooling ({', '.join(_AFTER_POOLING)})"
+            )
         if kind == "Dense":
             dense.append(_read_dense(model_dir, module, normalize_next))
             normalize_next = False
@@ -334,8 +394,10 @@ def _embedding_pipeline(model_dir: Path, modules: list[dict], hidden_size: int) 
 def _check_widths(model_dir: Path, width: int, dense: list[DenseModule]) -> None:
     for module in dense:
         if width and module.in_features != width:
-            raise ModelLoadError(f"{module.path}: Dense takes {module.in_features} features but receives {width} "
-                                 f"(pooled or projected before it) in {model_dir}")
+            raise ModelLoadError(
+                f"{module.path}: Dense takes {module.in_features} features but receives {width} "
+                f"(pooled or projected before it) in {model_dir}"
+            )
         width = module.out_features
 
 
@@ -345,22 +407,28 @@ def _cross_encoder_activation(model_dir: Path, config: dict) -> ScoreActivation 
     modules.json), config.json's `sentence_transformers` (v4), or config.json's
     `sbert_ce_default_activation_function` (older); None when none does."""
     saved = _read_json(model_dir / "config_sentence_transformers.json") if (model_dir / "modules.json").exists() else {}
-    named = (saved.get("activation_fn")
-             or (config.get("sentence_transformers") or {}).get("activation_fn")
-             or config.get("sbert_ce_default_activation_function"))
+    named = (
+        saved.get("activation_fn")
+        or (config.get("sentence_transformers") or {}).get("activation_fn")
+        or config.get("sbert_ce_default_activation_function")
+    )
     if not named:
         return None
     known = {"Sigmoid": ScoreActivation.SIGMOID, "Identity": ScoreActivation.IDENTITY}
     short = str(named).rpartition(".")[2]
     if not str(named).startswith("torch.nn.") or short not in known:
-        raise ModelLoadError(f"{model_dir}: the cross-encoder config names activation {named!r}; encoderd applies "
-                             f"torch.nn Sigmoid or Identity only")
+        raise ModelLoadError(
+            f"{model_dir}: the cross-encoder config names activation {named!r}; encoderd applies "
+            f"torch.nn Sigmoid or Identity only"
+        )
     return known[short]
 
 
-_PROBLEM_TYPES = {"single_label_classification": ScoreActivation.SOFTMAX,
-                  "multi_label_classification": ScoreActivation.SIGMOID,
-                  "regression": ScoreActivation.IDENTITY}
+_PROBLEM_TYPES = {
+    "single_label_classification": ScoreActivation.SOFTMAX,
+    "multi_label_classification": ScoreActivation.SIGMOID,
+    "regression": ScoreActivation.IDENTITY,
+}
 
 
 def _score_activation(model_dir: Path, config: dict, kind: ModelKind) -> ScoreActivation:
@@ -377,16 +445,21 @@ def _score_activation(model_dir: Path, config: dict, kind: ModelKind) -> ScoreAc
         named = _cross_encoder_activation(model_dir, config)
         return ScoreActivation.SIGMOID if named == ScoreActivation.SIGMOID else ScoreActivation.SOFTMAX
     if problem not in _PROBLEM_TYPES:
-        raise ModelLoadError(f"{model_dir / 'config.json'}: problem_type {problem!r} is not one encoderd knows "
-                             f"({', '.join(_PROBLEM_TYPES)})")
+        raise ModelLoadError(
+            f"{model_dir / 'config.json'}: problem_type {problem!r} is not one encoderd knows "
+            f"({', '.join(_PROBLEM_TYPES)})"
+        )
     return _PROBLEM_TYPES[problem]
 
 
 def _check_head_modules(model_dir: Path, modules: list[dict]) -> None:
     """A reranker or classifier runs the transformers head alone: modules after it would be skipped."""
     for module in modules[1:]:
-        raise _module_error(model_dir, module, "follows the classification model; encoderd computes the "
-                                               "transformers sequence-classification head only")
+        raise _module_error(
+            model_dir,
+            module,
+            "follows the classification model; encoderd computes the transformers sequence-classification head only",
+        )
 
 
 def _lowercase(model_dir: Path) -> bool:
@@ -400,9 +473,11 @@ def check_prompts(spec: ModelSpec, prompts: dict[str, str]) -> None:
     encoderd pools over every token, so a prompted vector would differ from sentence-transformers'."""
     used = sorted(name for name, text in prompts.items() if text)
     if used and not spec.include_prompt and spec.kind == ModelKind.EMBEDDING:
-        raise ModelLoadError(f"{spec.name}: its Pooling module excludes prompt tokens (include_prompt: false), which "
-                             f"encoderd does not compute, and prompts are configured ({', '.join(used)}); serve it "
-                             f"without prompts")
+        raise ModelLoadError(
+            f"{spec.name}: its Pooling module excludes prompt tokens (include_prompt: false), which "
+            f"encoderd does not compute, and prompts are configured ({', '.join(used)}); serve it "
+            f"without prompts"
+        )
 
 
 def _position_limit(config: dict) -> int:
@@ -442,7 +517,8 @@ def require_trusted_code(path: str, config: dict, trust_remote_code: bool) -> No
         raise ModelLoadError(
             f"{path} needs its own model code (config.json auto_map: {classes}). encoderd runs it only with "
             f"{TRUST_REMOTE_CODE_FLAG}, which executes Python from the model repository in the worker: pass it "
-            "only for a repository you trust. Without that code the model would load as a different class.")
+            "only for a repository you trust. Without that code the model would load as a different class."
+        )
 
 
 def require_known_architectures(path: str, trust_remote_code: bool) -> None:
@@ -459,24 +535,31 @@ def require_known_architectures(path: str, trust_remote_code: bool) -> None:
         raise ModelLoadError(
             f"{path}: config.json names architecture {', '.join(unknown)}, which transformers "
             f"{transformers.__version__} does not define, and ships no code for it (no auto_map, so "
-            f"{TRUST_REMOTE_CODE_FLAG} cannot help): serve it with a transformers release that has it")
+            f"{TRUST_REMOTE_CODE_FLAG} cannot help): serve it with a transformers release that has it"
+        )
 
 
 def _with_overrides(spec: ModelSpec, config: dict, pooling: Pooling | None, max_length: int | None) -> ModelSpec:
     """The operator's --pooling / --max-length over what the model's files say, checked against the model."""
     if pooling is not None and spec.kind != ModelKind.EMBEDDING:
-        raise ModelLoadError(f"--pooling {pooling.value} for {spec.name}: pooling applies to embedding models, "
-                             f"and {spec.name} is a {spec.kind.value} model")
+        raise ModelLoadError(
+            f"--pooling {pooling.value} for {spec.name}: pooling applies to embedding models, "
+            f"and {spec.name} is a {spec.kind.value} model"
+        )
     if max_length is not None:
         limit = _position_limit(config)
         if not MIN_MAX_LENGTH <= max_length <= limit:
-            raise ModelLoadError(f"--max-length {max_length} for {spec.name}: its position table holds {limit} "
-                                 f"tokens; choose {MIN_MAX_LENGTH}..{limit}")
+            raise ModelLoadError(
+                f"--max-length {max_length} for {spec.name}: its position table holds {limit} "
+                f"tokens; choose {MIN_MAX_LENGTH}..{limit}"
+            )
     if pooling is not None:
         # One mode instead of the model's own: the pooled width changes with the number of modes.
         if spec.dense and len(spec.pooling) != 1:
-            raise ModelLoadError(f"--pooling {pooling.value} for {spec.name}: its Dense module reads the "
-                                 f"concatenation of {len(spec.pooling)} pooling modes; one mode would not fit it")
+            raise ModelLoadError(
+                f"--pooling {pooling.value} for {spec.name}: its Dense module reads the "
+                f"concatenation of {len(spec.pooling)} pooling modes; one mode would not fit it"
+            )
         width = spec.hidden_size if spec.dense else spec.hidden_size // len(spec.pooling)
         spec = msgspec.structs.replace(spec, pooling=(pooling,), hidden_size=width)
     return msgspec.structs.replace(spec, max_length=max_length or spec.max_length)
@@ -494,8 +577,15 @@ def _output_size(config: dict, kind: ModelKind, pipeline: _Pipeline) -> int:
     return hidden * len(pipeline.pooling)
 
 
-def load_model_spec(name: str, path: str, kind: ModelKind | None = None, *, pooling: Pooling | None = None,
-                    max_length: int | None = None, trust_remote_code: bool = False) -> ModelSpec:
+def load_model_spec(
+    name: str,
+    path: str,
+    kind: ModelKind | None = None,
+    *,
+    pooling: Pooling | None = None,
+    max_length: int | None = None,
+    trust_remote_code: bool = False,
+) -> ModelSpec:
     """The spec from the model's files; `pooling` and `max_length` override them (serve flags)."""
     model_dir = Path(path)
     config = _read_json(model_dir / "config.json")
@@ -505,8 +595,11 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None, *, pool
     modules: list[dict] = _read_json(model_dir / "modules.json") or []
     kind = kind or detect_kind(config, modules)
     id2label = config.get("id2label") or {}
-    labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if kind in (
-        ModelKind.RERANKER, ModelKind.CLASSIFIER) else ()
+    labels = (
+        tuple(str(id2label[k]) for k in sorted(id2label, key=int))
+        if kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
+        else ()
+    )
     pipeline = _Pipeline()
     if kind == ModelKind.EMBEDDING:
         pipeline = _embedding_pipeline(model_dir, modules, int(config.get("hidden_size") or 0))
@@ -520,8 +613,9 @@ def load_model_spec(name: str, path: str, kind: ModelKind | None = None, *, pool
         max_length=_max_length(model_dir, config),
         pooling=pipeline.pooling,
         # Dual encoders compare across modalities by cosine: unit vectors unless a request says otherwise.
-        normalize=pipeline.normalize or kind in DUAL_ENCODER_KINDS or (
-            kind != ModelKind.EMBEDDING and any(m.get("type", "").endswith("Normalize") for m in modules)),
+        normalize=pipeline.normalize
+        or kind in DUAL_ENCODER_KINDS
+        or (kind != ModelKind.EMBEDDING and any(m.get("type", "").endswith("Normalize") for m in modules)),
         labels=labels,
         hidden_size=_output_size(config, kind, pipeline),
         prompts={str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()},

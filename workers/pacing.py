@@ -30,15 +30,15 @@ from .protocol import Ragged, TokenBatch
 STEP_ENV = "ENCODERD_BULK_STEP_MS"
 MIN_STEP_S = 0.002
 MAX_STEP_S = 0.05
-QUIET_S = 2.0          # as the scheduler's interactive window (server/scheduler.py INTERACTIVE_WINDOW)
-SMOOTHING = 0.2        # EWMA weight of the newest measurement
+QUIET_S = 2.0  # as the scheduler's interactive window (server/scheduler.py INTERACTIVE_WINDOW)
+SMOOTHING = 0.2  # EWMA weight of the newest measurement
 # A bulk step takes about this many urgent batches' time. The idle query's own latency is about
 # twice its compute here (frontend, transport), and a query waits half a step on average: 2
 # keeps its p95 near 2x idle, and costs bulk less than smaller steps (python -m
 # encoderd.workers.bench_pacing: bulk tokens per CPU second 0.81-0.85 of uncut batches at 2,
 # 0.74-0.77 at 1; the former 256-token bulk batches 0.72-0.82).
 URGENT_FACTOR = 2.0
-MIN_TOKENS = 32        # never cut below this: a step's fixed cost would dominate
+MIN_TOKENS = 32  # never cut below this: a step's fixed cost would dominate
 
 
 class Ewma:
@@ -56,8 +56,8 @@ class Pacer:
             fixed_ms = float(os.environ[STEP_ENV])
         self.fixed = None if fixed_ms is None else fixed_ms / 1000
         self.clock = clock
-        self.step_per_token = Ewma()   # seconds per token of one bulk step
-        self.urgent_seconds = Ewma()   # seconds one urgent batch takes
+        self.step_per_token = Ewma()  # seconds per token of one bulk step
+        self.urgent_seconds = Ewma()  # seconds one urgent batch takes
         self.urgent_at = float("-inf")
 
     def target(self) -> float | None:

@@ -42,14 +42,14 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     spec: ModelSpec
     engine: str
     options: BackendOptions
-    batch_address: str    # frontend PUSH -> our PULL
-    result_address: str   # our PUSH -> frontend PULL
+    batch_address: str  # frontend PUSH -> our PULL
+    result_address: str  # our PUSH -> frontend PULL
     log_level: str = "INFO"
     label: str = ""
-    cpu_affinity: tuple[int, ...] = ()   # pin this worker to these cores
-    log_format: str = "text"             # "json": JSON lines, as the frontend's --log-format
-    allow_low_fidelity: bool = False     # serve below the fidelity floors (with a warning)
-    heartbeat_interval: float = protocol.HEARTBEAT_INTERVAL   # 0 = no heartbeats (stall check off)
+    cpu_affinity: tuple[int, ...] = ()  # pin this worker to these cores
+    log_format: str = "text"  # "json": JSON lines, as the frontend's --log-format
+    allow_low_fidelity: bool = False  # serve below the fidelity floors (with a warning)
+    heartbeat_interval: float = protocol.HEARTBEAT_INTERVAL  # 0 = no heartbeats (stall check off)
 
 
 def _watch_parent(parent_pid: int, addresses: tuple[str, ...]) -> None:
@@ -136,8 +136,12 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         if "GOMP_SPINCOUNT" not in os.environ:  # an operator's own spin setting wins
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         memory.bound_kernel_caches()  # shape-keyed oneDNN caches: see workers/memory.py
-    threading.Thread(target=_watch_parent, args=(parent_pid, (config.batch_address, config.result_address)),
-                     name="parent-watch", daemon=True).start()
+    threading.Thread(
+        target=_watch_parent,
+        args=(parent_pid, (config.batch_address, config.result_address)),
+        name="parent-watch",
+        daemon=True,
+    ).start()
     _quiet_multiprocessing_locks()
 
     ctx = zmq.Context()
@@ -152,7 +156,9 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
             log.error("model load refused: %s", exc)
         elif not isinstance(exc, fidelity.LowFidelity):  # that one has logged its one clear line
             log.exception("model load failed")
-        results.send_multipart(protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}")))
+        results.send_multipart(
+            protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}"))
+        )
         results.close()
         raise SystemExit(2) from exc
 
@@ -161,12 +167,24 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     batch_socket.connect(config.batch_address)
     threading.Thread(target=_receive_loop, args=(batch_socket, inbox), name="receiver", daemon=True).start()
     if config.heartbeat_interval > 0:  # from READY on: loading has its own (start) timeout
-        threading.Thread(target=_beat, args=(ctx, config.result_address, config.heartbeat_interval),
-                         name="heartbeat", daemon=True).start()
-    results.send_multipart(protocol.encode_control(protocol.WorkerReady(
-        # The backend's own engine/options: `auto` engine and dtype are resolved by then.
-        os.getpid(), modules.output_dim(backend.output_dim), backend.engine, backend.options.device,
-        backend.options.dtype, backend.is_padded, check.status, check.figures)))
+        threading.Thread(
+            target=_beat, args=(ctx, config.result_address, config.heartbeat_interval), name="heartbeat", daemon=True
+        ).start()
+    results.send_multipart(
+        protocol.encode_control(
+            protocol.WorkerReady(
+                # The backend's own engine/options: `auto` engine and dtype are resolved by then.
+                os.getpid(),
+                modules.output_dim(backend.output_dim),
+                backend.engine,
+                backend.options.device,
+                backend.options.dtype,
+                backend.is_padded,
+                check.status,
+                check.figures,
+            )
+        )
+    )
     pacer = pacing.Pacer()
     trimmer = memory.HeapTrimmer()  # freed heap pages go back to the OS: see workers/memory.py
     while True:
@@ -177,8 +195,14 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
 def _load(config: WorkerConfig) -> tuple:
     """The loaded, warmed-up backend and its fidelity report (fidelity.LowFidelity: not servable)."""
     started = time.perf_counter()
-    log.info("loading %s from %s (engine=%s device=%s dtype=%s)", config.spec.name, config.spec.path,
-             config.engine, config.options.device, config.options.dtype)
+    log.info(
+        "loading %s from %s (engine=%s device=%s dtype=%s)",
+        config.spec.name,
+        config.spec.path,
+        config.engine,
+        config.options.device,
+        config.options.dtype,
+    )
     backend = create_backend(config.engine, config.spec, config.options)
     backend.load()
     log.info("loaded in %.1fs; warming up", time.perf_counter() - started)
@@ -188,8 +212,7 @@ def _load(config: WorkerConfig) -> tuple:
     # A dtype the server chose itself (--dtype auto) that fails the check falls back to float32;
     # one the operator named is refused (LowFidelity) or, with --allow-low-fidelity, served.
     chosen = config.options.dtype == "auto" and backend.options.dtype != "float32"
-    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity,
-                                fallback="float32" if chosen else "")
+    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity, fallback="float32" if chosen else "")
     if chosen and check.status == fidelity.LOW:
         del backend
         return _load(msgspec.structs.replace(config, options=msgspec.structs.replace(config.options, dtype="float32")))
@@ -218,8 +241,7 @@ def forward(backend, batch: protocol.TokenBatch):
         return np.concatenate(halves)
 
 
-def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket,
-         pacer: pacing.Pacer) -> None:
+def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket, pacer: pacing.Pacer) -> None:
     """Compute one batch and send its result (or its error: one bad batch fails its requests,
     not the worker)."""
     started = time.perf_counter_ns()
@@ -235,12 +257,17 @@ def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.So
         log.exception("batch %d failed", batch.batch_id)
         results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))
         return
-    results.send_multipart(protocol.encode_result(batch.batch_id, output, time.perf_counter_ns() - started),
-                           copy=False)
+    results.send_multipart(protocol.encode_result(batch.batch_id, output, time.perf_counter_ns() - started), copy=False)
 
 
-def _forward_yielding(backend, modules: SentenceModules, batch: protocol.TokenBatch, inbox: Inbox,
-                      results: zmq.Socket, pacer: pacing.Pacer):
+def _forward_yielding(
+    backend,
+    modules: SentenceModules,
+    batch: protocol.TokenBatch,
+    inbox: Inbox,
+    results: zmq.Socket,
+    pacer: pacing.Pacer,
+):
     """A bulk batch in sub-batches (pacer.cut), each in timed steps; at each pause, the urgent
     batches that arrived meanwhile run first."""
     try:
@@ -251,8 +278,14 @@ def _forward_yielding(backend, modules: SentenceModules, batch: protocol.TokenBa
         return forward(backend, batch)  # from the start, halving the batch as needed
 
 
-def _steps(backend, modules: SentenceModules, batch: protocol.TokenBatch, inbox: Inbox, results: zmq.Socket,
-           pacer: pacing.Pacer):
+def _steps(
+    backend,
+    modules: SentenceModules,
+    batch: protocol.TokenBatch,
+    inbox: Inbox,
+    results: zmq.Socket,
+    pacer: pacing.Pacer,
+):
     steps = backend.forward_in_steps(batch)
     tokens, paused = len(batch.input_ids), False
     try:

@@ -34,10 +34,10 @@ import numpy as np
 
 
 class MessageType(enum.IntEnum):
-    BATCH = 1    # frontend -> worker
-    RESULT = 2   # worker -> frontend: one batch's outputs, or its error
-    READY = 3    # worker -> frontend: loaded and warmed up
-    FATAL = 4    # worker -> frontend: cannot go on (load failed); the process exits
+    BATCH = 1  # frontend -> worker
+    RESULT = 2  # worker -> frontend: one batch's outputs, or its error
+    READY = 3  # worker -> frontend: loaded and warmed up
+    FATAL = 4  # worker -> frontend: cannot go on (load failed); the process exits
     HEARTBEAT = 5  # worker -> frontend: alive, sent every HEARTBEAT_INTERVAL seconds while it computes too
 
 
@@ -67,9 +67,10 @@ class ResultHeader(msgspec.Struct, array_like=True, gc=False):
 
 class FidelityFigure(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One figure of the start-up fidelity self-check (workers/fidelity.py)."""
-    metric: str    # min_cosine, max_prob_diff, kendall_tau, top1_agreement
+
+    metric: str  # min_cosine, max_prob_diff, kendall_tau, top1_agreement
     value: float
-    bound: float   # this dtype's floor (max_prob_diff: its ceiling)
+    bound: float  # this dtype's floor (max_prob_diff: its ceiling)
     passed: bool
 
 
@@ -80,7 +81,7 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     device: str
     dtype: str
     is_padded: bool
-    fidelity_status: str = ""    # passed, low (served with --allow-low-fidelity), unchecked
+    fidelity_status: str = ""  # passed, low (served with --allow-low-fidelity), unchecked
     fidelity: tuple[FidelityFigure, ...] = ()
 
 
@@ -97,10 +98,10 @@ class TokenBatch(msgspec.Struct, gc=False):
     """A batch of tokenized sequences, packed without padding."""
 
     batch_id: int
-    input_ids: np.ndarray            # int32, all sequences concatenated
-    cu_seqlens: np.ndarray           # int32, n + 1 offsets into input_ids
+    input_ids: np.ndarray  # int32, all sequences concatenated
+    cu_seqlens: np.ndarray  # int32, n + 1 offsets into input_ids
     token_type_ids: np.ndarray | None = None  # int32 like input_ids; pairs only
-    urgent: bool = False             # interactive: may pause a bulk batch between layers (workers/process.py)
+    urgent: bool = False  # interactive: may pause a bulk batch between layers (workers/process.py)
 
     @property
     def size(self) -> int:
@@ -122,10 +123,20 @@ class TokenBatch(msgspec.Struct, gc=False):
         """The first `at` sequences and the rest, as two batches (views, no copies)."""
         cut = int(self.cu_seqlens[at])
         types = self.token_type_ids
-        first = TokenBatch(self.batch_id, self.input_ids[:cut], self.cu_seqlens[:at + 1],
-                           None if types is None else types[:cut], self.urgent)
-        rest = TokenBatch(self.batch_id, self.input_ids[cut:], self.cu_seqlens[at:] - cut,
-                          None if types is None else types[cut:], self.urgent)
+        first = TokenBatch(
+            self.batch_id,
+            self.input_ids[:cut],
+            self.cu_seqlens[: at + 1],
+            None if types is None else types[:cut],
+            self.urgent,
+        )
+        rest = TokenBatch(
+            self.batch_id,
+            self.input_ids[cut:],
+            self.cu_seqlens[at:] - cut,
+            None if types is None else types[cut:],
+            self.urgent,
+        )
         return first, rest
 
 
@@ -133,8 +144,8 @@ class MediaBatch(msgspec.Struct, gc=False):
     """A batch of preprocessed media inputs of one modality and one shape."""
 
     batch_id: int
-    modality: str                    # "image" | "audio"
-    features: np.ndarray             # float32 (n, *shape): pixel values, audio features
+    modality: str  # "image" | "audio"
+    features: np.ndarray  # float32 (n, *shape): pixel values, audio features
     flags: np.ndarray | None = None  # int32 (n,), one per input (CLAP: is_longer)
 
     @property
@@ -146,8 +157,8 @@ class Ragged(msgspec.Struct, gc=False):
     """Outputs of a different length per input, concatenated: token / patch
     vectors (multi-vector), or the non-zero entries of sparse vectors."""
 
-    values: np.ndarray               # float32 (rows, cols)
-    cu_seqlens: np.ndarray           # int32 (n + 1): input i owns rows cu[i]:cu[i+1]
+    values: np.ndarray  # float32 (rows, cols)
+    cu_seqlens: np.ndarray  # int32 (n + 1): input i owns rows cu[i]:cu[i+1]
     indices: np.ndarray | None = None  # int32 (rows,): sparse, the dimension of each value (cols == 1)
 
     def split(self) -> list:
@@ -163,7 +174,9 @@ class Ragged(msgspec.Struct, gc=False):
     def join(cls, parts: list[Ragged]) -> Ragged:
         """The outputs of consecutive sub-batches as one (inputs in order)."""
         offsets = np.cumsum([0] + [len(p.values) for p in parts[:-1]])
-        cu = np.concatenate([parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets, strict=True)])
+        cu = np.concatenate(
+            [parts[0].cu_seqlens[:1]] + [p.cu_seqlens[1:] + o for p, o in zip(parts, offsets, strict=True)]
+        )
         indices = None if parts[0].indices is None else np.concatenate([p.indices for p in parts])
         return cls(np.concatenate([p.values for p in parts]), cu.astype(np.int32), indices)
 
@@ -178,8 +191,11 @@ _HEADER_TYPES = {
 }
 # What decode() returns: the header type is the one _HEADER_TYPES names for the message's type.
 Header = BatchHeader | ResultHeader | WorkerReady | WorkerFatal | WorkerHeartbeat
-_CONTROL_TYPES = {WorkerReady: MessageType.READY, WorkerFatal: MessageType.FATAL,
-                  WorkerHeartbeat: MessageType.HEARTBEAT}
+_CONTROL_TYPES = {
+    WorkerReady: MessageType.READY,
+    WorkerFatal: MessageType.FATAL,
+    WorkerHeartbeat: MessageType.HEARTBEAT,
+}
 _decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in _HEADER_TYPES.items()}
 
 
@@ -191,8 +207,12 @@ def encode_batch(batch: TokenBatch | MediaBatch) -> list:
     if isinstance(batch, MediaBatch):
         return _encode_media_batch(batch)
     header = BatchHeader(batch.batch_id, batch.token_type_ids is not None, urgent=batch.urgent)
-    frames = [_type_frame(MessageType.BATCH), _encoder.encode(header),
-              np.ascontiguousarray(batch.input_ids, np.int32), np.ascontiguousarray(batch.cu_seqlens, np.int32)]
+    frames = [
+        _type_frame(MessageType.BATCH),
+        _encoder.encode(header),
+        np.ascontiguousarray(batch.input_ids, np.int32),
+        np.ascontiguousarray(batch.cu_seqlens, np.int32),
+    ]
     if batch.token_type_ids is not None:
         frames.append(np.ascontiguousarray(batch.token_type_ids, np.int32))
     return frames
@@ -218,10 +238,20 @@ def encode_result(batch_id: int, output: np.ndarray | Ragged, compute_ns: int = 
 def _encode_ragged_result(batch_id: int, output: Ragged, compute_ns: int) -> list:
     values = np.ascontiguousarray(output.values, dtype=np.float32)
     values = values.reshape(len(values), -1)
-    header = ResultHeader(batch_id, values.shape[0], values.shape[1], compute_ns=compute_ns,
-                          inputs=len(output.cu_seqlens) - 1, sparse=output.indices is not None)
-    frames = [_type_frame(MessageType.RESULT), _encoder.encode(header), values,
-              np.ascontiguousarray(output.cu_seqlens, np.int32)]
+    header = ResultHeader(
+        batch_id,
+        values.shape[0],
+        values.shape[1],
+        compute_ns=compute_ns,
+        inputs=len(output.cu_seqlens) - 1,
+        sparse=output.indices is not None,
+    )
+    frames = [
+        _type_frame(MessageType.RESULT),
+        _encoder.encode(header),
+        values,
+        np.ascontiguousarray(output.cu_seqlens, np.int32),
+    ]
     if output.indices is not None:
         frames.append(np.ascontiguousarray(output.indices, np.int32))
     return frames
@@ -252,8 +282,7 @@ def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch | MediaBa
         flags = _array(frames[1], np.int32) if header.has_flags else None
         return MediaBatch(header.batch_id, header.modality, features, flags)
     types = _array(frames[2], np.int32) if header.has_token_types else None
-    return TokenBatch(header.batch_id, _array(frames[0], np.int32), _array(frames[1], np.int32), types,
-                      header.urgent)
+    return TokenBatch(header.batch_id, _array(frames[0], np.int32), _array(frames[1], np.int32), types, header.urgent)
 
 
 def result_array(header: ResultHeader, frames: list) -> np.ndarray | list:
@@ -284,7 +313,9 @@ def new_ipc_address(tag: str) -> str:
     """A fresh ipc:// endpoint; unix socket paths must stay under ~107 bytes."""
     path = os.path.join(_ipc_directory(), f"{tag}-{uuid.uuid4().hex[:8]}")
     if len(path.encode()) > 100:
-        raise ValueError(f"IPC path too long for a unix socket ({len(path)} bytes): set ENCODERD_RPC_DIR to a shorter directory")
+        raise ValueError(
+            f"IPC path too long for a unix socket ({len(path)} bytes): set ENCODERD_RPC_DIR to a shorter directory"
+        )
     return "ipc://" + path
 
 

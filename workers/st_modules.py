@@ -58,8 +58,9 @@ def _load_dense(module: DenseModule):
     if set(weights) != expected:
         raise ModelLoadError(f"{module.path}: Dense weights hold {sorted(weights)}, expected {sorted(expected)}")
     try:
-        linear.load_state_dict({k.removeprefix("linear."): v.float() for k, v in weights.items()
-                                if k.startswith("linear.")})
+        linear.load_state_dict(
+            {k.removeprefix("linear."): v.float() for k, v in weights.items() if k.startswith("linear.")}
+        )
         if residual is not None:
             residual.load_state_dict({"weight": weights["residual.weight"].float()})
     except RuntimeError as exc:  # shapes that disagree with config.json

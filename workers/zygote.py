@@ -34,9 +34,17 @@ log = logging.getLogger("encoderd.zygote")
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 # What every CPU worker imports before its model loads: seconds of work done here once.
-PRELOAD = ("torch", "transformers", "tokenizers", "safetensors.torch", "transformers.modeling_utils",
-           "encoderd.workers.process", "encoderd.workers.backends.torch_backend", "encoderd.workers.fidelity",
-           "encoderd.workers.calibration")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors.torch",
+    "transformers.modeling_utils",
+    "encoderd.workers.process",
+    "encoderd.workers.backends.torch_backend",
+    "encoderd.workers.fidelity",
+    "encoderd.workers.calibration",
+)
 _LENGTH = struct.Struct("!I")
 
 
@@ -46,6 +54,7 @@ def prctl(option: int, value: int) -> bool:
 
 
 # ------------------------------------------------------------------ the wire (both sides)
+
 
 def send(sock: socket.socket, message) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -73,6 +82,7 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
 
 
 # ------------------------------------------------------------------ the zygote process
+
 
 def main(argv: list[str]) -> int:
     fd, frontend_pid, log_level, log_format = int(argv[0]), int(argv[1]), argv[2], argv[3]

@@ -103,9 +103,16 @@ def measure(address: str, clients: int, seconds: float) -> dict:
     counts = out.get(timeout=seconds + 120)
     flood.join(30)
     channel.close()
-    return {"idle_p50_ms": _pct(idle, 50), "idle_p99_ms": _pct(idle, 99), "refused": len(refused),
-            "served": len(served), "refusal_p50_ms": _pct(refused, 50), "refusal_p99_ms": _pct(refused, 99),
-            "refusal_max_ms": _pct(refused, 100), "flood": counts}
+    return {
+        "idle_p50_ms": _pct(idle, 50),
+        "idle_p99_ms": _pct(idle, 99),
+        "refused": len(refused),
+        "served": len(served),
+        "refusal_p50_ms": _pct(refused, 50),
+        "refusal_p99_ms": _pct(refused, 99),
+        "refusal_max_ms": _pct(refused, 100),
+        "flood": counts,
+    }
 
 
 def export_ref(ref: str) -> Path:
@@ -118,8 +125,13 @@ def export_ref(ref: str) -> Path:
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
     package = root / "encoderd"
     package.mkdir()
-    for name, path in (("server", "server"), ("workers", "workers"), ("gateway", "gateway"),
-                       ("clients", "clients"), ("v1", "protos/encoderd/v1")):
+    for name, path in (
+        ("server", "server"),
+        ("workers", "workers"),
+        ("gateway", "gateway"),
+        ("clients", "clients"),
+        ("v1", "protos/encoderd/v1"),
+    ):
         (package / name).symlink_to(source / path)
     return root
 
@@ -135,13 +147,17 @@ def start_server(label: str, pythonpath: str | None, serve_args: list[str], logs
 
 
 def report(rows: list[dict]) -> None:
-    print(f"{'server':<14} {'idle p50':>8} {'idle p99':>8} {'refused':>7} {'served':>6} "
-          f"{'refusal p50':>11} {'refusal p99':>11} {'max':>7}  flood counts")
+    print(
+        f"{'server':<14} {'idle p50':>8} {'idle p99':>8} {'refused':>7} {'served':>6} "
+        f"{'refusal p50':>11} {'refusal p99':>11} {'max':>7}  flood counts"
+    )
     for r in rows:
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        print(f"{r['server']:<14} {f(r['idle_p50_ms']):>8} {f(r['idle_p99_ms']):>8} {r['refused']:>7} "
-              f"{r['served']:>6} {f(r['refusal_p50_ms']):>11} {f(r['refusal_p99_ms']):>11} "
-              f"{f(r['refusal_max_ms']):>7}  {r['flood']}")
+        print(
+            f"{r['server']:<14} {f(r['idle_p50_ms']):>8} {f(r['idle_p99_ms']):>8} {r['refused']:>7} "
+            f"{r['served']:>6} {f(r['refusal_p50_ms']):>11} {f(r['refusal_p99_ms']):>11} "
+            f"{f(r['refusal_max_ms']):>7}  {r['flood']}"
+        )
 
 
 def main(argv=None) -> int:
@@ -156,8 +172,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     serve_args = ["--max-queued-inputs", str(args.max_queued_inputs), *shlex.split(args.serve_args)]
     logs = Path(tempfile.mkdtemp(prefix="encoderd-flood-"))
-    servers = [("this checkout", None)] + ([(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))]
-                                           if args.compare_ref else [])
+    servers = [("this checkout", None)] + (
+        [(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))] if args.compare_ref else []
+    )
     rows = []
     for _ in range(args.rounds):
         for label, path in reversed(servers):  # the reference first

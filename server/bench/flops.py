@@ -33,7 +33,7 @@ class FlopModel:
 
     @property
     def matmul_params(self) -> int:
-        return self.layers * (4 * self.hidden ** 2 + 2 * self.hidden * self.intermediate)
+        return self.layers * (4 * self.hidden**2 + 2 * self.hidden * self.intermediate)
 
     def flops(self, real_lengths: np.ndarray) -> float:
         n = real_lengths.astype(np.float64)

@@ -24,11 +24,18 @@ def server_counters(before: dict, after: dict, model: str) -> dict:
         key = f"{name}|{model}"
         return after.get(key, 0.0) - before.get(key, 0.0)
 
-    real, computed, batches = (delta("encoderd_real_tokens_total"), delta("encoderd_computed_tokens_total"),
-                               delta("encoderd_batches_total"))
+    real, computed, batches = (
+        delta("encoderd_real_tokens_total"),
+        delta("encoderd_computed_tokens_total"),
+        delta("encoderd_batches_total"),
+    )
     if not real:
         return {}
-    return {"padding_ratio": computed / real, "batches": int(batches),
-            "mean_batch_size": delta("encoderd_batch_size_sum") / max(batches, 1),
-            "mean_batch_seconds": delta("encoderd_batch_duration_seconds_sum") / max(batches, 1),
-            "server_real_tokens": int(real), "server_computed_tokens": int(computed)}
+    return {
+        "padding_ratio": computed / real,
+        "batches": int(batches),
+        "mean_batch_size": delta("encoderd_batch_size_sum") / max(batches, 1),
+        "mean_batch_seconds": delta("encoderd_batch_duration_seconds_sum") / max(batches, 1),
+        "server_real_tokens": int(real),
+        "server_computed_tokens": int(computed),
+    }

@@ -32,15 +32,25 @@ from ...v1 import encoderd_pb2 as pb
 from ...v1 import encoderd_pb2_grpc
 from .processes import Managed, free_port, grpc_serving, wait_until
 
-QUERIES = ["what is a cross encoder", "best laptop for travel", "weather in paris", "how do embeddings work",
-           "symptoms of flu", "python async tutorial", "cheap flights to tokyo", "define entropy"]
+QUERIES = [
+    "what is a cross encoder",
+    "best laptop for travel",
+    "weather in paris",
+    "how do embeddings work",
+    "symptoms of flu",
+    "python async tutorial",
+    "cheap flights to tokyo",
+    "define entropy",
+]
 
 
 def chunk_corpus(n: int, seed: int = 0) -> list[str]:
     """Mixed-length ingestion chunks: mostly paragraphs, some long, some short."""
     rng = np.random.default_rng(seed)
-    words = ("retrieval augmented generation splits documents into chunks and embeds each one so that a query can "
-             "find the passages most similar to it before a reranker orders them").split()
+    words = (
+        "retrieval augmented generation splits documents into chunks and embeds each one so that a query can "
+        "find the passages most similar to it before a reranker orders them"
+    ).split()
     lengths = np.clip(rng.lognormal(mean=4.0, sigma=0.8, size=n), 5, 400).astype(int)
     return [f"chunk {i}: " + " ".join(rng.choice(words, size=k)) for i, k in enumerate(lengths)]
 
@@ -94,8 +104,12 @@ def run_phases(address: str, seconds: float) -> dict:
     results: dict[str, dict[str, list[float] | float]] = {"idle": {"query_ms": query_latencies(stub, seconds)}}
     # Solo before and after mixed: a host whose speed drifts (shared CPUs, clocks) or a server still
     # warming up would otherwise bias the stream's share toward one side; its solo is their mean.
-    for phase, priority in (("bulk solo", pb.PRIORITY_BULK), ("mixed", pb.PRIORITY_BULK),
-                            ("bulk solo again", pb.PRIORITY_BULK), ("mixed-fifo", pb.PRIORITY_INTERACTIVE)):
+    for phase, priority in (
+        ("bulk solo", pb.PRIORITY_BULK),
+        ("mixed", pb.PRIORITY_BULK),
+        ("bulk solo again", pb.PRIORITY_BULK),
+        ("mixed-fifo", pb.PRIORITY_INTERACTIVE),
+    ):
         stream = BulkStream(address, chunks, priority)
         stream.start()
         time.sleep(3)  # reach steady state
@@ -120,15 +134,27 @@ def report(results: dict) -> list[dict]:
     for phase, r in results.items():
         q = r["query_ms"]
         bulk = r.get("bulk_inputs_per_s")
-        rows.append({"phase": phase, "queries": len(q), "p50_ms": pct(q, 50), "p95_ms": pct(q, 95),
-                     "p95_vs_idle": pct(q, 95) / idle_p95 if q else None,
-                     "bulk_inputs_per_s": bulk, "bulk_vs_solo": bulk / solo if bulk is not None and solo else None})
-    print(f"{'phase':<16} {'queries':>7} {'p50 ms':>8} {'p95 ms':>8} {'p95/idle':>9} {'bulk in/s':>10} {'bulk/solo':>9}")
+        rows.append(
+            {
+                "phase": phase,
+                "queries": len(q),
+                "p50_ms": pct(q, 50),
+                "p95_ms": pct(q, 95),
+                "p95_vs_idle": pct(q, 95) / idle_p95 if q else None,
+                "bulk_inputs_per_s": bulk,
+                "bulk_vs_solo": bulk / solo if bulk is not None and solo else None,
+            }
+        )
+    print(
+        f"{'phase':<16} {'queries':>7} {'p50 ms':>8} {'p95 ms':>8} {'p95/idle':>9} {'bulk in/s':>10} {'bulk/solo':>9}"
+    )
     for row in rows:
         fmt = lambda v, f: (f % v) if isinstance(v, float) else "-"  # noqa: E731
-        print(f"{row['phase']:<16} {row['queries']:>7} {fmt(row['p50_ms'], '%8.1f'):>8} {fmt(row['p95_ms'], '%8.1f'):>8} "
-              f"{fmt(row['p95_vs_idle'], '%9.2f'):>9} {fmt(row['bulk_inputs_per_s'], '%10.1f'):>10} "
-              f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9}")
+        print(
+            f"{row['phase']:<16} {row['queries']:>7} {fmt(row['p50_ms'], '%8.1f'):>8} {fmt(row['p95_ms'], '%8.1f'):>8} "
+            f"{fmt(row['p95_vs_idle'], '%9.2f'):>9} {fmt(row['bulk_inputs_per_s'], '%10.1f'):>10} "
+            f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9}"
+        )
     return rows
 
 
@@ -142,8 +168,16 @@ def main(argv=None) -> int:
     server, address = None, args.target
     if not address:
         address = f"127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", "encoderd.server.cli", "serve", "--no-rest", "--grpc-port",
-                address.rpartition(":")[2], *shlex.split(args.serve_args)]
+        argv = [
+            sys.executable,
+            "-m",
+            "encoderd.server.cli",
+            "serve",
+            "--no-rest",
+            "--grpc-port",
+            address.rpartition(":")[2],
+            *shlex.split(args.serve_args),
+        ]
         server = Managed("encoderd", argv, Path(tempfile.mkdtemp()) / "encoderd.log").start()
     try:
         if server:

@@ -21,12 +21,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from ...workers.model_spec import default_model_path
 from .corpus import _OBJECTS, _QUERIES, _SUBJECTS, _TAILS, _VERBS
 from .options import log
 
-BASE_SIZES = dict(num_hidden_layers=12, hidden_size=768, intermediate_size=3072, num_attention_heads=12)
+BASE_SIZES: dict[str, Any] = {
+    "num_hidden_layers": 12,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+}
 _XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 _FORMAT = 1  # bump when what is built changes: the cached copy is then rebuilt
 
@@ -64,15 +70,25 @@ def _write_base_embedder(out: Path) -> None:
     config = BertConfig(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, **BASE_SIZES)
     torch.manual_seed(0)
     BertModel(config).eval().save_pretrained(out)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
     (out / "modules.json").write_text(json.dumps(modules, indent=1))
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": True}))
     (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 768, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False,
-        "pooling_mode_max_tokens": False, "pooling_mode_mean_sqrt_len_tokens": False}))
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                "word_embedding_dimension": 768,
+                "pooling_mode_cls_token": True,
+                "pooling_mode_mean_tokens": False,
+                "pooling_mode_max_tokens": False,
+                "pooling_mode_mean_sqrt_len_tokens": False,
+            }
+        )
+    )
     (out / "2_Normalize").mkdir()
 
 
@@ -81,13 +97,34 @@ def _write_xlmr_reranker(out: Path) -> None:
     from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
 
     _xlmr_tokenizer().save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "XLMRobertaTokenizer", "model_max_length": 512, "bos_token": "<s>", "eos_token": "</s>",
-        "cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>"},
-        indent=1))
-    config = XLMRobertaConfig(vocab_size=250002, max_position_embeddings=514, type_vocab_size=1, pad_token_id=1,
-                              bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5, num_labels=1,
-                              id2label={0: "LABEL_0"}, label2id={"LABEL_0": 0}, **BASE_SIZES)
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "XLMRobertaTokenizer",
+                "model_max_length": 512,
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "cls_token": "<s>",
+                "sep_token": "</s>",
+                "pad_token": "<pad>",
+                "unk_token": "<unk>",
+                "mask_token": "<mask>",
+            },
+            indent=1,
+        )
+    )
+    config = XLMRobertaConfig(
+        vocab_size=250002,
+        max_position_embeddings=514,
+        type_vocab_size=1,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        layer_norm_eps=1e-5,
+        id2label={0: "LABEL_0"},
+        label2id={"LABEL_0": 0},
+        **BASE_SIZES,
+    )
     torch.manual_seed(0)
     XLMRobertaForSequenceClassification(config).eval().save_pretrained(out)
 
@@ -100,14 +137,20 @@ def _xlmr_tokenizer():
     text = " ".join(_SUBJECTS + _VERBS + _OBJECTS + _TAILS + _QUERIES)
     words = sorted({w.strip(".,?!:%") for w in text.split()} | {w.capitalize() for w in text.split()})
     chars = sorted(set(text + "0123456789 .,;:!?'\"()[]{}<>-_/\\@#$%^&*+=~`|ABCDEFGHIJKLMNOPQRSTUVWXYZ") - {" "})
-    pieces = ([(s, 0.0) for s in _XLMR_SPECIALS] + [(f"\u2581{w}", -5.0) for w in words if w]
-              + [("\u2581", -8.0)] + [(c, -10.0 - i / 100) for i, c in enumerate(chars)])
+    pieces = (
+        [(s, 0.0) for s in _XLMR_SPECIALS]
+        + [(f"\u2581{w}", -5.0) for w in words if w]
+        + [("\u2581", -8.0)]
+        + [(c, -10.0 - i / 100) for i, c in enumerate(chars)]
+    )
     tok = Tokenizer(models.Unigram(pieces, unk_id=_XLMR_SPECIALS.index("<unk>")))
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     tok.add_special_tokens(_XLMR_SPECIALS)
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
-        special_tokens=[(s, _XLMR_SPECIALS.index(s)) for s in ("<s>", "</s>")])
+        single="<s> $A </s>",
+        pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[(s, _XLMR_SPECIALS.index(s)) for s in ("<s>", "</s>")],
+    )
     return tok

@@ -82,8 +82,13 @@ async def _window(state: dict, clients: list, probe: CpuProbe | None) -> tuple[d
 
 def _new_state(args) -> dict:
     start = time.monotonic()
-    return {"issued": 0, "errors": 0, "done": [], "window": (start + args.bulk_warmup, 0.0),
-            "deadline": start + args.bulk_warmup + args.bulk_seconds}
+    return {
+        "issued": 0,
+        "errors": 0,
+        "done": [],
+        "window": (start + args.bulk_warmup, 0.0),
+        "deadline": start + args.bulk_warmup + args.bulk_seconds,
+    }
 
 
 async def _bulk(target, work: Workload, args, probe: CpuProbe | None):
@@ -127,12 +132,29 @@ async def _stream_client(stub, pb, model: str, work: Workload, args, state: dict
         state["errors"], state["last_error"] = state["errors"] + 1, f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def run_bulk(name: str, target, work: Workload, args, probe: CpuProbe | None, metrics_url: str | None,
-             model: str, flops: FlopModel, peak: float | None, worker_threads: int, stream: bool = False) -> Row:
+def run_bulk(
+    name: str,
+    target,
+    work: Workload,
+    args,
+    probe: CpuProbe | None,
+    metrics_url: str | None,
+    model: str,
+    flops: FlopModel,
+    peak: float | None,
+    worker_threads: int,
+    stream: bool = False,
+) -> Row:
     how = "one EmbedStream" if stream else f"{args.concurrency} clients x {args.batch} inputs"
     protocol = "grpc-stream" if stream else target.protocol
-    log(f"bulk {name}/{protocol}: {how}, " + (f"{args.bulk_requests * args.batch} inputs" if args.bulk_requests
-                                              else f"{args.bulk_warmup:g}s warm-up + {args.bulk_seconds:g}s window"))
+    log(
+        f"bulk {name}/{protocol}: {how}, "
+        + (
+            f"{args.bulk_requests * args.batch} inputs"
+            if args.bulk_requests
+            else f"{args.bulk_warmup:g}s warm-up + {args.bulk_seconds:g}s window"
+        )
+    )
     before = scrape(metrics_url)
     driver = _stream_bulk if stream else _bulk
     state, snap0, snap1 = asyncio.run(driver(target, work, args, probe))
@@ -166,8 +188,9 @@ def _utilisation(flops_per_second: float, peak: float | None) -> float | None:
     return None if peak is None else round(flops_per_second / (peak * 1e9), 4)
 
 
-def run_bulk_in_process(st: SentenceTransformersTarget, work: Workload, args, flops: FlopModel, peak: float | None,
-                        threads: int) -> Row:
+def run_bulk_in_process(
+    st: SentenceTransformersTarget, work: Workload, args, flops: FlopModel, peak: float | None, threads: int
+) -> Row:
     """The same inputs, in windows of C x B (what a server holds at once), encode() sorting each window."""
     window, n = args.concurrency * args.batch, len(work.corpus)
     total = args.bulk_requests * args.batch if args.bulk_requests else 10**9
@@ -186,9 +209,17 @@ def run_bulk_in_process(st: SentenceTransformersTarget, work: Workload, args, fl
             break
     snap1 = probe.snapshot()
     wall = snap1["t"] - snap0["t"]
-    row = Row("bulk", "sentence-transformers", "in-process", calls=w + 1, wall_s=round(wall, 2),
-              inputs_per_s=round(inputs / wall, 2), tokens_per_s=round(tokens / wall, 1),
-              padding_ratio=round(float(np.mean(padding)), 4), cpu_cores=CpuProbe.cores(snap0, snap1))
+    row = Row(
+        "bulk",
+        "sentence-transformers",
+        "in-process",
+        calls=w + 1,
+        wall_s=round(wall, 2),
+        inputs_per_s=round(inputs / wall, 2),
+        tokens_per_s=round(tokens / wall, 1),
+        padding_ratio=round(float(np.mean(padding)), 4),
+        cpu_cores=CpuProbe.cores(snap0, snap1),
+    )
     row.flop_utilisation = _utilisation(flops.flops(work.real) / float(work.real.sum()) * tokens / wall, peak)
     row.worker_busy = busy(row.cpu_cores, "client", threads)
     return row
@@ -226,23 +257,41 @@ def run_single(name: str, target, work: Workload, args, probe: CpuProbe | None, 
     items = [work.queries[i % len(work.queries)] for i in range(args.single_calls)]
     run = _sequential(lambda q: target.embed([q]), items, probe, warmup=3)
     tokens = sum(int(work.query_real[i % len(work.queries)]) for i in range(len(run.latencies)))
-    row = Row("single", name, target.protocol, calls=len(run.latencies), errors=run.errors, notes=run.last_error,
-              inputs_per_s=round(len(run.latencies) / run.wall, 2), tokens_per_s=round(tokens / run.wall, 1),
-              cpu_cores=run.cpu_cores, worker_busy=busy(run.cpu_cores, "worker", threads))
+    row = Row(
+        "single",
+        name,
+        target.protocol,
+        calls=len(run.latencies),
+        errors=run.errors,
+        notes=run.last_error,
+        inputs_per_s=round(len(run.latencies) / run.wall, 2),
+        tokens_per_s=round(tokens / run.wall, 1),
+        cpu_cores=run.cpu_cores,
+        worker_busy=busy(run.cpu_cores, "worker", threads),
+    )
     percentiles(run.latencies, row)
     return row
 
 
-def run_rerank(name: str, target, work: Workload, args, probe: CpuProbe | None, flops: FlopModel,
-               peak: float | None, threads: int) -> Row:
+def run_rerank(
+    name: str, target, work: Workload, args, probe: CpuProbe | None, flops: FlopModel, peak: float | None, threads: int
+) -> Row:
     log(f"rerank {name}/{target.protocol}: {args.rerank_calls} sequential calls, query + {args.rerank_docs} passages")
     sets = work.rerank_sets
     run = _sequential(lambda s: target.rerank(s[0], s[1]), sets, probe, warmup=1)
     tokens = np.concatenate([s[2] for s in sets])
-    row = Row("rerank", name, target.protocol, calls=len(run.latencies), errors=run.errors, notes=run.last_error,
-              inputs_per_s=round(len(run.latencies) * args.rerank_docs / run.wall, 2),
-              tokens_per_s=round(float(tokens.sum()) / run.wall, 1), cpu_cores=run.cpu_cores,
-              worker_busy=busy(run.cpu_cores, "rerank_worker", threads))
+    row = Row(
+        "rerank",
+        name,
+        target.protocol,
+        calls=len(run.latencies),
+        errors=run.errors,
+        notes=run.last_error,
+        inputs_per_s=round(len(run.latencies) * args.rerank_docs / run.wall, 2),
+        tokens_per_s=round(float(tokens.sum()) / run.wall, 1),
+        cpu_cores=run.cpu_cores,
+        worker_busy=busy(run.cpu_cores, "rerank_worker", threads),
+    )
     row.flop_utilisation = _utilisation(flops.flops(tokens) / run.wall, peak)
     percentiles(run.latencies, row)
     return row

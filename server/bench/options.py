@@ -20,54 +20,103 @@ def log(msg: str) -> None:
 # timed from the first request to the last answer. A fixed time window instead (--bulk-requests 0
 # --bulk-seconds S --bulk-warmup W) counts only the requests that finish inside it, which undercounts a
 # server that sorts inputs across requests (they all finish late) unless S is many times C x B / rate.
-FULL = {"corpus_size": 2048, "concurrency": 32, "batch": 32, "bulk_seconds": 300.0, "bulk_warmup": 0.0,
-        "bulk_requests": -1, "single_calls": 200, "rerank_calls": 10, "rerank_docs": 50, "recovery_runs": 3,
-        "peak_sizes": ((2048, 2048, 2048), (4096, 384, 1536), (4096, 1536, 384))}
-QUICK = {"corpus_size": 64, "concurrency": 4, "batch": 4, "bulk_seconds": 60.0, "bulk_warmup": 0.0,
-         "bulk_requests": 8, "single_calls": 10, "rerank_calls": 2, "rerank_docs": 8, "recovery_runs": 1, "peak_sizes": ((512, 512, 512),)}
+FULL = {
+    "corpus_size": 2048,
+    "concurrency": 32,
+    "batch": 32,
+    "bulk_seconds": 300.0,
+    "bulk_warmup": 0.0,
+    "bulk_requests": -1,
+    "single_calls": 200,
+    "rerank_calls": 10,
+    "rerank_docs": 50,
+    "recovery_runs": 3,
+    "peak_sizes": ((2048, 2048, 2048), (4096, 384, 1536), (4096, 1536, 384)),
+}
+QUICK = {
+    "corpus_size": 64,
+    "concurrency": 4,
+    "batch": 4,
+    "bulk_seconds": 60.0,
+    "bulk_warmup": 0.0,
+    "bulk_requests": 8,
+    "single_calls": 10,
+    "rerank_calls": 2,
+    "rerank_docs": 8,
+    "recovery_runs": 1,
+    "peak_sizes": ((512, 512, 512),),
+}
 
 
 def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=_overview.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CI smoke run: tiny corpus, a few requests, no Infinity, "
-                                                        "no sentence-transformers (< 60 s)")
+    p = argparse.ArgumentParser(
+        prog=prog, description=_overview.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI smoke run: tiny corpus, a few requests, no Infinity, no sentence-transformers (< 60 s)",
+    )
     p.add_argument("--json", type=Path, help="write all results to this JSON file")
-    p.add_argument("--modes", default="bulk,single,rerank",
-                   help="comma-separated subset of bulk,single,rerank,recovery (recovery: cold starts and kill -9 "
-                        "of a worker, its own servers; see server/bench/recovery.py)")
+    p.add_argument(
+        "--modes",
+        default="bulk,single,rerank",
+        help="comma-separated subset of bulk,single,rerank,recovery (recovery: cold starts and kill -9 "
+        "of a worker, its own servers; see server/bench/recovery.py)",
+    )
     p.add_argument("--serve-args", default="", help='extra `encoderd serve` flags, e.g. "--dtype bfloat16"')
     p.add_argument("--target-grpc", help="host:port of a running encoderd instead of starting one")
     p.add_argument("--target-rest", help="base URL of a running encoderd's REST gateway (with --target-grpc)")
     p.add_argument("--target-metrics", help="metrics URL of a running encoderd (with --target-grpc)")
     p.add_argument("--rest", action="store_true", help="also benchmark encoderd over REST (Envoy)")
     p.add_argument("--infinity", action="store_true", help="also run infinity-emb 0.0.78 side by side (own venv)")
-    p.add_argument("--infinity-no-warmup", action="store_true",
-                   help="start Infinity with --no-model-warmup: its start-up timing of 512-token batches takes "
-                        "minutes per 12-layer model on busy cores (each mode still warms every target up)")
+    p.add_argument(
+        "--infinity-no-warmup",
+        action="store_true",
+        help="start Infinity with --no-model-warmup: its start-up timing of 512-token batches takes "
+        "minutes per 12-layer model on busy cores (each mode still warms every target up)",
+    )
     p.add_argument("--stream", action="store_true", help="also run bulk through one gRPC EmbedStream (ingestion)")
     p.add_argument("--no-st", action="store_true", help="skip the in-process sentence-transformers reference")
-    p.add_argument("--models", choices=("minilm", "base"), default="minilm",
-                   help="minilm: the bundled all-MiniLM-L6-v2 and a MiniLM cross-encoder; base: a bge-base-sized "
-                        "BERT embedder and a bge-reranker-base-sized XLM-R cross-encoder (real sizes, random "
-                        "weights, built once under --cache-dir; see bench/models.py)")
+    p.add_argument(
+        "--models",
+        choices=("minilm", "base"),
+        default="minilm",
+        help="minilm: the bundled all-MiniLM-L6-v2 and a MiniLM cross-encoder; base: a bge-base-sized "
+        "BERT embedder and a bge-reranker-base-sized XLM-R cross-encoder (real sizes, random "
+        "weights, built once under --cache-dir; see bench/models.py)",
+    )
     p.add_argument("--reranker", help="cross-encoder directory for rerank (default: per --models)")
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "encoderd-bench",
-                   help="Infinity virtualenv and built models (default: %(default)s)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "encoderd-bench",
+        help="Infinity virtualenv and built models (default: %(default)s)",
+    )
     p.add_argument("--log-dir", type=Path, help="server logs (default: a temporary folder, kept on failure)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet-wait", type=float, default=0.0,
-                   help="before each measurement, wait up to this many seconds for other processes to go quiet")
-    for name, help_ in (("corpus_size", "inputs in the corpus"), ("concurrency", "bulk clients (C)"),
-                        ("batch", "inputs per bulk request (B)"), ("bulk_seconds", "bulk time limit (or window), s"),
-                        ("bulk_warmup", "bulk load before the window opens, s"),
-                        ("bulk_requests", "bulk requests in all (-1 = the corpus once; 0 = a time window)"),
-                        ("single_calls", "sequential single-query calls"), ("rerank_calls", "sequential rerank calls"),
-                        ("rerank_docs", "passages per rerank call"),
-                        ("recovery_runs", "cold starts (and worker kills) per server in the recovery mode")):
+    p.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        help="before each measurement, wait up to this many seconds for other processes to go quiet",
+    )
+    for name, help_ in (
+        ("corpus_size", "inputs in the corpus"),
+        ("concurrency", "bulk clients (C)"),
+        ("batch", "inputs per bulk request (B)"),
+        ("bulk_seconds", "bulk time limit (or window), s"),
+        ("bulk_warmup", "bulk load before the window opens, s"),
+        ("bulk_requests", "bulk requests in all (-1 = the corpus once; 0 = a time window)"),
+        ("single_calls", "sequential single-query calls"),
+        ("rerank_calls", "sequential rerank calls"),
+        ("rerank_docs", "passages per rerank call"),
+        ("recovery_runs", "cold starts (and worker kills) per server in the recovery mode"),
+    ):
         kind = float if name.startswith("bulk_s") or name == "bulk_warmup" else int
-        p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"{help_} (full: {FULL[name]}, "
-                                                                       f"quick: {QUICK[name]})")
+        p.add_argument(
+            "--" + name.replace("_", "-"), type=kind, help=f"{help_} (full: {FULL[name]}, quick: {QUICK[name]})"
+        )
     return p
 
 

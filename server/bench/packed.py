@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             backend.load()
         backend.forward(batch)  # first-call costs
         backends[name] = backend
-    times = {name: [] for name in backends}
+    times: dict[str, list[float]] = {name: [] for name in backends}
     for _ in range(args.rounds):
         for name, backend in backends.items():
             start = time.perf_counter()
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
             times[name].append(time.perf_counter() - start)
     np.testing.assert_allclose(backends["packed"].forward(batch), backends["padded"].forward(batch), atol=1e-4)
     real, computed = int(batch.lengths.sum()), len(batch.lengths) * int(batch.lengths.max())
-    print(f"{Path(path).name}: {len(batch.lengths)} pairs, {real} real tokens, {computed} padded ({computed / real:.2f}x)")
+    print(
+        f"{Path(path).name}: {len(batch.lengths)} pairs, {real} real tokens, {computed} padded ({computed / real:.2f}x)"
+    )
     for name, values in times.items():
         print(f"  {name}: best {min(values) * 1000:.0f} ms of {', '.join(f'{v * 1000:.0f}' for v in values)}")
     print(f"  padded / packed: {min(times['padded']) / min(times['packed']):.2f}x (outputs agree within 1e-4)")

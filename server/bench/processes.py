@@ -38,8 +38,15 @@ class Managed:
 
     def start(self) -> Managed:
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.cwd)
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.cwd,
+            )
         return self
 
     def _started(self) -> subprocess.Popen:
@@ -53,8 +60,7 @@ class Managed:
     def check_alive(self) -> None:
         proc = self._started()
         if proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {proc.returncode}; log {self.log_path}:\n"
-                               f"{self.log_tail()}")
+            raise RuntimeError(f"{self.name} exited with {proc.returncode}; log {self.log_path}:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
@@ -107,7 +113,7 @@ def _proc_stat(pid: int) -> tuple[int, float] | None:
         raw = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = raw[raw.rfind(")") + 2:].split()  # the command name may contain spaces
+    fields = raw[raw.rfind(")") + 2 :].split()  # the command name may contain spaces
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 

@@ -39,9 +39,14 @@ class _GrpcProbe:
         from ...v1 import encoderd_pb2, encoderd_pb2_grpc
 
         self._pb = encoderd_pb2
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-            ("grpc.max_reconnect_backoff_ms", 100)])
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 50),
+                ("grpc.min_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 100),
+            ],
+        )
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)
 
     def __call__(self) -> bool:
@@ -119,8 +124,11 @@ def run_recovery(args, embed_dir: str, logs: Path, infinity_venv: Path | None) -
             log(f"recovery round {round_ + 1}/{args.recovery_runs}: cold start of {name}")
             run_logs = logs / f"{name.replace('(', '-').rstrip(')')}-{round_}"
             run_logs.mkdir(parents=True, exist_ok=True)
-            server, probe, started = (_infinity(infinity_venv, embed_dir, run_logs) if name == "infinity" and infinity_venv
-                                      else _encoderd(args, embed_dir, run_logs, variants[name]))
+            server, probe, started = (
+                _infinity(infinity_venv, embed_dir, run_logs)
+                if name == "infinity" and infinity_venv
+                else _encoderd(args, embed_dir, run_logs, variants[name])
+            )
             try:
                 cold[name].append(_until_served(probe, server, started))
                 log(f"  {name}: first embedding {cold[name][-1]:.2f}s after launch")
@@ -132,10 +140,14 @@ def run_recovery(args, embed_dir: str, logs: Path, infinity_venv: Path | None) -
             finally:
                 probe.close()
                 server.stop()
-    rows = [_row("coldstart", name, "rest" if name == "infinity" else "grpc", times,
-                 "launch -> first embedding answered") for name, times in cold.items()]
-    rows += [_row("recovery", name, "grpc", times, "SIGKILL of the worker -> first embedding answered again")
-             for name, times in kills.items()]
+    rows = [
+        _row("coldstart", name, "rest" if name == "infinity" else "grpc", times, "launch -> first embedding answered")
+        for name, times in cold.items()
+    ]
+    rows += [
+        _row("recovery", name, "grpc", times, "SIGKILL of the worker -> first embedding answered again")
+        for name, times in kills.items()
+    ]
     return rows
 
 

@@ -8,22 +8,29 @@ from .modes import Row
 
 
 def print_table(rows: list[Row], out=sys.stdout) -> None:
-    head = (f"{'mode':9} {'engine':22} {'proto':10} {'inputs/s':>9} {'tok/s':>9} {'p50 ms':>9} {'p95 ms':>9} "
-            f"{'p99 ms':>9} {'pad':>5} {'FLOP%':>6} {'busy%':>6} {'calls':>6} {'err':>4}")
+    head = (
+        f"{'mode':9} {'engine':22} {'proto':10} {'inputs/s':>9} {'tok/s':>9} {'p50 ms':>9} {'p95 ms':>9} "
+        f"{'p99 ms':>9} {'pad':>5} {'FLOP%':>6} {'busy%':>6} {'calls':>6} {'err':>4}"
+    )
     print(head, file=out)
     print("-" * len(head), file=out)
+
     def fmt(value, width: int, decimals: int, scale: float = 1.0) -> str:
         return f"{value * scale:{width}.{decimals}f}" if value is not None else "-".rjust(width)
 
     for r in rows:
-        print(f"{r.mode:9} {r.engine:22} {r.protocol:10} {r.inputs_per_s:9.1f} {r.tokens_per_s:9.0f} "
-              f"{r.p50_ms:9.1f} {r.p95_ms:9.1f} {r.p99_ms:9.1f} {fmt(r.padding_ratio, 5, 2)} "
-              f"{fmt(r.flop_utilisation, 6, 1, 100)} {fmt(r.worker_busy, 6, 0, 100)} {r.calls:6d} {r.errors:4d}",
-              file=out)
+        print(
+            f"{r.mode:9} {r.engine:22} {r.protocol:10} {r.inputs_per_s:9.1f} {r.tokens_per_s:9.0f} "
+            f"{r.p50_ms:9.1f} {r.p95_ms:9.1f} {r.p99_ms:9.1f} {fmt(r.padding_ratio, 5, 2)} "
+            f"{fmt(r.flop_utilisation, 6, 1, 100)} {fmt(r.worker_busy, 6, 0, 100)} {r.calls:6d} {r.errors:4d}",
+            file=out,
+        )
     cpu_rows = [r for r in rows if r.cpu_cores]
     if cpu_rows:
-        print("\nCPU cores used while measuring (client = this process; foreign = everyone else on the machine):",
-              file=out)
+        print(
+            "\nCPU cores used while measuring (client = this process; foreign = everyone else on the machine):",
+            file=out,
+        )
         for r in cpu_rows:
             used = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_cores.items() if v >= 0.005 or k == "foreign")
             print(f"  {r.mode:7} {r.engine}/{r.protocol}: {used}", file=out)
@@ -44,8 +51,15 @@ def ratios(rows: list[Row]) -> list[dict]:
             else:
                 value = other.p50_ms / mine.p50_ms if mine.p50_ms else None
                 metric = "p50 other / encoderd"
-            out.append({"mode": mine.mode, "encoderd": mine.protocol, "vs": f"{other.engine}/{other.protocol}",
-                        "metric": metric, "ratio": round(value, 3) if value else None})
+            out.append(
+                {
+                    "mode": mine.mode,
+                    "encoderd": mine.protocol,
+                    "vs": f"{other.engine}/{other.protocol}",
+                    "metric": metric,
+                    "ratio": round(value, 3) if value else None,
+                }
+            )
     return out
 
 
@@ -63,10 +77,16 @@ def floors(rows: list[Row], peak: dict) -> dict:
     in-process single-query time of the same model (sentence-transformers, no server); each
     encoderd single-query p50 as a multiple of the latter (1.0 = no serving overhead at all)."""
     floor = next((r.p50_ms for r in rows if r.mode == "single" and r.protocol == "in-process"), None)
-    over = {r.protocol: round(r.p50_ms / floor, 3) for r in rows
-            if floor and r.mode == "single" and r.engine == "encoderd" and r.p50_ms}
-    return {"matmul_peak_gflops": {k: peak[k] for k in ("float32", "bfloat16") if k in peak},
-            "single_in_process_p50_ms": floor, "encoderd_single_p50_over_floor": over}
+    over = {
+        r.protocol: round(r.p50_ms / floor, 3)
+        for r in rows
+        if floor and r.mode == "single" and r.engine == "encoderd" and r.p50_ms
+    }
+    return {
+        "matmul_peak_gflops": {k: peak[k] for k in ("float32", "bfloat16") if k in peak},
+        "single_in_process_p50_ms": floor,
+        "encoderd_single_p50_over_floor": over,
+    }
 
 
 def print_floors(items: dict, out=sys.stdout) -> None:
@@ -74,5 +94,8 @@ def print_floors(items: dict, out=sys.stdout) -> None:
     print(f"\nFloors: matmul peak {peak}", file=out)
     if items["single_in_process_p50_ms"]:
         over = ", ".join(f"{k} {v:.2f}x" for k, v in items["encoderd_single_p50_over_floor"].items())
-        print(f"  single query in-process (same model, no server) p50 {items['single_in_process_p50_ms']:.1f} ms; "
-              f"encoderd p50 / that: {over}", file=out)
+        print(
+            f"  single query in-process (same model, no server) p50 {items['single_in_process_p50_ms']:.1f} ms; "
+            f"encoderd p50 / that: {over}",
+            file=out,
+        )

@@ -89,23 +89,35 @@ async def _run_mode(mode: str, args, batch: int, counter, grpc_stub, http) -> di
     await asyncio.gather(*(loop(started + args.seconds) for _ in range(args.concurrency)))
     elapsed = time.perf_counter() - started
     ms = np.array(latencies) * 1000
-    return {"mode": mode, "batch": batch, "requests": len(ms), "rps": len(ms) / elapsed,
-            "inputs_s": len(ms) * batch / elapsed, "p50": np.percentile(ms, 50), "p95": np.percentile(ms, 95),
-            "bytes": int(np.mean(sizes))}
+    return {
+        "mode": mode,
+        "batch": batch,
+        "requests": len(ms),
+        "rps": len(ms) / elapsed,
+        "inputs_s": len(ms) * batch / elapsed,
+        "p50": np.percentile(ms, 50),
+        "p95": np.percentile(ms, 95),
+        "bytes": int(np.mean(sizes)),
+    }
 
 
 async def run(args) -> list[dict]:
     import grpc
+
     try:
         import httpx
     except ImportError:
-        raise SystemExit("encoderd.server.bench.rest needs httpx: pip install httpx (or the encoderd[dev] extra)") from None
+        raise SystemExit(
+            "encoderd.server.bench.rest needs httpx: pip install httpx (or the encoderd[dev] extra)"
+        ) from None
 
     counter = itertools.count()
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     results = []
-    async with grpc.aio.insecure_channel(args.grpc) as channel, \
-            httpx.AsyncClient(base_url=args.rest, limits=limits, timeout=120, trust_env=False) as http:
+    async with (
+        grpc.aio.insecure_channel(args.grpc) as channel,
+        httpx.AsyncClient(base_url=args.rest, limits=limits, timeout=120, trust_env=False) as http,
+    ):
         stub = encoderd_pb2_grpc.EncoderStub(channel)
         for batch in args.batch:
             for mode in args.modes:
@@ -116,8 +128,10 @@ async def run(args) -> list[dict]:
 
 
 def _row(r: dict) -> str:
-    return (f"{r['mode']:<14} batch {r['batch']:>3}  {r['rps']:8.1f} req/s  {r['inputs_s']:8.1f} inputs/s  "
-            f"p50 {r['p50']:7.2f} ms  p95 {r['p95']:7.2f} ms  {r['bytes']:>8} B/response  (n={r['requests']})")
+    return (
+        f"{r['mode']:<14} batch {r['batch']:>3}  {r['rps']:8.1f} req/s  {r['inputs_s']:8.1f} inputs/s  "
+        f"p50 {r['p50']:7.2f} ms  p95 {r['p95']:7.2f} ms  {r['bytes']:>8} B/response  (n={r['requests']})"
+    )
 
 
 # ------------------------------------------------------------ stand-in server
@@ -137,8 +151,11 @@ def _serve_stub(port: int, dim: int) -> None:
     class Encoder(encoderd_pb2_grpc.EncoderServicer):
         async def Embed(self, request, context):
             rows = vectors(len(request.inputs))
-            return pb.EmbedResponse(model=request.model, embeddings=[pb.Embedding(values=v) for v in rows.tolist()],
-                                    usage=pb.Usage(prompt_tokens=len(request.inputs)))
+            return pb.EmbedResponse(
+                model=request.model,
+                embeddings=[pb.Embedding(values=v) for v in rows.tolist()],
+                usage=pb.Usage(prompt_tokens=len(request.inputs)),
+            )
 
     class Compat(compat_pb2_grpc.CompatServicer):
         async def CreateEmbeddings(self, request, context):
@@ -183,8 +200,19 @@ async def run_stub(args) -> None:
 def _start_server(args) -> subprocess.Popen:
     grpc_port, rest_port = free_port(), free_port()
     args.grpc, args.rest = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{rest_port}"
-    command = [sys.executable, "-m", "encoderd.server.cli", "serve", "--grpc-port", str(grpc_port),
-               "--rest-port", str(rest_port), "--log-level", "WARNING", *args.serve_args]
+    command = [
+        sys.executable,
+        "-m",
+        "encoderd.server.cli",
+        "serve",
+        "--grpc-port",
+        str(grpc_port),
+        "--rest-port",
+        str(rest_port),
+        "--log-level",
+        "WARNING",
+        *args.serve_args,
+    ]
     proc = subprocess.Popen(command, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

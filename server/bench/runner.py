@@ -65,16 +65,23 @@ class Bench:
                 return self.report()
         embed_dir, rerank_dir = bench_models(args)
         work, self.info = make_workload(args, embed_dir, rerank_dir)
-        log(f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
-            f"mean {self.info['corpus']['mean']:.0f} max {self.info['corpus']['max']}")
+        log(
+            f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
+            f"mean {self.info['corpus']['mean']:.0f} max {self.info['corpus']['max']}"
+        )
         threads = serving_threads(args)
         self.info["peak_gflops"] = peak = self.measure_peak(threads)
-        log(f"matmul peak with {threads} threads: fp32 {peak['float32']:.0f} GFLOP/s, "
-            f"bf16 {peak['bfloat16']:.0f} GFLOP/s (others used {peak['foreign_cores']:.2f} cores meanwhile)")
+        log(
+            f"matmul peak with {threads} threads: fp32 {peak['float32']:.0f} GFLOP/s, "
+            f"bf16 {peak['bfloat16']:.0f} GFLOP/s (others used {peak['foreign_cores']:.2f} cores meanwhile)"
+        )
         targets = self.start_targets(embed_dir, rerank_dir)
         flops = FlopModel.from_dir(embed_dir)
-        self.info["flop_model"] = {**asdict(flops), "matmul_params": flops.matmul_params,
-                                   "formula": "FLOPs(n) = n * (2*P + 4*L*H*n), P = L*(4H^2 + 2HI)"}
+        self.info["flop_model"] = {
+            **asdict(flops),
+            "matmul_params": flops.matmul_params,
+            "formula": "FLOPs(n) = n * (2*P + 4*L*H*n), P = L*(4H^2 + 2HI)",
+        }
         self.run_modes(targets, work, flops, threads)
         self.info["elapsed_s"] = round(time.monotonic() - started, 1)
         return self.report()
@@ -98,8 +105,9 @@ class Bench:
             log("loading sentence-transformers in this process")
             # As many threads as all the server's workers together compute on.
             st = SentenceTransformersTarget(embed_dir, rerank_dir, serving_threads(args))
-            targets.append({"name": "sentence-transformers", "client": st, "probe": None, "metrics": None,
-                            "dtype": "float32"})
+            targets.append(
+                {"name": "sentence-transformers", "client": st, "probe": None, "metrics": None, "dtype": "float32"}
+            )
         self._add_foreign_reference(targets)
         return targets
 
@@ -120,7 +128,7 @@ class Bench:
         return False
 
     def _encoderd_targets(self, server: Managed | None, ports: dict | None, rest: bool) -> list[dict]:
-        args = self.args
+        args, ports = self.args, ports or {}  # no ports: every address is a --target-* flag
         address = args.target_grpc or f"127.0.0.1:{ports['grpc']}"
         metrics = args.target_metrics or (f"http://127.0.0.1:{ports['metrics']}/metrics" if ports else None)
         if server:
@@ -131,14 +139,31 @@ class Bench:
         models = list_models(address)
         embed = next(m for m in models if m.kind == "embedding")
         rerank = next((m.id for m in models if m.kind == "reranker"), None)
-        self.info["encoderd_models"] = [{"id": m.id, "kind": m.kind, "engine": m.engine, "device": m.device,
-                                         "dtype": m.dtype, "replicas": len(m.replicas)} for m in models]
+        self.info["encoderd_models"] = [
+            {
+                "id": m.id,
+                "kind": m.kind,
+                "engine": m.engine,
+                "device": m.device,
+                "dtype": m.dtype,
+                "replicas": len(m.replicas),
+            }
+            for m in models
+        ]
         probe = CpuProbe(encoderd_probe_groups(server, models, embed.id, rerank))
         self.info["pids"] = {"encoderd": sorted({p for pids in probe.groups.values() for p in pids})}
         grpc_client = GrpcTarget(address, embed.id, rerank)
         self.stack.callback(grpc_client.close)
-        targets = [{"name": "encoderd", "client": grpc_client, "probe": probe, "metrics": metrics,
-                    "dtype": embed.dtype, "model": embed.id}]
+        targets = [
+            {
+                "name": "encoderd",
+                "client": grpc_client,
+                "probe": probe,
+                "metrics": metrics,
+                "dtype": embed.dtype,
+                "model": embed.id,
+            }
+        ]
         if rest:
             rest_client = RestTarget(base.rstrip("/") + "/v1", embed.id, rerank)
             self.stack.callback(rest_client.close)
@@ -155,8 +180,13 @@ class Bench:
         tree = process_tree(infinity.pid)
         self.info.setdefault("pids", {})["infinity"] = tree
         log("infinity ready")
-        return {"name": "infinity", "client": client, "probe": CpuProbe({"server": tree}), "metrics": None,
-                "dtype": "float32"}
+        return {
+            "name": "infinity",
+            "client": client,
+            "probe": CpuProbe({"server": tree}),
+            "metrics": None,
+            "dtype": "float32",
+        }
 
     def _add_foreign_reference(self, targets: list[dict]) -> None:
         # Every group knows all our processes, so "foreign" excludes the other idle server too.
@@ -177,21 +207,45 @@ class Bench:
         if "rerank" in args.modes and work.rerank_sets:
             for t in targets:
                 self.quiet()
-                self.rows.append(run_rerank(t["name"], t["client"], work, args, t["probe"], flops,
-                                            peak.get(t["dtype"]), threads))
+                self.rows.append(
+                    run_rerank(t["name"], t["client"], work, args, t["probe"], flops, peak.get(t["dtype"]), threads)
+                )
         if "bulk" in args.modes:
             for t in targets:
                 self.quiet()
                 if t["name"] == "sentence-transformers":
                     row = run_bulk_in_process(t["client"], work, args, flops, peak["float32"], threads)
                 else:
-                    row = run_bulk(t["name"], t["client"], work, args, t["probe"], t["metrics"],
-                                   t.get("model", ""), flops, peak.get(t["dtype"]), threads)
+                    row = run_bulk(
+                        t["name"],
+                        t["client"],
+                        work,
+                        args,
+                        t["probe"],
+                        t["metrics"],
+                        t.get("model", ""),
+                        flops,
+                        peak.get(t["dtype"]),
+                        threads,
+                    )
                 self.rows.append(row)
                 if args.stream and t["name"] == "encoderd" and t["client"].protocol == "grpc":
                     self.quiet()
-                    self.rows.append(run_bulk(t["name"], t["client"], work, args, t["probe"], t["metrics"],
-                                              t.get("model", ""), flops, peak.get(t["dtype"]), threads, stream=True))
+                    self.rows.append(
+                        run_bulk(
+                            t["name"],
+                            t["client"],
+                            work,
+                            args,
+                            t["probe"],
+                            t["metrics"],
+                            t.get("model", ""),
+                            flops,
+                            peak.get(t["dtype"]),
+                            threads,
+                            stream=True,
+                        )
+                    )
 
     def measure_peak(self, threads: int) -> dict:
         """The best of up to three tries: a peak measured while others load the machine is too low (and
@@ -223,14 +277,27 @@ class Bench:
 
     def report(self) -> dict:
         args = self.args
-        result = {"conditions": {
-            "quick": args.quick, "serve_args": args.serve_args, "concurrency": args.concurrency, "batch": args.batch,
-            "bulk_seconds": args.bulk_seconds, "bulk_warmup": args.bulk_warmup, "single_calls": args.single_calls,
-            "rerank_calls": args.rerank_calls, "rerank_docs": args.rerank_docs, "models": args.models,
-            "cpus": len(os.sched_getaffinity(0)),
-            "worker_threads": worker_threads(args), "python": sys.version.split()[0]},
-            **self.info, "results": [asdict(r) for r in self.rows], "ratios": ratios(self.rows),
-            "floors": floors(self.rows, self.info.get("peak_gflops", {}))}
+        result = {
+            "conditions": {
+                "quick": args.quick,
+                "serve_args": args.serve_args,
+                "concurrency": args.concurrency,
+                "batch": args.batch,
+                "bulk_seconds": args.bulk_seconds,
+                "bulk_warmup": args.bulk_warmup,
+                "single_calls": args.single_calls,
+                "rerank_calls": args.rerank_calls,
+                "rerank_docs": args.rerank_docs,
+                "models": args.models,
+                "cpus": len(os.sched_getaffinity(0)),
+                "worker_threads": worker_threads(args),
+                "python": sys.version.split()[0],
+            },
+            **self.info,
+            "results": [asdict(r) for r in self.rows],
+            "ratios": ratios(self.rows),
+            "floors": floors(self.rows, self.info.get("peak_gflops", {})),
+        }
         print()
         print_table(self.rows)
         print_ratios(result["ratios"])

@@ -31,9 +31,20 @@ def start_encoderd(args, embed_dir: str, rerank_dir: str | None, logs: Path, res
 
     flags = serve_flags()
     ports = {"grpc": free_port(), "metrics": free_port(), "rest": free_port() if rest else 0}
-    argv = [sys.executable, "-m", "encoderd.server.cli", "serve", "--host", "127.0.0.1",
-            "--grpc-port", str(ports["grpc"]), "--metrics-port", str(ports["metrics"]),
-            "--model", f"{DEFAULT_MODEL_NAME}={embed_dir}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "encoderd.server.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        str(ports["grpc"]),
+        "--metrics-port",
+        str(ports["metrics"]),
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={embed_dir}",
+    ]
     if rerank_dir:
         argv += ["--model", f"{RERANKER_NAME}={rerank_dir}"]
     if rest:
@@ -55,24 +66,44 @@ def infinity_venv(cache: Path) -> Path:
     shutil.rmtree(venv, ignore_errors=True)  # a half-made one from an interrupted run
     log(f"creating {venv} with {' '.join(INFINITY_SPEC)} (once; a few minutes)")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *INFINITY_SPEC],
-                   check=True, timeout=1800)
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *INFINITY_SPEC], check=True, timeout=1800
+    )
     ready.write_text(" ".join(INFINITY_SPEC))
     return venv
 
 
-def start_infinity(venv: Path, embed_dir: str, rerank_dir: str | None, logs: Path,
-                   warmup: bool = True) -> tuple[Managed, int]:
+def start_infinity(
+    venv: Path, embed_dir: str, rerank_dir: str | None, logs: Path, warmup: bool = True
+) -> tuple[Managed, int]:
     port = free_port()
-    models = [("--model-id", embed_dir, DEFAULT_MODEL_NAME)] + ([("--model-id", rerank_dir, RERANKER_NAME)]
-                                                                 if rerank_dir else [])
-    argv = [str(venv / "bin" / "infinity_emb"), "v2", "--host", "127.0.0.1", "--port", str(port),
-            "--engine", "torch", "--device", "cpu", "--dtype", "float32",
-            "--no-vector-disk-cache"]  # its default caches results by request hash: repeated inputs would be free
+    models = [("--model-id", embed_dir, DEFAULT_MODEL_NAME)] + (
+        [("--model-id", rerank_dir, RERANKER_NAME)] if rerank_dir else []
+    )
+    argv = [
+        str(venv / "bin" / "infinity_emb"),
+        "v2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--engine",
+        "torch",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--no-vector-disk-cache",
+    ]  # its default caches results by request hash: repeated inputs would be free
     for flag, path, name in models:
         argv += [flag, path, "--served-model-name", name] + ([] if warmup else ["--no-model-warmup"])
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-           "DO_NOT_TRACK": "1", "PYTHONPATH": ""}
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+        "DO_NOT_TRACK": "1",
+        "PYTHONPATH": "",
+    }
     log("starting infinity_emb " + " ".join(argv[2:]))
     # cwd outside the repository, so nothing of ours shadows its imports
     return Managed("infinity", argv, logs / "infinity.log", env=env, cwd=str(logs)).start(), port
@@ -102,13 +133,16 @@ def list_models(address: str) -> list:
     from ...v1 import encoderd_pb2, encoderd_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        return list(encoderd_pb2_grpc.EncoderStub(channel).ListModels(encoderd_pb2.ListModelsRequest(),
-                                                                        timeout=10).models)
+        return list(
+            encoderd_pb2_grpc.EncoderStub(channel).ListModels(encoderd_pb2.ListModelsRequest(), timeout=10).models
+        )
 
 
-def encoderd_probe_groups(server: Managed | None, models: list, embed_model: str,
-                          rerank_model: str | None) -> dict[str, list[int]]:
+def encoderd_probe_groups(
+    server: Managed | None, models: list, embed_model: str, rerank_model: str | None
+) -> dict[str, list[int]]:
     """The workers of the benchmarked models, the others, and the rest of the server's tree (frontend, Envoy)."""
+
     def pids(model_ids) -> list[int]:
         return [r.pid for m in models if m.id in model_ids for r in m.replicas if r.pid]
 

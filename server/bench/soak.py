@@ -35,8 +35,10 @@ from .flood import export_ref
 from .processes import Managed, free_port, grpc_serving, wait_until
 from .servers import REPO_ROOT
 
-WORDS = ("memory must plateau under steady traffic of mixed lengths and kinds while the worker computes batches "
-         "of every shape from short queries to long passages about rivers mountains cities and engines").split()
+WORDS = (
+    "memory must plateau under steady traffic of mixed lengths and kinds while the worker computes batches "
+    "of every shape from short queries to long passages about rivers mountains cities and engines"
+).split()
 KINDS = ("embed", "rerank", "classify")
 
 
@@ -50,8 +52,11 @@ def build_models(cache: Path) -> dict[str, str]:
     from ...workers.model_spec import default_model_path
 
     cache.mkdir(parents=True, exist_ok=True)
-    return {"embedder": default_model_path(), "reranker": str(build_reranker(cache / "reranker-minilm")),
-            "classifier": str(build_classifier(cache / "classifier-minilm"))}
+    return {
+        "embedder": default_model_path(),
+        "reranker": str(build_reranker(cache / "reranker-minilm")),
+        "classifier": str(build_classifier(cache / "classifier-minilm")),
+    }
 
 
 def _text(rng: random.Random, serial: int) -> str:
@@ -79,14 +84,23 @@ class Traffic(threading.Thread):
                 kind = self.rng.choice(KINDS)
                 try:
                     if kind == "embed":
-                        stub.Embed(pb.EmbedRequest(model="embedder", inputs=self._texts(self.rng.randint(1, 16))),
-                                   timeout=120)
+                        stub.Embed(
+                            pb.EmbedRequest(model="embedder", inputs=self._texts(self.rng.randint(1, 16))), timeout=120
+                        )
                     elif kind == "rerank":
-                        stub.Rerank(pb.RerankRequest(model="reranker", query=self._texts(1)[0][:300],
-                                                     documents=self._texts(self.rng.randint(2, 20))), timeout=120)
+                        stub.Rerank(
+                            pb.RerankRequest(
+                                model="reranker",
+                                query=self._texts(1)[0][:300],
+                                documents=self._texts(self.rng.randint(2, 20)),
+                            ),
+                            timeout=120,
+                        )
                     else:
-                        stub.Classify(pb.ClassifyRequest(model="classifier",
-                                                         inputs=self._texts(self.rng.randint(1, 8))), timeout=120)
+                        stub.Classify(
+                            pb.ClassifyRequest(model="classifier", inputs=self._texts(self.rng.randint(1, 8))),
+                            timeout=120,
+                        )
                     self.calls[kind] += 1
                 except grpc.RpcError as exc:
                     self.errors[exc.code().name] = self.errors.get(exc.code().name, 0) + 1
@@ -115,10 +129,20 @@ def processes(server: Managed, address: str) -> dict[str, int]:
 
 def start(label: str, pythonpath: str | None, models: dict[str, str], serve_args: list[str], logs: Path):
     port = free_port()
-    argv = [sys.executable, "-m", "encoderd.server.cli", "serve", "--no-rest", "--grpc-port", str(port),
-            *[a for name, path in models.items() for a in ("--model", f"{name}={path}")], *serve_args]
-    server = Managed(label, argv, logs / f"{label}.log", env={"PYTHONPATH": pythonpath} if pythonpath else {},
-                     cwd=pythonpath or None).start()
+    argv = [
+        sys.executable,
+        "-m",
+        "encoderd.server.cli",
+        "serve",
+        "--no-rest",
+        "--grpc-port",
+        str(port),
+        *[a for name, path in models.items() for a in ("--model", f"{name}={path}")],
+        *serve_args,
+    ]
+    server = Managed(
+        label, argv, logs / f"{label}.log", env={"PYTHONPATH": pythonpath} if pythonpath else {}, cwd=pythonpath or None
+    ).start()
     address = f"127.0.0.1:{port}"
     wait_until(lambda: grpc_serving(address), label, server, timeout=600)
     return server, address
@@ -143,19 +167,28 @@ def summarize(samples: list[tuple[float, dict]], names: list[str]) -> dict:
             continue
         mid, end = _floor_near(series, end_t / 2), _floor_near(series, end_t)
         peaks = [max([v for t, v in series if (t > end_t / 2) == second] or [0]) for second in (False, True)]
-        out[name] = {"start_mb": round(series[0][1]), "mid_mb": round(mid), "end_mb": round(end),
-                     "last_half_growth_pct": round(100 * (end - mid) / mid, 1),
-                     "peak_first_half_mb": round(peaks[0]), "peak_second_half_mb": round(peaks[1]),
-                     "per_minute_mb": [round(_floor_near(series, 60 * m)) for m in range(int(end_t // 60) + 1)]}
+        out[name] = {
+            "start_mb": round(series[0][1]),
+            "mid_mb": round(mid),
+            "end_mb": round(end),
+            "last_half_growth_pct": round(100 * (end - mid) / mid, 1),
+            "peak_first_half_mb": round(peaks[0]),
+            "peak_second_half_mb": round(peaks[1]),
+            "per_minute_mb": [round(_floor_near(series, 60 * m)) for m in range(int(end_t // 60) + 1)],
+        }
     return out
 
 
 def report(summary: dict) -> None:
-    print(f"{'process':<26} {'start':>5} {'mid':>5} {'end':>5} {'growth, last half':>17} {'peaks (halves)':>14}"
-          "  RSS floor each minute (MB)")
+    print(
+        f"{'process':<26} {'start':>5} {'mid':>5} {'end':>5} {'growth, last half':>17} {'peaks (halves)':>14}"
+        "  RSS floor each minute (MB)"
+    )
     for name, r in summary.items():
-        print(f"{name:<26} {r['start_mb']:>5} {r['mid_mb']:>5} {r['end_mb']:>5} {r['last_half_growth_pct']:>16.1f}% "
-              f"{r['peak_first_half_mb']:>6} {r['peak_second_half_mb']:>6}  {' '.join(map(str, r['per_minute_mb']))}")
+        print(
+            f"{name:<26} {r['start_mb']:>5} {r['mid_mb']:>5} {r['end_mb']:>5} {r['last_half_growth_pct']:>16.1f}% "
+            f"{r['peak_first_half_mb']:>6} {r['peak_second_half_mb']:>6}  {' '.join(map(str, r['per_minute_mb']))}"
+        )
 
 
 def main(argv=None) -> int:
@@ -170,8 +203,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     models = build_models(args.cache_dir)
     logs = Path(tempfile.mkdtemp(prefix="encoderd-soak-"))
-    variants = [("this", None)] + ([(f"ref-{args.compare_ref}", str(export_ref(args.compare_ref)))]
-                                   if args.compare_ref else [])
+    variants = [("this", None)] + (
+        [(f"ref-{args.compare_ref}", str(export_ref(args.compare_ref)))] if args.compare_ref else []
+    )
     servers, pids, stop = [], {}, threading.Event()
     clients: list[Traffic] = []
     try:
@@ -180,16 +214,23 @@ def main(argv=None) -> int:
             servers.append(server)
             pids.update({f"{label}:{name}": pid for name, pid in processes(server, address).items()})
             clients += [Traffic(address, seed=len(clients) + 1, stop=stop) for _ in range(args.clients)]
-        print(f"[soak] {args.minutes:g} min, {len(clients)} clients; processes {pids}; logs {logs}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[soak] {args.minutes:g} min, {len(clients)} clients; processes {pids}; logs {logs}",
+            file=sys.stderr,
+            flush=True,
+        )
         for c in clients:
             c.start()
         started, samples = time.monotonic(), []
         while (elapsed := time.monotonic() - started) < args.minutes * 60:
             samples.append((elapsed, {name: rss_mb(pid) for name, pid in pids.items()}))
             if len(samples) % max(1, int(60 / args.sample_every)) == 1:
-                print(f"[soak] {elapsed / 60:4.1f} min " + " ".join(
-                    f"{n}={v:.0f}" for n, v in samples[-1][1].items() if v), file=sys.stderr, flush=True)
+                print(
+                    f"[soak] {elapsed / 60:4.1f} min "
+                    + " ".join(f"{n}={v:.0f}" for n, v in samples[-1][1].items() if v),
+                    file=sys.stderr,
+                    flush=True,
+                )
             time.sleep(args.sample_every)
         samples.append((time.monotonic() - started, {name: rss_mb(pid) for name, pid in pids.items()}))
     finally:
@@ -207,8 +248,9 @@ def main(argv=None) -> int:
             errors[code] = errors.get(code, 0) + n
     print(f"calls {calls}, errors {errors or 'none'}")
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "samples": samples, "calls": calls,
-                                         "errors": errors}, indent=1))
+        args.json.write_text(
+            json.dumps({"summary": summary, "samples": samples, "calls": calls, "errors": errors}, indent=1)
+        )
     return 0
 
 

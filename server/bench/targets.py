@@ -35,8 +35,7 @@ class GrpcTarget:
     @contextlib.asynccontextmanager
     async def aio_stub(self):
         """(stub, messages module) on a grpc.aio channel; such channels belong to the running loop."""
-        channel = self._grpc.aio.insecure_channel(self.address,
-                                                  options=[("grpc.max_receive_message_length", 64 << 20)])
+        channel = self._grpc.aio.insecure_channel(self.address, options=[("grpc.max_receive_message_length", 64 << 20)])
         try:
             yield self._pb_grpc.EncoderStub(channel), self._pb
         finally:
@@ -46,6 +45,7 @@ class GrpcTarget:
     async def session(self):
         """An async embed function for bulk clients."""
         async with self.aio_stub() as (stub, pb):
+
             async def embed(texts: list[str]) -> int:
                 reply = await stub.Embed(pb.EmbedRequest(model=self.embed_model, inputs=texts), timeout=600)
                 return len(reply.embeddings)
@@ -87,6 +87,7 @@ class RestTarget:
     async def session(self):
         limits = self._httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
         async with self._httpx.AsyncClient(timeout=600, limits=limits) as client:
+
             async def embed(texts: list[str]) -> int:
                 reply = await client.post(self.base + "/embeddings", json=self._embed_body(texts))
                 reply.raise_for_status()
@@ -123,8 +124,9 @@ class SentenceTransformersTarget:
         """Padding its encode() computes: it sorts by character length, batches, pads to each batch's longest."""
         order = np.argsort([-len(t) for t in texts], kind="stable")
         sorted_lengths = lengths[order]
-        computed = sum(len(b) * b.max() for b in np.array_split(sorted_lengths,
-                                                               range(batch_size, len(texts), batch_size)))
+        computed = sum(
+            len(b) * b.max() for b in np.array_split(sorted_lengths, range(batch_size, len(texts), batch_size))
+        )
         return float(computed / sorted_lengths.sum())
 
     def close(self) -> None:

@@ -28,7 +28,9 @@ def test_defaults_are_chosen_for_this_host_and_logged(tmp_path, minilm_path):
     # The dtype the hardware policy wants, unless the fidelity check sent it back to float32 (then it says so).
     assert model.dtype in (dtype, "float32") and f"dtype {model.dtype}" in line
     assert (why in line) if model.dtype == dtype else ("failed the fidelity self-check" in line), line
-    assert len(model.replicas) == layout.replicas and f"{layout.replicas} CPU worker(s) x {layout.threads} thread" in line
+    assert (
+        len(model.replicas) == layout.replicas and f"{layout.replicas} CPU worker(s) x {layout.threads} thread" in line
+    )
     assert layout.why in line and "usable core" in line
     want = SentenceTransformer(minilm_path, device="cpu").encode(texts)
     cosines = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)

@@ -10,8 +10,23 @@ from pathlib import Path
 
 from encoderd.server.bench.servers import serve_flags
 
-ROW_FIELDS = {"mode", "engine", "protocol", "inputs_per_s", "tokens_per_s", "p50_ms", "p95_ms", "p99_ms", "calls",
-              "errors", "padding_ratio", "flop_utilisation", "worker_busy", "cpu_cores", "server"}
+ROW_FIELDS = {
+    "mode",
+    "engine",
+    "protocol",
+    "inputs_per_s",
+    "tokens_per_s",
+    "p50_ms",
+    "p95_ms",
+    "p99_ms",
+    "calls",
+    "errors",
+    "padding_ratio",
+    "flop_utilisation",
+    "worker_busy",
+    "cpu_cores",
+    "server",
+}
 
 
 def _alive(pid: int) -> bool:
@@ -26,8 +41,19 @@ def _alive(pid: int) -> bool:
 def test_bench_quick_writes_report(tmp_path, reranker_path):
     out = tmp_path / "bench.json"
     rest = ["--rest"] if "--rest-port" in serve_flags() else []
-    cmd = [sys.executable, "-m", "encoderd.server.bench", "--quick", "--json", str(out), "--reranker", reranker_path,
-           "--log-dir", str(tmp_path / "logs"), *rest]
+    cmd = [
+        sys.executable,
+        "-m",
+        "encoderd.server.bench",
+        "--quick",
+        "--json",
+        str(out),
+        "--reranker",
+        reranker_path,
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *rest,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -56,8 +82,18 @@ def test_bench_quick_writes_report(tmp_path, reranker_path):
 
 def test_bench_recovery_mode_reports_cold_start_and_restart(tmp_path):
     out = tmp_path / "recovery.json"
-    cmd = [sys.executable, "-m", "encoderd.server.bench", "--quick", "--modes", "recovery", "--json", str(out),
-           "--log-dir", str(tmp_path / "logs")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "encoderd.server.bench",
+        "--quick",
+        "--modes",
+        "recovery",
+        "--json",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = {(r["mode"], r["engine"]): r for r in json.loads(out.read_text())["results"]}

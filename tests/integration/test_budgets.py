@@ -27,14 +27,24 @@ MAX_QUEUED = 64
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, reranker_path):
     log = tmp_path_factory.mktemp("budgets") / "server.log"
-    with ServerProcess("--model", f"reranker={reranker_path}", "--model", "embedder=" + _minilm(),
-                       "--max-request-tokens", str(BUDGET), "--max-queued-inputs", str(MAX_QUEUED),
-                       rest=True, log_path=log) as proc:
+    with ServerProcess(
+        "--model",
+        f"reranker={reranker_path}",
+        "--model",
+        "embedder=" + _minilm(),
+        "--max-request-tokens",
+        str(BUDGET),
+        "--max-queued-inputs",
+        str(MAX_QUEUED),
+        rest=True,
+        log_path=log,
+    ) as proc:
         yield proc
 
 
 def _minilm() -> str:
     from encoderd.workers.model_spec import default_model_path
+
     return default_model_path()
 
 
@@ -51,11 +61,11 @@ def _code(call) -> grpc.StatusCode:
 
 def test_every_text_field_is_held_to_the_character_limit(stub):
     huge = "x" * 1_000_001
-    code, details = _code(lambda: stub.Rerank(pb.RerankRequest(model="reranker", query=huge, documents=["a"]),
-                                              timeout=30))
+    code, details = _code(
+        lambda: stub.Rerank(pb.RerankRequest(model="reranker", query=huge, documents=["a"]), timeout=30)
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "`query` has 1000001 characters" in details
-    code, details = _code(lambda: stub.Embed(pb.EmbedRequest(model="embedder", inputs=["a"], prompt=huge),
-                                             timeout=30))
+    code, details = _code(lambda: stub.Embed(pb.EmbedRequest(model="embedder", inputs=["a"], prompt=huge), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "`prompt` has 1000001 characters" in details
 
 
@@ -68,11 +78,13 @@ def test_token_budget_refuses_on_the_estimate_and_on_the_exact_count(stub, serve
     dense = [f"{chr(97 + i)} " * 200 for i in range(25)]
     code, details = _code(lambda: stub.Embed(pb.EmbedRequest(model="embedder", inputs=dense), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "holds 5050 tokens" in details
-    code, _ = _code(lambda: stub.Tokenize(pb.TokenizeRequest(model="embedder", inputs=["ab " * 700] * 2048),
-                                          timeout=30))
+    code, _ = _code(
+        lambda: stub.Tokenize(pb.TokenizeRequest(model="embedder", inputs=["ab " * 700] * 2048), timeout=30)
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    response = httpx.post(server.rest_url + "/v1/embeddings", json={"model": "embedder", "input": long_texts},
-                          timeout=30)
+    response = httpx.post(
+        server.rest_url + "/v1/embeddings", json={"model": "embedder", "input": long_texts}, timeout=30
+    )
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_argument"
     # Within the budget, all is served.
     assert len(stub.Embed(pb.EmbedRequest(model="embedder", inputs=dense[:10]), timeout=60).embeddings) == 10
@@ -83,12 +95,14 @@ def test_long_rerank_query_is_tokenized_once_and_truncated_like_the_tokenizer(st
     documents = sentences(8, max_words=30, seed=3)
     query = "what is the relation between cats and mats " * 4650  # ~200 KB
     started = time.perf_counter()
-    long_answer = stub.Rerank(pb.RerankRequest(model="reranker", query=query, documents=documents, raw_scores=True),
-                              timeout=60)
+    long_answer = stub.Rerank(
+        pb.RerankRequest(model="reranker", query=query, documents=documents, raw_scores=True), timeout=60
+    )
     elapsed = time.perf_counter() - started
     # The pair keeps at most max_length tokens, so the query's first ~250 tokens decide the score.
-    short_answer = stub.Rerank(pb.RerankRequest(model="reranker", query=query[:3000], documents=documents,
-                                                raw_scores=True), timeout=60)
+    short_answer = stub.Rerank(
+        pb.RerankRequest(model="reranker", query=query[:3000], documents=documents, raw_scores=True), timeout=60
+    )
     long_scores = {r.index: r.relevance_score for r in long_answer.results}
     short_scores = {r.index: r.relevance_score for r in short_answer.results}
     assert long_scores == pytest.approx(short_scores, abs=1e-4)
@@ -115,8 +129,10 @@ async def _flooded_probes(server, clients: int, seconds: float) -> tuple[list[fl
     flood = [asyncio.create_task(_flood(server.address, stop, texts, counts)) for _ in range(clients)]
     latencies, rest = [], None
     try:
-        async with grpc.aio.insecure_channel(server.address) as channel, \
-                httpx.AsyncClient(base_url=server.rest_url, timeout=20) as http:
+        async with (
+            grpc.aio.insecure_channel(server.address) as channel,
+            httpx.AsyncClient(base_url=server.rest_url, timeout=20) as http,
+        ):
             probe = encoderd_pb2_grpc.EncoderStub(channel)
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
@@ -127,7 +143,10 @@ async def _flooded_probes(server, clients: int, seconds: float) -> tuple[list[fl
                     if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                         latencies.append(time.perf_counter() - started)
                 if rest is None or rest.status_code != 429:
-                    rest = await http.post("/v1/embeddings", json={"model": "embedder", "input": [f"rest {time.time()} {t}" for t in texts]})
+                    rest = await http.post(
+                        "/v1/embeddings",
+                        json={"model": "embedder", "input": [f"rest {time.time()} {t}" for t in texts]},
+                    )
                 await asyncio.sleep(0.02)
     finally:
         stop.set()
@@ -143,8 +162,10 @@ def test_a_flood_is_refused_at_once_with_retry_after(server):
     assert rest.status_code == 429 and rest.headers["retry-after"] == "1"
     assert rest.json()["error"]["code"] == "resource_exhausted"
     latencies.sort()
-    print(f"probe refusals: n={len(latencies)} p50={latencies[len(latencies) // 2] * 1000:.1f} ms "
-          f"p99={latencies[int(len(latencies) * 0.99)] * 1000:.1f} ms; flood {counts}")
+    print(
+        f"probe refusals: n={len(latencies)} p50={latencies[len(latencies) // 2] * 1000:.1f} ms "
+        f"p99={latencies[int(len(latencies) * 0.99)] * 1000:.1f} ms; flood {counts}"
+    )
 
 
 def test_while_loading_calls_get_unavailable_and_sigterm_exits_cleanly(tmp_path):
@@ -157,8 +178,9 @@ def test_while_loading_calls_get_unavailable_and_sigterm_exits_cleanly(tmp_path)
                 try:
                     stub = proc.stub()
                     models = stub.ListModels(pb.ListModelsRequest(), timeout=2).models
-                    code, details = _code(lambda stub=stub: stub.Embed(pb.EmbedRequest(model="embedder", inputs=["a"]),
-                                                                       timeout=2))
+                    code, details = _code(
+                        lambda stub=stub: stub.Embed(pb.EmbedRequest(model="embedder", inputs=["a"]), timeout=2)
+                    )
                     embed = http.post("/v1/embeddings", json={"model": "embedder", "input": "a"})
                     listed = http.get("/v1/models").json()["data"]
                 except (grpc.RpcError, httpx.HTTPError, ValueError):

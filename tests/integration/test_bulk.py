@@ -23,7 +23,9 @@ from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
 
 def _metric(server, name: str, labels: str = "") -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$" if labels else rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    pattern = (
+        rf"^{re.escape(name)}{re.escape(labels)} (\S+)$" if labels else rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    )
     return sum(float(m) for m in re.findall(pattern, text, re.M))
 
 
@@ -78,8 +80,11 @@ def test_stream_of_10k_with_a_slow_reader_stays_within_the_window(server, stub):
 
 
 def test_stream_reports_bad_inputs_and_goes_on(server):
-    results = list(embed_iterable(server.address, [("a", "fine"), ("b", ""), ("c", "also fine")],
-                                  model=DEFAULT_MODEL_NAME, progress=False))
+    results = list(
+        embed_iterable(
+            server.address, [("a", "fine"), ("b", ""), ("c", "also fine")], model=DEFAULT_MODEL_NAME, progress=False
+        )
+    )
     by_id = {r.id: r for r in results}
     assert set(by_id) == {"a", "b", "c"}
     assert by_id["b"].vector is None and "empty" in by_id["b"].error
@@ -124,7 +129,8 @@ def test_cache_hits_and_misses(cached_server):
     assert _metric(cached_server, "encoderd_cache_lookups_total", labels) == hits + 2
     # Only "new one" was computed: the two cached inputs cost no tokens of compute.
     assert _metric(cached_server, "encoderd_real_tokens_total") - tokens == (
-        second.usage.prompt_tokens - first.usage.prompt_tokens)
+        second.usage.prompt_tokens - first.usage.prompt_tokens
+    )
     np.testing.assert_array_equal(second.embeddings[1].values, first.embeddings[0].values)
     assert second.usage.prompt_tokens > first.usage.prompt_tokens  # cached inputs still count their tokens
 
@@ -133,8 +139,10 @@ def test_output_dtypes_match_reference_quantization(server, stub):
     from sentence_transformers.util.quantization import quantize_embeddings
 
     texts = ["quantize this sentence", "and this other one, a bit longer"]
-    ref = np.array([e.values for e in stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts)).embeddings],
-                   dtype=np.float32)
+    ref = np.array(
+        [e.values for e in stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts)).embeddings],
+        dtype=np.float32,
+    )
 
     def get(dtype):
         response = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts, output_dtype=dtype))

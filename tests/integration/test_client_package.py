@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
 TEXTS = ["first text", "a second, longer text about encoder models", "third"]
 DOCUMENTS = ["dogs", "cats are great", "finance"]
-QUEUE = 4           # the server's --max-queued-inputs: a request of QUEUE + 1 inputs is always refused
+QUEUE = 4  # the server's --max-queued-inputs: a request of QUEUE + 1 inputs is always refused
 
 # Runs inside the fresh venv: only the installed wheel and its dependencies are importable there.
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import asyncio, json, sys, time
     import encoderd.clients
     from encoderd.clients import AsyncEncoderClient, EncoderClient, NotFound, ResourceExhausted, RetryPolicy
@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent('''
 
     out["async_embed"] = asyncio.run(embed_async())
     print(json.dumps(out))
-''')
+""")
 
 
 def _run(args, timeout, **kwargs) -> subprocess.CompletedProcess:
@@ -80,13 +80,21 @@ def wheel(tmp_path_factory) -> Path:
     """The client wheel, built from a copy of its sources so the checkout stays clean."""
     src = tmp_path_factory.mktemp("client-src")
     shutil.copytree(ROOT / "clients", src / "clients", ignore=shutil.ignore_patterns("node", "__pycache__"))
-    shutil.copytree(ROOT / "protos" / "encoderd" / "v1", src / "protos" / "encoderd" / "v1",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "packaging" / "client", src / "packaging" / "client",
-                    ignore=shutil.ignore_patterns("build", "*.egg-info"))
+    shutil.copytree(
+        ROOT / "protos" / "encoderd" / "v1",
+        src / "protos" / "encoderd" / "v1",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    shutil.copytree(
+        ROOT / "packaging" / "client",
+        src / "packaging" / "client",
+        ignore=shutil.ignore_patterns("build", "*.egg-info"),
+    )
     out = tmp_path_factory.mktemp("wheel")
-    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(src / "packaging" / "client"),
-                  "-w", str(out)], timeout=300)
+    built = _run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(src / "packaging" / "client"), "-w", str(out)],
+        timeout=300,
+    )
     if built.returncode and (reason := _index_reachable()):
         pytest.skip(f"building the wheel needs setuptools: {reason}")
     assert built.returncode == 0, built.stderr
@@ -109,9 +117,17 @@ def venv_python(wheel, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def small_queue_server(tmp_path_factory, reranker_path, classifier_path):
     log = tmp_path_factory.mktemp("logs") / "client-package.log"
-    with ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}", "--model",
-                       f"reranker={reranker_path}", "--model", f"classifier={classifier_path}",
-                       "--max-queued-inputs", str(QUEUE), log_path=log) as server:
+    with ServerProcess(
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+        "--model",
+        f"reranker={reranker_path}",
+        "--model",
+        f"classifier={classifier_path}",
+        "--max-queued-inputs",
+        str(QUEUE),
+        log_path=log,
+    ) as server:
         yield server
 
 
@@ -123,8 +139,11 @@ def test_wheel_holds_only_the_client(wheel):
     assert packages == {"encoderd/clients", "encoderd/v1"}
     # No encoderd/__init__.py: `encoderd` stays a namespace the server distribution shares.
     assert "encoderd/__init__.py" not in names
-    requires = {re.split(r"[<>=!~; ]", line.split(":", 1)[1].strip())[0]
-                for line in metadata.splitlines() if line.startswith("Requires-Dist:")}
+    requires = {
+        re.split(r"[<>=!~; ]", line.split(":", 1)[1].strip())[0]
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:")
+    }
     assert requires == {"grpcio", "protobuf", "googleapis-common-protos", "numpy"}
 
 
@@ -138,13 +157,25 @@ def test_installed_client_against_a_real_server(venv_python, small_queue_server,
     script = tmp_path / "use_client.py"
     script.write_text(SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    ran = _run([str(venv_python), str(script), small_queue_server.address, DEFAULT_MODEL_NAME, json.dumps(TEXTS),
-                json.dumps(DOCUMENTS), str(QUEUE)], timeout=120, cwd=tmp_path, env=env)
+    ran = _run(
+        [
+            str(venv_python),
+            str(script),
+            small_queue_server.address,
+            DEFAULT_MODEL_NAME,
+            json.dumps(TEXTS),
+            json.dumps(DOCUMENTS),
+            str(QUEUE),
+        ],
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
     assert ran.returncode == 0, ran.stderr
     got = json.loads(ran.stdout)
-    assert Path(got["client_file"]).is_relative_to(venv_python.parent.parent)   # the wheel, not the checkout
+    assert Path(got["client_file"]).is_relative_to(venv_python.parent.parent)  # the wheel, not the checkout
 
-    with EncoderClient(small_queue_server.address) as reference:    # the server distribution's client
+    with EncoderClient(small_queue_server.address) as reference:  # the server distribution's client
         want = reference.embed(TEXTS, model=DEFAULT_MODEL_NAME).vectors
         np.testing.assert_array_equal(np.array(got["embed"], dtype=np.float32), want)
         np.testing.assert_array_equal(np.array(got["async_embed"], dtype=np.float32), want[:1])
@@ -161,11 +192,15 @@ def test_installed_client_against_a_real_server(venv_python, small_queue_server,
     assert got["not_found"][0] == "NotFound" and "no-such-model" in got["not_found"][1]
     attempts, message = got["exhausted"]
     assert attempts == 3 and "overloaded" in message
-    assert _rejected(small_queue_server) == 3        # every attempt reached the server
+    assert _rejected(small_queue_server) == 3  # every attempt reached the server
 
 
 def _rejected(server) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    found = re.search(rf'^encoderd_rejected_requests_total{{model="{re.escape(DEFAULT_MODEL_NAME)}",'
-                      r'reason="queue_full"} (\S+)$', text, re.M)
+    found = re.search(
+        rf'^encoderd_rejected_requests_total{{model="{re.escape(DEFAULT_MODEL_NAME)}",'
+        r'reason="queue_full"} (\S+)$',
+        text,
+        re.M,
+    )
     return float(found.group(1)) if found else 0.0

@@ -6,6 +6,7 @@ Envoy, checked against sentence-transformers and the gRPC API."""
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -20,7 +21,7 @@ from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 M = DEFAULT_MODEL_NAME
 TEXTS = sentences(6, max_words=30, seed=17)
 QUERY = "how do search engines rank documents"
-DOCS = sentences(5, max_words=30, seed=5) + ["a cross encoder reranks candidate documents for search engines"]
+DOCS = [*sentences(5, max_words=30, seed=5), "a cross encoder reranks candidate documents for search engines"]
 QUERY_PROMPT = "query: "  # served as the prompt named search_query (Cohere's input_type)
 ORIGIN = "https://app.example"  # the browser origin the server allows (CORS)
 
@@ -28,13 +29,26 @@ ORIGIN = "https://app.example"  # the browser origin the server allows (CORS)
 @pytest.fixture(scope="module")
 def compat_server(tmp_path_factory, models_dir, reranker_path, classifier_path):
     log = tmp_path_factory.mktemp("compat") / "server.log"
-    proc = ServerProcess("--model", f"{M}={default_model_path()}", "--model", f"reranker={reranker_path}",
-                         "--model", f"classifier={classifier_path}",
-                         "--model", f"colbert={build_colbert(models_dir / 'mm-colbert')}",
-                         "--model", f"splade={build_sparse(models_dir / 'mm-sparse')}:sparse",
-                         "--prompt", f"search_query={QUERY_PROMPT}", "--cpu-threads", "1",
-                         "--cors-allow-origin", ORIGIN,
-                         rest=True, log_path=log)
+    proc = ServerProcess(
+        "--model",
+        f"{M}={default_model_path()}",
+        "--model",
+        f"reranker={reranker_path}",
+        "--model",
+        f"classifier={classifier_path}",
+        "--model",
+        f"colbert={build_colbert(models_dir / 'mm-colbert')}",
+        "--model",
+        f"splade={build_sparse(models_dir / 'mm-sparse')}:sparse",
+        "--prompt",
+        f"search_query={QUERY_PROMPT}",
+        "--cpu-threads",
+        "1",
+        "--cors-allow-origin",
+        ORIGIN,
+        rest=True,
+        log_path=log,
+    )
     proc.start()
     yield proc
     assert proc.stop() == 0, proc.log_text()
@@ -114,8 +128,9 @@ def test_infinity_client_rerank_without_naming_the_model(infinity, cross_encoder
     from infinity_client.api.default import rerank
     from infinity_client.models import RerankInput
 
-    result = rerank.sync(client=infinity, body=RerankInput(query=QUERY, documents=DOCS, return_documents=True,
-                                                          top_n=3))  # model: the client's "default/not-specified"
+    result = rerank.sync(
+        client=infinity, body=RerankInput(query=QUERY, documents=DOCS, return_documents=True, top_n=3)
+    )  # model: the client's "default/not-specified"
     want = np.argsort(-cross_encoder_scores, kind="stable")[:3]
     assert [r.index for r in result.results] == want.tolist()
     np.testing.assert_allclose([r.relevance_score for r in result.results], cross_encoder_scores[want], atol=1e-5)
@@ -170,8 +185,7 @@ def test_tei_inference_client_feature_extraction(inference_client, st_vectors):
 
 
 def test_tei_inference_client_similarity_and_classification(inference_client, st_model, stub):
-    similarity = inference_client("/similarity").sentence_similarity(
-        TEXTS[0], other_sentences=TEXTS[1:4])
+    similarity = inference_client("/similarity").sentence_similarity(TEXTS[0], other_sentences=TEXTS[1:4])
     vectors = st_model.encode(TEXTS[:4], normalize_embeddings=True)
     np.testing.assert_allclose(similarity, vectors[1:] @ vectors[0], atol=1e-5)
     best = inference_client("/predict").text_classification(TEXTS[0])
@@ -215,13 +229,20 @@ def test_tei_rerank_and_infinity_rerank_share_the_route(http, cross_encoder_scor
 
 
 def test_tei_predict_top_k_and_activations(http, stub):
-    logits = [ls.score for ls in stub.Classify(pb.ClassifyRequest(model="classifier", inputs=TEXTS[:1],
-                                                                  raw_scores=True)).results[0].labels]
+    logits = [
+        ls.score
+        for ls in stub.Classify(pb.ClassifyRequest(model="classifier", inputs=TEXTS[:1], raw_scores=True))
+        .results[0]
+        .labels
+    ]
     top = http.post("/predict", json={"inputs": TEXTS[0], "parameters": {"top_k": 2, "function_to_apply": "none"}})
     np.testing.assert_allclose([p["score"] for p in top.json()], logits[:2], atol=1e-6)
     _error(http.post("/predict", json={"inputs": "x", "parameters": {"function_to_apply": "relu"}}), 400, "relu")
-    _error(http.post("/predict", json={"inputs": "x", "raw_scores": True, "parameters": {"function_to_apply": "none"}}),
-           400, "not both")
+    _error(
+        http.post("/predict", json={"inputs": "x", "raw_scores": True, "parameters": {"function_to_apply": "none"}}),
+        400,
+        "not both",
+    )
     _error(http.post("/embed", json={"model": M, "inputs": "x", "parameters": {"top_k": 2}}), 400, "/predict")
 
 
@@ -229,9 +250,9 @@ def test_tei_predict_shapes(http, stub):
     want = _grpc_classes(stub, TEXTS[:3])
     single = http.post("/predict", json={"inputs": TEXTS[0]})
     assert single.status_code == 200, single.text
-    assert [(p["label"], round(p["score"], 5)) for p in single.json()] == [(l, round(s, 5)) for l, s in want[0]]
+    assert [(p["label"], round(p["score"], 5)) for p in single.json()] == [(label, round(s, 5)) for label, s in want[0]]
     batch = http.post("/predict", json={"inputs": [[TEXTS[0]], [TEXTS[1]], [TEXTS[2]]]}).json()
-    assert [[p["label"] for p in row] for row in batch] == [[l for l, _ in row] for row in want]
+    assert [[p["label"] for p in row] for row in batch] == [[label for label, _ in row] for row in want]
     for bad in ([TEXTS[0], TEXTS[1], TEXTS[2]], [[TEXTS[0], TEXTS[1], TEXTS[2]]], [[TEXTS[0]], TEXTS[1]], [[]]):
         _error(http.post("/predict", json={"inputs": bad}), 400, "text_pair")
 
@@ -248,6 +269,7 @@ def classifier_logits(classifier_path):
     def logits(*texts):
         with torch.no_grad():
             return model(**tokenizer(*texts, truncation=True, return_tensors="pt")).logits[0].numpy()
+
     return logits, model.config.id2label
 
 
@@ -266,7 +288,7 @@ def test_tei_predict_text_pairs_equal_transformers(http, classifier_logits):
     mixed = [list(pairs[0]), [TEXTS[0]], list(pairs[1]), list(pairs[2])]
     batch = http.post("/predict", json={"inputs": mixed, "parameters": {"function_to_apply": "none"}})
     assert batch.status_code == 200, batch.text
-    for row, item in zip(batch.json(), mixed):
+    for row, item in zip(batch.json(), mixed, strict=True):
         np.testing.assert_allclose(by_label({p["label"]: p["score"] for p in row}), logits(*item), atol=1e-4)
     # The model's own activation (softmax here) over the pair's logits, best first.
     scored = http.post("/predict", json={"inputs": list(pairs[1])}).json()
@@ -286,18 +308,22 @@ def test_tei_tokenize_decode_info(http, minilm_path):
     encoding = tokenizer.encode(text)
     assert [t["id"] for t in tokens] == encoding.ids
     assert tokens[0] == {"id": 101, "text": "[CLS]", "special": True, "start": None, "stop": None}
-    assert [text[t["start"]:t["stop"]] for t in tokens[1:-1]] == [t["text"] for t in tokens[1:-1]]
+    assert [text[t["start"] : t["stop"]] for t in tokens[1:-1]] == [t["text"] for t in tokens[1:-1]]
     plain = http.post("/tokenize", json={"inputs": text, "add_special_tokens": False, "model": M}).json()[0]
     assert [t["id"] for t in plain] == encoding.ids[1:-1]
     decoded = http.post("/decode", json={"ids": encoding.ids, "model": M}).json()
     assert decoded == ["hello world, tokenizers!"]
-    both = http.post("/decode", json={"ids": [encoding.ids, encoding.ids[:2]], "skip_special_tokens": False,
-                                      "model": M}).json()
+    both = http.post(
+        "/decode", json={"ids": [encoding.ids, encoding.ids[:2]], "skip_special_tokens": False, "model": M}
+    ).json()
     assert both == ["[CLS] hello world, tokenizers! [SEP]", "[CLS] hello"]
     _error(http.post("/decode", json={"ids": [1, 10**9], "model": M}), 400, "token id")
     info = http.get("/info", params={"model": M}).json()
-    assert info["model_id"] == M and info["max_input_length"] == 256 and info["model_type"] == {
-        "embedding": {"pooling": "mean"}}
+    assert (
+        info["model_id"] == M
+        and info["max_input_length"] == 256
+        and info["model_type"] == {"embedding": {"pooling": "mean"}}
+    )
     assert http.get("/info", params={"model": "reranker"}).json()["model_type"]["reranker"]["id2label"]
     _error(http.get("/info"), 400, "model")  # several served: TEI's single-model route needs a name
 
@@ -328,16 +354,18 @@ def test_tei_root_route_dispatches_by_model_kind(http, st_vectors, cross_encoder
     _error(http.post("/", json={"inputs": "x"}), 400, "several models")
 
 
-def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_prefix(tmp_path, monkeypatch,
-                                                                                    st_vectors):
+def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_prefix(tmp_path, monkeypatch, st_vectors):
     """What TEI users run: InferenceClient(base_url=server) posts to "/" itself; here the server's
     root is --url-prefix /api."""
     from huggingface_hub import InferenceClient, constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # see inference_client
-    with ServerProcess("--cpu-threads", "1", "--url-prefix", "/api", rest=True,
-                       log_path=tmp_path / "server.log") as server, \
-            httpx.Client(base_url=server.rest_url, trust_env=False) as http:
+    with (
+        ServerProcess(
+            "--cpu-threads", "1", "--url-prefix", "/api", rest=True, log_path=tmp_path / "server.log"
+        ) as server,
+        httpx.Client(base_url=server.rest_url, trust_env=False) as http,
+    ):
         got = InferenceClient(base_url=server.rest_url + "/api").feature_extraction(TEXTS[:2])
         assert http.get("/api/v1/models").json()["data"][0]["id"] == M
         _error(http.get("/v1/models"), 404, "under /api")
@@ -384,9 +412,11 @@ def test_cohere_embedding_types_v1_and_v2(compat_server, reference):
     floats = reference["plain"]
     types = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
     v1 = cohere.Client(base_url=compat_server.rest_url, api_key="k").embed(
-        texts=TEXTS, model=M, input_type="clustering", embedding_types=types)
+        texts=TEXTS, model=M, input_type="clustering", embedding_types=types
+    )
     v2 = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k").embed(
-        texts=TEXTS, model=M, input_type="clustering", embedding_types=types)
+        texts=TEXTS, model=M, input_type="clustering", embedding_types=types
+    )
     for response in (v1, v2):
         e = response.embeddings
         np.testing.assert_allclose(e.float_, floats, atol=1e-5)
@@ -394,8 +424,9 @@ def test_cohere_embedding_types_v1_and_v2(compat_server, reference):
         np.testing.assert_array_equal(e.uint8, np.round((np.clip(floats, -1, 1) + 1) * 127.5))
         np.testing.assert_array_equal(e.binary, quantize_embeddings(floats, precision="binary"))
         np.testing.assert_array_equal(e.ubinary, quantize_embeddings(floats, precision="ubinary"))
-        np.testing.assert_array_equal([np.frombuffer(base64.b64decode(b), "<f4") for b in e.base64],
-                                      np.array(e.float_, dtype=np.float32))
+        np.testing.assert_array_equal(
+            [np.frombuffer(base64.b64decode(b), "<f4") for b in e.base64], np.array(e.float_, dtype=np.float32)
+        )
     assert v2.meta.api_version.version == "2" and v1.meta.api_version.version == "1"
 
 
@@ -403,18 +434,26 @@ def test_cohere_v2_defaults_to_float_and_reads_inputs(compat_server, http, refer
     import cohere
 
     co = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k")
-    response = co.embed(model=M, input_type="search_query", output_dimension=128,
-                        inputs=[{"content": [{"type": "text", "text": t}]} for t in TEXTS[:2]])
+    response = co.embed(
+        model=M,
+        input_type="search_query",
+        output_dimension=128,
+        inputs=[{"content": [{"type": "text", "text": t}]} for t in TEXTS[:2]],
+    )
     want = reference["search_query"][:2, :128]
-    np.testing.assert_allclose(response.embeddings.float_, want / np.linalg.norm(want, axis=1, keepdims=True),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        response.embeddings.float_, want / np.linalg.norm(want, axis=1, keepdims=True), atol=1e-5
+    )
     assert response.embeddings.int8 is None
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "embedding_types": ["int4"]}), 400, "int4")
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "input_type": "query"}), 400, "input_type")
     _error(http.post("/v1/embed", json={"model": M, "texts": ["word " * 600], "truncate": "NONE"}), 400, "longer")
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "max_tokens": 16}), 400, "max_tokens")
-    _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "images": ["data:image/png;base64,AA=="]}),
-           400, "images")
+    _error(
+        http.post("/v2/embed", json={"model": M, "texts": ["x"], "images": ["data:image/png;base64,AA=="]}),
+        400,
+        "images",
+    )
 
 
 def _png_uri(seed: int, size=(48, 40)) -> str:
@@ -432,8 +471,14 @@ def _png_uri(seed: int, size=(48, 40)) -> str:
 def clip_server(tmp_path_factory, models_dir):
     """A clip model on its own: beside compat_server's embedder, TEI's model-less routes would
     have two embedding models to choose from."""
-    proc = ServerProcess("--model", f"clip={build_clip(models_dir / 'mm-clip')}", "--cpu-threads", "1", rest=True,
-                         log_path=tmp_path_factory.mktemp("compat-clip") / "server.log")
+    proc = ServerProcess(
+        "--model",
+        f"clip={build_clip(models_dir / 'mm-clip')}",
+        "--cpu-threads",
+        "1",
+        rest=True,
+        log_path=tmp_path_factory.mktemp("compat-clip") / "server.log",
+    )
     proc.start()
     yield proc
     assert proc.stop() == 0, proc.log_text()
@@ -446,27 +491,47 @@ def test_cohere_embed_images_equal_the_grpc_image_embedding(clip_server, http):
 
     images, caption = [_png_uri(1), _png_uri(2, (30, 60))], "a photo of a cat"
     contents = [pb.Content(image=pb.Media(url=u)) for u in images] + [pb.Content(text=caption)]
-    want = np.array([e.values for e in clip_server.stub().EmbedMultimodal(pb.EmbedMultimodalRequest(
-        model="clip", inputs=contents)).embeddings])  # clip's default: unit vectors
+    want = np.array(
+        [
+            e.values
+            for e in clip_server.stub()
+            .EmbedMultimodal(pb.EmbedMultimodalRequest(model="clip", inputs=contents))
+            .embeddings
+        ]
+    )  # clip's default: unit vectors
     v1 = cohere.Client(base_url=clip_server.rest_url, api_key="k").embed(
-        model="clip", images=images, input_type="image", embedding_types=["float", "int8"])
+        model="clip", images=images, input_type="image", embedding_types=["float", "int8"]
+    )
     np.testing.assert_allclose(v1.embeddings.float_, want[:2], atol=1e-5)
     assert v1.meta.billed_units.images == 2 and v1.texts == [] and len(v1.embeddings.int8[0]) == want.shape[1]
     co = cohere.ClientV2(base_url=clip_server.rest_url, api_key="k")
-    mixed = co.embed(model="clip", input_type="image", embedding_types=["float"],
-                     inputs=[{"content": [{"type": "image_url", "image_url": {"url": images[0]}}]},
-                             {"content": [{"type": "text", "text": caption}]},
-                             {"content": [{"type": "image_url", "image_url": {"url": images[1]}}]}])
+    mixed = co.embed(
+        model="clip",
+        input_type="image",
+        embedding_types=["float"],
+        inputs=[
+            {"content": [{"type": "image_url", "image_url": {"url": images[0]}}]},
+            {"content": [{"type": "text", "text": caption}]},
+            {"content": [{"type": "image_url", "image_url": {"url": images[1]}}]},
+        ],
+    )
     np.testing.assert_allclose(mixed.embeddings.float_, want[[0, 2, 1]], atol=1e-5)
     assert mixed.texts == [caption] and mixed.meta.billed_units.images == 2
     by_images = co.embed(model="clip", input_type="image", images=images[1:], embedding_types=["float"])
     np.testing.assert_allclose(by_images.embeddings.float_, want[1:2], atol=1e-5)
     fused = {"content": [{"type": "text", "text": caption}, {"type": "image_url", "image_url": {"url": images[0]}}]}
     with httpx.Client(base_url=clip_server.rest_url, timeout=60, trust_env=False) as clip_http:
-        _error(clip_http.post("/v2/embed", json={"model": "clip", "input_type": "image", "inputs": [fused]}), 400,
-               "inputs[0]", "input of its own")
-        _error(clip_http.post("/v1/embed", json={"model": "clip", "images": ["data:image/png;base64,AAAA"]}), 400,
-               "not an image")
+        _error(
+            clip_http.post("/v2/embed", json={"model": "clip", "input_type": "image", "inputs": [fused]}),
+            400,
+            "inputs[0]",
+            "input of its own",
+        )
+        _error(
+            clip_http.post("/v1/embed", json={"model": "clip", "images": ["data:image/png;base64,AAAA"]}),
+            400,
+            "not an image",
+        )
     _error(http.post("/v1/embed", json={"model": M, "images": images[:1]}), 400, "takes text")
 
 
@@ -480,14 +545,30 @@ def test_reflection_v1_and_v1alpha_with_buf_curl(compat_server, protocol):
     buf = node_client_dir() / "node_modules" / ".bin" / "buf"
     base = ["--protocol", "grpc", "--http2-prior-knowledge", "--reflect-protocol", protocol]
     url = f"http://{compat_server.address}"
-    listed = subprocess.run([str(buf), "curl", *base, "--list-services", url], capture_output=True, text=True,
-                            timeout=60)
+    listed = subprocess.run(
+        [str(buf), "curl", *base, "--list-services", url], capture_output=True, text=True, timeout=60, check=False
+    )
     assert listed.returncode == 0, listed.stderr
-    assert {"encoderd.v1.Encoder", "grpc.reflection.v1.ServerReflection",
-            "grpc.reflection.v1alpha.ServerReflection"} <= set(listed.stdout.split())
+    assert {
+        "encoderd.v1.Encoder",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= set(listed.stdout.split())
     # A call whose schema comes from reflection alone.
-    called = subprocess.run([str(buf), "curl", *base, "-d", '{"model": "reranker", "query": "q", "documents": ["a"]}',
-                             f"{url}/encoderd.v1.Encoder/Rerank"], capture_output=True, text=True, timeout=60)
+    called = subprocess.run(
+        [
+            str(buf),
+            "curl",
+            *base,
+            "-d",
+            '{"model": "reranker", "query": "q", "documents": ["a"]}',
+            f"{url}/encoderd.v1.Encoder/Rerank",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert called.returncode == 0, called.stderr
     assert '"model": "reranker"' in called.stdout and '"relevanceScore"' in called.stdout
 
@@ -499,8 +580,10 @@ def test_health_answers_for_the_service_names(compat_server):
     with grpc.insecure_channel(compat_server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "encoderd.v1.Encoder", "encoderd.v1.Compat", M, "reranker"):
-            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == \
-                health_pb2.HealthCheckResponse.SERVING, service
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(service=service)).status
+                == health_pb2.HealthCheckResponse.SERVING
+            ), service
         with pytest.raises(grpc.RpcError) as unknown:
             health.Check(health_pb2.HealthCheckRequest(service="encoderd.v1.Nope"))
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
@@ -511,20 +594,59 @@ def _fuzz_bodies():
     from hypothesis import strategies as st
 
     text = st.text(max_size=20) | st.sampled_from(["", "a" * 2000, "\x00", "🙂"])
-    value = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | text,
-                         lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=3),
-                         max_leaves=12)
-    model = st.sampled_from([M, "reranker", "classifier", "colbert", "splade", "", "nope",
-                             "default/not-specified"]) | value
-    keys = ["input", "inputs", "texts", "documents", "query", "ids", "embedding_types", "input_type", "truncate",
-            "truncation_direction", "parameters", "normalize", "dimensions", "output_dimension", "top_n",
-            "return_documents", "return_text", "raw_scores", "add_special_tokens", "skip_special_tokens",
-            "max_tokens", "prompt_name", "images", "encoding_format", "modality"]
+    value = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | text,
+        lambda children: st.lists(children, max_size=4) | st.dictionaries(text, children, max_size=3),
+        max_leaves=12,
+    )
+    model = (
+        st.sampled_from([M, "reranker", "classifier", "colbert", "splade", "", "nope", "default/not-specified"]) | value
+    )
+    keys = [
+        "input",
+        "inputs",
+        "texts",
+        "documents",
+        "query",
+        "ids",
+        "embedding_types",
+        "input_type",
+        "truncate",
+        "truncation_direction",
+        "parameters",
+        "normalize",
+        "dimensions",
+        "output_dimension",
+        "top_n",
+        "return_documents",
+        "return_text",
+        "raw_scores",
+        "add_special_tokens",
+        "skip_special_tokens",
+        "max_tokens",
+        "prompt_name",
+        "images",
+        "encoding_format",
+        "modality",
+    ]
     return st.fixed_dictionaries({"model": model}, optional=dict.fromkeys(keys, value)) | value
 
 
-COMPAT_POSTS = ["/embeddings", "/rerank", "/classify", "/embed", "/embed_all", "/embed_sparse", "/predict",
-                "/similarity", "/tokenize", "/decode", "/", "/v1/embed", "/v2/embed"]
+COMPAT_POSTS = [
+    "/embeddings",
+    "/rerank",
+    "/classify",
+    "/embed",
+    "/embed_all",
+    "/embed_sparse",
+    "/predict",
+    "/similarity",
+    "/tokenize",
+    "/decode",
+    "/",
+    "/v1/embed",
+    "/v2/embed",
+]
 
 
 def test_compat_routes_fuzz(http):
@@ -568,15 +690,21 @@ def _gzip(body) -> bytes:
 
 # A working body for each kind of POST route (others get {}: an error, which must be the same error).
 GZIP_BODIES = {
-    "/v1/embeddings": {"model": M, "input": TEXTS}, "/embeddings": {"model": M, "input": TEXTS[:2]},
-    "/v1/encoderd/embed": {"model": M, "inputs": TEXTS[:2]}, "/embed": {"model": M, "inputs": TEXTS[:2]},
+    "/v1/embeddings": {"model": M, "input": TEXTS},
+    "/embeddings": {"model": M, "input": TEXTS[:2]},
+    "/v1/encoderd/embed": {"model": M, "inputs": TEXTS[:2]},
+    "/embed": {"model": M, "inputs": TEXTS[:2]},
     "/v2/embed": {"model": M, "texts": TEXTS[:2], "input_type": "search_query", "embedding_types": ["float"]},
-    "/v1/embed": {"model": M, "texts": TEXTS[:2]}, "/rerank": {"model": "reranker", "query": QUERY, "texts": DOCS},
+    "/v1/embed": {"model": M, "texts": TEXTS[:2]},
+    "/rerank": {"model": "reranker", "query": QUERY, "texts": DOCS},
     "/v2/rerank": {"model": "reranker", "query": QUERY, "documents": DOCS},
     "/v1/encoderd/rerank": {"model": "reranker", "query": QUERY, "documents": DOCS},
-    "/classify": {"model": "classifier", "input": TEXTS[:2]}, "/predict": {"model": "classifier", "inputs": TEXTS[0]},
-    "/v1/classify": {"model": "classifier", "inputs": TEXTS[:2]}, "/tokenize": {"model": M, "inputs": TEXTS[0]},
-    "/embed_all": {"model": "colbert", "inputs": TEXTS[:2]}, "/embed_sparse": {"model": "splade", "inputs": TEXTS[0]},
+    "/classify": {"model": "classifier", "input": TEXTS[:2]},
+    "/predict": {"model": "classifier", "inputs": TEXTS[0]},
+    "/v1/classify": {"model": "classifier", "inputs": TEXTS[:2]},
+    "/tokenize": {"model": M, "inputs": TEXTS[0]},
+    "/embed_all": {"model": "colbert", "inputs": TEXTS[:2]},
+    "/embed_sparse": {"model": "splade", "inputs": TEXTS[0]},
 }
 
 
@@ -592,15 +720,20 @@ def test_gzip_request_bodies_on_every_rest_route(compat_server, http, st_vectors
     for path in posts:
         body = GZIP_BODIES.get(path, {})
         plain, gzipped = http.post(path, json=body), _post_gzipped(http, path, _gzip(body))
-        assert (gzipped.status_code, _stable(gzipped.json())) == (plain.status_code, _stable(plain.json())), \
-            (path, gzipped.text[:300])
+        assert (gzipped.status_code, _stable(gzipped.json())) == (plain.status_code, _stable(plain.json())), (
+            path,
+            gzipped.text[:300],
+        )
         assert plain.status_code == 200 if path in GZIP_BODIES else plain.status_code < 500, (path, plain.text)
     embedded = _post_gzipped(http, "/v1/embeddings", _gzip(GZIP_BODIES["/v1/embeddings"]), encoding="x-gzip")
     np.testing.assert_allclose([d["embedding"] for d in embedded.json()["data"]], st_vectors, atol=1e-5)
     body = _gzip({"model": M, "input": "hello"})
-    raw = _raw_http(compat_server.rest_port, b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
-                                             b"Content-Encoding: GZIP\r\n"
-                                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    raw = _raw_http(
+        compat_server.rest_port,
+        b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Encoding: GZIP\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
     assert raw.split(b"\r\n")[0].endswith(b" 200 OK") and b'"embedding":[' in raw, raw[:300]
 
 
@@ -623,14 +756,18 @@ def test_bad_gzip_bodies_are_a_400_at_once(http):
     }
     for kind, bodies in cases.items():
         for raw in bodies:
-            response = http.post("/v1/embeddings", content=raw, timeout=30,
-                                 headers={"content-type": "application/json", "content-encoding": "gzip"})
+            response = http.post(
+                "/v1/embeddings",
+                content=raw,
+                timeout=30,
+                headers={"content-type": "application/json", "content-encoding": "gzip"},
+            )
             _error(response, 400, "gzip", "send a complete gzip stream")
             assert kind.split()[0] in response.json()["error"]["message"] or kind == "corrupt", response.text
     # Whole gzip, JSON cut short inside: the transcoder's own 400, as for the same JSON sent plain
     # (this hung until the route timeout with the decompressor in front of the transcoder).
-    cut = _post_gzipped(http, "/v1/embeddings", gzip.compress(text[:len(text) // 2]))
-    assert cut.status_code == 400 and cut.json() == http.post("/v1/embeddings", content=text[:len(text) // 2]).json()
+    cut = _post_gzipped(http, "/v1/embeddings", gzip.compress(text[: len(text) // 2]))
+    assert cut.status_code == 400 and cut.json() == http.post("/v1/embeddings", content=text[: len(text) // 2]).json()
     for encoding in ("deflate", "br", "gzip, br"):
         _error(_post_gzipped(http, "/v1/embeddings", whole, encoding), 415, f"Content-Encoding {encoding}", "gzip")
     assert http.get("/v1/models", headers={"content-encoding": "gzip"}).status_code == 200  # no body: nothing to do
@@ -661,7 +798,7 @@ def test_gzip_bomb_hits_the_body_limit(compat_server, http):
 
 
 def _peak_rss_mib(pid: int) -> float:
-    for line in open(f"/proc/{pid}/status"):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmHWM for {pid}")
@@ -683,23 +820,32 @@ def test_http_1_0_and_head(compat_server, http):
     assert health.split(b"\r\n")[0].endswith(b" 200 OK"), health[:200]
     assert b'"status":"serving"' in health
     body = b'{"model": "%s", "input": "hello"}' % M.encode()
-    embedded = _raw_http(compat_server.rest_port, b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    embedded = _raw_http(
+        compat_server.rest_port,
+        b"POST /v1/embeddings HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
     assert embedded.split(b"\r\n")[0].endswith(b" 200 OK") and b'"embedding":[' in embedded, embedded[:300]
     for path in ("/health", "/v1/models"):
         head = http.head(path, headers={"accept-encoding": "gzip"})
         assert head.status_code == 200 and head.content == b"", head.content[:100]
         assert int(head.headers["content-length"]) > 0 and "content-encoding" not in head.headers
     identity = {"accept-encoding": "identity"}  # else GET /v1/models comes gzipped, chunked
-    assert http.head("/v1/models").headers["content-length"] == \
-        http.get("/v1/models", headers=identity).headers["content-length"]
+    assert (
+        http.head("/v1/models").headers["content-length"]
+        == http.get("/v1/models", headers=identity).headers["content-length"]
+    )
     assert http.get("/health").status_code == 200  # the connection is still in step
 
 
 def test_wrong_method_is_405_with_allow(http):
-    for method, path, allow in [("GET", "/v1/embeddings", "POST"), ("POST", "/health", "GET, HEAD"),
-                                ("DELETE", "/v1/models/x/y", "GET, HEAD"), ("HEAD", "/embed", "POST"),
-                                ("GET", "/", "POST")]:
+    for method, path, allow in [
+        ("GET", "/v1/embeddings", "POST"),
+        ("POST", "/health", "GET, HEAD"),
+        ("DELETE", "/v1/models/x/y", "GET, HEAD"),
+        ("HEAD", "/embed", "POST"),
+        ("GET", "/", "POST"),
+    ]:
         response = http.request(method, path)
         assert response.status_code == 405, (method, path, response.text)
         assert response.headers["allow"] == allow
@@ -711,8 +857,10 @@ def test_wrong_method_is_405_with_allow(http):
 
 
 def test_cors_for_the_allowed_origin_only(http):
-    preflight = {"access-control-request-method": "POST",
-                 "access-control-request-headers": "authorization,content-type"}
+    preflight = {
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization,content-type",
+    }
     allowed = http.options("/v1/embeddings", headers={"origin": ORIGIN, **preflight})
     assert allowed.status_code == 200, allowed.text
     assert allowed.headers["access-control-allow-origin"] == ORIGIN
@@ -734,8 +882,16 @@ def test_openapi_document_is_valid_and_every_route_in_it_is_served(http):
     document = http.get("/openapi.json").json()
     validate(document)
     paths = document["paths"]
-    assert {"/v1/embeddings", "/embeddings", "/embed", "/rerank", "/v2/embed", "/info", "/openapi.json",
-            "/v1/encoderd/embed"} <= set(paths)
+    assert {
+        "/v1/embeddings",
+        "/embeddings",
+        "/embed",
+        "/rerank",
+        "/v2/embed",
+        "/info",
+        "/openapi.json",
+        "/v1/encoderd/embed",
+    } <= set(paths)
     assert paths["/v1/models/{id}"]["get"]["parameters"][0]["name"] == "id"
     schema = document["components"]["schemas"]["encoderd.v1.CohereEmbedRequest"]["properties"]
     assert schema["embedding_types"] == {"type": "array", "items": {"type": "string"}}
@@ -785,19 +941,21 @@ def test_cohere_v1_rerank_object_documents_and_rank_fields(compat_server, rerank
 
     documents = [{"title": f"doc {i}", "text": d, "source": "corpus"} for i, d in enumerate(DOCS[:4])]
     co = cohere.Client(base_url=compat_server.rest_url, api_key="k")
-    response = co.rerank(model="reranker", query=QUERY, documents=documents, rank_fields=["title", "text"],
-                         return_documents=True)
+    response = co.rerank(
+        model="reranker", query=QUERY, documents=documents, rank_fields=["title", "text"], return_documents=True
+    )
     ranked_texts = [f"title: {d['title']}\ntext: {d['text']}" for d in documents]
     want = CrossEncoder(reranker_path, device="cpu").predict([(QUERY, t) for t in ranked_texts])
     assert [r.index for r in response.results] == np.argsort(-want, kind="stable").tolist()
-    np.testing.assert_allclose([r.relevance_score for r in response.results],
-                               np.sort(want)[::-1], atol=1e-5)
+    np.testing.assert_allclose([r.relevance_score for r in response.results], np.sort(want)[::-1], atol=1e-5)
     # Every field of an object document comes back, not only `text` (the SDK keeps extra fields).
-    assert [(r.document.text, r.document.title, r.document.source) for r in response.results] == \
-        [(documents[r.index]["text"], documents[r.index]["title"], "corpus") for r in response.results]
+    assert [(r.document.text, r.document.title, r.document.source) for r in response.results] == [
+        (documents[r.index]["text"], documents[r.index]["title"], "corpus") for r in response.results
+    ]
     assert response.meta.api_version.version == "1"
-    v2 = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k").rerank(model="reranker", query=QUERY,
-                                                                               documents=DOCS[:2])
+    v2 = cohere.ClientV2(base_url=compat_server.rest_url, api_key="k").rerank(
+        model="reranker", query=QUERY, documents=DOCS[:2]
+    )
     assert v2.meta.api_version.version == "2"
 
 

@@ -28,9 +28,13 @@ BASE = "localhost/encoderd-base:bookworm"
 IMAGE = "localhost/encoderd:test-cpu"
 TEXTS = ["hello world", "encoder models in a container"]
 
-pytestmark = [pytest.mark.skipif(os.environ.get("ENCODERD_TEST_IMAGES") != "1",
-                                 reason="image test is opt-in: ENCODERD_TEST_IMAGES=1 (builds for minutes)"),
-              pytest.mark.timeout(2400)]  # the first test pays for building the base and the image
+pytestmark = [
+    pytest.mark.skipif(
+        os.environ.get("ENCODERD_TEST_IMAGES") != "1",
+        reason="image test is opt-in: ENCODERD_TEST_IMAGES=1 (builds for minutes)",
+    ),
+    pytest.mark.timeout(2400),
+]  # the first test pays for building the base and the image
 
 
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -45,8 +49,9 @@ def sandbox_conf(path: Path) -> Path:
     refused) or with hybrid cgroups (crun refuses them; runc does not)."""
     nofile = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 4096)
     runtime = 'runtime = "runc"\n' if shutil.which("runc") else ""
-    path.write_text(f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
-                    f"[engine]\n{runtime}")
+    path.write_text(
+        f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n[engine]\n{runtime}'
+    )
     return path
 
 
@@ -56,14 +61,22 @@ def engine_env(tmp_path_factory) -> dict[str, str]:
         if not shutil.which(tool):
             pytest.skip(f"{tool} is missing (Debian package {package})")
     env = dict(os.environ)
-    base = subprocess.run([str(BUILD), "--base-only"], capture_output=True, text=True, timeout=900, env=env, check=False)
+    base = subprocess.run(
+        [str(BUILD), "--base-only"], capture_output=True, text=True, timeout=900, env=env, check=False
+    )
     if base.returncode != 0:
         pytest.skip(f"cannot build the base image here: {base.stderr.strip().splitlines()[-1:]}")
     probe = podman("run", "--rm", "--network", "host", BASE, "true", check=False)
     if probe.returncode != 0:
         env["CONTAINERS_CONF"] = str(sandbox_conf(tmp_path_factory.mktemp("podman") / "containers.conf"))
-        retry = subprocess.run(["podman", "run", "--rm", "--network", "host", BASE, "true"],
-                               capture_output=True, text=True, timeout=120, env=env, check=False)
+        retry = subprocess.run(
+            ["podman", "run", "--rm", "--network", "host", BASE, "true"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            check=False,
+        )
         if retry.returncode != 0:
             pytest.skip(f"containers cannot run in this sandbox: {retry.stderr.strip()[-300:]}")
     os.environ.update({k: v for k, v in env.items() if k == "CONTAINERS_CONF"})
@@ -73,7 +86,9 @@ def engine_env(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def image(engine_env) -> str:
     started = time.monotonic()
-    build = subprocess.run([str(BUILD), "--tag", IMAGE], capture_output=True, text=True, timeout=1800, env=engine_env, check=False)
+    build = subprocess.run(
+        [str(BUILD), "--tag", IMAGE], capture_output=True, text=True, timeout=1800, env=engine_env, check=False
+    )
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     print(f"image built in {time.monotonic() - started:.0f} s")
     return IMAGE
@@ -91,9 +106,21 @@ def container(image):
     CNI plugins), so the ports are moved to free ones through ENCODERD_* variables."""
     grpc_port, rest_port, metrics_port = free_port(), free_port(), free_port()
     volume = f"encoderd-test-cache-{uuid.uuid4().hex[:8]}"
-    cid = podman("run", "-d", "--network", "host", "-v", f"{volume}:/cache",
-                 "-e", f"ENCODERD_GRPC_PORT={grpc_port}", "-e", f"ENCODERD_REST_PORT={rest_port}",
-                 "-e", f"ENCODERD_METRICS_PORT={metrics_port}", image).stdout.strip()
+    cid = podman(
+        "run",
+        "-d",
+        "--network",
+        "host",
+        "-v",
+        f"{volume}:/cache",
+        "-e",
+        f"ENCODERD_GRPC_PORT={grpc_port}",
+        "-e",
+        f"ENCODERD_REST_PORT={rest_port}",
+        "-e",
+        f"ENCODERD_METRICS_PORT={metrics_port}",
+        image,
+    ).stdout.strip()
     try:
         wait_healthy(cid)
         yield cid, grpc_port, rest_port
@@ -135,9 +162,11 @@ def test_container_serves_grpc_and_rest(container, minilm_path):
     with EncoderClient(f"127.0.0.1:{grpc_port}") as client:
         got = client.embed(TEXTS).vectors
     np.testing.assert_allclose(got, want, atol=2e-5)
-    request = urllib.request.Request(f"http://127.0.0.1:{rest_port}/v1/embeddings",
-                                     data=json.dumps({"input": TEXTS}).encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{rest_port}/v1/embeddings",
+        data=json.dumps({"input": TEXTS}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         rest = np.array([d["embedding"] for d in json.load(response)["data"]], dtype=np.float32)
     np.testing.assert_allclose(rest, got, atol=1e-6)

@@ -33,7 +33,7 @@ def test_embeddings_equal_sentence_transformers_under_concurrency(stub, st_model
     sizes = [1, 7, 3, 12, 5, 2, 9, 4, 16, 6, 8, 10, 13]
     chunks, start = [], 0
     for size in sizes:
-        chunks.append(TEXTS[start:start + size])
+        chunks.append(TEXTS[start : start + size])
         start += size
     assert start == len(TEXTS)
     with cf.ThreadPoolExecutor(len(chunks)) as pool:
@@ -43,7 +43,8 @@ def test_embeddings_equal_sentence_transformers_under_concurrency(stub, st_model
     assert got.shape == want.shape == (96, 384)
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert sum(r.usage.prompt_tokens for r in responses) == sum(
-        len(st_model.tokenizer(t, truncation=True, max_length=256)["input_ids"]) for t in TEXTS)
+        len(st_model.tokenizer(t, truncation=True, max_length=256)["input_ids"]) for t in TEXTS
+    )
 
 
 def test_embed_options(stub, st_model):
@@ -63,8 +64,13 @@ def test_embed_options(stub, st_model):
 
 def test_left_truncation_keeps_the_end(stub, st_model):
     long_text = " ".join(f"word{i}" for i in range(600))
-    left = _vectors(stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[long_text],
-                                               truncation_direction=pb.TRUNCATION_DIRECTION_LEFT)))
+    left = _vectors(
+        stub.Embed(
+            pb.EmbedRequest(
+                model=DEFAULT_MODEL_NAME, inputs=[long_text], truncation_direction=pb.TRUNCATION_DIRECTION_LEFT
+            )
+        )
+    )
     right = _vectors(stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[long_text])))
     np.testing.assert_allclose(right, st_model.encode([long_text]), atol=1e-5)
     assert float(left[0] @ right[0]) < 0.99
@@ -83,8 +89,9 @@ def test_rerank_equals_cross_encoder(stub, reranker_path):
     assert all(r.document == docs[r.index] for r in response.results)
     top = stub.Rerank(pb.RerankRequest(model="reranker", query=query, documents=docs, top_n=3, raw_scores=True))
     assert [r.index for r in top.results] == [r.index for r in response.results[:3]]
-    np.testing.assert_allclose([r.relevance_score for r in top.results],
-                               np.log(want / (1 - want))[[r.index for r in top.results]], atol=1e-4)
+    np.testing.assert_allclose(
+        [r.relevance_score for r in top.results], np.log(want / (1 - want))[[r.index for r in top.results]], atol=1e-4
+    )
     assert not top.results[0].document
 
 
@@ -146,16 +153,29 @@ BAD_REQUESTS = [
     ("Embed", pb.EmbedRequest(model=DEFAULT_MODEL_NAME), grpc.StatusCode.INVALID_ARGUMENT),
     ("Embed", pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["ok", ""]), grpc.StatusCode.INVALID_ARGUMENT),
     ("Embed", pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["x"] * 257), grpc.StatusCode.INVALID_ARGUMENT),
-    ("Embed", pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["word " * 400], truncate=False),
-     grpc.StatusCode.INVALID_ARGUMENT),
-    ("Embed", pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["a"], dimensions=999), grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        "Embed",
+        pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["word " * 400], truncate=False),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    (
+        "Embed",
+        pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["a"], dimensions=999),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     ("Embed", pb.EmbedRequest(inputs=["a"]), grpc.StatusCode.INVALID_ARGUMENT),  # several models served: name one
     ("Rerank", pb.RerankRequest(model="reranker", query="q"), grpc.StatusCode.INVALID_ARGUMENT),
     ("Rerank", pb.RerankRequest(model="reranker", query="", documents=["a"]), grpc.StatusCode.INVALID_ARGUMENT),
-    ("Rerank", pb.RerankRequest(model="reranker", query="q", documents=["a"], top_n=-1),
-     grpc.StatusCode.INVALID_ARGUMENT),
-    ("Rerank", pb.RerankRequest(model=DEFAULT_MODEL_NAME, query="q", documents=["a"]),
-     grpc.StatusCode.FAILED_PRECONDITION),
+    (
+        "Rerank",
+        pb.RerankRequest(model="reranker", query="q", documents=["a"], top_n=-1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    (
+        "Rerank",
+        pb.RerankRequest(model=DEFAULT_MODEL_NAME, query="q", documents=["a"]),
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ),
     ("Embed", pb.EmbedRequest(model="reranker", inputs=["a"]), grpc.StatusCode.FAILED_PRECONDITION),
     ("Classify", pb.ClassifyRequest(model="reranker", inputs=["a"]), grpc.StatusCode.FAILED_PRECONDITION),
     ("Classify", pb.ClassifyRequest(model="classifier"), grpc.StatusCode.INVALID_ARGUMENT),
@@ -163,8 +183,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("method,request_,code", BAD_REQUESTS, ids=[f"{m}-{c.name}-{i}" for i, (m, _, c) in
-                                                                     enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "method,request_,code", BAD_REQUESTS, ids=[f"{m}-{c.name}-{i}" for i, (m, _, c) in enumerate(BAD_REQUESTS)]
+)
 def test_bad_input_gets_its_status(stub, method, request_, code):
     with pytest.raises(grpc.RpcError) as err:
         getattr(stub, method)(request_)

@@ -31,12 +31,23 @@ from encoderd.workers.protocol import TokenBatch
 
 KINDS = ("embedding", "reranker", "classifier")
 # (engine, dtype, library): what runs on this CPU.
-CPU_ENGINES = [("onnx", "float32", "onnxruntime"), ("onnx", "int8", "onnxruntime"),
-               ("ctranslate2", "float32", "ctranslate2"), ("ctranslate2", "int8", "ctranslate2"),
-               ("ctranslate2", "int8_float32", "ctranslate2")]
-GPU_ENGINES = [("torch", "float16"), ("torch", "bfloat16"), ("onnx", "float32"), ("onnx", "float16"),
-               ("ctranslate2", "float16"), ("ctranslate2", "int8_float16"), ("tensorrt", "float16")]
-TEXTS = sentences(40, max_words=300, seed=11)   # 3 to 256+ tokens: some are truncated
+CPU_ENGINES = [
+    ("onnx", "float32", "onnxruntime"),
+    ("onnx", "int8", "onnxruntime"),
+    ("ctranslate2", "float32", "ctranslate2"),
+    ("ctranslate2", "int8", "ctranslate2"),
+    ("ctranslate2", "int8_float32", "ctranslate2"),
+]
+GPU_ENGINES = [
+    ("torch", "float16"),
+    ("torch", "bfloat16"),
+    ("onnx", "float32"),
+    ("onnx", "float16"),
+    ("ctranslate2", "float16"),
+    ("ctranslate2", "int8_float16"),
+    ("tensorrt", "float16"),
+]
+TEXTS = sentences(40, max_words=300, seed=11)  # 3 to 256+ tokens: some are truncated
 QUERY = "how do search engines rank documents"
 
 
@@ -55,9 +66,11 @@ def cache_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def specs(tmp_path_factory) -> dict:
     models = tmp_path_factory.mktemp("engine-models")
-    return {"embedding": load_model_spec("minilm", default_model_path()),
-            "reranker": load_model_spec("reranker", str(build_reranker(models / "reranker"))),
-            "classifier": load_model_spec("classifier", str(build_classifier(models / "classifier")))}
+    return {
+        "embedding": load_model_spec("minilm", default_model_path()),
+        "reranker": load_model_spec("reranker", str(build_reranker(models / "reranker"))),
+        "classifier": load_model_spec("classifier", str(build_classifier(models / "classifier"))),
+    }
 
 
 def tokenize(spec, texts: list[str], query: str | None = None) -> list[TokenBatch]:
@@ -69,9 +82,11 @@ def tokenize(spec, texts: list[str], query: str | None = None) -> list[TokenBatc
     tok.enable_truncation(spec.max_length)
     tok.no_padding()
     encodings = tok.encode_batch([(query, t) for t in texts] if query else texts)
-    chunks = [encodings[start:start + 16] for start in range(0, len(encodings), 16)]
-    return [TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if query else None)
-            for k, chunk in enumerate(chunks)]
+    chunks = [encodings[start : start + 16] for start in range(0, len(encodings), 16)]
+    return [
+        TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if query else None)
+        for k, chunk in enumerate(chunks)
+    ]
 
 
 def run(backend, batches) -> np.ndarray:
@@ -176,7 +191,7 @@ def test_onnx_float16_graph_is_valid(specs, inputs, reference, cache_dir):
     ids, mask, _ = padded(batch)
     hidden = session.run(None, {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})[0]
     assert hidden.dtype == np.float32  # float16 inside, float32 at the edges
-    assert cosines(pool(hidden, mask, spec.pooling), reference["embedding"][:batch.size]).min() >= 0.999
+    assert cosines(pool(hidden, mask, spec.pooling), reference["embedding"][: batch.size]).min() >= 0.999
 
 
 def test_onnx_int8_graph_keeps_down_projections_float(specs, cache_dir):
@@ -201,12 +216,22 @@ def _tiny_sequence_classifier(out: Path, arch: str) -> str:
     import torch
     import transformers
 
-    config_class, model_class = {"roberta": ("RobertaConfig", "RobertaForSequenceClassification"),
-                                 "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaForSequenceClassification")}[arch]
+    config_class, model_class = {
+        "roberta": ("RobertaConfig", "RobertaForSequenceClassification"),
+        "xlm-roberta": ("XLMRobertaConfig", "XLMRobertaForSequenceClassification"),
+    }[arch]
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(
-        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=130, type_vocab_size=2, pad_token_id=1, num_labels=1)
+        vocab_size=30522,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=130,
+        type_vocab_size=2,
+        pad_token_id=1,
+        num_labels=1,
+    )
     model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         model.classifier.out_proj.weight.normal_(0, 1.0)
@@ -235,9 +260,16 @@ def test_ct2_rejects_heads_it_does_not_know(arch):
 
     from encoderd.workers.backends.ct2_backend import extract_head
 
-    sizes = {"DistilBert": {"dim": 32, "n_layers": 1, "n_heads": 2, "hidden_dim": 64},
-             "Electra": {"embedding_size": 32, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                             "intermediate_size": 64}}[arch]
+    sizes = {
+        "DistilBert": {"dim": 32, "n_layers": 1, "n_heads": 2, "hidden_dim": 64},
+        "Electra": {
+            "embedding_size": 32,
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+        },
+    }[arch]
     config = getattr(transformers, f"{arch}Config")(**sizes)
     model = getattr(transformers, f"{arch}ForSequenceClassification")(config)
     with pytest.raises(ValueError, match="--engine onnx or torch"):
@@ -264,7 +296,7 @@ def test_numpy_pooling_matches_torch_pooling(pooling):
 def test_second_load_reuses_the_cache_entry(engine, library, specs, cache_dir, caplog):
     pytest.importorskip(library)
     spec = specs["embedding"]
-    load(engine, spec, cache_dir)                      # builds the entry, or finds the matrix's
+    load(engine, spec, cache_dir)  # builds the entry, or finds the matrix's
     manifests = {p: p.stat().st_mtime_ns for p in Path(cache_dir).rglob(MANIFEST)}
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="encoderd"):
@@ -300,9 +332,12 @@ def test_processes_starting_together_build_an_entry_once(tmp_path):
         "    with open(sys.argv[1] + '/builds', 'a') as f: f.write('x')\n"
         "    time.sleep(1.0); (out / 'model.onnx').write_text('graph')\n"
         "entry = cached_build(sys.argv[1], 'onnx', 'm', {'model': 'same'}, build)\n"
-        "print(entry.path.name, entry.hit)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+        "print(entry.path.name, entry.hit)\n"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
     outputs = sorted(p.communicate(timeout=60)[0].split() for p in procs)
     assert all(p.returncode == 0 for p in procs)
     assert (tmp_path / "builds").read_text() == "x"
@@ -389,8 +424,9 @@ def test_both_onnxruntime_wheels_installed_is_explained():
     check_onnxruntime_install({"onnxruntime"})
 
 
-@pytest.mark.parametrize("engine,dtype", [("onnx", "float16"), ("onnx", "bfloat16"), ("ctranslate2", "float16"),
-                                          ("torch", "int8")])
+@pytest.mark.parametrize(
+    "engine,dtype", [("onnx", "float16"), ("onnx", "bfloat16"), ("ctranslate2", "float16"), ("torch", "int8")]
+)
 def test_unsupported_dtype_fails_at_load(engine, dtype, specs, cache_dir):
     pytest.importorskip({"onnx": "onnxruntime", "ctranslate2": "ctranslate2", "torch": "torch"}[engine])
     with pytest.raises(ValueError, match=dtype):
@@ -400,8 +436,7 @@ def test_unsupported_dtype_fails_at_load(engine, dtype, specs, cache_dir):
 # ------------------------------------------------------------------ GPU
 # dtype -> (cosine min, kendall tau min) against torch float32 on CPU. GPU float32 may use TF32
 # matmuls, so it gets no exact-order check; half precision keeps ~3 digits, bfloat16 ~2.
-GPU_BUDGET = {"float32": (0.9999, 0.99), "float16": (0.999, 0.97), "bfloat16": (0.99, 0.9),
-              "int8_float16": (0.97, 0.9)}
+GPU_BUDGET = {"float32": (0.9999, 0.99), "float16": (0.999, 0.97), "bfloat16": (0.99, 0.9), "int8_float16": (0.97, 0.9)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -434,8 +469,17 @@ def test_server_with_onnx_engine_matches_sentence_transformers(tmp_path, cache_d
     from encoderd.v1 import encoderd_pb2 as pb
 
     texts = TEXTS[:24]
-    with ServerProcess("--engine", "onnx", "--cache-dir", cache_dir, "--cpu-threads", "1",
-                       "--model", f"mini={default_model_path()}", log_path=tmp_path / "server.log") as server:
+    with ServerProcess(
+        "--engine",
+        "onnx",
+        "--cache-dir",
+        cache_dir,
+        "--cpu-threads",
+        "1",
+        "--model",
+        f"mini={default_model_path()}",
+        log_path=tmp_path / "server.log",
+    ) as server:
         stub = server.stub()
         got = np.array([e.values for e in stub.Embed(pb.EmbedRequest(model="mini", inputs=texts)).embeddings])
         (info,) = stub.ListModels(pb.ListModelsRequest()).models

@@ -30,13 +30,21 @@ from encoderd.workers.backends.base import ENGINE_FAMILIES
 from encoderd.workers.model_spec import ModelKind, Pooling, load_model_spec
 from encoderd.workers.protocol import TokenBatch
 
-_SHORT = sentences(22, max_words=300, seed=11)   # 5 to ~380 tokens
+_SHORT = sentences(22, max_words=300, seed=11)  # 5 to ~380 tokens
 _LONG = sentences(2, min_words=600, max_words=700, seed=5)  # past every family's 512 tokens: truncated
 TEXTS = _SHORT[:3] + _LONG[:1] + _SHORT[3:12] + _LONG[1:] + _SHORT[12:]  # each batch of 8 mixes lengths
 QUERY = "how do search engines rank documents"
 BATCH = 8
 CONVERTING_ENGINES = [("onnx", "onnxruntime"), ("ctranslate2", "ctranslate2")]
-PACKED_FAMILIES = ("bert", "xlm-roberta", "camembert", "roberta", "distilbert", "modernbert", "qwen3")  # what packed_encoder.usable() claims
+PACKED_FAMILIES = (
+    "bert",
+    "xlm-roberta",
+    "camembert",
+    "roberta",
+    "distilbert",
+    "modernbert",
+    "qwen3",
+)  # what packed_encoder.usable() claims
 POOLING = {"mean": Pooling.MEAN, "cls": Pooling.CLS, "lasttoken": Pooling.LAST_TOKEN}
 CASES = [(family, kind) for family in FAMILIES for kind in KINDS]
 IDS = [f"{family}-{kind}" for family, kind in CASES]
@@ -81,7 +89,7 @@ def reference(spec) -> np.ndarray:
     model = AutoModelForSequenceClassification.from_pretrained(spec.path).eval()
     out = []
     for start in range(0, len(TEXTS), BATCH):
-        texts = TEXTS[start:start + BATCH]
+        texts = TEXTS[start : start + BATCH]
         args = ([QUERY] * len(texts), texts) if spec.kind == ModelKind.RERANKER else (texts,)
         encoded = tokenizer(*args, padding=True, truncation=True, max_length=spec.max_length, return_tensors="pt")
         with torch.no_grad():
@@ -99,9 +107,11 @@ def token_batches(spec) -> list[TokenBatch]:
     tokenizer.no_padding()
     pairs = spec.kind == ModelKind.RERANKER
     encodings = tokenizer.encode_batch([(QUERY, t) for t in TEXTS] if pairs else TEXTS)
-    chunks = [encodings[start:start + BATCH] for start in range(0, len(encodings), BATCH)]
-    return [TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if pairs else None)
-            for k, chunk in enumerate(chunks)]
+    chunks = [encodings[start : start + BATCH] for start in range(0, len(encodings), BATCH)]
+    return [
+        TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if pairs else None)
+        for k, chunk in enumerate(chunks)
+    ]
 
 
 def load(engine: str, spec, cache_dir: str = ""):
@@ -171,7 +181,9 @@ def test_frontend_tokenizer_gives_the_reference_ids(family, references, models_d
     raw.no_truncation()  # the frontend drops both, then truncates to the spec's maximum
     raw.no_padding()
     assert [e.ids for e in raw.encode_batch(TEXTS)] == auto(TEXTS)["input_ids"]
-    assert [e.ids for e in raw.encode_batch([(QUERY, t) for t in TEXTS])] == auto([QUERY] * len(TEXTS), TEXTS)["input_ids"]
+    assert [e.ids for e in raw.encode_batch([(QUERY, t) for t in TEXTS])] == auto([QUERY] * len(TEXTS), TEXTS)[
+        "input_ids"
+    ]
 
 
 # ------------------------------------------------------------------ other engines: match or refuse
@@ -183,9 +195,17 @@ ONNX_CLASSIFIERS = ("modernbert", "qwen3")
 def _engine_cases() -> list[tuple[str, str, str]]:
     """(engine, family, kind) for every case but the ONNX classifiers that repeat their reranker's graph:
     each export costs 3-10 s on 2 shared cores."""
-    return [(engine, family, kind) for engine, _ in CONVERTING_ENGINES for family, kind in CASES
-            if not (engine == "onnx" and kind == "classifier" and family not in ONNX_CLASSIFIERS
-                    and kind in ENGINE_FAMILIES[engine].get(family, ()))]
+    return [
+        (engine, family, kind)
+        for engine, _ in CONVERTING_ENGINES
+        for family, kind in CASES
+        if not (
+            engine == "onnx"
+            and kind == "classifier"
+            and family not in ONNX_CLASSIFIERS
+            and kind in ENGINE_FAMILIES[engine].get(family, ())
+        )
+    ]
 
 
 @pytest.mark.parametrize("engine,family,kind", _engine_cases(), ids=["-".join(c) for c in _engine_cases()])
@@ -263,13 +283,21 @@ def test_server_serves_xlm_roberta_reranker_and_qwen3_embedder(references, model
     reranker, _ = case(references, models_dir, "xlm-roberta", "reranker")
     embedder, _ = case(references, models_dir, "qwen3", "embedding")
     docs = TEXTS[:16]
-    with ServerProcess("--cpu-threads", "1", "--model", f"rr={reranker.path}", "--model", f"qwen={embedder.path}",
-                       log_path=tmp_path / "server.log") as server:
+    with ServerProcess(
+        "--cpu-threads",
+        "1",
+        "--model",
+        f"rr={reranker.path}",
+        "--model",
+        f"qwen={embedder.path}",
+        log_path=tmp_path / "server.log",
+    ) as server:
         stub = server.stub()
         ranked = stub.Rerank(pb.RerankRequest(model="rr", query=QUERY, documents=docs)).results
         vectors = np.array([e.values for e in stub.Embed(pb.EmbedRequest(model="qwen", inputs=docs)).embeddings])
     want_scores = CrossEncoder(reranker.path, device="cpu").predict([(QUERY, d) for d in docs])
     assert [r.index for r in ranked] == list(np.argsort(-want_scores, kind="stable"))
-    np.testing.assert_allclose([r.relevance_score for r in sorted(ranked, key=lambda r: r.index)], want_scores,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        [r.relevance_score for r in sorted(ranked, key=lambda r: r.index)], want_scores, atol=1e-5
+    )
     np.testing.assert_allclose(vectors, SentenceTransformer(embedder.path, device="cpu").encode(docs), atol=1e-5)

@@ -61,12 +61,24 @@ def int8_server(tmp_path_factory, cache_dir):
 
 def test_torch_float32_passes_and_is_reported_everywhere(tmp_path, cache_dir, reranker_path, classifier_path):
     log = tmp_path / "server.log"
-    with ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}", "--model", f"reranker={reranker_path}",
-                       "--model", f"classifier={classifier_path}", "--cache-dir", str(cache_dir),
-                       rest=True, log_path=log) as server:
+    with ServerProcess(
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+        "--model",
+        f"reranker={reranker_path}",
+        "--model",
+        f"classifier={classifier_path}",
+        "--cache-dir",
+        str(cache_dir),
+        rest=True,
+        log_path=log,
+    ) as server:
         infos = _infos(server)
-        expected = {DEFAULT_MODEL_NAME: ["min_cosine"], "reranker": ["max_prob_diff", "kendall_tau"],
-                    "classifier": ["max_prob_diff", "top1_agreement"]}
+        expected = {
+            DEFAULT_MODEL_NAME: ["min_cosine"],
+            "reranker": ["max_prob_diff", "kendall_tau"],
+            "classifier": ["max_prob_diff", "top1_agreement"],
+        }
         for name, metrics in expected.items():
             info = infos[name]
             assert info.fidelity_status == "passed", info
@@ -80,7 +92,8 @@ def test_torch_float32_passes_and_is_reported_everywhere(tmp_path, cache_dir, re
         rest = {m["id"]: m for m in json.loads(_get(server.rest_url + "/v1/models"))["data"]}
         assert rest[DEFAULT_MODEL_NAME]["fidelity_status"] == "passed"
         assert rest[DEFAULT_MODEL_NAME]["fidelity"] == [
-            {"metric": "min_cosine", "value": cosine.value, "bound": 0.9999, "passed": True}]
+            {"metric": "min_cosine", "value": cosine.value, "bound": 0.9999, "passed": True}
+        ]
         assert [f["metric"] for f in rest["classifier"]["fidelity"]] == expected["classifier"]
 
         values, bounds = _gauges(server, "encoderd_model_fidelity"), _gauges(server, "encoderd_model_fidelity_bound")
@@ -89,7 +102,9 @@ def test_torch_float32_passes_and_is_reported_everywhere(tmp_path, cache_dir, re
         assert values[("reranker", "kendall_tau")] == 1.0
         assert values.keys() == bounds.keys() == {(n, m) for n, ms in expected.items() for m in ms}
     text = log.read_text()
-    assert re.search(r"fidelity self-check passed: .*all-MiniLM-L6-v2 \(torch float32 on cpu\): min_cosine 1\.0000", text)
+    assert re.search(
+        r"fidelity self-check passed: .*all-MiniLM-L6-v2 \(torch float32 on cpu\): min_cosine 1\.0000", text
+    )
 
 
 def test_onnx_int8_passes_with_its_own_figure(int8_server):
@@ -99,7 +114,8 @@ def test_onnx_int8_passes_with_its_own_figure(int8_server):
     # int8 is not exact: a figure of 1.0 here would mean the check compared the wrong thing.
     assert 0.99 <= cosine.value < 0.9999 and cosine.bound == 0.99 and cosine.passed
     assert _gauges(int8_server, "encoderd_model_fidelity")[(DEFAULT_MODEL_NAME, "min_cosine")] == pytest.approx(
-        cosine.value)
+        cosine.value
+    )
 
 
 def _break_int8_conversion(cache_dir: Path, into: Path) -> Path:
@@ -108,8 +124,9 @@ def _break_int8_conversion(cache_dir: Path, into: Path) -> Path:
     from onnx import numpy_helper
 
     shutil.copytree(cache_dir, into)
-    [entry] = [p.parent for p in (into / "onnx").glob(f"*/{MANIFEST}")
-               if json.loads(p.read_text())["label"].endswith("-int8")]
+    [entry] = [
+        p.parent for p in (into / "onnx").glob(f"*/{MANIFEST}") if json.loads(p.read_text())["label"].endswith("-int8")
+    ]
     model = onnx.load(str(entry / "model.onnx"))
     quantized = {init.name for init in model.graph.initializer if init.name.endswith("_quantized")}
     bent = 0
@@ -144,14 +161,16 @@ def test_a_broken_conversion_is_refused(int8_server, cache_dir, tmp_path):
 def test_allow_low_fidelity_serves_and_reports_the_low_figure(int8_server, cache_dir, tmp_path):
     broken = _break_int8_conversion(cache_dir, tmp_path / "cache")
     log = tmp_path / "server.log"
-    with ServerProcess("--engine", "onnx", "--dtype", "int8", "--cache-dir", str(broken), "--allow-low-fidelity",
-                       log_path=log) as server:
+    with ServerProcess(
+        "--engine", "onnx", "--dtype", "int8", "--cache-dir", str(broken), "--allow-low-fidelity", log_path=log
+    ) as server:
         info = _infos(server)[DEFAULT_MODEL_NAME]
         assert info.fidelity_status == "low"
         [cosine] = info.fidelity
         assert cosine.value < 0.95 and not cosine.passed and cosine.bound == 0.99
         assert _gauges(server, "encoderd_model_fidelity")[(DEFAULT_MODEL_NAME, "min_cosine")] == pytest.approx(
-            cosine.value)
+            cosine.value
+        )
         response = server.stub().Embed(pb.EmbedRequest(inputs=["still served"]))
         assert len(response.embeddings[0].values) == 384
     text = log.read_text()

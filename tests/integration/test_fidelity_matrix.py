@@ -27,18 +27,27 @@ from encoderd.workers.model_spec import default_model_path, load_model_spec
 
 KINDS = ("embedding", "reranker", "classifier")
 # (engine, dtype, library): every CPU combination the engines know; the host's policy decides.
-CPU_MATRIX = [("torch", "float32", "torch"), ("torch", "bfloat16", "torch"), ("torch", "float16", "torch"),
-              ("onnx", "float32", "onnxruntime"), ("onnx", "int8", "onnxruntime"),
-              ("ctranslate2", "float32", "ctranslate2"), ("ctranslate2", "int8", "ctranslate2"),
-              ("ctranslate2", "int8_float32", "ctranslate2")]
+CPU_MATRIX = [
+    ("torch", "float32", "torch"),
+    ("torch", "bfloat16", "torch"),
+    ("torch", "float16", "torch"),
+    ("onnx", "float32", "onnxruntime"),
+    ("onnx", "int8", "onnxruntime"),
+    ("ctranslate2", "float32", "ctranslate2"),
+    ("ctranslate2", "int8", "ctranslate2"),
+    ("ctranslate2", "int8_float32", "ctranslate2"),
+]
 AVX2_MASK = "avx512*,avx_vnni,amx*"
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     models = tmp_path_factory.mktemp("matrix-models")
-    return {"embedding": default_model_path(), "reranker": str(build_reranker(models / "reranker")),
-            "classifier": str(build_classifier(models / "classifier"))}
+    return {
+        "embedding": default_model_path(),
+        "reranker": str(build_reranker(models / "reranker")),
+        "classifier": str(build_classifier(models / "classifier")),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +96,21 @@ print("RESULTS " + json.dumps(results))
 def test_the_matrix_as_an_avx2_host_runs_it(model_dirs, cache_dir):
     """Every combination an AVX2-only CPU accepts passes there too; bf16, fp16 and ctranslate2 int8
     are refused. (int8 graphs are quantized again: the recipe is part of their cache key.)"""
-    cases = [(e, d, k, model_dirs[k]) for e, d, library in CPU_MATRIX for k in KINDS
-             if importlib.util.find_spec(library) is not None]
+    cases = [
+        (e, d, k, model_dirs[k])
+        for e, d, library in CPU_MATRIX
+        for k in KINDS
+        if importlib.util.find_spec(library) is not None
+    ]
     env = {**os.environ, "ENCODERD_CPU_FLAGS_MASK": AVX2_MASK, "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    done = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT, os.path.dirname(__file__), json.dumps(cases),
-                           cache_dir], env=env, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _AVX2_SCRIPT, os.path.dirname(__file__), json.dumps(cases), cache_dir],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.split("RESULTS ", 1)[1])
     print("\n" + "\n".join(f"{case}: {result}" for case, result in results.items()))

@@ -14,8 +14,13 @@ from support.server import ServerProcess
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
-CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-                 grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE}
+CLIENT_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 models = st.sampled_from([DEFAULT_MODEL_NAME, "reranker", "", "nope", "\x00", "x" * 300])
@@ -26,9 +31,16 @@ ints = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory, reranker_path):
     log = tmp_path_factory.mktemp("logs") / "fuzz.log"
-    with ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}",
-                       "--model", f"reranker={reranker_path}", "--max-inputs-per-request", "64",
-                       rest=True, log_path=log) as server:
+    with ServerProcess(
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+        "--model",
+        f"reranker={reranker_path}",
+        "--max-inputs-per-request",
+        "64",
+        rest=True,
+        log_path=log,
+    ) as server:
         yield server
 
 
@@ -45,11 +57,27 @@ def _call(method, request):
 
 
 @FUZZ
-@given(model=models, inputs=st.lists(texts, max_size=70), dims=ints, direction=ints, dtype=ints, priority=ints,
-       normalize=st.none() | st.booleans(), truncate=st.none() | st.booleans(), prompt=texts)
+@given(
+    model=models,
+    inputs=st.lists(texts, max_size=70),
+    dims=ints,
+    direction=ints,
+    dtype=ints,
+    priority=ints,
+    normalize=st.none() | st.booleans(),
+    truncate=st.none() | st.booleans(),
+    prompt=texts,
+)
 def test_embed_fuzz(fuzz_stub, model, inputs, dims, direction, dtype, priority, normalize, truncate, prompt):
-    request = pb.EmbedRequest(model=model, inputs=inputs, dimensions=dims, truncation_direction=direction,
-                              output_dtype=dtype, priority=priority, prompt=prompt)
+    request = pb.EmbedRequest(
+        model=model,
+        inputs=inputs,
+        dimensions=dims,
+        truncation_direction=direction,
+        output_dtype=dtype,
+        priority=priority,
+        prompt=prompt,
+    )
     if normalize is not None:
         request.normalize = normalize
     if truncate is not None:
@@ -58,34 +86,54 @@ def test_embed_fuzz(fuzz_stub, model, inputs, dims, direction, dtype, priority, 
 
 
 @FUZZ
-@given(model=models, query=texts, documents=st.lists(texts, max_size=70), top_n=ints, raw=st.booleans(),
-       docs=st.booleans())
+@given(
+    model=models, query=texts, documents=st.lists(texts, max_size=70), top_n=ints, raw=st.booleans(), docs=st.booleans()
+)
 def test_rerank_fuzz(fuzz_stub, model, query, documents, top_n, raw, docs):
-    _call(fuzz_stub.Rerank, pb.RerankRequest(model=model, query=query, documents=documents, top_n=top_n,
-                                             raw_scores=raw, return_documents=docs))
+    _call(
+        fuzz_stub.Rerank,
+        pb.RerankRequest(
+            model=model, query=query, documents=documents, top_n=top_n, raw_scores=raw, return_documents=docs
+        ),
+    )
 
 
 @FUZZ
 @given(payload=st.binary(max_size=200), method=st.sampled_from(["Embed", "Rerank", "Classify", "Tokenize"]))
 def test_raw_payload_fuzz(fuzz_server, payload, method):
     with grpc.insecure_channel(fuzz_server.address) as channel:
-        raw = channel.unary_unary(f"/encoderd.v1.Encoder/{method}", request_serializer=lambda b: b,
-                                  response_deserializer=lambda b: b)
+        raw = channel.unary_unary(
+            f"/encoderd.v1.Encoder/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
         _call(raw, payload)
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | texts,
-                           lambda children: st.lists(children, max_size=5) | st.dictionaries(texts, children, max_size=5),
-                           max_leaves=20)
-bodies = st.fixed_dictionaries({}, optional={
-    "model": models | json_values, "input": json_values, "encoding_format": st.sampled_from(["float", "base64", "x"]) | json_values,
-    "dimensions": ints | json_values, "query": texts | json_values, "documents": json_values, "top_n": ints | json_values,
-    "return_documents": json_values, "inputs": json_values})
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | texts,
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(texts, children, max_size=5),
+    max_leaves=20,
+)
+bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": models | json_values,
+        "input": json_values,
+        "encoding_format": st.sampled_from(["float", "base64", "x"]) | json_values,
+        "dimensions": ints | json_values,
+        "query": texts | json_values,
+        "documents": json_values,
+        "top_n": ints | json_values,
+        "return_documents": json_values,
+        "inputs": json_values,
+    },
+)
 
 
 @FUZZ
-@given(path=st.sampled_from(["/v1/embeddings", "/embeddings", "/v1/rerank", "/v2/rerank", "/v1/classify",
-                             "/v1/tokenize"]), body=bodies | json_values)
+@given(
+    path=st.sampled_from(["/v1/embeddings", "/embeddings", "/v1/rerank", "/v2/rerank", "/v1/classify", "/v1/tokenize"]),
+    body=bodies | json_values,
+)
 def test_rest_fuzz(fuzz_server, path, body):
     with httpx.Client(base_url=fuzz_server.rest_url, trust_env=False, timeout=30) as http:
         response = http.post(path, json=body)

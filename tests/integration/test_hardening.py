@@ -25,8 +25,9 @@ MARGIN = 2.5  # the watchdog looks every 0.5s; scheduling on a loaded 2-core hos
 
 def _health(server, service: str) -> int:
     with grpc.insecure_channel(server.address) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                          timeout=5).status
+        return (
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        )
 
 
 def _until(condition, timeout: float, what: str):
@@ -49,9 +50,19 @@ def _timed_code(call) -> tuple[grpc.StatusCode, float]:
 
 def test_a_stopped_worker_is_found_failed_fast_killed_and_replaced(tmp_path, minilm_path):
     # Batches big enough that one forward pass outlasts the stall timeout.
-    server = ServerProcess("--model", f"a={minilm_path}", "--model", f"b={minilm_path}", "--batch-size", "256",
-                           "--max-batch-tokens", "65536", "--worker-stall-timeout", str(STALL_TIMEOUT),
-                           log_path=tmp_path / "s.log").start()
+    server = ServerProcess(
+        "--model",
+        f"a={minilm_path}",
+        "--model",
+        f"b={minilm_path}",
+        "--batch-size",
+        "256",
+        "--max-batch-tokens",
+        "65536",
+        "--worker-stall-timeout",
+        str(STALL_TIMEOUT),
+        log_path=tmp_path / "s.log",
+    ).start()
     stub = server.stub()
     pids = _pids(stub)
     embed = {m: (lambda m=m: stub.Embed(pb.EmbedRequest(model=m, inputs=["still here?"]), timeout=60)) for m in "ab"}
@@ -113,8 +124,11 @@ BAD_ENUMS = [
     ("Embed", pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["x"], truncation_direction=99), "truncation_direction"),
     ("Embed", pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["x"], priority=99), "priority"),
     ("Embed", pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["x"], output_dtype=99), "output_dtype"),
-    ("EmbedSparse", pb.EmbedSparseRequest(model=DEFAULT_MODEL_NAME, inputs=["x"], truncation_direction=-1),
-     "truncation_direction"),
+    (
+        "EmbedSparse",
+        pb.EmbedSparseRequest(model=DEFAULT_MODEL_NAME, inputs=["x"], truncation_direction=-1),
+        "truncation_direction",
+    ),
     ("Rerank", pb.RerankRequest(model="reranker", query="q", documents=["d"], priority=99), "priority"),
     ("Classify", pb.ClassifyRequest(model="classifier", inputs=["x"], priority=3), "priority"),
 ]
@@ -130,11 +144,16 @@ def test_out_of_range_enum_values_are_invalid_argument(stub, method, request_, f
 
 def test_out_of_range_enum_values_in_a_stream(stub):
     with pytest.raises(grpc.RpcError) as err:  # in the first message: the whole stream
-        list(stub.EmbedStream(iter([pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="0", input="x", priority=99)]),
-                              timeout=30))
+        list(
+            stub.EmbedStream(
+                iter([pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="0", input="x", priority=99)]), timeout=30
+            )
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "priority" in err.value.details()
-    messages = [pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="0", input="fine"),
-                pb.EmbedStreamRequest(id="1", input="x", output_dtype=42)]
+    messages = [
+        pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="0", input="fine"),
+        pb.EmbedStreamRequest(id="1", input="x", output_dtype=42),
+    ]
     responses = {r.id: r for r in stub.EmbedStream(iter(messages), timeout=30)}
     assert responses["0"].embedding.values and not responses["0"].HasField("error")
     bad = [r for r in responses.values() if r.HasField("error")]  # later messages: that one only

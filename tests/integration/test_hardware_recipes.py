@@ -54,7 +54,7 @@ def tokenized(spec, texts):
     from encoderd.workers.protocol import TokenBatch
 
     ids = _encode(spec, length_sorted(spec, texts))
-    return [TokenBatch.from_sequences(k, ids[i:i + 16]) for k, i in enumerate(range(0, len(ids), 16))]
+    return [TokenBatch.from_sequences(k, ids[i : i + 16]) for k, i in enumerate(range(0, len(ids), 16))]
 
 
 def outputs(backend, spec, texts=TEXTS) -> np.ndarray:
@@ -69,6 +69,7 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 @pytest.fixture
 def cpu_mask(monkeypatch):
     """Set ENCODERD_CPU_FLAGS_MASK for this test (hardware.cpu() is re-read)."""
+
     def apply(mask: str) -> None:
         monkeypatch.setenv(hardware.MASK_ENV, mask)
         hardware.cpu.cache_clear()
@@ -92,10 +93,15 @@ def reference(minilm) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("engine,dtype,missing", [
-    ("torch", "bfloat16", "avx512_bf16"), ("torch", "float16", "avx512_fp16"),
-    ("ctranslate2", "int8", "avx512_vnni"), ("ctranslate2", "int8_float32", "avx_vnni"),
-])
+@pytest.mark.parametrize(
+    "engine,dtype,missing",
+    [
+        ("torch", "bfloat16", "avx512_bf16"),
+        ("torch", "float16", "avx512_fp16"),
+        ("ctranslate2", "int8", "avx512_vnni"),
+        ("ctranslate2", "int8_float32", "avx_vnni"),
+    ],
+)
 def test_avx2_host_refuses_what_it_would_emulate_or_saturate(engine, dtype, missing, minilm, cpu_mask, tmp_path):
     pytest.importorskip({"torch": "torch", "ctranslate2": "ctranslate2"}[engine])
     cpu_mask(AVX2_HOST)
@@ -122,8 +128,16 @@ def test_server_refuses_with_one_line_and_a_nonzero_exit(tmp_path):
     pytest.importorskip("grpc")
     from support.server import ServerProcess
 
-    server = ServerProcess("--dtype", "bfloat16", "--cpu-threads", "1", "--model", f"mini={default_model_path()}",
-                           env={hardware.MASK_ENV: AVX2_HOST}, log_path=tmp_path / "server.log").launch()
+    server = ServerProcess(
+        "--dtype",
+        "bfloat16",
+        "--cpu-threads",
+        "1",
+        "--model",
+        f"mini={default_model_path()}",
+        env={hardware.MASK_ENV: AVX2_HOST},
+        log_path=tmp_path / "server.log",
+    ).launch()
     try:
         code = server.proc.wait(120)
     finally:
@@ -197,8 +211,9 @@ def test_each_int8_recipe_is_accurate_on_a_broad_corpus(recipe, int8_graphs, min
     if recipe == hardware.ONNX_INT8_SIGNED and not hardware.cpu().int8_exact:
         pytest.skip("signed int8 weights saturate on this CPU (test_emulated_avx2_kernel_... shows how)")
     with choosing(recipe):
-        backend = create_backend("onnx", minilm, BackendOptions(dtype="int8", threads=1,
-                                                                 cache_dir=int8_graphs[recipe]["cache"]))
+        backend = create_backend(
+            "onnx", minilm, BackendOptions(dtype="int8", threads=1, cache_dir=int8_graphs[recipe]["cache"])
+        )
         backend.load()
     assert backend.cache_hit
     cos = cosines(outputs(backend, minilm), reference)
@@ -236,12 +251,16 @@ def emulate_avx2_int8(model):
             ("Reshape", [a, const(p + "/mk", [-1, k])], "a2", {}),
             ("Cast", [p + "/a2"], "a32", {"to": TensorProto.INT32}),
             ("Unsqueeze", [p + "/a32", const(p + "/last", [-1])], "a3", {}),
-            ("Mul", [p + "/a3", const(p + "/w", w, np.int32)], "products", {}),                      # (m, k, n)
+            ("Mul", [p + "/a3", const(p + "/w", w, np.int32)], "products", {}),  # (m, k, n)
             ("Reshape", [p + "/products", const(p + "/pairs_shape", [-1, k // 2, 2, n])], "pairs", {}),
             ("ReduceSum", [p + "/pairs", const(p + "/axis", [-2])], "pair_sums", {"keepdims": 0}),
-            ("Clip", [p + "/pair_sums", const(p + "/lo", -32768, np.int32), const(p + "/hi", 32767, np.int32)],
-             "saturated", {}),
-            ("ReduceSum", [p + "/saturated", p + "/axis"], "ab", {"keepdims": 0}),                     # (m, n)
+            (
+                "Clip",
+                [p + "/pair_sums", const(p + "/lo", -32768, np.int32), const(p + "/hi", 32767, np.int32)],
+                "saturated",
+                {},
+            ),
+            ("ReduceSum", [p + "/saturated", p + "/axis"], "ab", {"keepdims": 0}),  # (m, n)
             ("Cast", [a_zero], "a_zero32", {"to": TensorProto.INT32}),
             ("Mul", [p + "/a_zero32", const(p + "/colsum", w.sum(0), np.int32)], "zero_term", {}),
             ("Sub", [p + "/ab", p + "/zero_term"], "c", {}),
@@ -287,11 +306,13 @@ def test_emulated_avx2_kernel_saturates_signed_weights(int8_graphs, minilm, tmp_
     onnx.save(emulate_avx2_int8(onnx.load(str(graph))), str(emulated))
     native = cosines(_one_at_a_time(create_session(graph, ["CPUExecutionProvider"], 1), minilm, texts), want)
     at_avx2 = cosines(_one_at_a_time(create_session(emulated, ["CPUExecutionProvider"], 1), minilm, texts), want)
-    print(f"\nsigned int8 weights: cosine min {native.min():.4f} exact, {at_avx2.min():.3f} "
-          f"(median {np.median(at_avx2):.3f}) on the emulated AVX2 kernel")
-    assert np.median(at_avx2) < 0.9    # wrecked where pairs saturate
+    print(
+        f"\nsigned int8 weights: cosine min {native.min():.4f} exact, {at_avx2.min():.3f} "
+        f"(median {np.median(at_avx2):.3f}) on the emulated AVX2 kernel"
+    )
+    assert np.median(at_avx2) < 0.9  # wrecked where pairs saturate
     if hardware.cpu().int8_exact:
-        assert native.min() >= 0.99    # fine where products accumulate in int32
+        assert native.min() >= 0.99  # fine where products accumulate in int32
 
 
 # ------------------------------------------------------------------ the AVX2 path of oneDNN (torch, ctranslate2)
@@ -300,8 +321,14 @@ AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "CT2_US
 
 def run_at_avx2(engine: str, dtype: str, model: str, out: Path) -> str:
     """This module as a script, oneDNN capped at AVX2 (CTranslate2 made to use oneDNN, not MKL); returns its log."""
-    done = subprocess.run([sys.executable, __file__, engine, dtype, model, str(out)], capture_output=True, text=True,
-                          env={**os.environ, **AVX2_ENV, hardware.MASK_ENV: ""}, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, __file__, engine, dtype, model, str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **AVX2_ENV, hardware.MASK_ENV: ""},
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "isa:Intel AVX2" in done.stdout, done.stdout[-2000:]  # oneDNN's own word that the cap took effect
     return done.stdout
@@ -341,7 +368,8 @@ def _script(engine: str, dtype: str, model: str, out: str) -> None:
     backend_class = {"torch": "torch_backend.TorchBackend", "ctranslate2": "ct2_backend.CT2Backend"}[engine]
     module, name = backend_class.split(".")
     backend = getattr(__import__(f"encoderd.workers.backends.{module}", fromlist=[name]), name)(
-        spec, BackendOptions(dtype=dtype, threads=1, cache_dir=str(Path(out).parent / "cache")))
+        spec, BackendOptions(dtype=dtype, threads=1, cache_dir=str(Path(out).parent / "cache"))
+    )
     backend.load()  # the class directly: the policy would refuse ctranslate2 int8 where it is measured here
     np.save(out, outputs(backend, spec))
 

@@ -25,8 +25,9 @@ DOCUMENTS = ["dogs", "cats are great pets", "quarterly finance report", "a cat s
 
 @pytest.fixture(scope="module")
 async def engine(reranker_path, classifier_path):
-    async with encoderd.AsyncEngine(f"{DEFAULT_MODEL_NAME}={default_model_path()}", f"reranker={reranker_path}",
-                                    f"classifier={classifier_path}") as engine:
+    async with encoderd.AsyncEngine(
+        f"{DEFAULT_MODEL_NAME}={default_model_path()}", f"reranker={reranker_path}", f"classifier={classifier_path}"
+    ) as engine:
         yield engine
 
 
@@ -36,10 +37,11 @@ async def test_embeddings_equal_the_servers(engine, stub):
     want = np.array([e.values for e in reply.embeddings], dtype=np.float32)
     assert got.dtype == np.float32 and got.shape == (3, 384)
     np.testing.assert_array_equal(got, want)
-    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1, atol=1e-6)   # normalized, as the server's default
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1, atol=1e-6)  # normalized, as the server's default
     packed = await engine.embed(TEXTS, model=DEFAULT_MODEL_NAME, output_dtype="int8", dimensions=128)
-    reply = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=TEXTS, dimensions=128,
-                                       output_dtype=pb.OUTPUT_DTYPE_INT8))
+    reply = stub.Embed(
+        pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=TEXTS, dimensions=128, output_dtype=pb.OUTPUT_DTYPE_INT8)
+    )
     assert [row.tobytes() for row in packed] == [e.data for e in reply.embeddings]
 
 
@@ -51,13 +53,15 @@ async def test_rerank_classify_and_tokenize_equal_the_servers(engine, stub):
 
     classes = await engine.classify(TEXTS, model="classifier")
     reply = stub.Classify(pb.ClassifyRequest(model="classifier", inputs=TEXTS))
-    assert [[(label, np.float32(score)) for label, score in row] for row in classes] == \
-        [[(s.label, s.score) for s in c.labels] for c in reply.results]
+    assert [[(label, np.float32(score)) for label, score in row] for row in classes] == [
+        [(s.label, s.score) for s in c.labels] for c in reply.results
+    ]
 
     tokens = await engine.tokenize(TEXTS, model=DEFAULT_MODEL_NAME)
     reply = stub.Tokenize(pb.TokenizeRequest(model=DEFAULT_MODEL_NAME, inputs=TEXTS))
-    assert [(t.ids, t.tokens, t.offsets) for t in tokens] == \
-        [(list(r.ids), list(r.tokens), [(o.start, o.end) for o in r.offsets]) for r in reply.results]
+    assert [(t.ids, t.tokens, t.offsets) for t in tokens] == [
+        (list(r.ids), list(r.tokens), [(o.start, o.end) for o in r.offsets]) for r in reply.results
+    ]
 
 
 async def test_errors_are_the_servers(engine):
@@ -81,7 +85,7 @@ async def test_a_failed_start_leaves_no_worker_running(tmp_path, reranker_path):
     shutil.copytree(default_model_path(), broken)
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4096])
-    running = set(multiprocessing.active_children())     # the module's engine's workers
+    running = set(multiprocessing.active_children())  # the module's engine's workers
     engine = encoderd.AsyncEngine(f"broken={broken}", f"reranker={reranker_path}", worker_stall_timeout=0)
     with pytest.raises(WorkerStartError, match="broken@cpu"):
         await engine.start()

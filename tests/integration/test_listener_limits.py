@@ -28,9 +28,18 @@ BODY_LIMIT = 100 * 1024
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory, minilm_path):
     log = tmp_path_factory.mktemp("limits") / "server.log"
-    server = ServerProcess("--model", f"m={minilm_path}", "--rest-header-timeout", str(HEADER_TIMEOUT),
-                           "--rest-idle-timeout", str(IDLE_TIMEOUT), "--rest-max-body-mb", str(BODY_LIMIT / 2**20),
-                           log_path=log, rest=True).start()
+    server = ServerProcess(
+        "--model",
+        f"m={minilm_path}",
+        "--rest-header-timeout",
+        str(HEADER_TIMEOUT),
+        "--rest-idle-timeout",
+        str(IDLE_TIMEOUT),
+        "--rest-max-body-mb",
+        str(BODY_LIMIT / 2**20),
+        log_path=log,
+        rest=True,
+    ).start()
     yield server
     assert server.stop() == 0, server.log_text()
     assert not re.search(r" ERROR |Traceback", server.log_path.read_text()), server.log_text()
@@ -58,14 +67,18 @@ def _connect(server) -> socket.socket:
 
 
 def test_headers_trickled_one_byte_at_a_time_are_cut_off_at_the_header_timeout(limited):
-    request = (b"POST /v1/embeddings HTTP/1.1\r\nHost: encoderd\r\nContent-Type: application/json\r\n"
-               + b"X-Padding: " + b"a" * 400 + b"\r\n\r\n")
+    request = (
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: encoderd\r\nContent-Type: application/json\r\n"
+        + b"X-Padding: "
+        + b"a" * 400
+        + b"\r\n\r\n"
+    )
     with _connect(limited) as sock:
         started = time.monotonic()
         closed, answer, sent = False, b"", 0
         while not closed and sent < len(request):
             try:
-                sock.send(request[sent:sent + 1])
+                sock.send(request[sent : sent + 1])
             except (BrokenPipeError, ConnectionResetError):
                 closed = True
                 break
@@ -153,8 +166,9 @@ def test_a_grpc_client_that_leaves_mid_call_is_one_warning(limited, how):
 def test_a_stream_client_that_stops_reading_then_leaves_is_one_warning(limited):
     since = len(limited.log_path.read_text())
     channel = limited.channel()
-    inputs = (pb.EmbedStreamRequest(model="m", id=str(i), input=f"stream input {i} " + "word " * 40)
-              for i in range(3000))
+    inputs = (
+        pb.EmbedStreamRequest(model="m", id=str(i), input=f"stream input {i} " + "word " * 40) for i in range(3000)
+    )
     responses = EncoderStub(channel).EmbedStream(inputs, metadata=(("x-request-id", "vanishing-stream"),))
     next(responses)  # then never read again: the server's window fills, its writes wait
     time.sleep(2)
@@ -167,7 +181,9 @@ def test_a_rest_client_that_hangs_up_mid_call_is_one_warning(limited):
     body = json.dumps({"model": "m", "input": [f"rest passage {i} " + "word " * 50 for i in range(256)]}).encode()
     assert len(body) < BODY_LIMIT
     with _connect(limited) as sock:
-        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: encoderd\r\nContent-Type: application/json\r\n"
-                     b"X-Request-Id: vanishing-rest\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        sock.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: encoderd\r\nContent-Type: application/json\r\n"
+            b"X-Request-Id: vanishing-rest\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
         time.sleep(0.3)
     _assert_one_warning(limited, since, "vanishing-rest", "Compat/CreateEmbeddings")

@@ -33,10 +33,12 @@ def _rss_mb(pid: int) -> float:
 def servers(tmp_path_factory, minilm_path):
     logs = tmp_path_factory.mktemp("memory")
     old_caches = {"LRU_CACHE_CAPACITY": "1024", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}
-    procs = {"shipped": ServerProcess("--model", f"e={minilm_path}", "--cpu-threads", "1",
-                                      log_path=logs / "shipped.log"),
-             "old caches": ServerProcess("--model", f"e={minilm_path}", "--cpu-threads", "1", env=old_caches,
-                                         log_path=logs / "old.log")}
+    procs = {
+        "shipped": ServerProcess("--model", f"e={minilm_path}", "--cpu-threads", "1", log_path=logs / "shipped.log"),
+        "old caches": ServerProcess(
+            "--model", f"e={minilm_path}", "--cpu-threads", "1", env=old_caches, log_path=logs / "old.log"
+        ),
+    }
     for proc in procs.values():
         proc.launch()  # both load at once
     try:
@@ -50,8 +52,10 @@ def servers(tmp_path_factory, minilm_path):
 
 def test_worker_memory_is_bounded_under_ever_new_batch_shapes(servers):
     stubs = {name: proc.stub() for name, proc in servers.items()}
-    pids = {name: stub.ListModels(pb.ListModelsRequest(), timeout=10).models[0].replicas[0].pid
-            for name, stub in stubs.items()}
+    pids = {
+        name: stub.ListModels(pb.ListModelsRequest(), timeout=10).models[0].replicas[0].pid
+        for name, stub in stubs.items()
+    }
     rng = random.Random(7)
     shapes = set()
     for k in range(WARMUP_BATCHES + BATCHES):
@@ -66,7 +70,9 @@ def test_worker_memory_is_bounded_under_ever_new_batch_shapes(servers):
         for stub in stubs.values():
             assert len(stub.Embed(pb.EmbedRequest(inputs=inputs), timeout=120).embeddings) == len(inputs)
     growth = {name: _rss_mb(pid) - warm[name] for name, pid in pids.items()}
-    print(f"worker RSS growth over {BATCHES} new-shape batches: "
-          + ", ".join(f"{name} {g:+.0f} MB" for name, g in growth.items()))
+    print(
+        f"worker RSS growth over {BATCHES} new-shape batches: "
+        + ", ".join(f"{name} {g:+.0f} MB" for name, g in growth.items())
+    )
     assert growth["shipped"] < BOUND_MB, growth
     assert growth["old caches"] > growth["shipped"] + 40, growth  # the cause, reproduced

@@ -23,8 +23,11 @@ TEXTS = sentences(24, max_words=40, seed=11)
 def scrape(server) -> dict[tuple[str, frozenset], float]:
     """Every sample of /metrics, parsed by prometheus_client's own parser."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def total(samples, name: str, **labels) -> float:
@@ -57,8 +60,9 @@ def scrapes(server, stub):
     return before, scrape(server)
 
 
-@pytest.mark.parametrize("model,rpc", [(EMBEDDER, "Encoder/Embed"), ("reranker", "Encoder/Rerank"),
-                                       ("classifier", "Encoder/Classify")])
+@pytest.mark.parametrize(
+    "model,rpc", [(EMBEDDER, "Encoder/Embed"), ("reranker", "Encoder/Rerank"), ("classifier", "Encoder/Classify")]
+)
 def test_requests_and_latency_by_model_and_rpc(scrapes, model, rpc):
     before, after = scrapes
     ok = {"model": model, "rpc": rpc, "code": "OK"}
@@ -70,9 +74,13 @@ def test_requests_and_latency_by_model_and_rpc(scrapes, model, rpc):
 
 def test_errors_are_counted_by_code_without_echoing_unknown_model_names(scrapes):
     before, after = scrapes
-    for labels in ({"model": "(unknown)", "rpc": "Encoder/Embed", "code": "NOT_FOUND"},
-                   {"model": EMBEDDER, "rpc": "Encoder/Embed", "code": "INVALID_ARGUMENT"}):
-        assert total(after, "encoderd_requests_total", **labels) == total(before, "encoderd_requests_total", **labels) + 1
+    for labels in (
+        {"model": "(unknown)", "rpc": "Encoder/Embed", "code": "NOT_FOUND"},
+        {"model": EMBEDDER, "rpc": "Encoder/Embed", "code": "INVALID_ARGUMENT"},
+    ):
+        assert (
+            total(after, "encoderd_requests_total", **labels) == total(before, "encoderd_requests_total", **labels) + 1
+        )
     assert not has(after, "encoderd_requests_total", model="no-such-model")  # label sets stay bounded
 
 
@@ -98,10 +106,12 @@ def test_scheduler_series_move(scrapes, model):
 
 def test_embedder_batches_coalesced_concurrent_inputs(scrapes):
     before, after = scrapes
-    inputs = total(after, "encoderd_batch_size_sum", model=EMBEDDER) - total(before, "encoderd_batch_size_sum",
-                                                                            model=EMBEDDER)
-    batches = total(after, "encoderd_batches_total", model=EMBEDDER) - total(before, "encoderd_batches_total",
-                                                                            model=EMBEDDER)
+    inputs = total(after, "encoderd_batch_size_sum", model=EMBEDDER) - total(
+        before, "encoderd_batch_size_sum", model=EMBEDDER
+    )
+    batches = total(after, "encoderd_batches_total", model=EMBEDDER) - total(
+        before, "encoderd_batches_total", model=EMBEDDER
+    )
     assert inputs == 8 + len(TEXTS) and batches < inputs
 
 
@@ -132,8 +142,10 @@ def test_worker_restart_is_counted(server, stub, scrapes):
 def test_embed_stream_is_counted_and_carries_the_request_id(server, stub):
     rpc = "Encoder/EmbedStream"
     before = scrape(server)
-    messages = [pb.EmbedStreamRequest(model=EMBEDDER if k == 0 else "", id=str(k), input=text)
-                for k, text in enumerate(TEXTS[:6])]
+    messages = [
+        pb.EmbedStreamRequest(model=EMBEDDER if k == 0 else "", id=str(k), input=text)
+        for k, text in enumerate(TEXTS[:6])
+    ]
     call = stub.EmbedStream(iter(messages), metadata=(("x-request-id", "stream-1"),))
     assert sorted(r.id for r in call) == sorted(m.id for m in messages)
     assert dict(call.initial_metadata())["x-request-id"] == "stream-1"
@@ -143,6 +155,8 @@ def test_embed_stream_is_counted_and_carries_the_request_id(server, stub):
     after = scrape(server)
     for code, model in (("OK", EMBEDDER), ("NOT_FOUND", "(unknown)")):
         labels = {"model": model, "rpc": rpc, "code": code}
-        assert total(after, "encoderd_requests_total", **labels) == total(before, "encoderd_requests_total", **labels) + 1
+        assert (
+            total(after, "encoderd_requests_total", **labels) == total(before, "encoderd_requests_total", **labels) + 1
+        )
     count = "encoderd_request_duration_seconds_count"
     assert total(after, count, model=EMBEDDER, rpc=rpc) == total(before, count, model=EMBEDDER, rpc=rpc) + 1

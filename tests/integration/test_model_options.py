@@ -32,17 +32,29 @@ def _exit_log(tmp_path, *args: str, env: dict | None = None) -> str:
 def hub_env(tmp_path_factory, minilm_path) -> dict:
     """An offline hub cache holding org/minilm: main is an empty snapshot (serving it fails), tag v1 the
     bundled MiniLM; so only a server that asks for v1 comes up."""
-    cache = build_hub_cache(tmp_path_factory.mktemp("hub"), "org/minilm", {"main": MAIN, "v1": V1},
-                            {MAIN: None, V1: minilm_path})
+    cache = build_hub_cache(
+        tmp_path_factory.mktemp("hub"), "org/minilm", {"main": MAIN, "v1": V1}, {MAIN: None, V1: minilm_path}
+    )
     return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
 def overrides_server(tmp_path_factory, hub_env, minilm_path):
     """org/minilm at v1 with CLS pooling and 64 tokens; the bundled model beside it as it ships."""
-    proc = ServerProcess("--model", "org/minilm", "--revision", "org/minilm=v1", "--pooling", "org/minilm=cls",
-                         "--max-length", "org/minilm=64", "--model", f"plain={minilm_path}", env=hub_env,
-                         log_path=tmp_path_factory.mktemp("logs") / "overrides.log")
+    proc = ServerProcess(
+        "--model",
+        "org/minilm",
+        "--revision",
+        "org/minilm=v1",
+        "--pooling",
+        "org/minilm=cls",
+        "--max-length",
+        "org/minilm=64",
+        "--model",
+        f"plain={minilm_path}",
+        env=hub_env,
+        log_path=tmp_path_factory.mktemp("logs") / "overrides.log",
+    )
     proc.start()
     yield proc
     assert proc.stop() == 0, proc.log_text()
@@ -107,9 +119,14 @@ def remote_reference(remote_code_model) -> np.ndarray:
 
 
 def test_trusted_repository_code_is_served_as_sentence_transformers_runs_it(
-        tmp_path, remote_code_model, modules_env, reference, remote_reference):
-    proc = ServerProcess("--model", f"relu={remote_code_model}", env={**modules_env, "ENCODERD_TRUST_REMOTE_CODE": "1"},
-                         log_path=tmp_path / "trusted.log").start()
+    tmp_path, remote_code_model, modules_env, reference, remote_reference
+):
+    proc = ServerProcess(
+        "--model",
+        f"relu={remote_code_model}",
+        env={**modules_env, "ENCODERD_TRUST_REMOTE_CODE": "1"},
+        log_path=tmp_path / "trusted.log",
+    ).start()
     try:
         got = _embed(proc.stub(), "relu")
     finally:
@@ -128,8 +145,11 @@ def test_onnx_refuses_the_repository_codes_own_family(tmp_path, remote_code_mode
 
     spec = load_model_spec("relu", remote_code_model, trust_remote_code=True)
     backend = create_backend("onnx", spec, BackendOptions(threads=1, cache_dir=str(tmp_path), trust_remote_code=True))
-    with pytest.raises(ValueError, match=r"does not serve relu, a relu_bert embedding model.*serve relu_bert "
-                                         "embedding models: torch"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not serve relu, a relu_bert embedding model.*serve relu_bert "
+        "embedding models: torch",
+    ):
         backend.load()
 
 
@@ -138,6 +158,9 @@ def test_ctranslate2_refuses_repository_code(tmp_path, remote_code_model):
     from encoderd.workers.backends.ct2_backend import convert
     from encoderd.workers.model_spec import ModelKind
 
-    with pytest.raises(ValueError, match="ReluBertModel is the model repository's own code, which CTranslate2 "
-                                         "cannot reproduce; serve this model with --engine torch"):
+    with pytest.raises(
+        ValueError,
+        match="ReluBertModel is the model repository's own code, which CTranslate2 "
+        "cannot reproduce; serve this model with --engine torch",
+    ):
         convert(remote_code_model, ModelKind.EMBEDDING, "float32", tmp_path / "ct2", trust_remote_code=True)

@@ -36,8 +36,14 @@ kind = "reranker"
 engine = "torch"
 dtype = "float32"
 """)
-    with ServerProcess("--dtype", "bfloat16", "--cache-dir", str(root / "cache"), env={"ENCODERD_CONFIG": str(models)},
-                       log_path=root / "server.log") as server:
+    with ServerProcess(
+        "--dtype",
+        "bfloat16",
+        "--cache-dir",
+        str(root / "cache"),
+        env={"ENCODERD_CONFIG": str(models)},
+        log_path=root / "server.log",
+    ) as server:
         yield server
 
 
@@ -50,8 +56,9 @@ def test_each_model_runs_with_its_own_engine_and_dtype(file_server, stub):
     # The reranker computes exactly what the session server's default torch float32 reranker does...
     mine = file_server.stub().Rerank(pb.RerankRequest(model="reranker", query="cats", documents=DOCUMENTS))
     reference = stub.Rerank(pb.RerankRequest(model="reranker", query="cats", documents=DOCUMENTS))
-    assert [(r.index, r.relevance_score) for r in mine.results] == \
-        [(r.index, r.relevance_score) for r in reference.results]
+    assert [(r.index, r.relevance_score) for r in mine.results] == [
+        (r.index, r.relevance_score) for r in reference.results
+    ]
     # ...and the int8 embedder stays close to the float32 one.
     got = file_server.stub().Embed(pb.EmbedRequest(model="mini", inputs=TEXTS))
     want = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=TEXTS))

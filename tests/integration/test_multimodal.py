@@ -27,8 +27,8 @@ from encoderd.v1 import encoderd_pb2 as pb
 pytest.importorskip("PIL")
 pytest.importorskip("soundfile")
 
-MAX_MEDIA_BYTES = 256 * 1024   # --media-max-mb 0.25
-FETCH_TIMEOUT = 1.5            # --media-fetch-timeout
+MAX_MEDIA_BYTES = 256 * 1024  # --media-max-mb 0.25
+FETCH_TIMEOUT = 1.5  # --media-fetch-timeout
 TOL = 1e-4
 CLIP_TEXTS = ["a photo of a cat", "the red car", "a dog with a blue chart"]
 COLBERT_DOCS = ["search engines rank documents", "a cat sat on the mat", "late interaction models score tokens"]
@@ -66,7 +66,7 @@ IMAGES = [make_image(1), make_image(2, (40, 80)), make_image(3, (33, 33))]
 PNG = encoded(IMAGES[0])
 WAV = sound_file(tone(440, 0.5, CLAP_SAMPLING_RATE), CLAP_SAMPLING_RATE, "WAV")
 STEREO_WAV = sound_file(tone(660, 0.7, CLAP_SAMPLING_RATE, channels=2), CLAP_SAMPLING_RATE, "WAV")
-FLAC_8K = sound_file(tone(300, 0.6, 8000), 8000, "FLAC")   # resampled to 16 kHz by the server
+FLAC_8K = sound_file(tone(300, 0.6, 8000), 8000, "FLAC")  # resampled to 16 kHz by the server
 
 
 def image_content(data: bytes) -> pb.Content:
@@ -131,19 +131,38 @@ def site():
 # ------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
 def paths(models_dir):
-    return {"clip": build_clip(models_dir / "mm-clip"), "clap": build_clap(models_dir / "mm-clap"),
-            "colbert": build_colbert(models_dir / "mm-colbert"), "sparse": build_sparse(models_dir / "mm-sparse")}
+    return {
+        "clip": build_clip(models_dir / "mm-clip"),
+        "clap": build_clap(models_dir / "mm-clap"),
+        "colbert": build_colbert(models_dir / "mm-colbert"),
+        "sparse": build_sparse(models_dir / "mm-sparse"),
+    }
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, paths):
     """The server starts now; the references below are computed while its workers load."""
     log = tmp_path_factory.mktemp("multimodal") / "server.log"
-    proc = ServerProcess("--model", f"clip={paths['clip']}", "--model", f"clap={paths['clap']}",
-                         "--model", f"colbert={paths['colbert']}", "--model", f"colpali={paths['clip']}:colpali",
-                         "--model", f"splade={paths['sparse']}:sparse", "--cpu-threads", "1",
-                         "--media-max-mb", str(MAX_MEDIA_BYTES / 2**20), "--media-fetch-timeout", str(FETCH_TIMEOUT),
-                         rest=True, log_path=log)
+    proc = ServerProcess(
+        "--model",
+        f"clip={paths['clip']}",
+        "--model",
+        f"clap={paths['clap']}",
+        "--model",
+        f"colbert={paths['colbert']}",
+        "--model",
+        f"colpali={paths['clip']}:colpali",
+        "--model",
+        f"splade={paths['sparse']}:sparse",
+        "--cpu-threads",
+        "1",
+        "--media-max-mb",
+        str(MAX_MEDIA_BYTES / 2**20),
+        "--media-fetch-timeout",
+        str(FETCH_TIMEOUT),
+        rest=True,
+        log_path=log,
+    )
     proc.launch()
     yield proc
     assert proc.stop() == 0, proc.log_text()
@@ -218,15 +237,19 @@ class References:
         rows = []
         for wave in waves:  # one clip per extractor call, as the server does (fusion flags are per call)
             f = self.clap_features(wave, sampling_rate=CLAP_SAMPLING_RATE, return_tensors="pt")
-            rows.append(self.clap.get_audio_features(input_features=f["input_features"],
-                                                     is_longer=f["is_longer"]).pooler_output[0].numpy())
+            rows.append(
+                self.clap.get_audio_features(input_features=f["input_features"], is_longer=f["is_longer"])
+                .pooler_output[0]
+                .numpy()
+            )
         return np.stack(rows)
 
     @torch.no_grad()
     def clap_text(self, texts) -> np.ndarray:
         tok = self.clap_tokenizer(texts, padding=True, return_tensors="pt")
-        return self.clap.get_text_features(input_ids=tok.input_ids, attention_mask=tok.attention_mask
-                                           ).pooler_output.numpy()
+        return self.clap.get_text_features(
+            input_ids=tok.input_ids, attention_mask=tok.attention_mask
+        ).pooler_output.numpy()
 
     # colbert / splade
     @torch.no_grad()
@@ -275,12 +298,19 @@ def test_clip_texts_and_images_share_one_request_and_match_transformers(stub, re
     text_ref, _ = refs.clip_text(CLIP_TEXTS)
     image_ref, _ = refs.clip_images(IMAGES)
     data_uri = "data:image/jpeg;base64," + base64.b64encode(encoded(IMAGES[2], "PNG")).decode()
-    inputs = [pb.Content(text=CLIP_TEXTS[0]), image_content(PNG), pb.Content(text=CLIP_TEXTS[1]),
-              image_content(encoded(IMAGES[1], "BMP")), pb.Content(image=pb.Media(url=data_uri)),
-              pb.Content(text=CLIP_TEXTS[2]), pb.Content(image=pb.Media(url=site + "/cat.png")),
-              pb.Content(image=pb.Media(url=site + "/redirect"))]
-    expected = np.stack([text_ref[0], image_ref[0], text_ref[1], image_ref[1], image_ref[2], text_ref[2],
-                         image_ref[0], image_ref[0]])
+    inputs = [
+        pb.Content(text=CLIP_TEXTS[0]),
+        image_content(PNG),
+        pb.Content(text=CLIP_TEXTS[1]),
+        image_content(encoded(IMAGES[1], "BMP")),
+        pb.Content(image=pb.Media(url=data_uri)),
+        pb.Content(text=CLIP_TEXTS[2]),
+        pb.Content(image=pb.Media(url=site + "/cat.png")),
+        pb.Content(image=pb.Media(url=site + "/redirect")),
+    ]
+    expected = np.stack(
+        [text_ref[0], image_ref[0], text_ref[1], image_ref[1], image_ref[2], text_ref[2], image_ref[0], image_ref[0]]
+    )
     raw = stub.EmbedMultimodal(pb.EmbedMultimodalRequest(model="clip", inputs=inputs, normalize=False))
     np.testing.assert_allclose(vectors(raw.embeddings), expected, atol=TOL)
     normalized = stub.EmbedMultimodal(pb.EmbedMultimodalRequest(model="clip", inputs=inputs))  # clip default
@@ -301,22 +331,29 @@ def test_clap_audio_and_text_match_transformers(stub, refs, site):
     waves = [decode_wave(d) for d in (WAV, STEREO_WAV, FLAC_8K)]
     audio_ref = refs.clap_audio(waves)
     text_ref = refs.clap_text(["a tone", "a dog barking"])
-    inputs = [pb.Content(audio=pb.Media(data=WAV)), pb.Content(text="a tone"),
-              pb.Content(audio=pb.Media(data=STEREO_WAV)), pb.Content(audio=pb.Media(data=FLAC_8K)),
-              pb.Content(audio=pb.Media(url=site + "/tone.wav")), pb.Content(text="a dog barking")]
+    inputs = [
+        pb.Content(audio=pb.Media(data=WAV)),
+        pb.Content(text="a tone"),
+        pb.Content(audio=pb.Media(data=STEREO_WAV)),
+        pb.Content(audio=pb.Media(data=FLAC_8K)),
+        pb.Content(audio=pb.Media(url=site + "/tone.wav")),
+        pb.Content(text="a dog barking"),
+    ]
     response = stub.EmbedMultimodal(pb.EmbedMultimodalRequest(model="clap", inputs=inputs))
     expected = np.stack([audio_ref[0], text_ref[0], audio_ref[1], audio_ref[2], audio_ref[0], text_ref[1]])
     np.testing.assert_allclose(vectors(response.embeddings), expected, atol=TOL)
     # An audio clip counts its spectrogram frames: 1 s windows at hop 320 -> 51.
     assert response.usage.prompt_tokens == 4 * 51 + len(refs.clap_tokenizer("a tone").input_ids) + len(
-        refs.clap_tokenizer("a dog barking").input_ids)
+        refs.clap_tokenizer("a dog barking").input_ids
+    )
 
 
 # ----------------------------------------------------------- late interaction
 def test_colbert_token_vectors_match_transformers(stub, refs):
     texts = ["hello world", "a much longer sentence about late interaction retrieval", "x"]
-    response = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(
-        model="colbert", inputs=[pb.Content(text=t) for t in texts]))
+    response = stub.EmbedMultiVector(
+        pb.EmbedMultiVectorRequest(model="colbert", inputs=[pb.Content(text=t) for t in texts])
+    )
     expected = refs.colbert_tokens(texts)
     assert response.dimensions == 16
     assert [e.rows for e in response.embeddings] == [len(e) for e in expected]
@@ -326,8 +363,12 @@ def test_colbert_token_vectors_match_transformers(stub, refs):
 
 
 def test_colpali_patch_and_token_vectors(stub, refs):
-    response = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(
-        model="colpali", inputs=[image_content(PNG), pb.Content(text=CLIP_TEXTS[1]), image_content(encoded(IMAGES[1]))]))
+    response = stub.EmbedMultiVector(
+        pb.EmbedMultiVectorRequest(
+            model="colpali",
+            inputs=[image_content(PNG), pb.Content(text=CLIP_TEXTS[1]), image_content(encoded(IMAGES[1]))],
+        )
+    )
     image_emb, patches = refs.clip_images(IMAGES[:2])
     text_emb, tokens = refs.clip_text([CLIP_TEXTS[1]])
     got = [np.array(e.values).reshape(e.rows, 16) for e in response.embeddings]
@@ -341,8 +382,15 @@ def test_colpali_patch_and_token_vectors(stub, refs):
 
 def test_maxsim_ranks_text_documents_like_numpy(stub, refs):
     query = "how do search engines rank"
-    response = stub.MaxSim(pb.MaxSimRequest(model="colbert", query=query, return_documents=True, top_n=2,
-                                            documents=[pb.Content(text=d) for d in COLBERT_DOCS]))
+    response = stub.MaxSim(
+        pb.MaxSimRequest(
+            model="colbert",
+            query=query,
+            return_documents=True,
+            top_n=2,
+            documents=[pb.Content(text=d) for d in COLBERT_DOCS],
+        )
+    )
     expected = maxsim_reference(refs.colbert_tokens([query])[0], refs.colbert_tokens(COLBERT_DOCS))
     order = np.argsort(-expected)[:2]
     assert [r.index for r in response.results] == order.tolist()
@@ -385,31 +433,43 @@ def test_splade_vectors_match_the_reference(stub, refs):
 def test_infinity_rest_routes(rest, refs, site):
     image_ref, _ = refs.clip_images(IMAGES[:1])
     data_uri = "data:image/png;base64," + base64.b64encode(PNG).decode()
-    bodies = [("/embeddings", {"model": "clip", "modality": "image", "input": [data_uri, site + "/cat.png"]}),
-              ("/v1/embeddings_image", {"model": "clip", "input": data_uri}),
-              ("/embeddings_image", {"model": "clip", "input": [base64.b64encode(PNG).decode()]})]  # bare base64
+    bodies = [
+        ("/embeddings", {"model": "clip", "modality": "image", "input": [data_uri, site + "/cat.png"]}),
+        ("/v1/embeddings_image", {"model": "clip", "input": data_uri}),
+        ("/embeddings_image", {"model": "clip", "input": [base64.b64encode(PNG).decode()]}),
+    ]  # bare base64
     for path, body in bodies:
         response = rest.post(path, json=body)
         assert response.status_code == 200, response.text
         got = np.array([d["embedding"] for d in response.json()["data"]])
         np.testing.assert_allclose(got, np.repeat(unit(image_ref), len(got), axis=0), atol=TOL)
-    audio = rest.post("/embeddings_audio", json={"model": "clap", "input": "data:audio/wav;base64," +
-                                                 base64.b64encode(WAV).decode(), "encoding_format": "base64"})
+    audio = rest.post(
+        "/embeddings_audio",
+        json={
+            "model": "clap",
+            "input": "data:audio/wav;base64," + base64.b64encode(WAV).decode(),
+            "encoding_format": "base64",
+        },
+    )
     assert audio.status_code == 200, audio.text
     got = np.frombuffer(base64.b64decode(audio.json()["data"][0]["embedding"]), "<f4")
     np.testing.assert_allclose(got, refs.clap_audio([decode_wave(WAV)])[0], atol=TOL)
     text = rest.post("/v1/embeddings", json={"model": "clip", "input": CLIP_TEXTS[0]})
-    np.testing.assert_allclose(text.json()["data"][0]["embedding"], unit(refs.clip_text(CLIP_TEXTS[:1])[0][0]),
-                               atol=TOL)
+    np.testing.assert_allclose(
+        text.json()["data"][0]["embedding"], unit(refs.clip_text(CLIP_TEXTS[:1])[0][0]), atol=TOL
+    )
 
 
 def test_rest_multivector_and_sparse(rest, refs):
     response = rest.post("/embeddings", json={"model": "colbert", "input": ["hello world"]})
     assert response.status_code == 200, response.text
-    np.testing.assert_allclose(response.json()["data"][0]["embedding"], refs.colbert_tokens(["hello world"])[0],
-                               atol=TOL)
-    maxsim = rest.post("/v1/encoderd/maxsim", json={"model": "colbert", "query": "cat", "documents": [
-        {"text": d} for d in COLBERT_DOCS]}).json()
+    np.testing.assert_allclose(
+        response.json()["data"][0]["embedding"], refs.colbert_tokens(["hello world"])[0], atol=TOL
+    )
+    maxsim = rest.post(
+        "/v1/encoderd/maxsim",
+        json={"model": "colbert", "query": "cat", "documents": [{"text": d} for d in COLBERT_DOCS]},
+    ).json()
     assert sorted(r["index"] for r in maxsim["results"]) == [0, 1, 2]
     sparse = rest.post("/v1/encoderd/embed_sparse", json={"model": "splade", "inputs": ["hello"], "top_k": 3}).json()
     assert len(sparse["embeddings"][0]["indices"]) == 3
@@ -443,8 +503,9 @@ BAD_MEDIA = [
 def test_bad_media_is_invalid_argument(stub, site, model, content, message):
     content = _resolve_urls(content, site)
     with pytest.raises(grpc.RpcError) as error:
-        stub.EmbedMultimodal(pb.EmbedMultimodalRequest(model=model, inputs=[pb.Content(text="a cat"), content]),
-                             timeout=30)
+        stub.EmbedMultimodal(
+            pb.EmbedMultimodalRequest(model=model, inputs=[pb.Content(text="a cat"), content]), timeout=30
+        )
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, error.value.details()
     assert message in error.value.details() and "inputs[1]" in error.value.details()
 
@@ -458,10 +519,12 @@ def _resolve_urls(content: pb.Content, site: str) -> pb.Content:
 
 
 def test_bad_media_over_rest_is_400(rest):
-    cases = [("/embeddings_image", {"model": "clip", "input": "data:image/png;base64,AAAA"}),
-             ("/embeddings", {"model": "clip", "modality": "video", "input": "x"}),
-             ("/embeddings_audio", {"model": "clap", "input": [123]}),
-             ("/embeddings_audio", {"model": "clap", "input": "bm90IGF1ZGlv"})]
+    cases = [
+        ("/embeddings_image", {"model": "clip", "input": "data:image/png;base64,AAAA"}),
+        ("/embeddings", {"model": "clip", "modality": "video", "input": "x"}),
+        ("/embeddings_audio", {"model": "clap", "input": [123]}),
+        ("/embeddings_audio", {"model": "clap", "input": "bm90IGF1ZGlv"}),
+    ]
     for path, body in cases:
         response = rest.post(path, json=body)
         assert response.status_code == 400, (path, response.text)
@@ -469,7 +532,7 @@ def test_bad_media_over_rest_is_400(rest):
 
 
 def _corrupted(original: bytes, edits: list[tuple[int, int]], cut: int) -> bytes:
-    data = bytearray(original[:max(cut, 8)])
+    data = bytearray(original[: max(cut, 8)])
     for position, value in edits:
         data[position % len(data)] = value
     return bytes(data)
@@ -477,21 +540,27 @@ def _corrupted(original: bytes, edits: list[tuple[int, int]], cut: int) -> bytes
 
 def _damaged(original: bytes):
     """A real file with a few bytes overwritten and maybe cut short: the decoders' deep paths."""
-    return st.builds(_corrupted, st.just(original), st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)),
-                                                             min_size=1, max_size=6),
-                     st.integers(8, len(original)))
+    return st.builds(
+        _corrupted,
+        st.just(original),
+        st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=6),
+        st.integers(8, len(original)),
+    )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=st.tuples(st.just("image"), st.binary(max_size=512) | _damaged(PNG) | _damaged(encoded(IMAGES[1], "JPEG")))
-       | st.tuples(st.just("audio"), st.binary(max_size=512) | _damaged(WAV) | _damaged(FLAC_8K)))
+@given(
+    case=st.tuples(st.just("image"), st.binary(max_size=512) | _damaged(PNG) | _damaged(encoded(IMAGES[1], "JPEG")))
+    | st.tuples(st.just("audio"), st.binary(max_size=512) | _damaged(WAV) | _damaged(FLAC_8K))
+)
 def test_fuzzed_media_is_a_result_or_invalid_argument(stub, case):
     modality, data = case
     media = pb.Media(data=data)
     content = pb.Content(image=media) if modality == "image" else pb.Content(audio=media)
     try:
-        response = stub.EmbedMultimodal(pb.EmbedMultimodalRequest(model="clip" if modality == "image" else "clap",
-                                                                  inputs=[content]), timeout=30)
+        response = stub.EmbedMultimodal(
+            pb.EmbedMultimodalRequest(model="clip" if modality == "image" else "clap", inputs=[content]), timeout=30
+        )
     except grpc.RpcError as error:
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
     else:  # a damaged file may still decode: then it is an embedding like any other

@@ -19,8 +19,9 @@ from support.server import ServerProcess
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
 
-otlp = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc",
-                           reason="the [otel] extra is not installed")
+otlp = pytest.importorskip(
+    "opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc", reason="the [otel] extra is not installed"
+)
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -84,11 +85,20 @@ def operated(tmp_path_factory):
     otlp_port = otlp_server.add_insecure_port("127.0.0.1:0")
     otlp_server.start()
     notify = NotifyListener(str(tmp / "notify"))
-    server = ServerProcess("--log-format", "json", "--log-level", "DEBUG",
-                           "--otel-endpoint", f"127.0.0.1:{otlp_port}",
-                           env={"NOTIFY_SOCKET": str(tmp / "notify"), "OTEL_BSP_SCHEDULE_DELAY": "100",
-                                "OTEL_SERVICE_NAME": "encoderd-test"},
-                           log_path=tmp / "server.log")
+    server = ServerProcess(
+        "--log-format",
+        "json",
+        "--log-level",
+        "DEBUG",
+        "--otel-endpoint",
+        f"127.0.0.1:{otlp_port}",
+        env={
+            "NOTIFY_SOCKET": str(tmp / "notify"),
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "OTEL_SERVICE_NAME": "encoderd-test",
+        },
+        log_path=tmp / "server.log",
+    )
     try:
         server.start()
         yield server, notify, collector
@@ -100,8 +110,9 @@ def operated(tmp_path_factory):
 
 def embed_with(server, metadata=(), model=DEFAULT_MODEL_NAME):
     with grpc.insecure_channel(server.address) as channel:
-        call = channel.unary_unary("/encoderd.v1.Encoder/Embed", pb.EmbedRequest.SerializeToString,
-                                   pb.EmbedResponse.FromString)
+        call = channel.unary_unary(
+            "/encoderd.v1.Encoder/Embed", pb.EmbedRequest.SerializeToString, pb.EmbedResponse.FromString
+        )
         try:
             _, info = call.with_call(pb.EmbedRequest(model=model, inputs=["hello"]), metadata=metadata)
             return dict(info.initial_metadata()), grpc.StatusCode.OK

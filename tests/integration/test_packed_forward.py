@@ -27,7 +27,7 @@ from encoderd.workers.backends.torch_backend import pool
 from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
 from encoderd.workers.protocol import TokenBatch
 
-TEXTS = sentences(40, max_words=300, seed=11)   # 3 to 256+ tokens: some are truncated
+TEXTS = sentences(40, max_words=300, seed=11)  # 3 to 256+ tokens: some are truncated
 QUERY = "which engine serves encoders fastest"
 
 
@@ -49,9 +49,11 @@ def batches(spec, query: str | None = None, size: int = 16) -> list[TokenBatch]:
     tok.enable_truncation(spec.max_length)
     tok.no_padding()
     encodings = tok.encode_batch([(query, t) for t in TEXTS] if query else TEXTS)
-    chunks = [encodings[start:start + size] for start in range(0, len(encodings), size)]
-    return [TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if query else None)
-            for k, chunk in enumerate(chunks)]
+    chunks = [encodings[start : start + size] for start in range(0, len(encodings), size)]
+    return [
+        TokenBatch.from_sequences(k, [e.ids for e in chunk], [e.type_ids for e in chunk] if query else None)
+        for k, chunk in enumerate(chunks)
+    ]
 
 
 def load_backend(spec, options: BackendOptions, packed: bool = True):
@@ -85,8 +87,7 @@ def test_packed_forward_equals_padded(kind, reranker_path, classifier_path):
 
 @pytest.mark.parametrize("pooling", list(Pooling))
 def test_every_pooling_matches_the_padded_pooling(pooling):
-    spec = msgspec.structs.replace(load_model_spec("e", default_model_path(), ModelKind.EMBEDDING),
-                                   pooling=pooling)
+    spec = msgspec.structs.replace(load_model_spec("e", default_model_path(), ModelKind.EMBEDDING), pooling=pooling)
     packed, _ = packed_and_padded(spec)
     batch = batches(spec)[0]
     lengths = torch.from_numpy(batch.lengths.astype(np.int64))
@@ -99,9 +100,11 @@ def test_every_pooling_matches_the_padded_pooling(pooling):
 
 
 # Families with packed pieces beyond BERT: (family, kind) checked packed vs padded on the same weights.
-FAMILY_CASES = ([(family, kind) for family in ("xlm-roberta", "roberta", "camembert", "distilbert", "modernbert",
-                                               "qwen3") for kind in ("embedding", "reranker")]
-                + [("modernbert", "classifier"), ("qwen3", "classifier")])
+FAMILY_CASES = [
+    (family, kind)
+    for family in ("xlm-roberta", "roberta", "camembert", "distilbert", "modernbert", "qwen3")
+    for kind in ("embedding", "reranker")
+] + [("modernbert", "classifier"), ("qwen3", "classifier")]
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +135,11 @@ def test_roberta_positions_skip_pad_tokens_inside_a_text(family_models):
 
 def test_families_without_packed_pieces_keep_the_padded_forward(family_models):
     for family in ("deberta-v2", "mpnet"):  # MPNet: relative position buckets; DeBERTa: relative attention
-        backend = create_backend("torch", load_model_spec(family, family_models(family, "embedding"),
-                                                          ModelKind.EMBEDDING), BackendOptions(threads=1))
+        backend = create_backend(
+            "torch",
+            load_model_spec(family, family_models(family, "embedding"), ModelKind.EMBEDDING),
+            BackendOptions(threads=1),
+        )
         backend.load()
         assert backend.packed is None and backend.is_padded, family
 
@@ -160,8 +166,13 @@ def test_varlen_attention_on_cuda_matches_padded(dtype, reranker_path):
 
 # Where the CUDA path differs per family: XLM-R's positions and head, ModernBERT's sliding window
 # (window_size in the varlen kernel), Qwen3's causal grouped-query attention and scored token.
-GPU_FAMILY_CASES = [("xlm-roberta", "reranker"), ("modernbert", "embedding"), ("modernbert", "reranker"),
-                    ("qwen3", "embedding"), ("qwen3", "reranker")]
+GPU_FAMILY_CASES = [
+    ("xlm-roberta", "reranker"),
+    ("modernbert", "embedding"),
+    ("modernbert", "reranker"),
+    ("qwen3", "embedding"),
+    ("qwen3", "reranker"),
+]
 
 
 @pytest.mark.gpu

@@ -31,8 +31,9 @@ def batch(sequences, urgent: bool) -> TokenBatch:
 @pytest.fixture
 async def worker():
     spec = load_model_spec("minilm", default_model_path(), ModelKind.EMBEDDING)
-    client = WorkerClient(lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1),
-                                                                batches, results), "preempt")
+    client = WorkerClient(
+        lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1), batches, results), "preempt"
+    )
     await client.start()
     yield client
     await client.stop()

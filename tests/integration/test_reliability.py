@@ -63,8 +63,9 @@ def _wait_gone(pids, timeout=10.0) -> list[int]:
 
 @pytest.fixture
 def two_models(tmp_path, minilm_path):
-    server = ServerProcess("--model", f"a={minilm_path}", "--model", f"b={minilm_path}",
-                           log_path=tmp_path / "server.log").start()
+    server = ServerProcess(
+        "--model", f"a={minilm_path}", "--model", f"b={minilm_path}", log_path=tmp_path / "server.log"
+    ).start()
     yield server
     server.stop()
 
@@ -153,8 +154,9 @@ def test_overload_is_refused_at_once_and_accepted_work_completes(tmp_path):
         assert "overloaded" in refused[0][2]
         for _, _, (i, response) in accepted[:: max(1, len(accepted) // 5)]:
             reference = stub.Embed(pb.EmbedRequest(inputs=inputs(i))).embeddings  # computed alone, unloaded
-            np.testing.assert_allclose([e.values for e in response.embeddings], [e.values for e in reference],
-                                       atol=1e-5)
+            np.testing.assert_allclose(
+                [e.values for e in response.embeddings], [e.values for e in reference], atol=1e-5
+            )
         assert peak[0] - baseline < 150_000, f"frontend RSS grew by {(peak[0] - baseline) // 1024} MiB"
     finally:
         server.stop()
@@ -175,8 +177,10 @@ def test_expired_work_is_never_computed(server, stub):
         assert time.monotonic() < deadline, "the blocker was never queued"
         time.sleep(0.01)
     # Long enough to be tokenized and queued, too short to see the first batch finish.
-    doomed = [stub.Embed.future(pb.EmbedRequest(model=model, inputs=[f"expired {i}", f"also expired {i}"]),
-                                timeout=0.15) for i in range(10)]
+    doomed = [
+        stub.Embed.future(pb.EmbedRequest(model=model, inputs=[f"expired {i}", f"also expired {i}"]), timeout=0.15)
+        for i in range(10)
+    ]
     codes = []
     for f in doomed:
         with pytest.raises(grpc.RpcError) as err:
@@ -256,8 +260,16 @@ def test_sigkill_of_the_frontend_leaves_no_worker_and_no_socket(tmp_path, socket
 def test_api_keys_over_grpc_and_rest(tmp_path):
     key_file = tmp_path / "keys"
     key_file.write_text("# one per line\nfile-key\n")
-    server = ServerProcess("--api-key", "flag-key", "--api-key-file", str(key_file), "--bulk-api-key", "ingest-key",
-                           rest=True, log_path=tmp_path / "s.log").start()
+    server = ServerProcess(
+        "--api-key",
+        "flag-key",
+        "--api-key-file",
+        str(key_file),
+        "--bulk-api-key",
+        "ingest-key",
+        rest=True,
+        log_path=tmp_path / "s.log",
+    ).start()
     try:
         stub = server.stub()
         request = pb.EmbedRequest(inputs=["secret"])
@@ -267,13 +279,22 @@ def test_api_keys_over_grpc_and_rest(tmp_path):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         for key in ("flag-key", "file-key"):
             assert stub.Embed(request, metadata=(("authorization", f"Bearer {key}"),)).embeddings
-        bulk_before = _metric(server, 'encoderd_queued_inputs_total{model="sentence-transformers/all-MiniLM-L6-v2",'
-                                      'priority="bulk"}')
-        stub.Embed(pb.EmbedRequest(inputs=["from the ingestion job"]), metadata=(("authorization", "Bearer ingest-key"),))
-        stub.Embed(pb.EmbedRequest(inputs=["asked for interactive"], priority=pb.PRIORITY_INTERACTIVE),
-                   metadata=(("authorization", "Bearer ingest-key"),))
-        assert _metric(server, 'encoderd_queued_inputs_total{model="sentence-transformers/all-MiniLM-L6-v2",'
-                               'priority="bulk"}') == bulk_before + 1  # the key's default; the field still wins
+        bulk_before = _metric(
+            server, 'encoderd_queued_inputs_total{model="sentence-transformers/all-MiniLM-L6-v2",priority="bulk"}'
+        )
+        stub.Embed(
+            pb.EmbedRequest(inputs=["from the ingestion job"]), metadata=(("authorization", "Bearer ingest-key"),)
+        )
+        stub.Embed(
+            pb.EmbedRequest(inputs=["asked for interactive"], priority=pb.PRIORITY_INTERACTIVE),
+            metadata=(("authorization", "Bearer ingest-key"),),
+        )
+        assert (
+            _metric(
+                server, 'encoderd_queued_inputs_total{model="sentence-transformers/all-MiniLM-L6-v2",priority="bulk"}'
+            )
+            == bulk_before + 1
+        )  # the key's default; the field still wins
         with grpc.insecure_channel(server.address) as channel:  # health stays open for probes
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
             assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -284,16 +305,24 @@ def test_api_keys_over_grpc_and_rest(tmp_path):
             assert wrong.status_code == 401 and wrong.json()["error"]["message"]
             ok = http.post("/v1/embeddings", json=body, headers={"Authorization": "Bearer file-key"})
             assert ok.status_code == 200 and len(ok.json()["data"]) == 1
-            bad_enum = http.post("/v1/encoderd/embed", json={"inputs": ["x"], "priority": 99},  # issue 16: refused
-                                 headers={"Authorization": "Bearer file-key"})          # on REST too
+            bad_enum = http.post(
+                "/v1/encoderd/embed",
+                json={"inputs": ["x"], "priority": 99},  # issue 16: refused
+                headers={"Authorization": "Bearer file-key"},
+            )  # on REST too
             assert bad_enum.status_code == 400 and "priority = 99" in bad_enum.json()["error"]["message"]
             assert http.get("/health").status_code == 200
         log = server.log_path.read_text()
         assert "flag-key" not in log and "file-key" not in log and "nope" not in log
         failures = re.findall(r"WARNING encoderd.auth: authentication failed on (\S+): (.*)", log)
         embed, rest = "/encoderd.v1.Encoder/Embed", "/encoderd.v1.Compat/CreateEmbeddings"
-        assert failures == [(embed, "no key"), (embed, "a wrong key"), (embed, "no key"),
-                            (rest, "no key"), (rest, "a wrong key")], failures
+        assert failures == [
+            (embed, "no key"),
+            (embed, "a wrong key"),
+            (embed, "no key"),
+            (rest, "no key"),
+            (rest, "a wrong key"),
+        ], failures
         assert _metric(server, f'encoderd_auth_failures_total{{route="{embed}"}}') == 3
         assert _metric(server, f'encoderd_auth_failures_total{{route="{rest}"}}') == 2
     finally:
@@ -315,8 +344,9 @@ def test_health_can_require_the_key(tmp_path):
                     if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                         break
                 time.sleep(0.2)
-            status = health.Check(health_pb2.HealthCheckRequest(), metadata=(("authorization", "Bearer k"),),
-                                  timeout=5).status
+            status = health.Check(
+                health_pb2.HealthCheckRequest(), metadata=(("authorization", "Bearer k"),), timeout=5
+            ).status
             assert status in (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
     finally:
         server.stop()
@@ -325,8 +355,9 @@ def test_health_can_require_the_key(tmp_path):
 @pytest.mark.parametrize("payload", [b"\xff\xff\xff", b"\x12\x03\xc3\x28\x00", b"\x0a\x05ab"])
 def test_malformed_payloads_are_invalid_argument(server, payload):
     with grpc.insecure_channel(server.address) as channel:
-        raw = channel.unary_unary("/encoderd.v1.Encoder/Embed", request_serializer=lambda b: b,
-                                  response_deserializer=lambda b: b)
+        raw = channel.unary_unary(
+            "/encoderd.v1.Encoder/Embed", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
         with pytest.raises(grpc.RpcError) as err:
             raw(payload, timeout=10)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -110,7 +110,7 @@ def test_replicas_on_gpus(tmp_path, minilm_path, devices):
         assert len(replicas) == expected and all(r.status == "ready" for r in replicas)
         assert all(r.device.startswith("cuda:") for r in replicas)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            results = list(pool.map(lambda i: stub.Embed(pb.EmbedRequest(inputs=TEXTS[i:i + 4])), range(0, 40, 4)))
+            results = list(pool.map(lambda i: stub.Embed(pb.EmbedRequest(inputs=TEXTS[i : i + 4])), range(0, 40, 4)))
         got = np.concatenate([[e.values for e in r.embeddings] for r in results])
         np.testing.assert_allclose(got, SentenceTransformer(minilm_path, device="cpu").encode(TEXTS), atol=1e-4)
         assert sum(1 for n in _replica_batches(server).values() if n > 0) >= 2

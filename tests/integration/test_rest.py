@@ -30,10 +30,22 @@ MAX_QUEUED = 64  # small, so a few concurrent requests overflow it (429)
 def rest_server(tmp_path_factory, reranker_path, classifier_path):
     """One server with an embedder, a reranker and a classifier, and REST through Envoy."""
     log = tmp_path_factory.mktemp("rest") / "server.log"
-    proc = ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}",
-                         "--model", f"reranker={reranker_path}", "--model", f"classifier={classifier_path}",
-                         "--max-queued-inputs", str(MAX_QUEUED), "--max-inputs-per-request", "512",
-                         "--rest-max-body-mb", "1", rest=True, log_path=log)
+    proc = ServerProcess(
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+        "--model",
+        f"reranker={reranker_path}",
+        "--model",
+        f"classifier={classifier_path}",
+        "--max-queued-inputs",
+        str(MAX_QUEUED),
+        "--max-inputs-per-request",
+        "512",
+        "--rest-max-body-mb",
+        "1",
+        rest=True,
+        log_path=log,
+    )
     proc.start()
     yield proc
     assert proc.stop() == 0, proc.log_text()
@@ -117,8 +129,10 @@ def test_token_id_inputs_equal_text_inputs(http, st_vectors):
 
 
 def test_success_responses_hide_grpc_headers(http):
-    response = http.post("/embeddings", json={"model": DEFAULT_MODEL_NAME, "input": "hi", "user": "ignored",
-                                              "unknown_field": {"nested": 1}})
+    response = http.post(
+        "/embeddings",
+        json={"model": DEFAULT_MODEL_NAME, "input": "hi", "user": "ignored", "unknown_field": {"nested": 1}},
+    )
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/json"
     assert not {"grpc-status", "grpc-message", "grpc-accept-encoding"} & set(response.headers)
@@ -139,12 +153,14 @@ def test_cohere_v2_sdk_rerank_equals_cross_encoder_and_grpc(rest_server, stub, c
     response = client.rerank(model="reranker", query=QUERY, documents=DOCS, top_n=4)
     want_order = np.argsort(-cross_encoder_scores, kind="stable")[:4]
     assert [r.index for r in response.results] == want_order.tolist()
-    np.testing.assert_allclose([r.relevance_score for r in response.results], cross_encoder_scores[want_order],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        [r.relevance_score for r in response.results], cross_encoder_scores[want_order], atol=1e-5
+    )
     grpc = stub.Rerank(pb.RerankRequest(model="reranker", query=QUERY, documents=DOCS, top_n=4))
     assert [r.index for r in grpc.results] == [r.index for r in response.results]
-    np.testing.assert_allclose([r.relevance_score for r in grpc.results],
-                               [r.relevance_score for r in response.results], atol=1e-6)
+    np.testing.assert_allclose(
+        [r.relevance_score for r in grpc.results], [r.relevance_score for r in response.results], atol=1e-6
+    )
     assert response.meta.billed_units.search_units == 1 and response.id
 
 
@@ -155,8 +171,16 @@ def test_cohere_v1_sdk_and_raw_rerank_shapes(rest_server, http, cross_encoder_sc
     response = client.rerank(model="reranker", query=QUERY, documents=DOCS, return_documents=True)
     assert [r.document.text for r in response.results] == [DOCS[r.index] for r in response.results]
     assert len(response.results) == len(DOCS)
-    raw = http.post("/v1/rerank", json={"model": "reranker", "query": QUERY, "raw_scores": True,
-                                        "documents": [{"text": d} for d in DOCS[:3]], "max_tokens_per_doc": 512})
+    raw = http.post(
+        "/v1/rerank",
+        json={
+            "model": "reranker",
+            "query": QUERY,
+            "raw_scores": True,
+            "documents": [{"text": d} for d in DOCS[:3]],
+            "max_tokens_per_doc": 512,
+        },
+    )
     assert raw.status_code == 200, raw.text
     body = raw.json()
     assert set(body) >= {"id", "results", "model", "usage", "meta"}
@@ -176,8 +200,9 @@ def test_classify_through_encoder_annotations(http, stub):
     assert body["usage"] == {"prompt_tokens": grpc.usage.prompt_tokens, "total_tokens": grpc.usage.total_tokens}
     for rest_result, grpc_result in zip(body["results"], grpc.results, strict=True):
         assert [ls["label"] for ls in rest_result["labels"]] == [ls.label for ls in grpc_result.labels]
-        np.testing.assert_allclose([ls["score"] for ls in rest_result["labels"]],
-                                   [ls.score for ls in grpc_result.labels], atol=1e-6)
+        np.testing.assert_allclose(
+            [ls["score"] for ls in rest_result["labels"]], [ls.score for ls in grpc_result.labels], atol=1e-6
+        )
         assert {ls["label"] for ls in rest_result["labels"]} == {"negative", "neutral", "positive"}
 
 
@@ -207,7 +232,7 @@ ERRORS = [
     ("POST", "/v1/embeddings", {"model": M, "input": ""}, 400, "invalid_argument"),
     ("POST", "/v1/embeddings", {"model": M}, 400, "invalid_argument"),
     ("POST", "/v1/embeddings", {"model": M, "input": ["a", 1]}, 400, "invalid_argument"),
-    ("POST", "/v1/embeddings", {"model": M, "input": [[101, 10 ** 9]]}, 400, "invalid_argument"),
+    ("POST", "/v1/embeddings", {"model": M, "input": [[101, 10**9]]}, 400, "invalid_argument"),
     ("POST", "/v1/embeddings", {"model": M, "input": [101.5]}, 400, "invalid_argument"),
     ("POST", "/v1/embeddings", {"model": M, "input": "x", "dimensions": 0}, 400, "invalid_argument"),
     ("POST", "/v1/embeddings", {"model": M, "input": "x", "dimensions": 385}, 400, "invalid_argument"),
@@ -215,10 +240,14 @@ ERRORS = [
     ("POST", "/v1/embeddings", {"model": "reranker", "input": "x"}, 400, "failed_precondition"),
     ("POST", "/v1/embeddings", {"model": "no-such-model", "input": "x"}, 404, "not_found"),
     ("POST", "/v2/rerank", {"model": "reranker", "query": "", "documents": ["a"]}, 400, "invalid_argument"),
-    ("POST", "/v2/rerank", {"model": "reranker", "query": "q", "documents": ["a"], "top_n": 0}, 400,
-     "invalid_argument"),
-    ("POST", "/v2/rerank", {"model": "reranker", "query": "q", "documents": [{"title": "a"}]}, 400,
-     "invalid_argument"),
+    (
+        "POST",
+        "/v2/rerank",
+        {"model": "reranker", "query": "q", "documents": ["a"], "top_n": 0},
+        400,
+        "invalid_argument",
+    ),
+    ("POST", "/v2/rerank", {"model": "reranker", "query": "q", "documents": [{"title": "a"}]}, 400, "invalid_argument"),
     ("POST", "/v2/rerank", {"model": "no-such-model", "query": "q", "documents": ["a"]}, 404, "not_found"),
     ("GET", "/v1/models/no-such-model", None, 404, "not_found"),
     ("GET", "/v1/no-such-route", None, 404, "not_found"),
@@ -226,8 +255,9 @@ ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("method, path, body, status, code", ERRORS,
-                         ids=[f"{r[3]}-{r[1]}-{i}" for i, r in enumerate(ERRORS)])
+@pytest.mark.parametrize(
+    "method, path, body, status, code", ERRORS, ids=[f"{r[3]}-{r[1]}-{i}" for i, r in enumerate(ERRORS)]
+)
 def test_errors_are_openai_shaped(http, method, path, body, status, code):
     if isinstance(body, bytes):
         response = http.request(method, path, content=body, headers={"content-type": "application/json"})
@@ -355,13 +385,31 @@ def test_gateway_render_writes_a_valid_standalone_config(tmp_path):
     from encoderd.gateway.envoy import find_envoy
 
     out = tmp_path / "gw"
-    subprocess.run(["encoderd", "gateway", "render", "--out", str(out), "--grpc-address", "10.0.0.1:50051",
-                    "--grpc-address", "encoderd-2.internal:50051", "--rest-port", "8080"], check=True)
+    subprocess.run(
+        [
+            "encoderd",
+            "gateway",
+            "render",
+            "--out",
+            str(out),
+            "--grpc-address",
+            "10.0.0.1:50051",
+            "--grpc-address",
+            "encoderd-2.internal:50051",
+            "--rest-port",
+            "8080",
+        ],
+        check=True,
+    )
     config = (out / "envoy.yaml").read_text()
     assert (out / "encoderd.pb").stat().st_size > 1000
     assert "STRICT_DNS" in config and "port_value: 8080" in config
-    check = subprocess.run([find_envoy(), "--mode", "validate", "--config-path", str(out / "envoy.yaml"),
-                            "--disable-hot-restart"], capture_output=True, text=True, check=False)
+    check = subprocess.run(
+        [find_envoy(), "--mode", "validate", "--config-path", str(out / "envoy.yaml"), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 

@@ -27,15 +27,16 @@ from encoderd.v1 import encoderd_pb2_grpc
 from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 FRONT = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "front.yaml"
-CLIENTS = 6               # concurrent callers
-MAX_CALLS = 4000          # a hard bound on the load, whatever the timing
-LOAD_BEFORE_KILL = 1.0    # seconds
+CLIENTS = 6  # concurrent callers
+MAX_CALLS = 4000  # a hard bound on the load, whatever the timing
+LOAD_BEFORE_KILL = 1.0  # seconds
 LOAD_AFTER_HEALTHY = 1.5  # seconds of load once Envoy has taken the dead host out
 
 
 def envoy_binary() -> str:
     try:
         from encoderd.gateway.envoy import find_envoy
+
         return find_envoy()
     except Exception as exc:  # noqa: BLE001 - any reason means: no Envoy here
         pytest.skip(f"no Envoy binary: {exc}")
@@ -50,7 +51,8 @@ def front_config(hosts, listen_port: int, admin_port: int) -> dict:
     (cluster,) = config["static_resources"]["clusters"]
     cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": h.grpc_port}}}}
-        for h in hosts]
+        for h in hosts
+    ]
     return config
 
 
@@ -61,12 +63,18 @@ class Front:
         config.write_text(yaml.safe_dump(front_config(hosts, self.port, self.admin_port)))
         self.log = workdir / "envoy.log"
         with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen([envoy_binary(), "--config-path", str(config), "--disable-hot-restart",
-                                          "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [envoy_binary(), "--config-path", str(config), "--disable-hot-restart", "--log-level", "warn"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def stats(self) -> dict[str, int]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?filter=^cluster\\.encoderd\\.",
-                                      timeout=2).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats?filter=^cluster\\.encoderd\\.", timeout=2)
+            .read()
+            .decode()
+        )
         return {k: int(v) for k, _, v in (line.partition(": ") for line in text.splitlines()) if v.isdigit()}
 
     def wait_healthy(self, n: int, timeout: float = 30) -> float:
@@ -95,8 +103,16 @@ def hosts(tmp_path_factory):
     logs = tmp_path_factory.mktemp("scaleout")
     # --drain-delay covers front.yaml's health-check window (2 x 1 s): a draining host keeps serving
     # until Envoy has taken it out, so no call meets a host that refuses it.
-    servers = [ServerProcess("--model", f"{DEFAULT_MODEL_NAME}={default_model_path()}", "--drain-delay", "3",
-                             log_path=logs / f"host{i}.log") for i in range(2)]
+    servers = [
+        ServerProcess(
+            "--model",
+            f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+            "--drain-delay",
+            "3",
+            log_path=logs / f"host{i}.log",
+        )
+        for i in range(2)
+    ]
     try:
         for server in servers:  # both load their model at the same time
             server.launch()
@@ -163,7 +179,7 @@ def test_front_balances_over_both_hosts(front, hosts):
 def host_requests(front, host) -> int:
     text = urllib.request.urlopen(f"http://127.0.0.1:{front.admin_port}/clusters", timeout=2).read().decode()
     key = f"encoderd::127.0.0.1:{host.grpc_port}::rq_total::"
-    return next(int(line[len(key):]) for line in text.splitlines() if line.startswith(key))
+    return next(int(line[len(key) :]) for line in text.splitlines() if line.startswith(key))
 
 
 def test_killing_a_host_under_load_fails_no_call(front, hosts):
@@ -181,9 +197,13 @@ def test_killing_a_host_under_load_fails_no_call(front, hosts):
     failed = [(round(t - killed_at, 3), code.name) for t, code in load.outcomes if code != grpc.StatusCode.OK]
     near_kill = during_count(load, killed_at, killed_at + 1.0)
     after = during_count(load, out_at, float("inf"))
-    print(f"{len(load.outcomes)} calls; dead host out after {out_at - killed_at:.2f}s; {near_kill} calls ended "
-          f"in the second after the kill, {after} after the host was out; {retries} retries")
-    assert not failed, f"{len(failed)} of {len(load.outcomes)} calls failed (seconds after the kill, code): {failed[:20]}"
+    print(
+        f"{len(load.outcomes)} calls; dead host out after {out_at - killed_at:.2f}s; {near_kill} calls ended "
+        f"in the second after the kill, {after} after the host was out; {retries} retries"
+    )
+    assert not failed, (
+        f"{len(failed)} of {len(load.outcomes)} calls failed (seconds after the kill, code): {failed[:20]}"
+    )
     assert near_kill > 0 and after > 0, (near_kill, after)  # load really ran through the kill and past it
     assert out_at - killed_at < 5, "the health check took the dead host out too slowly"
     # Covered by retries, not by luck: calls in flight on (or sent to) the dead host were re-sent.

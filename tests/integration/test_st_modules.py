@@ -43,23 +43,44 @@ CASED = ["Hello World from PARIS and Berlin", "The EU's GDP Grew in Q3", "iPhone
 TEXTS = sentences(11, max_words=160, seed=23) + sentences(2, min_words=140, max_words=200, seed=5) + CASED
 EMBEDDERS = {
     # LaBSE-style: CLS, Dense layers, Normalize; as sentence-transformers 6.2 writes it
-    "cls-dense-new": {"fmt": "new", "pooling": ("cls",), "modules": (Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)},
-    "mean-dense-old": {"fmt": "old", "pooling": ("mean",),
-                           "modules": (Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE)},
+    "cls-dense-new": {
+        "fmt": "new",
+        "pooling": ("cls",),
+        "modules": (Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE),
+    },
+    "mean-dense-old": {
+        "fmt": "old",
+        "pooling": ("mean",),
+        "modules": (Dense(128, "Tanh"), Dense(64, "Identity"), NORMALIZE),
+    },
     # Three modes concatenated (legacy booleans), lower-casing over a cased tokenizer, no Normalize
-    "concat-old-lowercase": {"fmt": "old", "pooling": ("cls", "max", "mean"), "modules": (Dense(96, "GELU"),),
-                                 "lowercase": True, "cased_tokenizer": True, "include_prompt": False},
+    "concat-old-lowercase": {
+        "fmt": "old",
+        "pooling": ("cls", "max", "mean"),
+        "modules": (Dense(96, "GELU"),),
+        "lowercase": True,
+        "cased_tokenizer": True,
+        "include_prompt": False,
+    },
     # The other modes, a Normalize before a residual Dense, and one after
-    "concat-new-residual": {"fmt": "new", "pooling": ("weightedmean", "mean_sqrt_len_tokens", "lasttoken"),
-                                "modules": (NORMALIZE, Dense(64, "Sigmoid", residual=True), NORMALIZE)},
+    "concat-new-residual": {
+        "fmt": "new",
+        "pooling": ("weightedmean", "mean_sqrt_len_tokens", "lasttoken"),
+        "modules": (NORMALIZE, Dense(64, "Sigmoid", residual=True), NORMALIZE),
+    },
     "max-new-plain": {"fmt": "new", "pooling": ("max",)},
 }
 # (model, engine, variant): the torch padding-free forward on every model; the padded one, and the
 # numpy pooling of the other engines, on models that together hold every pooling mode and Dense shape.
-ENGINE_CASES = ([(name, "torch", "packed") for name in EMBEDDERS]
-                + [(name, "torch", "padded") for name in ("concat-old-lowercase", "concat-new-residual", "max-new-plain")]
-                + [("concat-new-residual", "onnx", ""), ("cls-dense-new", "ctranslate2", ""),
-                   ("concat-new-residual", "ctranslate2", "")])
+ENGINE_CASES = (
+    [(name, "torch", "packed") for name in EMBEDDERS]
+    + [(name, "torch", "padded") for name in ("concat-old-lowercase", "concat-new-residual", "max-new-plain")]
+    + [
+        ("concat-new-residual", "onnx", ""),
+        ("cls-dense-new", "ctranslate2", ""),
+        ("concat-new-residual", "ctranslate2", ""),
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +115,7 @@ def frontend_tokens(spec, texts: list[str], pairs_with: str | None = None):
 def batches(spec, texts: list[str]) -> list[TokenBatch]:
     """Unsorted batches of 8, so each one pads."""
     ids = frontend_tokens(spec, texts).ids
-    return [TokenBatch.from_sequences(k, ids[i:i + 8]) for k, i in enumerate(range(0, len(ids), 8))]
+    return [TokenBatch.from_sequences(k, ids[i : i + 8]) for k, i in enumerate(range(0, len(ids), 8))]
 
 
 def load_backend(engine: str, spec, cache_dir: str, monkeypatch, variant: str = ""):
@@ -119,10 +140,12 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
 
 
-@pytest.mark.parametrize("name,engine,variant", ENGINE_CASES, ids=[f"{n}-{e}{'-' + v if v else ''}"
-                                                                   for n, e, v in ENGINE_CASES])
-def test_engine_output_equals_sentence_transformers(name, engine, variant, embedders, references, tmp_path_factory,
-                                                    monkeypatch):
+@pytest.mark.parametrize(
+    "name,engine,variant", ENGINE_CASES, ids=[f"{n}-{e}{'-' + v if v else ''}" for n, e, v in ENGINE_CASES]
+)
+def test_engine_output_equals_sentence_transformers(
+    name, engine, variant, embedders, references, tmp_path_factory, monkeypatch
+):
     pytest.importorskip({"onnx": "onnxruntime", "ctranslate2": "ctranslate2"}.get(engine, "torch"))
     spec = load_model_spec(name, embedders[name])
     want = references[name]
@@ -138,8 +161,10 @@ def test_specs_read_both_formats(embedders):
     old, new = load_model_spec("old", embedders["mean-dense-old"]), load_model_spec("new", embedders["cls-dense-new"])
     assert old.pooling == (Pooling.MEAN,) and new.pooling == (Pooling.CLS,)
     for spec in (old, new):
-        assert [(d.in_features, d.out_features, d.activation) for d in spec.dense] == [(384, 128, "Tanh"),
-                                                                                       (128, 64, "Identity")]
+        assert [(d.in_features, d.out_features, d.activation) for d in spec.dense] == [
+            (384, 128, "Tanh"),
+            (128, 64, "Identity"),
+        ]
         assert spec.normalize and spec.hidden_size == 64 and spec.max_length == 128
     concat = load_model_spec("concat", embedders["concat-old-lowercase"])
     assert concat.pooling == (Pooling.CLS, Pooling.MAX, Pooling.MEAN) and concat.lowercase and not concat.normalize
@@ -162,8 +187,9 @@ def test_lower_casing_matters_for_the_cased_model(embedders):
     np.testing.assert_allclose(vectors[0], vectors[1], atol=1e-6)
 
 
-POOLINGS = [(mode,) for mode in Pooling] + [(Pooling.CLS, Pooling.MAX, Pooling.MEAN, Pooling.MEAN_SQRT_LEN,
-                                              Pooling.WEIGHTED_MEAN, Pooling.LAST_TOKEN)]
+POOLINGS = [(mode,) for mode in Pooling] + [
+    (Pooling.CLS, Pooling.MAX, Pooling.MEAN, Pooling.MEAN_SQRT_LEN, Pooling.WEIGHTED_MEAN, Pooling.LAST_TOKEN)
+]
 
 
 @pytest.mark.parametrize("modes", POOLINGS, ids=["+".join(m.value for m in modes) for modes in POOLINGS])
@@ -182,11 +208,15 @@ def test_every_pooling_implementation_equals_sentence_transformers_pooling(modes
     hidden = torch.randn(len(lengths), int(lengths.max()), 16, generator=torch.Generator().manual_seed(5))
     mask = (torch.arange(hidden.shape[1])[None] < lengths[:, None]).long()
     reference = StPooling(16, pooling_mode=tuple(m.value for m in modes))(
-        {"token_embeddings": hidden, "attention_mask": mask})["sentence_embedding"]
+        {"token_embeddings": hidden, "attention_mask": mask}
+    )["sentence_embedding"]
     packed = hidden[mask.bool()]  # row-major: the sequences back to back
     cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
-    for got in (torch.from_numpy(numpy_pool(hidden.numpy(), mask.numpy(), modes)), torch_pool(hidden, mask, modes),
-                PackedEncoder.pool(packed, cu_seqlens, modes)):
+    for got in (
+        torch.from_numpy(numpy_pool(hidden.numpy(), mask.numpy(), modes)),
+        torch_pool(hidden, mask, modes),
+        PackedEncoder.pool(packed, cu_seqlens, modes),
+    ):
         torch.testing.assert_close(got, reference, atol=1e-5, rtol=1e-5)
 
 
@@ -196,14 +226,19 @@ HEADS = {  # name -> (labels, problem_type, expected activation)
     "regression": (("valence", "arousal"), "regression", ScoreActivation.IDENTITY),
     "single-label": (("negative", "neutral", "positive"), "single_label_classification", ScoreActivation.SOFTMAX),
 }
-TORCH_ACTIVATIONS = {ScoreActivation.SIGMOID: lambda x: x.sigmoid(), ScoreActivation.IDENTITY: lambda x: x,
-                     ScoreActivation.SOFTMAX: lambda x: x.softmax(-1)}
+TORCH_ACTIVATIONS = {
+    ScoreActivation.SIGMOID: lambda x: x.sigmoid(),
+    ScoreActivation.IDENTITY: lambda x: x,
+    ScoreActivation.SOFTMAX: lambda x: x.softmax(-1),
+}
 
 
 @pytest.fixture(scope="module")
 def heads(st_dir) -> dict[str, str]:
-    return {name: str(build_head_model(st_dir / name, labels, problem_type=problem))
-            for name, (labels, problem, _) in HEADS.items()}
+    return {
+        name: str(build_head_model(st_dir / name, labels, problem_type=problem))
+        for name, (labels, problem, _) in HEADS.items()
+    }
 
 
 def transformers_logits(path: str, texts: list[str], pairs_with: str | None = None):
@@ -232,15 +267,25 @@ def test_classifier_scores_follow_problem_type(name, heads, monkeypatch, tmp_pat
 
 
 CROSS_ENCODERS = [  # (labels, activation the CrossEncoder config names, where)
-    (1, "Identity", "current"), (1, "Identity", "legacy"), (1, "Sigmoid", "v4"), (3, "Sigmoid", "current")]
+    (1, "Identity", "current"),
+    (1, "Identity", "legacy"),
+    (1, "Sigmoid", "v4"),
+    (3, "Sigmoid", "current"),
+]
 
 
 @pytest.mark.parametrize("labels,activation,where", CROSS_ENCODERS, ids=[f"{n}-{a}-{w}" for n, a, w in CROSS_ENCODERS])
 def test_cross_encoder_activation_is_honoured(labels, activation, where, st_dir, monkeypatch, tmp_path):
     from sentence_transformers import CrossEncoder
 
-    path = str(build_head_model(st_dir / f"ce-{labels}-{activation}-{where}", tuple(f"L{i}" for i in range(labels)),
-                                cross_encoder_activation=activation, where=where))
+    path = str(
+        build_head_model(
+            st_dir / f"ce-{labels}-{activation}-{where}",
+            tuple(f"L{i}" for i in range(labels)),
+            cross_encoder_activation=activation,
+            where=where,
+        )
+    )
     spec = load_model_spec("ce", path)
     assert spec.kind == (ModelKind.RERANKER if labels == 1 else ModelKind.CLASSIFIER)
     assert spec.score_activation == ScoreActivation(activation.lower())
@@ -271,26 +316,53 @@ def insert_module(module: dict):
 
 
 REFUSALS = {
-    "layer-norm": ("cls-dense-new", insert_module({"idx": 9, "name": "9", "path": "9_LayerNorm",
-                                                   "type": "sentence_transformers.models.LayerNorm"}),
-                   r"modules.json: module 9 \('sentence_transformers.models.LayerNorm', in .*9_LayerNorm\)"),
-    "custom-class": ("cls-dense-new", insert_module({"idx": 9, "name": "9", "path": "9_Custom",
-                                                     "type": "my_package.modules.WhiteningLayer"}), "WhiteningLayer"),
-    "static-embedding": ("max-new-plain", lambda d: edit_json(d / "modules.json", lambda m: [
-        {**m[0], "type": "sentence_transformers.sentence_transformer.modules.StaticEmbedding"}, *m[1:]]),
-        "StaticEmbedding"),
-    "pooling-mode": ("cls-dense-new", lambda d: edit_json(d / "1_Pooling" / "config.json",
-                                                          lambda c: {**c, "pooling_mode": "median"}),
-                     r"1_Pooling/config.json: pooling mode 'median'"),
-    "legacy-pooling-key": ("mean-dense-old", lambda d: edit_json(d / "1_Pooling" / "config.json",
-                                                                 lambda c: {**c, "pooling_mode_median_tokens": True}),
-                           "pooling_mode_median_tokens"),
-    "activation": ("cls-dense-new", lambda d: edit_json(d / "2_Dense" / "config.json", lambda c: {
-        **c, "activation_function": "my_package.activations.Swish"}), r"2_Dense/config.json: activation .*Swish"),
-    "torch-activation": ("mean-dense-old", lambda d: edit_json(d / "2_Dense" / "config.json", lambda c: {
-        **c, "activation_function": "torch.nn.modules.activation.Softmax"}), "Softmax"),
-    "dense-width": ("cls-dense-new", lambda d: edit_json(d / "3_Dense" / "config.json",
-                                                         lambda c: {**c, "in_features": 100}), "3_Dense.*takes 100"),
+    "layer-norm": (
+        "cls-dense-new",
+        insert_module({"idx": 9, "name": "9", "path": "9_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}),
+        r"modules.json: module 9 \('sentence_transformers.models.LayerNorm', in .*9_LayerNorm\)",
+    ),
+    "custom-class": (
+        "cls-dense-new",
+        insert_module({"idx": 9, "name": "9", "path": "9_Custom", "type": "my_package.modules.WhiteningLayer"}),
+        "WhiteningLayer",
+    ),
+    "static-embedding": (
+        "max-new-plain",
+        lambda d: edit_json(
+            d / "modules.json",
+            lambda m: [{**m[0], "type": "sentence_transformers.sentence_transformer.modules.StaticEmbedding"}, *m[1:]],
+        ),
+        "StaticEmbedding",
+    ),
+    "pooling-mode": (
+        "cls-dense-new",
+        lambda d: edit_json(d / "1_Pooling" / "config.json", lambda c: {**c, "pooling_mode": "median"}),
+        r"1_Pooling/config.json: pooling mode 'median'",
+    ),
+    "legacy-pooling-key": (
+        "mean-dense-old",
+        lambda d: edit_json(d / "1_Pooling" / "config.json", lambda c: {**c, "pooling_mode_median_tokens": True}),
+        "pooling_mode_median_tokens",
+    ),
+    "activation": (
+        "cls-dense-new",
+        lambda d: edit_json(
+            d / "2_Dense" / "config.json", lambda c: {**c, "activation_function": "my_package.activations.Swish"}
+        ),
+        r"2_Dense/config.json: activation .*Swish",
+    ),
+    "torch-activation": (
+        "mean-dense-old",
+        lambda d: edit_json(
+            d / "2_Dense" / "config.json", lambda c: {**c, "activation_function": "torch.nn.modules.activation.Softmax"}
+        ),
+        "Softmax",
+    ),
+    "dense-width": (
+        "cls-dense-new",
+        lambda d: edit_json(d / "3_Dense" / "config.json", lambda c: {**c, "in_features": 100}),
+        "3_Dense.*takes 100",
+    ),
     "dense-weights": ("cls-dense-new", lambda d: (d / "2_Dense" / "model.safetensors").unlink(), "2_Dense.*no weights"),
     "no-pooling": ("max-new-plain", lambda d: edit_json(d / "modules.json", lambda m: m[:1]), "Pooling"),
 }
@@ -305,8 +377,11 @@ def test_unreproducible_models_are_refused(case, embedders, tmp_path):
 
 
 def test_unknown_heads_are_refused(heads, st_dir, tmp_path):
-    path = variant(heads["regression"], tmp_path / "problem", lambda d: edit_json(
-        d / "config.json", lambda c: {**c, "problem_type": "ordinal_regression"}))
+    path = variant(
+        heads["regression"],
+        tmp_path / "problem",
+        lambda d: edit_json(d / "config.json", lambda c: {**c, "problem_type": "ordinal_regression"}),
+    )
     with pytest.raises(ModelLoadError, match="problem_type 'ordinal_regression'"):
         load_model_spec("problem", path)
     path = str(build_head_model(st_dir / "ce-tanh", ("score",), cross_encoder_activation="Tanh"))
@@ -323,8 +398,11 @@ def test_prompts_refused_where_pooling_excludes_them(embedders, tmp_path):
     check_prompts(spec, {"query": ""})  # empty prompts change nothing
     with pytest.raises(ModelLoadError, match="include_prompt"):
         check_prompts(spec, {"query": "query: "})  # e.g. --prompt query=query:
-    path = variant(spec.path, tmp_path / "prompted", lambda d: edit_json(
-        d / "config_sentence_transformers.json", lambda c: {**c, "prompts": {"query": "query: "}}))
+    path = variant(
+        spec.path,
+        tmp_path / "prompted",
+        lambda d: edit_json(d / "config_sentence_transformers.json", lambda c: {**c, "prompts": {"query": "query: "}}),
+    )
     with pytest.raises(ModelLoadError, match="include_prompt"):
         load_model_spec("prompted", path)
 
@@ -333,9 +411,15 @@ def test_prompts_refused_where_pooling_excludes_them(embedders, tmp_path):
 @pytest.fixture(scope="module")
 def st_server(embedders, heads, tmp_path_factory):
     log = tmp_path_factory.mktemp("st-logs") / "server.log"
-    with ServerProcess("--model", f"dense={embedders['cls-dense-new']}",
-                       "--model", f"lowercase={embedders['concat-old-lowercase']}",
-                       "--model", f"multilabel={heads['multi-label']}", log_path=log) as server:
+    with ServerProcess(
+        "--model",
+        f"dense={embedders['cls-dense-new']}",
+        "--model",
+        f"lowercase={embedders['concat-old-lowercase']}",
+        "--model",
+        f"multilabel={heads['multi-label']}",
+        log_path=log,
+    ) as server:
         yield server
 
 

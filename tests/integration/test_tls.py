@@ -42,15 +42,35 @@ def _rest_context(pki, client_cert: bool) -> ssl.SSLContext:
 def servers(pki, tmp_path_factory, minilm_path):
     """(TLS server, mutual-TLS server), started side by side."""
     logs = tmp_path_factory.mktemp("tls-logs")
-    tls = ServerProcess("--model", f"m={minilm_path}", "--tls-cert", str(pki.server_cert), "--tls-key",
-                        str(pki.server_key), "--rest-header-timeout", str(HANDSHAKE_TIMEOUT), rest=True,
-                        log_path=logs / "tls.log",
-                        env={"ENCODERD_RPC_DIR": str(tmp_path_factory.mktemp("rpc"))},
-                        credentials=tls_credentials(pki.ca), rest_tls=_rest_context(pki, client_cert=False))
-    mutual = ServerProcess("--model", f"m={minilm_path}", "--tls-cert", str(pki.server_cert), "--tls-key",
-                           str(pki.server_key), "--tls-client-ca", str(pki.ca), rest=True, log_path=logs / "mtls.log",
-                           credentials=tls_credentials(pki.ca, pki.client_cert, pki.client_key),
-                           rest_tls=_rest_context(pki, client_cert=True))
+    tls = ServerProcess(
+        "--model",
+        f"m={minilm_path}",
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--rest-header-timeout",
+        str(HANDSHAKE_TIMEOUT),
+        rest=True,
+        log_path=logs / "tls.log",
+        env={"ENCODERD_RPC_DIR": str(tmp_path_factory.mktemp("rpc"))},
+        credentials=tls_credentials(pki.ca),
+        rest_tls=_rest_context(pki, client_cert=False),
+    )
+    mutual = ServerProcess(
+        "--model",
+        f"m={minilm_path}",
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--tls-client-ca",
+        str(pki.ca),
+        rest=True,
+        log_path=logs / "mtls.log",
+        credentials=tls_credentials(pki.ca, pki.client_cert, pki.client_key),
+        rest_tls=_rest_context(pki, client_cert=True),
+    )
     try:
         for server in (tls.launch(), mutual.launch()):
             server.wait_serving()
@@ -81,9 +101,12 @@ def test_grpc_over_tls_serves_and_plaintext_is_refused(servers, pki):
 
 def test_rest_over_tls_with_the_ca_matches_grpc(servers, pki):
     tls, _ = servers
-    response = httpx.post(f"https://localhost:{tls.rest_port}/v1/embeddings",
-                          json={"model": "m", "input": ["over TLS"]}, verify=_rest_context(pki, client_cert=False),
-                          timeout=60)
+    response = httpx.post(
+        f"https://localhost:{tls.rest_port}/v1/embeddings",
+        json={"model": "m", "input": ["over TLS"]},
+        verify=_rest_context(pki, client_cert=False),
+        timeout=60,
+    )
     assert response.status_code == 200, response.text
     rest = np.array(response.json()["data"][0]["embedding"], dtype=np.float32)
     with EncoderClient(tls.address, credentials=tls_credentials(pki.ca)) as client:
@@ -109,8 +132,10 @@ def test_mutual_tls_serves_a_client_certificate_and_refuses_none(servers, pki):
     _, mutual = servers
     with EncoderClient(mutual.address, credentials=tls_credentials(pki.ca, pki.client_cert, pki.client_key)) as client:
         assert client.embed(["with a client certificate"], model="m").vectors.shape == (1, 384)
-    with EncoderClient(mutual.address, credentials=tls_credentials(pki.ca), timeout=10) as client, \
-            pytest.raises(Unavailable):
+    with (
+        EncoderClient(mutual.address, credentials=tls_credentials(pki.ca), timeout=10) as client,
+        pytest.raises(Unavailable),
+    ):
         client.embed(["without one"], model="m")
     assert _refused(grpc.insecure_channel(mutual.address)) == grpc.StatusCode.UNAVAILABLE
 
@@ -136,21 +161,31 @@ def test_a_killed_tls_server_leaves_no_socket_behind(servers):
 
 
 def _start_error(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "encoderd.server.cli", "serve", "--no-rest", "--grpc-port", "0",
-                           *args], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "encoderd.server.cli", "serve", "--no-rest", "--grpc-port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing", "cannot read --tls-cert"),
-    ("mismatched", "the key does not match the certificate"),
-    ("not a certificate", "holds no PEM certificate"),
-    ("key only", "TLS needs both --tls-cert and --tls-key"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "cannot read --tls-cert"),
+        ("mismatched", "the key does not match the certificate"),
+        ("not a certificate", "holds no PEM certificate"),
+        ("key only", "TLS needs both --tls-cert and --tls-key"),
+    ],
+)
 def test_bad_tls_files_stop_the_start_in_one_line(pki, tmp_path, case, expected):
-    args = {"missing": ["--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(pki.server_key)],
-            "mismatched": ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.other_key)],
-            "not a certificate": ["--tls-cert", str(pki.server_key), "--tls-key", str(pki.server_key)],
-            "key only": ["--tls-key", str(pki.server_key)]}[case]
+    args = {
+        "missing": ["--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(pki.server_key)],
+        "mismatched": ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.other_key)],
+        "not a certificate": ["--tls-cert", str(pki.server_key), "--tls-key", str(pki.server_key)],
+        "key only": ["--tls-key", str(pki.server_key)],
+    }[case]
     result = _start_error(*args)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

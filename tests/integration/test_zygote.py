@@ -60,8 +60,9 @@ def _zygote(server) -> int:
     """The zygote: the frontend's child on the zygote's command line that is no worker (a forked
     worker keeps the command line it was forked with)."""
     workers = {r.pid for m in server.stub().ListModels(pb.ListModelsRequest()).models for r in m.replicas}
-    found = [p for p in _descendants(server.proc.pid)
-             if _alive(p) and p not in workers and ZYGOTE_MODULE in _cmdline(p)]
+    found = [
+        p for p in _descendants(server.proc.pid) if _alive(p) and p not in workers and ZYGOTE_MODULE in _cmdline(p)
+    ]
     assert len(found) == 1, f"expected one zygote among the frontend's processes, found {found}"
     return found[0]
 

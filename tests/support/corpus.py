@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
-WORDS = ("the model embeds every passage into a vector space where similar meanings land close together while "
-         "retrieval systems rank candidate documents by cosine similarity before a cross encoder reranks the best "
-         "few for precision search engines serve millions of queries each day and latency matters as much as "
-         "throughput cats dogs weather finance protein sequence kernel batching tokenizer attention").split()
+WORDS = (
+    "the model embeds every passage into a vector space where similar meanings land close together while "
+    "retrieval systems rank candidate documents by cosine similarity before a cross encoder reranks the best "
+    "few for precision search engines serve millions of queries each day and latency matters as much as "
+    "throughput cats dogs weather finance protein sequence kernel batching tokenizer attention"
+).split()
 
 
 def sentences(n: int, min_words: int = 1, max_words: int = 120, seed: int = 0) -> list[str]:

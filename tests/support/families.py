@@ -49,54 +49,169 @@ INIT_RANGE = 0.3
 class Family:
     name: str
     config_class: str
-    base_class: str          # the embedder (AutoModel's class)
-    classifier_class: str    # *ForSequenceClassification
-    config: dict             # architecture settings beyond the shared tiny sizes
-    pooling: str             # sentence-transformers pooling mode of the embedder
-    tokenizer: str           # key of TOKENIZERS
+    base_class: str  # the embedder (AutoModel's class)
+    classifier_class: str  # *ForSequenceClassification
+    config: dict  # architecture settings beyond the shared tiny sizes
+    pooling: str  # sentence-transformers pooling mode of the embedder
+    tokenizer: str  # key of TOKENIZERS
     by_kind: dict | None = None  # kind -> config.json settings of that kind only
 
 
 def _tiny(**extra) -> dict:
-    return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                initializer_range=INIT_RANGE, **extra)
+    return dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        initializer_range=INIT_RANGE,
+        **extra,
+    )
 
 
-FAMILIES = {f.name: f for f in [
-    Family("bert", "BertConfig", "BertModel", "BertForSequenceClassification",
-           _tiny(max_position_embeddings=MAX_POSITIONS, type_vocab_size=2, pad_token_id=0), "mean", "bert"),
-    Family("xlm-roberta", "XLMRobertaConfig", "XLMRobertaModel", "XLMRobertaForSequenceClassification",
-           _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
-                 eos_token_id=2), "cls", "xlm-roberta"),
-    Family("camembert", "CamembertConfig", "CamembertModel", "CamembertForSequenceClassification",
-           _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
-                 eos_token_id=2), "mean", "camembert"),
-    Family("roberta", "RobertaConfig", "RobertaModel", "RobertaForSequenceClassification",
-           _tiny(max_position_embeddings=MAX_POSITIONS + 2, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
-                 eos_token_id=2), "mean", "roberta"),
-    Family("distilbert", "DistilBertConfig", "DistilBertModel", "DistilBertForSequenceClassification",
-           {"dim": 64, "n_layers": 2, "n_heads": 4, "hidden_dim": 128, "initializer_range": INIT_RANGE,
-                "max_position_embeddings": MAX_POSITIONS, "pad_token_id": 0}, "mean", "distilbert"),
-    Family("mpnet", "MPNetConfig", "MPNetModel", "MPNetForSequenceClassification",
-           _tiny(max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1, bos_token_id=0, eos_token_id=2),
-           "mean", "mpnet"),
-    Family("modernbert", "ModernBertConfig", "ModernBertModel", "ModernBertForSequenceClassification",
-           _tiny(max_position_embeddings=MAX_POSITIONS, local_attention=64, layer_types=["full_attention",
-                 "sliding_attention"], pad_token_id=3, cls_token_id=1, sep_token_id=2, bos_token_id=1,
-                 eos_token_id=2), "mean", "bert-style-bpe",
-           # The head pools itself: mean over the mask for the reranker (gte-reranker-modernbert), CLS otherwise.
-           {"reranker": {"classifier_pooling": "mean"}, "classifier": {"classifier_pooling": "cls"}}),
-    Family("deberta-v2", "DebertaV2Config", "DebertaV2Model", "DebertaV2ForSequenceClassification",
-           _tiny(max_position_embeddings=MAX_POSITIONS, type_vocab_size=0, relative_attention=True,
-                 position_buckets=64, max_relative_positions=-1, position_biased_input=False,
-                 pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm", share_att_key=True, pad_token_id=0),
-           "mean", "deberta-v2"),
-    Family("qwen3", "Qwen3Config", "Qwen3Model", "Qwen3ForSequenceClassification",
-           _tiny(num_key_value_heads=2, head_dim=16, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-                 hidden_act="silu", rms_norm_eps=1e-6, use_cache=False), "lasttoken", "qwen3",
-           # Qwen3-Embedding's config.json names the causal LM it was trained from.
-           {"embedding": {"architectures": ["Qwen3ForCausalLM"]}}),
-]}
+FAMILIES = {
+    f.name: f
+    for f in [
+        Family(
+            "bert",
+            "BertConfig",
+            "BertModel",
+            "BertForSequenceClassification",
+            _tiny(max_position_embeddings=MAX_POSITIONS, type_vocab_size=2, pad_token_id=0),
+            "mean",
+            "bert",
+        ),
+        Family(
+            "xlm-roberta",
+            "XLMRobertaConfig",
+            "XLMRobertaModel",
+            "XLMRobertaForSequenceClassification",
+            _tiny(
+                max_position_embeddings=MAX_POSITIONS + 2,
+                type_vocab_size=1,
+                pad_token_id=1,
+                bos_token_id=0,
+                eos_token_id=2,
+            ),
+            "cls",
+            "xlm-roberta",
+        ),
+        Family(
+            "camembert",
+            "CamembertConfig",
+            "CamembertModel",
+            "CamembertForSequenceClassification",
+            _tiny(
+                max_position_embeddings=MAX_POSITIONS + 2,
+                type_vocab_size=1,
+                pad_token_id=1,
+                bos_token_id=0,
+                eos_token_id=2,
+            ),
+            "mean",
+            "camembert",
+        ),
+        Family(
+            "roberta",
+            "RobertaConfig",
+            "RobertaModel",
+            "RobertaForSequenceClassification",
+            _tiny(
+                max_position_embeddings=MAX_POSITIONS + 2,
+                type_vocab_size=1,
+                pad_token_id=1,
+                bos_token_id=0,
+                eos_token_id=2,
+            ),
+            "mean",
+            "roberta",
+        ),
+        Family(
+            "distilbert",
+            "DistilBertConfig",
+            "DistilBertModel",
+            "DistilBertForSequenceClassification",
+            {
+                "dim": 64,
+                "n_layers": 2,
+                "n_heads": 4,
+                "hidden_dim": 128,
+                "initializer_range": INIT_RANGE,
+                "max_position_embeddings": MAX_POSITIONS,
+                "pad_token_id": 0,
+            },
+            "mean",
+            "distilbert",
+        ),
+        Family(
+            "mpnet",
+            "MPNetConfig",
+            "MPNetModel",
+            "MPNetForSequenceClassification",
+            _tiny(max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1, bos_token_id=0, eos_token_id=2),
+            "mean",
+            "mpnet",
+        ),
+        Family(
+            "modernbert",
+            "ModernBertConfig",
+            "ModernBertModel",
+            "ModernBertForSequenceClassification",
+            _tiny(
+                max_position_embeddings=MAX_POSITIONS,
+                local_attention=64,
+                layer_types=["full_attention", "sliding_attention"],
+                pad_token_id=3,
+                cls_token_id=1,
+                sep_token_id=2,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            "mean",
+            "bert-style-bpe",
+            # The head pools itself: mean over the mask for the reranker (gte-reranker-modernbert), CLS otherwise.
+            {"reranker": {"classifier_pooling": "mean"}, "classifier": {"classifier_pooling": "cls"}},
+        ),
+        Family(
+            "deberta-v2",
+            "DebertaV2Config",
+            "DebertaV2Model",
+            "DebertaV2ForSequenceClassification",
+            _tiny(
+                max_position_embeddings=MAX_POSITIONS,
+                type_vocab_size=0,
+                relative_attention=True,
+                position_buckets=64,
+                max_relative_positions=-1,
+                position_biased_input=False,
+                pos_att_type=["p2c", "c2p"],
+                norm_rel_ebd="layer_norm",
+                share_att_key=True,
+                pad_token_id=0,
+            ),
+            "mean",
+            "deberta-v2",
+        ),
+        Family(
+            "qwen3",
+            "Qwen3Config",
+            "Qwen3Model",
+            "Qwen3ForSequenceClassification",
+            _tiny(
+                num_key_value_heads=2,
+                head_dim=16,
+                max_position_embeddings=MAX_POSITIONS,
+                tie_word_embeddings=True,
+                hidden_act="silu",
+                rms_norm_eps=1e-6,
+                use_cache=False,
+            ),
+            "lasttoken",
+            "qwen3",
+            # Qwen3-Embedding's config.json names the causal LM it was trained from.
+            {"embedding": {"architectures": ["Qwen3ForCausalLM"]}},
+        ),
+    ]
+}
 
 
 # ------------------------------------------------------------------ tokenizers
@@ -111,9 +226,15 @@ def _bpe(specials: list[str]):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_training_text(), trainers.BpeTrainer(
-        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        _training_text(),
+        trainers.BpeTrainer(
+            vocab_size=600,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     return tok
 
 
@@ -126,8 +247,12 @@ def _unigram(specials: list[str], unk: str):
     from .corpus import WORDS
 
     chars = sorted(set("".join(_training_text())) - {" "})
-    pieces = ([(s, 0.0) for s in specials] + [(f"\u2581{w}", -5.0) for w in sorted(set(WORDS))]
-              + [("\u2581", -8.0)] + [(c, -10.0 - i / 100) for i, c in enumerate(chars)])
+    pieces = (
+        [(s, 0.0) for s in specials]
+        + [(f"\u2581{w}", -5.0) for w in sorted(set(WORDS))]
+        + [("\u2581", -8.0)]
+        + [(c, -10.0 - i / 100) for i, c in enumerate(chars)]
+    )
     tok = Tokenizer(models.Unigram(pieces, unk_id=specials.index(unk)))
     tok.normalizer = normalizers.NFKC()
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -140,15 +265,23 @@ def _template(tok, single: str, pair: str, specials: list[str]) -> None:
     from tokenizers import processors
 
     tok.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=[(s, tok.token_to_id(s)) for s in specials])
+        single=single, pair=pair, special_tokens=[(s, tok.token_to_id(s)) for s in specials]
+    )
 
 
 def _xlm_roberta_tokenizer():
     tok = _unigram(["<s>", "<pad>", "</s>", "<unk>", "<mask>"], unk="<unk>")
     _template(tok, "<s> $A </s>", "<s> $A </s> </s> $B </s>", ["<s>", "</s>"])  # type ids all 0, as XLM-R's
-    return tok, {"tokenizer_class": "XLMRobertaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-                 "cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
-                 "mask_token": "<mask>"}
+    return tok, {
+        "tokenizer_class": "XLMRobertaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "cls_token": "<s>",
+        "sep_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    }
 
 
 def _camembert_tokenizer():
@@ -161,13 +294,26 @@ def _roberta_tokenizer():
 
     tok = _bpe(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0), add_prefix_space=False)
-    return tok, {"tokenizer_class": "RobertaTokenizer", "bos_token": "<s>", "eos_token": "</s>",
-                 "cls_token": "<s>", "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
-                 "mask_token": "<mask>", "add_prefix_space": False}
+    return tok, {
+        "tokenizer_class": "RobertaTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "cls_token": "<s>",
+        "sep_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+        "add_prefix_space": False,
+    }
 
 
-_BERT_SPECIALS = {"cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
-                  "mask_token": "[MASK]"}
+_BERT_SPECIALS = {
+    "cls_token": "[CLS]",
+    "sep_token": "[SEP]",
+    "pad_token": "[PAD]",
+    "unk_token": "[UNK]",
+    "mask_token": "[MASK]",
+}
 
 
 def _bert_style_bpe_tokenizer():
@@ -185,11 +331,19 @@ def _deberta_tokenizer():
 
 def _qwen3_tokenizer():
     tok = _bpe([])
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])  # after the vocabulary, as Qwen's: pad id != 0
+    tok.add_special_tokens(
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    )  # after the vocabulary, as Qwen's: pad id != 0
     _template(tok, "$A <|endoftext|>", "$A <|endoftext|> $B:1 <|endoftext|>:1", ["<|endoftext|>"])
     # Qwen3-Embedding pads on the left; the server pads on the right: equal under causal attention + RoPE.
-    return tok, {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-                 "unk_token": None, "bos_token": None, "padding_side": "left"}
+    return tok, {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "bos_token": None,
+        "padding_side": "left",
+    }
 
 
 def _mpnet_tokenizer():
@@ -209,14 +363,28 @@ def _mpnet_tokenizer():
     tok.decoder = decoders.WordPiece()
     tok.add_special_tokens(pieces[:5])
     _template(tok, "<s> $A </s>", "<s> $A </s> </s> $B </s>", ["<s>", "</s>"])
-    return tok, {"tokenizer_class": "MPNetTokenizer", "bos_token": "<s>", "eos_token": "</s>", "cls_token": "<s>",
-                 "sep_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "mask_token": "<mask>",
-                 "do_lower_case": True}
+    return tok, {
+        "tokenizer_class": "MPNetTokenizer",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "cls_token": "<s>",
+        "sep_token": "</s>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+        "do_lower_case": True,
+    }
 
 
-TOKENIZERS = {"xlm-roberta": _xlm_roberta_tokenizer, "roberta": _roberta_tokenizer,
-              "bert-style-bpe": _bert_style_bpe_tokenizer, "deberta-v2": _deberta_tokenizer,
-              "qwen3": _qwen3_tokenizer, "mpnet": _mpnet_tokenizer, "camembert": _camembert_tokenizer}
+TOKENIZERS = {
+    "xlm-roberta": _xlm_roberta_tokenizer,
+    "roberta": _roberta_tokenizer,
+    "bert-style-bpe": _bert_style_bpe_tokenizer,
+    "deberta-v2": _deberta_tokenizer,
+    "qwen3": _qwen3_tokenizer,
+    "mpnet": _mpnet_tokenizer,
+    "camembert": _camembert_tokenizer,
+}
 
 
 def _minilm_tokenizer(out: Path, tokenizer_class: str) -> int:
@@ -251,15 +419,22 @@ def _special_ids(out: Path, family: Family) -> dict:
 
 # ------------------------------------------------------------------ models
 def _sentence_transformers_files(out: Path, pooling: str) -> None:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
     (out / "modules.json").write_text(json.dumps(modules, indent=1))
-    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_POSITIONS,
-                                                               "do_lower_case": False}))
+    (out / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": MAX_POSITIONS, "do_lower_case": False})
+    )
     (out / "1_Pooling").mkdir()
-    modes = {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean",
-             "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": pooling == "lasttoken"}
+    modes = {
+        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_lasttoken": pooling == "lasttoken",
+    }
     (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
     (out / "2_Normalize").mkdir()
 
@@ -282,16 +457,25 @@ def build(family_name: str, kind: str, out_dir: Path) -> Path:
     tmp.mkdir(parents=True)
     vocab = _save_tokenizer(family, tmp)
     labels = LABELS.get(kind, [])
-    head = {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
-                "label2id": {label: i for i, label in enumerate(labels)}} if labels else {}
+    head = (
+        {
+            "num_labels": len(labels),
+            "id2label": dict(enumerate(labels)),
+            "label2id": {label: i for i, label in enumerate(labels)},
+        }
+        if labels
+        else {}
+    )
     config = getattr(transformers, family.config_class)(
-        vocab_size=vocab, **family.config, **_special_ids(tmp, family), **head)
+        vocab_size=vocab, **family.config, **_special_ids(tmp, family), **head
+    )
     torch.manual_seed(0)
     model = getattr(transformers, family.classifier_class if labels else family.base_class)(config).eval()
     model.save_pretrained(tmp)
-    _update_json(tmp / "config.json", (family.by_kind or {}).get(kind, {}))  # after save_pretrained, which sets architectures
+    _update_json(
+        tmp / "config.json", (family.by_kind or {}).get(kind, {})
+    )  # after save_pretrained, which sets architectures
     if not labels:
         _sentence_transformers_files(tmp, family.pooling)
     tmp.rename(out_dir)
     return out_dir
-

@@ -10,6 +10,7 @@ Mul before each quantized linear), `aX` (its alpha), `dX` (the FFN down-projecti
 process (best of 4 interleaved rounds): on a machine shared with other work, wall time is not
 comparable between recipes; use THREADS 1 so CPU time is compute time.
 """
+
 import os
 import sys
 import time
@@ -27,12 +28,15 @@ from support.corpus import sentences
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 spec = load_model_spec("m", default_model_path())
-tok = load_tokenizer(spec.path); tok.no_padding(); tok.enable_truncation(spec.max_length)
+tok = load_tokenizer(spec.path)
+tok.no_padding()
+tok.enable_truncation(spec.max_length)
 texts = broad_corpus() + sentences(200, max_words=200, seed=9)
 enc = sorted(tok.encode_batch(texts), key=lambda e: len(e.ids))
 ids = [np.asarray(e.ids, dtype=np.int32) for e in enc]
-batches = [TokenBatch.from_sequences(-1, ids[i:i + 16]) for i in range(0, len(ids), 16)]
+batches = [TokenBatch.from_sequences(-1, ids[i : i + 16]) for i in range(0, len(ids), 16)]
 ntok = sum(len(i) for i in ids)
+
 
 def build(recipe):
     real = packed_linear.available
@@ -46,12 +50,14 @@ def build(recipe):
     torch.backends.quantized.engine = recipe.split("/")[0]
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
+
     qconfig = per_channel_dynamic_qconfig if "pc" in recipe else default_dynamic_qconfig
     keep_down = "keepdown" in recipe
     alpha = next((float(p[1:]) for p in recipe.split("/") if p.startswith("a")), 0.5)
     ranges = calibrate(b) if "smooth" in recipe else {}
     down_alpha = next((float(p[1:]) for p in recipe.split("/") if p.startswith("d")), alpha)
     downs = {layer.output.dense for layer in b.model.encoder.layer}
+
     def q(lin):
         a = down_alpha if lin in downs else alpha
         if lin in ranges:
@@ -62,6 +68,7 @@ def build(recipe):
             return Smoothed(QLinear.from_float(lin), 1 / sc)
         lin.qconfig = qconfig
         return QLinear.from_float(lin)
+
     for layer in b.model.encoder.layer:
         layer.attention.output.dense = q(layer.attention.output.dense)
         layer.intermediate.dense = q(layer.intermediate.dense)
@@ -72,41 +79,57 @@ def build(recipe):
     b.packed.qkv = [q(lin) for lin in b.packed.qkv]
     return b
 
+
 class Smoothed(torch.nn.Module):
     def __init__(self, inner, inv):
-        super().__init__(); self.inner, self.inv = inner, inv
+        super().__init__()
+        self.inner, self.inv = inner, inv
+
     def forward(self, x):
         return self.inner(x * self.inv)
 
+
 def calibrate(b):
     from encoderd.workers import calibration
+
     cal = calibration.texts(tok, spec.max_length)
     cenc = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(cal)]
     lins = list(list(b.packed.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear])
     ranges = {}
+
     def hook(m, args):
         x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
         ranges[m] = torch.maximum(ranges[m], x) if m in ranges else x
+
     hs = [lin.register_forward_pre_hook(hook) for lin in lins]
     for i in range(0, len(cenc), 16):
-        b.forward(TokenBatch.from_sequences(-1, cenc[i:i + 16]))
-    for h in hs: h.remove()
+        b.forward(TokenBatch.from_sequences(-1, cenc[i : i + 16]))
+    for h in hs:
+        h.remove()
     return ranges
+
 
 def run(b):
     outs = [b.forward(x) for x in batches]
     return np.concatenate(outs)
 
+
 recipes = ["float32", *sys.argv[2].split(",")]
 backends = {r: build(r) for r in recipes}
 ref = run(backends["float32"])
-best = dict.fromkeys(recipes, 1000000000.0); cos = {}
+best = dict.fromkeys(recipes, 1000000000.0)
+cos = {}
 torch.set_num_threads(threads)
 for _rnd in range(4):
     for r, b in backends.items():
-        t = time.process_time(); out = run(b); best[r] = min(best[r], time.process_time() - t)
+        t = time.process_time()
+        out = run(b)
+        best[r] = min(best[r], time.process_time() - t)
         c = (out * ref).sum(1) / np.linalg.norm(out, axis=1) / np.linalg.norm(ref, axis=1)
         cos[r] = (c.min(), c.mean())
 for r in recipes:
-    print(f"{r:28s} {ntok / best[r]:8.0f} tok/s  x{best['float32'] / best[r]:.2f}  "
-          f"min cos {cos[r][0]:.4f} mean {cos[r][1]:.5f}", flush=True)
+    print(
+        f"{r:28s} {ntok / best[r]:8.0f} tok/s  x{best['float32'] / best[r]:.2f}  "
+        f"min cos {cos[r][0]:.4f} mean {cos[r][1]:.5f}",
+        flush=True,
+    )

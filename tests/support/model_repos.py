@@ -12,7 +12,7 @@ from encoderd.workers.model_spec import default_model_path
 # The repository code: MiniLM whose hidden states pass through ReLU. Its own config class
 # (model_type "relu_bert") keeps transformers' registration of it from replacing BertModel
 # in the test process, which loads stock BERT models too.
-REMOTE_CODE = '''\
+REMOTE_CODE = """\
 import torch
 from transformers import BertConfig, BertModel
 
@@ -29,7 +29,7 @@ class ReluBertModel(BertModel):
                               **kwargs)
         out.last_hidden_state = torch.relu(out.last_hidden_state)
         return out
-'''
+"""
 
 
 def build_remote_code_model(out: Path) -> Path:
@@ -37,8 +37,11 @@ def build_remote_code_model(out: Path) -> Path:
     shutil.copytree(default_model_path(), out)
     (out / "relu_bert.py").write_text(REMOTE_CODE)
     config = json.loads((out / "config.json").read_text())
-    config.update(model_type="relu_bert", architectures=["ReluBertModel"],
-                  auto_map={"AutoConfig": "relu_bert.ReluBertConfig", "AutoModel": "relu_bert.ReluBertModel"})
+    config.update(
+        model_type="relu_bert",
+        architectures=["ReluBertModel"],
+        auto_map={"AutoConfig": "relu_bert.ReluBertConfig", "AutoModel": "relu_bert.ReluBertModel"},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

@@ -18,8 +18,12 @@ from .corpus import sentences
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 # The reranker head's calibration pairs: fixed, and disjoint from the texts the tests score.
-CALIBRATION_QUERIES = ("what is a cross encoder", "weather and finance news", "protein sequence attention kernel",
-                       "how fast can a search engine serve queries")
+CALIBRATION_QUERIES = (
+    "what is a cross encoder",
+    "weather and finance news",
+    "protein sequence attention kernel",
+    "how fast can a search engine serve queries",
+)
 RERANKER_SCORE_STD = 3.0  # logits over the calibration pairs; tests turn sigmoids back into logits, so not 10
 
 
@@ -37,8 +41,9 @@ def _pooled_features(model, pairs: list[tuple[str, str]]) -> np.ndarray:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_path())
-    enc = tok([q for q, _ in pairs], [p for _, p in pairs], padding=True, truncation=True, max_length=256,
-              return_tensors="pt")
+    enc = tok(
+        [q for q, _ in pairs], [p for _, p in pairs], padding=True, truncation=True, max_length=256, return_tensors="pt"
+    )
     with torch.no_grad():
         return model.base_model(**enc).pooler_output.double().numpy()
 
@@ -75,8 +80,11 @@ def _build_sequence_classifier(out_dir: Path, labels: list[str], set_head) -> Pa
         return out_dir
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(
-        default_model_path(), num_labels=len(labels),
-        id2label=dict(enumerate(labels)), label2id={label: i for i, label in enumerate(labels)}).eval()
+        default_model_path(),
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    ).eval()
     set_head(model)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     model.save_pretrained(tmp)

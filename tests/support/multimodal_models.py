@@ -79,13 +79,27 @@ def build_clip(out_dir: Path) -> Path:
 
         tokenizer = clip_tokenizer()
         config = CLIPConfig(
-            text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                             "num_attention_heads": 2, "max_position_embeddings": 77,
-                             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-                             "pad_token_id": tokenizer.pad_token_id},
-            vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                               "image_size": 32, "patch_size": 8},
-            projection_dim=16)
+            text_config={
+                "vocab_size": len(tokenizer),
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "max_position_embeddings": 77,
+                "bos_token_id": tokenizer.bos_token_id,
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id,
+            },
+            vision_config={
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "image_size": 32,
+                "patch_size": 8,
+            },
+            projection_dim=16,
+        )
         _seed()
         CLIPModel(config).eval().save_pretrained(tmp)
         images = CLIPImageProcessor(size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32})
@@ -103,19 +117,45 @@ def build_clap(out_dir: Path) -> Path:
         from transformers import ClapConfig, ClapFeatureExtractor, ClapModel
 
         config = ClapConfig(
-            text_config={"vocab_size": 30522, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                             "num_attention_heads": 2, "max_position_embeddings": 514, "type_vocab_size": 1,
-                             "pad_token_id": 0},  # MiniLM's [PAD]: the text tower derives positions from it
-            audio_config={"spec_size": 64, "num_mel_bins": 64, "window_size": 4, "patch_size": 4, "patch_stride": (4, 4),
-                              "depths": [1, 1], "num_attention_heads": [2, 2], "patch_embeds_hidden_size": 16, "hidden_size": 32,
-                              "enable_fusion": True, "fusion_type": "aff_2d"},
-            projection_dim=16)
+            text_config={
+                "vocab_size": 30522,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "max_position_embeddings": 514,
+                "type_vocab_size": 1,
+                "pad_token_id": 0,
+            },  # MiniLM's [PAD]: the text tower derives positions from it
+            audio_config={
+                "spec_size": 64,
+                "num_mel_bins": 64,
+                "window_size": 4,
+                "patch_size": 4,
+                "patch_stride": (4, 4),
+                "depths": [1, 1],
+                "num_attention_heads": [2, 2],
+                "patch_embeds_hidden_size": 16,
+                "hidden_size": 32,
+                "enable_fusion": True,
+                "fusion_type": "aff_2d",
+            },
+            projection_dim=16,
+        )
         _seed()
         ClapModel(config).eval().save_pretrained(tmp)
         # feature_size 64: CLAP's fusion path hard-codes 64 mel bins.
-        ClapFeatureExtractor(feature_size=64, sampling_rate=CLAP_SAMPLING_RATE, hop_length=320, max_length_s=1,
-                             fft_window_size=512, frequency_min=50, frequency_max=8000,
-                             truncation="fusion", padding="repeatpad").save_pretrained(tmp)
+        ClapFeatureExtractor(
+            feature_size=64,
+            sampling_rate=CLAP_SAMPLING_RATE,
+            hop_length=320,
+            max_length_s=1,
+            fft_window_size=512,
+            frequency_min=50,
+            frequency_max=8000,
+            truncation="fusion",
+            padding="repeatpad",
+        ).save_pretrained(tmp)
         _copy_minilm_tokenizer(tmp)
 
     return _build_once(out_dir, build)
@@ -125,12 +165,20 @@ def build_clap(out_dir: Path) -> Path:
 def _tiny_bert(**extra):
     from transformers import BertConfig
 
-    return BertConfig(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, max_position_embeddings=512, **extra)
+    return BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=512,
+        **extra,
+    )
 
 
 def build_colbert(out_dir: Path) -> Path:
     """A PyLate-layout ColBERT: the encoder, then 1_Dense (no bias, identity), as modules.json says."""
+
     def build(tmp: Path) -> None:
         import torch
         from sentence_transformers.sentence_transformer.modules import Dense
@@ -143,8 +191,10 @@ def build_colbert(out_dir: Path) -> Path:
             dense.linear.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
         (tmp / "1_Dense").mkdir()
         dense.save(str(tmp / "1_Dense"))
-        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                   {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"},
+        ]
         (tmp / "modules.json").write_text(json.dumps(modules, indent=2))
         _copy_minilm_tokenizer(tmp)
 
@@ -153,6 +203,7 @@ def build_colbert(out_dir: Path) -> Path:
 
 def build_sparse(out_dir: Path) -> Path:
     """A masked-LM over MiniLM's vocabulary; served as SPLADE with the :sparse kind."""
+
     def build(tmp: Path) -> None:
         from transformers import BertForMaskedLM
 

@@ -29,7 +29,13 @@ def node_client_dir() -> Path:
     installed = NODE_CLIENT / "node_modules" / ".package-lock.json"
     sources = [NODE_CLIENT / "package-lock.json", NODE_CLIENT / "package.json"]
     if not installed.exists() or any(s.stat().st_mtime > installed.stat().st_mtime for s in sources):
-        result = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=NODE_CLIENT,
-                                capture_output=True, text=True, timeout=600, check=False)
+        result = subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+            cwd=NODE_CLIENT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
         assert result.returncode == 0, f"npm ci failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return NODE_CLIENT

@@ -35,13 +35,22 @@ class ServerProcess:
     REST (the Envoy child) is off unless rest=True, which puts it on a free port
     too and makes start() also wait until Envoy answers /health with 200."""
 
-    def __init__(self, *args: str, env: dict | None = None, log_path: Path | None = None, rest: bool = False,
-                 credentials: grpc.ChannelCredentials | None = None, rest_tls: ssl.SSLContext | None = None):
+    def __init__(
+        self,
+        *args: str,
+        env: dict | None = None,
+        log_path: Path | None = None,
+        rest: bool = False,
+        credentials: grpc.ChannelCredentials | None = None,
+        rest_tls: ssl.SSLContext | None = None,
+    ):
         """`credentials` / `rest_tls`: how this test's own checks reach a server started with --tls-*."""
         self.credentials = credentials
-        self._rest_opener = (urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                                         urllib.request.HTTPSHandler(context=rest_tls))
-                             if rest_tls else _DIRECT)
+        self._rest_opener = (
+            urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=rest_tls))
+            if rest_tls
+            else _DIRECT
+        )
         self.grpc_port = free_port()
         self.metrics_port = free_port()
         self.rest_port = free_port() if rest else 0
@@ -63,8 +72,13 @@ class ServerProcess:
         """Start the process without waiting for it."""
         # The child keeps its own copy of the log's descriptor.
         with open(self.log_path, "wb") if self.log_path else contextlib.nullcontext(subprocess.DEVNULL) as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "encoderd.server.cli", "serve", *self.args],
-                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "encoderd.server.cli", "serve", *self.args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return self
 
     def start(self, timeout: float = 180) -> ServerProcess:
@@ -119,8 +133,8 @@ class ServerProcess:
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 try:
-                    stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
-                    cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+                    stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                    cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
                 except OSError:
                     continue
                 if int(stat[1]) == self.proc.pid and b"envoy" in cmdline:

@@ -24,14 +24,21 @@ from encoderd.workers.model_spec import default_model_path
 HIDDEN = 384
 TYPES = {
     "old": {name: f"sentence_transformers.models.{name}" for name in ("Transformer", "Pooling", "Dense", "Normalize")},
-    "new": {"Transformer": "sentence_transformers.base.modules.transformer.Transformer",
-            "Pooling": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
-            "Dense": "sentence_transformers.base.modules.dense.Dense",
-            "Normalize": "sentence_transformers.base.modules.normalize.Normalize"},
+    "new": {
+        "Transformer": "sentence_transformers.base.modules.transformer.Transformer",
+        "Pooling": "sentence_transformers.sentence_transformer.modules.pooling.Pooling",
+        "Dense": "sentence_transformers.base.modules.dense.Dense",
+        "Normalize": "sentence_transformers.base.modules.normalize.Normalize",
+    },
 }
-LEGACY_POOLING_KEYS = {"cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
-                       "mean": "pooling_mode_mean_tokens", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
-                       "weightedmean": "pooling_mode_weightedmean_tokens", "lasttoken": "pooling_mode_lasttoken"}
+LEGACY_POOLING_KEYS = {
+    "cls": "pooling_mode_cls_token",
+    "max": "pooling_mode_max_tokens",
+    "mean": "pooling_mode_mean_tokens",
+    "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
+    "weightedmean": "pooling_mode_weightedmean_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}
 ENCODER_FILES = ("config.json", "model.safetensors", "vocab.txt", "special_tokens_map.json")
 NORMALIZE = "normalize"
 
@@ -39,14 +46,24 @@ NORMALIZE = "normalize"
 @dataclass(frozen=True)
 class Dense:
     out_features: int
-    activation: str = "Tanh"   # a torch.nn class name
+    activation: str = "Tanh"  # a torch.nn class name
     bias: bool = True
-    residual: bool = False     # sentence-transformers 6 use_residual
+    residual: bool = False  # sentence-transformers 6 use_residual
 
 
-def build_st_model(out_dir: Path, *, fmt: str, pooling: tuple[str, ...] = ("mean",), modules: tuple = (),
-                   lowercase: bool = False, cased_tokenizer: bool = False, include_prompt: bool = True,
-                   max_seq_length: int = 128, prompts: dict | None = None, seed: int = 0) -> Path:
+def build_st_model(
+    out_dir: Path,
+    *,
+    fmt: str,
+    pooling: tuple[str, ...] = ("mean",),
+    modules: tuple = (),
+    lowercase: bool = False,
+    cased_tokenizer: bool = False,
+    include_prompt: bool = True,
+    max_seq_length: int = 128,
+    prompts: dict | None = None,
+    seed: int = 0,
+) -> Path:
     """A Transformer + Pooling + `modules` (Dense(...) or NORMALIZE, in order) model in `fmt`.
 
     cased_tokenizer: the tokenizer keeps case (MiniLM's lower-cases), so do_lower_case matters."""
@@ -60,15 +77,18 @@ def build_st_model(out_dir: Path, *, fmt: str, pooling: tuple[str, ...] = ("mean
     for name in ENCODER_FILES:
         os.symlink(source / name, tmp / name)
     _write_tokenizer(source, tmp, cased_tokenizer, max_seq_length if fmt == "new" else None)
-    entries = [{"idx": 0, "name": "0", "path": "", "type": TYPES[fmt]["Transformer"]},
-               _module(fmt, 1, "Pooling")]
+    entries = [{"idx": 0, "name": "0", "path": "", "type": TYPES[fmt]["Transformer"]}, _module(fmt, 1, "Pooling")]
     _write_json(tmp / "1_Pooling" / "config.json", _pooling_config(fmt, pooling, include_prompt))
     width = HIDDEN * len(pooling)
     for index, module in enumerate(modules, start=2):
         if module == NORMALIZE:
             entries.append(_module(fmt, index, "Normalize"))
-            _write_json(tmp / f"{index}_Normalize" / "config.json", {} if fmt == "old" else {
-                "module_input_name": "sentence_embedding", "module_output_name": "sentence_embedding"})
+            _write_json(
+                tmp / f"{index}_Normalize" / "config.json",
+                {}
+                if fmt == "old"
+                else {"module_input_name": "sentence_embedding", "module_output_name": "sentence_embedding"},
+            )
         else:
             entries.append(_module(fmt, index, "Dense"))
             _write_dense(tmp / f"{index}_Dense", fmt, width, module, seed + index)
@@ -103,12 +123,18 @@ def _write_tokenizer(source: Path, out: Path, cased: bool, model_max_length: int
 
 def _pooling_config(fmt: str, pooling: tuple[str, ...], include_prompt: bool) -> dict:
     if fmt == "new":
-        return {"embedding_dimension": HIDDEN, "pooling_mode": pooling[0] if len(pooling) == 1 else list(pooling),
-                "include_prompt": include_prompt}
+        return {
+            "embedding_dimension": HIDDEN,
+            "pooling_mode": pooling[0] if len(pooling) == 1 else list(pooling),
+            "include_prompt": include_prompt,
+        }
     if list(pooling) != [mode for mode in LEGACY_POOLING_KEYS if mode in pooling]:
         raise ValueError("the old format's booleans concatenate in their fixed order: list the modes that way")
-    return {"word_embedding_dimension": HIDDEN, **{key: mode in pooling for mode, key in LEGACY_POOLING_KEYS.items()},
-            "include_prompt": include_prompt}
+    return {
+        "word_embedding_dimension": HIDDEN,
+        **{key: mode in pooling for mode, key in LEGACY_POOLING_KEYS.items()},
+        "include_prompt": include_prompt,
+    }
 
 
 def _transformer_config(fmt: str, max_seq_length: int, lowercase: bool) -> dict:
@@ -116,17 +142,23 @@ def _transformer_config(fmt: str, max_seq_length: int, lowercase: bool) -> dict:
         return {"max_seq_length": max_seq_length, "do_lower_case": lowercase}
     if lowercase:
         raise ValueError("current releases put lower-casing into tokenizer.json, not a config key")
-    return {"transformer_task": "feature-extraction",
-            "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
-            "module_output_name": "token_embeddings"}
+    return {
+        "transformer_task": "feature-extraction",
+        "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+        "module_output_name": "token_embeddings",
+    }
 
 
 def _write_dense(directory: Path, fmt: str, in_features: int, dense: Dense, seed: int) -> None:
     import torch
 
     activation = getattr(torch.nn, dense.activation)
-    config = {"in_features": in_features, "out_features": dense.out_features, "bias": dense.bias,
-              "activation_function": f"{activation.__module__}.{activation.__name__}"}
+    config = {
+        "in_features": in_features,
+        "out_features": dense.out_features,
+        "bias": dense.bias,
+        "activation_function": f"{activation.__module__}.{activation.__name__}",
+    }
     if fmt == "new":
         config.update(module_input_name="sentence_embedding", module_output_name="sentence_embedding")
         if dense.residual:
@@ -136,7 +168,7 @@ def _write_dense(directory: Path, fmt: str, in_features: int, dense: Dense, seed
     generator = torch.Generator().manual_seed(seed)
     # Scaled so pre-activations spread over ~[-2, 2] on MiniLM's pooled vectors: saturating
     # activations then still separate texts.
-    scale = in_features ** -0.5
+    scale = in_features**-0.5
     weights = {"linear.weight": torch.randn(dense.out_features, in_features, generator=generator) * 3 * scale}
     if dense.bias:
         weights["linear.bias"] = torch.randn(dense.out_features, generator=generator) * 0.1
@@ -151,8 +183,15 @@ def _write_dense(directory: Path, fmt: str, in_features: int, dense: Dense, seed
         torch.save(weights, directory / "pytorch_model.bin")
 
 
-def build_head_model(out_dir: Path, labels: tuple[str, ...], *, problem_type: str | None = None,
-                     cross_encoder_activation: str | None = None, where: str = "current", seed: int = 3) -> Path:
+def build_head_model(
+    out_dir: Path,
+    labels: tuple[str, ...],
+    *,
+    problem_type: str | None = None,
+    cross_encoder_activation: str | None = None,
+    where: str = "current",
+    seed: int = 3,
+) -> Path:
     """MiniLM + a seeded sequence-classification head: `problem_type` as transformers writes it;
     cross_encoder_activation: a torch.nn class name a sentence-transformers CrossEncoder config names,
     `where` its releases put it: "current" (config_sentence_transformers.json, v5+), "v4"
@@ -164,8 +203,12 @@ def build_head_model(out_dir: Path, labels: tuple[str, ...], *, problem_type: st
     if (out_dir / "config.json").exists():
         return out_dir
     model = AutoModelForSequenceClassification.from_pretrained(
-        default_model_path(), num_labels=len(labels), problem_type=problem_type,
-        id2label=dict(enumerate(labels)), label2id={label: i for i, label in enumerate(labels)}).eval()
+        default_model_path(),
+        num_labels=len(labels),
+        problem_type=problem_type,
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    ).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # logits over several units, so activations differ visibly
         model.classifier.weight.copy_(torch.randn(model.classifier.weight.shape, generator=generator) * 2)
@@ -182,13 +225,19 @@ def build_head_model(out_dir: Path, labels: tuple[str, ...], *, problem_type: st
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     if activation_path and where == "current":  # as CrossEncoder.save writes it: with its modules
-        _write_json(tmp / "config_sentence_transformers.json", {"activation_fn": activation_path,
-                                                                "model_type": "CrossEncoder", "prompts": {}})
+        _write_json(
+            tmp / "config_sentence_transformers.json",
+            {"activation_fn": activation_path, "model_type": "CrossEncoder", "prompts": {}},
+        )
         _write_json(tmp / "modules.json", [{"idx": 0, "name": "0", "path": "", "type": TYPES["new"]["Transformer"]}])
-        _write_json(tmp / "sentence_bert_config.json", {
-            "transformer_task": "sequence-classification",
-            "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
-            "module_output_name": "scores"})
+        _write_json(
+            tmp / "sentence_bert_config.json",
+            {
+                "transformer_task": "sequence-classification",
+                "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
+                "module_output_name": "scores",
+            },
+        )
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(Path(default_model_path()) / name, tmp / name)
     tmp.rename(out_dir)

@@ -12,8 +12,9 @@ from encoderd.server.cli import build_parser, config_from_args
 from encoderd.workers.hardware import CpuBudget, choose_cpu_dtype, choose_cpu_layout, parse_cgroup_v1, parse_cgroup_v2
 
 
-@pytest.mark.parametrize("text, cpus", [("max 100000", None), ("200000 100000", 2.0), ("150000 100000", 1.5),
-                                        ("50000 100000", 0.5)])
+@pytest.mark.parametrize(
+    "text, cpus", [("max 100000", None), ("200000 100000", 2.0), ("150000 100000", 1.5), ("50000 100000", 0.5)]
+)
 def test_cgroup_v2_quota(text, cpus):
     assert parse_cgroup_v2(text + "\n") == cpus
 
@@ -23,24 +24,35 @@ def test_cgroup_v1_quota(quota, period, cpus):
     assert parse_cgroup_v1(quota + "\n", period + "\n") == cpus
 
 
-@pytest.mark.parametrize("affinity, quota, usable", [
-    (64, None, 64),   # a whole host
-    (64, 2.0, 2),     # a container limited to 2 CPUs on a 64-core host acts as 2 cores
-    (64, 1.5, 1),     # whole cores' worth only: a second worker would be throttled
-    (64, 0.5, 1),     # never fewer than one
-    (4, 8.0, 4),      # the affinity bounds a generous quota
-])
+@pytest.mark.parametrize(
+    "affinity, quota, usable",
+    [
+        (64, None, 64),  # a whole host
+        (64, 2.0, 2),  # a container limited to 2 CPUs on a 64-core host acts as 2 cores
+        (64, 1.5, 1),  # whole cores' worth only: a second worker would be throttled
+        (64, 0.5, 1),  # never fewer than one
+        (4, 8.0, 4),  # the affinity bounds a generous quota
+    ],
+)
 def test_usable_cores_follow_affinity_and_quota(affinity, quota, usable):
     budget = CpuBudget(tuple(range(affinity)), quota)
     assert budget.usable == usable and budget.cores == tuple(range(usable))
     assert f"{usable} usable core" in budget.describe()
 
 
-@pytest.mark.parametrize("usable, replicas, threads", [
-    (1, 1, 1), (2, 2, 1), (4, 4, 1),   # small hosts: one single-thread worker per core
-    (8, 2, 4), (16, 4, 4), (32, 8, 4),  # bigger: 4-thread workers
-    (64, 8, 8), (96, 8, 12),            # never more than 8 copies of the model
-])
+@pytest.mark.parametrize(
+    "usable, replicas, threads",
+    [
+        (1, 1, 1),
+        (2, 2, 1),
+        (4, 4, 1),  # small hosts: one single-thread worker per core
+        (8, 2, 4),
+        (16, 4, 4),
+        (32, 8, 4),  # bigger: 4-thread workers
+        (64, 8, 8),
+        (96, 8, 12),  # never more than 8 copies of the model
+    ],
+)
 def test_automatic_layout(usable, replicas, threads):
     layout = choose_cpu_layout(usable)
     assert (layout.replicas, layout.threads) == (replicas, threads) and layout.why
@@ -65,11 +77,19 @@ def test_plan_under_a_quota(monkeypatch):
     assert [p.device for p in gpu_and_cpu] == ["cuda:0", "cpu", "cpu"] and gpu_and_cpu[0].threads == 0
 
 
-@pytest.mark.parametrize("name, engine, dtype", [
-    ("zen4", "torch", "bfloat16"), ("spr", "torch", "bfloat16"), ("zen4", "auto", "bfloat16"),
-    ("zen3", "torch", "float32"), ("skylake", "torch", "float32"), ("alderlake", "torch", "float32"),
-    ("zen4", "onnx", "float32"), ("spr", "ctranslate2", "float32"),  # engines without CPU bfloat16
-])
+@pytest.mark.parametrize(
+    "name, engine, dtype",
+    [
+        ("zen4", "torch", "bfloat16"),
+        ("spr", "torch", "bfloat16"),
+        ("zen4", "auto", "bfloat16"),
+        ("zen3", "torch", "float32"),
+        ("skylake", "torch", "float32"),
+        ("alderlake", "torch", "float32"),
+        ("zen4", "onnx", "float32"),
+        ("spr", "ctranslate2", "float32"),  # engines without CPU bfloat16
+    ],
+)
 def test_automatic_cpu_dtype(name, engine, dtype):
     chosen, why = choose_cpu_dtype(engine, host(name))
     assert chosen == dtype and why

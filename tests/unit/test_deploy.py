@@ -50,7 +50,8 @@ def test_env_example_documents_every_cli_variable():
     assert len(variables) > 10  # the parser walk found the serve flags
     missing = sorted(set(variables) - documented)
     assert not missing, "add to deploy/systemd/encoderd.env.example:\n" + "\n".join(
-        f"# {variables[name]}: <what it does>\n#{name}=<default>\n" for name in missing)
+        f"# {variables[name]}: <what it does>\n#{name}=<default>\n" for name in missing
+    )
 
 
 def test_env_example_names_only_real_variables():
@@ -67,8 +68,10 @@ def systemd_root(tmp_path_factory) -> Path:
     if not analyze:
         pytest.skip("systemd-analyze is missing (Debian package systemd; .ci/run installs it)")
     root = tmp_path_factory.mktemp("root")
-    system_units = next((p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system"))
-                         if (p / "sysinit.target").exists()), None)
+    system_units = next(
+        (p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if (p / "sysinit.target").exists()),
+        None,
+    )
     if system_units is None:
         pytest.skip("the systemd package's own units are not installed")
     shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
@@ -77,8 +80,9 @@ def systemd_root(tmp_path_factory) -> Path:
     for unit in UNITS:
         shutil.copy(SYSTEMD / unit, etc / unit)
     for drop_in in ("gpu", "tls"):
-        shutil.copy(SYSTEMD / "encoderd.service.d" / f"{drop_in}.conf.example",
-                    etc / "encoderd.service.d" / f"{drop_in}.conf")
+        shutil.copy(
+            SYSTEMD / "encoderd.service.d" / f"{drop_in}.conf.example", etc / "encoderd.service.d" / f"{drop_in}.conf"
+        )
     for binary in STUB_BINARIES:
         stub = root / binary.lstrip("/")
         stub.parent.mkdir(parents=True, exist_ok=True)
@@ -88,7 +92,9 @@ def systemd_root(tmp_path_factory) -> Path:
 
 
 def analyze(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["systemd-analyze", *args, f"--root={root}"], capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        ["systemd-analyze", *args, f"--root={root}"], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_units_pass_systemd_analyze_verify(systemd_root):
@@ -123,7 +129,9 @@ def kustomize(directory: Path) -> list[dict]:
     """Render with `kubectl kustomize` where kubectl exists; else the base's files as listed."""
     kubectl = shutil.which("kubectl")
     if kubectl:
-        out = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False)
+        out = subprocess.run(
+            [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
+        )
         assert out.returncode == 0, out.stderr
         return [d for d in yaml.safe_load_all(out.stdout) if d]
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
@@ -154,8 +162,11 @@ def test_deployment_probes_health_and_outlives_the_drain(manifests):
     port = int(config["data"]["ENCODERD_GRPC_PORT"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if variant == "overlays/tls":  # the kubelet's gRPC probes cannot speak TLS: REST /health over HTTPS
-            assert container[probe]["httpGet"] == {"path": "/health", "port": int(config["data"]["ENCODERD_REST_PORT"]),
-                                                    "scheme": "HTTPS"} and "grpc" not in container[probe]
+            assert (
+                container[probe]["httpGet"]
+                == {"path": "/health", "port": int(config["data"]["ENCODERD_REST_PORT"]), "scheme": "HTTPS"}
+                and "grpc" not in container[probe]
+            )
         else:
             assert container[probe]["grpc"]["port"] == port  # the grpc.health.v1 service, overall ("")
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -202,10 +213,16 @@ def test_containerfile_matches_the_manifests_and_the_cli(manifests):
 def test_front_envoy_config_is_valid(tmp_path):
     try:
         from encoderd.gateway.envoy import find_envoy
+
         envoy = find_envoy()
     except Exception as exc:  # noqa: BLE001 - no binary: nothing to validate with
         pytest.skip(f"no Envoy binary: {exc}")
     config = ROOT / "deploy" / "envoy" / "front.yaml"
-    result = subprocess.run([envoy, "--mode", "validate", "--config-path", str(config), "--disable-hot-restart",
-                             "--log-level", "warn"], capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [envoy, "--mode", "validate", "--config-path", str(config), "--disable-hot-restart", "--log-level", "warn"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0 and "OK" in result.stdout + result.stderr, result.stdout + result.stderr

@@ -66,8 +66,17 @@ def test_measure_gives_each_kind_its_metrics():
 
 
 # ------------------------------------------------------------------- floors
-@pytest.mark.parametrize("dtype, row", [("float32", "float32"), ("float16", "half"), ("bfloat16", "half"),
-                                        ("int8", "int8"), ("int8_float32", "int8"), ("int8_float16", "int8")])
+@pytest.mark.parametrize(
+    "dtype, row",
+    [
+        ("float32", "float32"),
+        ("float16", "half"),
+        ("bfloat16", "half"),
+        ("int8", "int8"),
+        ("int8_float32", "int8"),
+        ("int8_float16", "int8"),
+    ],
+)
 def test_every_dtype_has_a_floor_row(dtype, row):
     assert fidelity.precision(dtype) == row
     assert set(fidelity.FLOORS[row]) == {m for metrics in fidelity.METRICS.values() for m in metrics}
@@ -120,8 +129,16 @@ def test_calibration_texts_cover_scripts_code_and_emoji(minilm_spec):
     tokenizer = Tokenizer.from_file(f"{minilm_spec.path}/tokenizer.json")
     texts = calibration.texts(tokenizer, minilm_spec.max_length)
     joined = "".join(texts)
-    for first, last in [(0x4E00, 0x9FFF), (0x0600, 0x06FF), (0x0400, 0x04FF), (0x0900, 0x097F),
-                        (0x0370, 0x03FF), (0xAC00, 0xD7AF), (0x0E00, 0x0E7F), (0x1F300, 0x1FAFF)]:
+    for first, last in [
+        (0x4E00, 0x9FFF),
+        (0x0600, 0x06FF),
+        (0x0400, 0x04FF),
+        (0x0900, 0x097F),
+        (0x0370, 0x03FF),
+        (0xAC00, 0xD7AF),
+        (0x0E00, 0x0E7F),
+        (0x1F300, 0x1FAFF),
+    ]:
         assert any(first <= ord(c) <= last for c in joined), hex(first)
     assert any("def " in t for t in texts) and any("SELECT" in t for t in texts)
 
@@ -145,7 +162,7 @@ class _Backend:
         self.options = BackendOptions(dtype=dtype)
 
     def forward(self, batch):
-        rows = self.want[self.row:self.row + batch.size]
+        rows = self.want[self.row : self.row + batch.size]
         self.row += batch.size
         bend = np.random.default_rng(self.row).normal(size=rows.shape) * np.linalg.norm(rows, axis=1, keepdims=True)
         return (rows + self.noise * bend / np.sqrt(rows.shape[1])).astype(np.float32)
@@ -194,8 +211,11 @@ def test_an_automatic_dtype_below_the_floor_falls_back_to_float32(fake_reference
     from encoderd.workers import process
 
     class Loadable(_Backend):
-        def load(self): pass
-        def warmup(self, max_length): pass
+        def load(self):
+            pass
+
+        def warmup(self, max_length):
+            pass
 
     built = []
 
@@ -224,8 +244,10 @@ def test_kinds_outside_the_calibration_set_are_reported_unchecked(minilm_spec):
 
 
 # --------------------------------------------------------------------- flag
-@pytest.mark.parametrize("argv, env, allowed", [([], {}, False), (["--allow-low-fidelity"], {}, True),
-                                                ([], {"ENCODERD_ALLOW_LOW_FIDELITY": "1"}, True)])
+@pytest.mark.parametrize(
+    "argv, env, allowed",
+    [([], {}, False), (["--allow-low-fidelity"], {}, True), ([], {"ENCODERD_ALLOW_LOW_FIDELITY": "1"}, True)],
+)
 def test_allow_low_fidelity_flag_and_env(monkeypatch, argv, env, allowed):
     from encoderd.server.cli import build_parser, config_from_args
 

@@ -11,45 +11,61 @@ import pytest
 from encoderd.workers import hardware
 from encoderd.workers.hardware import UnsupportedOnHardware, check_dtype, onnx_int8_recipe, parse_cpuinfo, read_cpu
 
-_BASE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht "
-         "syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology nonstop_tsc cpuid pni pclmulqdq ssse3 "
-         "fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand hypervisor "
-         "lahf_lm abm 3dnowprefetch fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap "
-         "clflushopt clwb sha_ni xsaveopt xsavec xgetbv1 xsaves")
+_BASE = (
+    "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht "
+    "syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology nonstop_tsc cpuid pni pclmulqdq ssse3 "
+    "fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand hypervisor "
+    "lahf_lm abm 3dnowprefetch fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap "
+    "clflushopt clwb sha_ni xsaveopt xsavec xgetbv1 xsaves"
+)
 _AVX512 = "avx512f avx512dq avx512cd avx512bw avx512vl"
 # model name, the flags line beyond _BASE
 CPUS = {
     # AMD EPYC Milan: AVX2 only. The host of the issue's cosine-0.19 int8 embeddings.
-    "zen3": ("AMD EPYC 7763 64-Core Processor",
-             "mmxext fxsr_opt cmp_legacy svm extapic cr8_legacy sse4a misalignsse osvw topoext perfctr_core clzero "
-             "xsaveerptr rdpru wbnoinvd arat npt umip pku ospke vaes vpclmulqdq rdpid overflow_recov succor fsrm"),
+    "zen3": (
+        "AMD EPYC 7763 64-Core Processor",
+        "mmxext fxsr_opt cmp_legacy svm extapic cr8_legacy sse4a misalignsse osvw topoext perfctr_core clzero "
+        "xsaveerptr rdpru wbnoinvd arat npt umip pku ospke vaes vpclmulqdq rdpid overflow_recov succor fsrm",
+    ),
     # AMD EPYC Genoa: AVX-512 with VNNI and bf16, no AVX-VNNI, no fp16.
-    "zen4": ("AMD EPYC 9654 96-Core Processor",
-             f"mmxext fxsr_opt cmp_legacy svm {_AVX512} avx512ifma avx512_bf16 clzero avx512vbmi umip pku "
-             "avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid fsrm"),
+    "zen4": (
+        "AMD EPYC 9654 96-Core Processor",
+        f"mmxext fxsr_opt cmp_legacy svm {_AVX512} avx512ifma avx512_bf16 clzero avx512vbmi umip pku "
+        "avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid fsrm",
+    ),
     # Intel Xeon Sapphire Rapids: AMX.
-    "spr": ("Intel(R) Xeon(R) Platinum 8480+",
-            f"{_AVX512} avx512ifma avx_vnni avx512_bf16 wbnoinvd arat avx512vbmi umip pku ospke waitpkg "
-            "avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg tme avx512_vpopcntdq la57 rdpid "
-            "bus_lock_detect cldemote movdiri movdir64b enqcmd fsrm md_clear serialize tsxldtrk pconfig "
-            "arch_lbr amx_bf16 avx512_fp16 amx_tile amx_int8 flush_l1d arch_capabilities"),
+    "spr": (
+        "Intel(R) Xeon(R) Platinum 8480+",
+        f"{_AVX512} avx512ifma avx_vnni avx512_bf16 wbnoinvd arat avx512vbmi umip pku ospke waitpkg "
+        "avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg tme avx512_vpopcntdq la57 rdpid "
+        "bus_lock_detect cldemote movdiri movdir64b enqcmd fsrm md_clear serialize tsxldtrk pconfig "
+        "arch_lbr amx_bf16 avx512_fp16 amx_tile amx_int8 flush_l1d arch_capabilities",
+    ),
     # Intel Xeon Skylake-SP: AVX-512 without VNNI (its int8 GEMMs saturate like AVX2's).
-    "skylake": ("Intel(R) Xeon(R) Platinum 8175M CPU @ 2.50GHz",
-                f"{_AVX512} pku ospke arat md_clear flush_l1d arch_capabilities"),
+    "skylake": (
+        "Intel(R) Xeon(R) Platinum 8175M CPU @ 2.50GHz",
+        f"{_AVX512} pku ospke arat md_clear flush_l1d arch_capabilities",
+    ),
     # Intel Alder Lake: no AVX-512, but AVX-VNNI.
-    "alderlake": ("12th Gen Intel(R) Core(TM) i7-12700K",
-                  "avx_vnni umip pku ospke waitpkg gfni vaes vpclmulqdq rdpid movdiri movdir64b fsrm serialize "
-                  "arch_lbr flush_l1d arch_capabilities"),
+    "alderlake": (
+        "12th Gen Intel(R) Core(TM) i7-12700K",
+        "avx_vnni umip pku ospke waitpkg gfni vaes vpclmulqdq rdpid movdiri movdir64b fsrm serialize "
+        "arch_lbr flush_l1d arch_capabilities",
+    ),
 }
-GRAVITON3 = ("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics "
-             "fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit "
-             "uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng\nCPU implementer\t: 0x41\n")
+GRAVITON3 = (
+    "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics "
+    "fphp asimdhp cpuid asimdrdm jscvt fcma lrcpc dcpop sha3 sm3 sm4 asimddp sha512 sve asimdfhm dit "
+    "uscat ilrcpc flagm ssbs paca pacg dcpodp svei8mm svebf16 i8mm bf16 dgh rng\nCPU implementer\t: 0x41\n"
+)
 
 
 def cpuinfo_text(name: str, processors: int = 2) -> str:
     model, extra = CPUS[name]
-    block = (f"processor\t: {{n}}\nvendor_id\t: x\ncpu family\t: 25\nmodel name\t: {model}\n"
-             f"flags\t\t: {_BASE} {extra}\nbugs\t\t: sysret_ss_attrs spectre_v1\n\n")
+    block = (
+        f"processor\t: {{n}}\nvendor_id\t: x\ncpu family\t: 25\nmodel name\t: {model}\n"
+        f"flags\t\t: {_BASE} {extra}\nbugs\t\t: sysret_ss_attrs spectre_v1\n\n"
+    )
     return "".join(block.format(n=n) for n in range(processors))
 
 
@@ -61,17 +77,29 @@ def host(name: str, mask: str = "") -> hardware.CpuInfo:
 def test_parse_reads_model_and_flags_of_the_first_processor():
     model, flags = parse_cpuinfo(cpuinfo_text("spr"))
     assert model == "Intel(R) Xeon(R) Platinum 8480+"
-    assert {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile",
-            "avx512_fp16"} <= flags
+    assert {
+        "avx2",
+        "avx512f",
+        "avx512_vnni",
+        "avx_vnni",
+        "avx512_bf16",
+        "amx_bf16",
+        "amx_int8",
+        "amx_tile",
+        "avx512_fp16",
+    } <= flags
     assert "bugs" not in flags and "sysret_ss_attrs" not in flags  # the next line is not flags
 
 
-@pytest.mark.parametrize("name,has,lacks", [
-    ("zen3", {"avx2"}, {"avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8"}),
-    ("zen4", {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, {"avx_vnni", "avx512_fp16", "amx_tile"}),
-    ("skylake", {"avx512f", "avx512bw"}, {"avx512_vnni", "avx512_bf16"}),
-    ("alderlake", {"avx2", "avx_vnni"}, {"avx512f", "avx512_vnni"}),
-])
+@pytest.mark.parametrize(
+    "name,has,lacks",
+    [
+        ("zen3", {"avx2"}, {"avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8"}),
+        ("zen4", {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, {"avx_vnni", "avx512_fp16", "amx_tile"}),
+        ("skylake", {"avx512f", "avx512bw"}, {"avx512_vnni", "avx512_bf16"}),
+        ("alderlake", {"avx2", "avx_vnni"}, {"avx512f", "avx512_vnni"}),
+    ],
+)
 def test_parse_real_flag_lines(name, has, lacks):
     _, flags = parse_cpuinfo(cpuinfo_text(name))
     assert has <= flags and not (lacks & flags)
@@ -113,11 +141,16 @@ def test_mask_comes_from_the_environment_and_the_result_is_cached(monkeypatch):
 
 
 # ------------------------------------------------------------------ recipes per CPU
-@pytest.mark.parametrize("name,recipe", [
-    ("zen3", hardware.ONNX_INT8_UNSIGNED), ("skylake", hardware.ONNX_INT8_UNSIGNED),
-    ("zen4", hardware.ONNX_INT8_SIGNED), ("spr", hardware.ONNX_INT8_SIGNED),
-    ("alderlake", hardware.ONNX_INT8_SIGNED),
-])
+@pytest.mark.parametrize(
+    "name,recipe",
+    [
+        ("zen3", hardware.ONNX_INT8_UNSIGNED),
+        ("skylake", hardware.ONNX_INT8_UNSIGNED),
+        ("zen4", hardware.ONNX_INT8_SIGNED),
+        ("spr", hardware.ONNX_INT8_SIGNED),
+        ("alderlake", hardware.ONNX_INT8_SIGNED),
+    ],
+)
 def test_onnx_int8_recipe_follows_vnni(name, recipe):
     assert onnx_int8_recipe(host(name)) == recipe
 
@@ -134,7 +167,7 @@ POLICY = [
     ("zen3", "ctranslate2", "int8", ["VNNI", "avx512_vnni", "--engine onnx --dtype int8"]),
     ("zen3", "ctranslate2", "int8_float32", ["saturate", "--engine onnx --dtype int8"]),
     ("skylake", "ctranslate2", "int8", ["avx_vnni"]),
-    ("zen3", "onnx", "int8", None),         # unsigned weights there
+    ("zen3", "onnx", "int8", None),  # unsigned weights there
     ("zen3", "torch", "float32", None),
     ("zen4", "torch", "bfloat16", None),
     ("zen4", "torch", "float16", ["avx512_fp16", "or bfloat16 (this CPU has it)"]),

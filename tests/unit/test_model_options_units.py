@@ -36,8 +36,22 @@ def _refused(*argv: str) -> str:
 
 # --------------------------------------------------------------- parsing
 def test_named_values_reach_only_their_model_and_bare_values_every_model():
-    models = _models("--model", "a=/m/a", "--model", "org/b", "--pooling", "a=cls", "--pooling", "max",
-                     "--max-length", "64", "--max-length", "org/b=128", "--revision", "org/b=v1.0")
+    models = _models(
+        "--model",
+        "a=/m/a",
+        "--model",
+        "org/b",
+        "--pooling",
+        "a=cls",
+        "--pooling",
+        "max",
+        "--max-length",
+        "64",
+        "--max-length",
+        "org/b=128",
+        "--revision",
+        "org/b=v1.0",
+    )
     assert (models["a"].pooling, models["a"].max_length, models["a"].revision) == ("cls", 64, None)
     assert (models["org/b"].pooling, models["org/b"].max_length, models["org/b"].revision) == ("max", 128, "v1.0")
 
@@ -72,13 +86,16 @@ def test_the_command_line_wins_over_the_environment(monkeypatch):
     assert _models("--pooling", "cls")[DEFAULT_MODEL_NAME].pooling == "cls"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--pooling", "avg"], "unknown pooling 'avg': choose one of mean, cls"),
-    (["--pooling", "=cls"], "bad --pooling '=cls': use [NAME=]VALUE"),
-    (["--max-length", "m=0"], "bad --max-length 'm=0': '0' is not a positive whole number"),
-    (["--max-length", "lots"], "'lots' is not a positive whole number"),
-    (["--revision", "m="], "bad --revision 'm=': use [NAME=]VALUE"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--pooling", "avg"], "unknown pooling 'avg': choose one of mean, cls"),
+        (["--pooling", "=cls"], "bad --pooling '=cls': use [NAME=]VALUE"),
+        (["--max-length", "m=0"], "bad --max-length 'm=0': '0' is not a positive whole number"),
+        (["--max-length", "lots"], "'lots' is not a positive whole number"),
+        (["--revision", "m="], "bad --revision 'm=': use [NAME=]VALUE"),
+    ],
+)
 def test_malformed_values_are_usage_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", *argv])
@@ -97,8 +114,9 @@ def test_a_value_for_a_model_not_served_is_refused():
 
 
 def test_a_value_given_twice_for_one_model_is_refused():
-    assert "--max-length is given twice for 'a'" in _refused("--model", "a=/m/a", "--max-length", "a=8",
-                                                             "--max-length", "a=16")
+    assert "--max-length is given twice for 'a'" in _refused(
+        "--model", "a=/m/a", "--max-length", "a=8", "--max-length", "a=16"
+    )
     assert "--revision is given twice for every model" in _refused("--revision", "x", "--revision", "y")
 
 
@@ -119,8 +137,11 @@ def test_overrides_replace_what_the_model_files_say():
 
 @pytest.mark.parametrize("tokens", [513, 7])
 def test_a_max_length_outside_the_position_table_or_below_the_special_tokens_is_refused(tokens):
-    with pytest.raises(ModelLoadError, match=rf"--max-length {tokens} for m: its position table holds 512 tokens; "
-                                             r"choose 8\.\.512"):
+    with pytest.raises(
+        ModelLoadError,
+        match=rf"--max-length {tokens} for m: its position table holds 512 tokens; "
+        r"choose 8\.\.512",
+    ):
         load_model_spec("m", default_model_path(), max_length=tokens)
     assert load_model_spec("m", default_model_path(), max_length=8).max_length == 8
 
@@ -155,8 +176,11 @@ def test_a_stock_model_type_with_an_auto_map_is_refused_without_trust(tmp_path):
 
 def test_an_architecture_transformers_lacks_is_refused_in_the_worker(tmp_path):
     path = _with_config(tmp_path, architectures=["MysteryBertModel"])
-    with pytest.raises(ModelLoadError, match=r"names architecture MysteryBertModel, which transformers .* "
-                                             "does not define, and ships no code for it"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"names architecture MysteryBertModel, which transformers .* "
+        "does not define, and ships no code for it",
+    ):
         require_known_architectures(path, trust_remote_code=True)
     require_known_architectures(default_model_path(), trust_remote_code=False)
 
@@ -219,8 +243,9 @@ def hub_cache(tmp_path, monkeypatch):
     """A hub cache holding org/mini: main -> an empty snapshot, tag v1 -> the bundled model."""
     from huggingface_hub import constants
 
-    cache = build_hub_cache(tmp_path / "hub", "org/mini", {"main": MAIN, "v1": V1},
-                            {MAIN: None, V1: default_model_path()})
+    cache = build_hub_cache(
+        tmp_path / "hub", "org/mini", {"main": MAIN, "v1": V1}, {MAIN: None, V1: default_model_path()}
+    )
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     return cache

@@ -56,7 +56,13 @@ def test_each_table_is_a_model_with_its_own_settings(tmp_path):
     assert (mini.name, mini.source, mini.engine, mini.dtype, mini.device) == ("mini", "/m/mini", "onnx", "int8", "cpu")
     assert (mini.replicas, mini.cpu_threads, mini.prompts) == (2, 1, (("query", "query: "),))
     assert (bge.name, bge.source, bge.revision, bge.max_length, bge.pooling, bge.kind) == (
-        "bge.small", "org/bge-small", "v1.5", 128, "cls", "embedding")
+        "bge.small",
+        "org/bge-small",
+        "v1.5",
+        128,
+        "cls",
+        "embedding",
+    )
     assert (bge.max_batch_size, bge.max_batch_tokens, bge.trust_remote_code, bge.engine) == (8, 4096, True, None)
     # What a model does not set comes from the server-wide flags.
     runs = config.for_model(bge)
@@ -65,7 +71,9 @@ def test_each_table_is_a_model_with_its_own_settings(tmp_path):
 
 
 def test_the_environment_names_the_file_and_yaml_reads_the_same(tmp_path, monkeypatch):
-    yaml_file = _write(tmp_path, """\
+    yaml_file = _write(
+        tmp_path,
+        """\
         models:
           mini: {source: /m/mini, engine: onnx, dtype: int8, device: [cpu], replicas: 2, cpu-threads: 1,
                  prompts: {query: "query: "}}
@@ -78,17 +86,31 @@ def test_the_environment_names_the_file_and_yaml_reads_the_same(tmp_path, monkey
             max-batch-tokens: 4096
             kind: embedding
             trust-remote-code: true
-        """, "models.yaml")
+        """,
+        "models.yaml",
+    )
     monkeypatch.setenv("ENCODERD_CONFIG", yaml_file)
     assert _config().models == _config("--config", _write(tmp_path, MODELS)).models
 
 
 def test_precedence_named_flag_then_file_then_bare_flag(tmp_path):
     path = _write(tmp_path, MODELS)
-    config = _config("--config", path, "--model", "extra=/m/extra@cuda:0,cuda:1", "--dtype", "float16",
-                     "--engine", "bge.small=ctranslate2", "--max-length", "64", "--replicas", "extra=3")
+    config = _config(
+        "--config",
+        path,
+        "--model",
+        "extra=/m/extra@cuda:0,cuda:1",
+        "--dtype",
+        "float16",
+        "--engine",
+        "bge.small=ctranslate2",
+        "--max-length",
+        "64",
+        "--replicas",
+        "extra=3",
+    )
     mini, bge, extra = config.models
-    assert config.dtype == "float16" and config.for_model(mini).dtype == "int8"    # its own beats the bare flag
+    assert config.dtype == "float16" and config.for_model(mini).dtype == "int8"  # its own beats the bare flag
     assert config.for_model(bge).dtype == "float16" and bge.engine == "ctranslate2"  # a named flag fills a gap
     assert (bge.max_length, mini.max_length, extra.max_length) == (128, 64, 64)
     assert (extra.device, extra.replicas, extra.max_batch_size) == ("cuda:0,cuda:1", 3, 64)  # GPU batch default
@@ -101,22 +123,31 @@ def test_the_same_name_in_the_file_and_a_flag_is_refused(tmp_path):
     assert "two models are served as 'mini'" in _refused("--config", path, "--model", "mini=/m/other")
 
 
-@pytest.mark.parametrize("text, line, message", [
-    ('[models.m]\nsource = "/m"\nmax_lenght = 12\n', 3, "model 'm': unknown key 'max_lenght' (did you mean "
-                                                       "'max-length'?)"),
-    ('[models.m]\nsource = "/m"\n\n[models.r]\nsource = "/r"\ndtype = "float64"\n', 6,
-     "model 'r': bad dtype: unknown dtype 'float64': choose one of auto, float32"),
-    ('[models.m]\nsource = "/m"\nengine = "tensorflow"\n', 3, "bad engine: unknown engine 'tensorflow'"),
-    ('[models.m]\nsource = "/m"\nmax-length = "64"\n', 3, "max-length must be a whole number, not '64'"),
-    ('[models.m]\nsource = "/m"\nreplicas = true\n', 3, "replicas must be a whole number, not True"),
-    ('[models.m]\nsource = "/m"\nreplicas = 0\n', 3, "bad replicas: '0' is not a positive whole number"),
-    ('[models.m]\nsource = "/m"\ndevice = "cuda:0,gpu1"\n', 3, "bad device: unknown device 'gpu1'"),
-    ('[models.m]\nsource = "/m"\nprompts = "query: "\n', 3, "prompts must be a table of NAME = \"TEXT\""),
-    ('[models.m]\nengine = "onnx"\n', 1, "model 'm' needs source = \"PATH_OR_HUB_ID\""),
-    ('[models.m]\nsource = "/m"\n\n[server]\nport = 1\n', 4, "unknown top-level key 'server'"),
-    ('[models.m]\nsource = "/m"\nengine = onnx\n', 3, "not valid TOML: Invalid value"),
-    ('[models]\n', 1, "`models` must hold one table per served model"),
-])
+@pytest.mark.parametrize(
+    "text, line, message",
+    [
+        (
+            '[models.m]\nsource = "/m"\nmax_lenght = 12\n',
+            3,
+            "model 'm': unknown key 'max_lenght' (did you mean 'max-length'?)",
+        ),
+        (
+            '[models.m]\nsource = "/m"\n\n[models.r]\nsource = "/r"\ndtype = "float64"\n',
+            6,
+            "model 'r': bad dtype: unknown dtype 'float64': choose one of auto, float32",
+        ),
+        ('[models.m]\nsource = "/m"\nengine = "tensorflow"\n', 3, "bad engine: unknown engine 'tensorflow'"),
+        ('[models.m]\nsource = "/m"\nmax-length = "64"\n', 3, "max-length must be a whole number, not '64'"),
+        ('[models.m]\nsource = "/m"\nreplicas = true\n', 3, "replicas must be a whole number, not True"),
+        ('[models.m]\nsource = "/m"\nreplicas = 0\n', 3, "bad replicas: '0' is not a positive whole number"),
+        ('[models.m]\nsource = "/m"\ndevice = "cuda:0,gpu1"\n', 3, "bad device: unknown device 'gpu1'"),
+        ('[models.m]\nsource = "/m"\nprompts = "query: "\n', 3, 'prompts must be a table of NAME = "TEXT"'),
+        ('[models.m]\nengine = "onnx"\n', 1, "model 'm' needs source = \"PATH_OR_HUB_ID\""),
+        ('[models.m]\nsource = "/m"\n\n[server]\nport = 1\n', 4, "unknown top-level key 'server'"),
+        ('[models.m]\nsource = "/m"\nengine = onnx\n', 3, "not valid TOML: Invalid value"),
+        ("[models]\n", 1, "`models` must hold one table per served model"),
+    ],
+)
 def test_errors_name_the_file_and_line(tmp_path, text, line, message):
     path = _write(tmp_path, text)
     got = _refused("--config", path)
@@ -131,14 +162,16 @@ def test_yaml_errors_name_the_line_too(tmp_path):
 
 
 def test_a_missing_file_is_one_line():
-    assert _refused("--config", "/nonexistent/models.toml") == \
-        "encoderd: cannot read the models file /nonexistent/models.toml: No such file or directory"
+    assert (
+        _refused("--config", "/nonexistent/models.toml")
+        == "encoderd: cannot read the models file /nonexistent/models.toml: No such file or directory"
+    )
 
 
 def test_named_server_wide_flags_are_checked_like_the_file(capsys):
     assert "bad --batch-size 'm=0': '0' is not a positive whole number" in _usage_error(capsys, "--batch-size", "m=0")
     assert "bad --engine 'm=jax': unknown engine 'jax'" in _usage_error(capsys, "--engine", "m=jax")
-    assert _config("--batch-size", "0").max_batch_size == 16   # a bare value keeps its own meaning (0 = default)
+    assert _config("--batch-size", "0").max_batch_size == 16  # a bare value keeps its own meaning (0 = default)
 
 
 def _usage_error(capsys, *argv: str) -> str:
@@ -161,7 +194,7 @@ def test_encoderd_model_separates_models_with_semicolons(monkeypatch):
     mini, rr, last = _config().models
     assert (mini.name, mini.source, mini.device) == ("mini", "/m", "cuda:0,cuda:1")
     assert (rr.name, rr.source, rr.kind, last.source) == ("rr", "org/rr", "reranker", "/m/last")
-    monkeypatch.setenv("ENCODERD_MODEL", "mini=/m@cuda:0,cuda:1")   # one model, as before
+    monkeypatch.setenv("ENCODERD_MODEL", "mini=/m@cuda:0,cuda:1")  # one model, as before
     assert [(m.name, m.device) for m in _config().models] == [("mini", "cuda:0,cuda:1")]
 
 

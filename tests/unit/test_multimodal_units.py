@@ -24,8 +24,16 @@ def text(n, i=0):
 
 
 def image(cost, i=0, flag=0):
-    return MediaItem(np.zeros(0, np.int32), None, Req(), i, features=np.full((3, 2, 2), i, np.float32),
-                     flag=flag, cost=cost, modality="image")
+    return MediaItem(
+        np.zeros(0, np.int32),
+        None,
+        Req(),
+        i,
+        features=np.full((3, 2, 2), i, np.float32),
+        flag=flag,
+        cost=cost,
+        modality="image",
+    )
 
 
 def test_a_batch_holds_the_oldest_inputs_modality_and_the_rest_keeps_its_order():
@@ -60,8 +68,9 @@ def test_media_batches_round_trip_as_raw_float32_frames():
     assert kind == protocol.MessageType.BATCH and back.modality == "audio" and back.flags.tolist() == [1, 0]
     np.testing.assert_array_equal(back.features, batch.features)
     tokens = protocol.TokenBatch(4, np.arange(5, dtype=np.int32), np.array([0, 2, 5], np.int32))
-    assert isinstance(protocol.batch_from_frames(*protocol.decode(_wire(protocol.encode_batch(tokens)))[1:]),
-                      protocol.TokenBatch)
+    assert isinstance(
+        protocol.batch_from_frames(*protocol.decode(_wire(protocol.encode_batch(tokens)))[1:]), protocol.TokenBatch
+    )
 
 
 def test_ragged_results_round_trip():
@@ -71,22 +80,29 @@ def test_ragged_results_round_trip():
     rows = protocol.result_array(header, rest)
     assert [r.shape for r in rows] == [(2, 3), (0, 3), (5, 3)]
     np.testing.assert_array_equal(np.concatenate(rows), values)
-    sparse = protocol.Ragged(np.array([[0.5], [1.5], [2.5]], np.float32), np.array([0, 1, 3], np.int32),
-                             np.array([9, 2, 40], np.int32))
+    sparse = protocol.Ragged(
+        np.array([[0.5], [1.5], [2.5]], np.float32), np.array([0, 1, 3], np.int32), np.array([9, 2, 40], np.int32)
+    )
     _, header, rest = protocol.decode(_wire(protocol.encode_result(1, sparse)))
     (i0, v0), (i1, v1) = protocol.result_array(header, rest)
     assert i0.tolist() == [9] and v0.tolist() == [0.5] and i1.tolist() == [2, 40] and v1.tolist() == [1.5, 2.5]
 
 
-@pytest.mark.parametrize("config,modules,kind", [
-    ({"architectures": ["CLIPModel"]}, [], ModelKind.CLIP),
-    ({"architectures": ["ClapModel"]}, [], ModelKind.CLAP),
-    ({"architectures": ["BertModel"]}, [{"type": "pylate.models.Dense.Dense"}], ModelKind.COLBERT),
-    ({"architectures": ["HF_ColBERT"]}, [], ModelKind.COLBERT),
-    ({"architectures": ["BertForMaskedLM"]}, [{"type": "sentence_transformers.sparse_encoder.models.SpladePooling"}],
-     ModelKind.SPARSE),
-    ({"architectures": ["BertForMaskedLM"]}, [], ModelKind.EMBEDDING),  # sparse only when asked
-])
+@pytest.mark.parametrize(
+    "config,modules,kind",
+    [
+        ({"architectures": ["CLIPModel"]}, [], ModelKind.CLIP),
+        ({"architectures": ["ClapModel"]}, [], ModelKind.CLAP),
+        ({"architectures": ["BertModel"]}, [{"type": "pylate.models.Dense.Dense"}], ModelKind.COLBERT),
+        ({"architectures": ["HF_ColBERT"]}, [], ModelKind.COLBERT),
+        (
+            {"architectures": ["BertForMaskedLM"]},
+            [{"type": "sentence_transformers.sparse_encoder.models.SpladePooling"}],
+            ModelKind.SPARSE,
+        ),
+        ({"architectures": ["BertForMaskedLM"]}, [], ModelKind.EMBEDDING),  # sparse only when asked
+    ],
+)
 def test_kind_detection(config, modules, kind):
     assert detect_kind(config, modules) == kind
 

@@ -85,7 +85,9 @@ def test_ragged_outputs_are_joined_in_order_after_a_split():
 
 
 def test_sparse_ragged_outputs_keep_their_indices():
-    parts = [Ragged(np.array([[1.0], [2.0]], np.float32), np.array([0, 1, 2], np.int32), np.array([5, 7], np.int32)),
-             Ragged(np.array([[3.0]], np.float32), np.array([0, 0, 1], np.int32), np.array([9], np.int32))]
+    parts = [
+        Ragged(np.array([[1.0], [2.0]], np.float32), np.array([0, 1, 2], np.int32), np.array([5, 7], np.int32)),
+        Ragged(np.array([[3.0]], np.float32), np.array([0, 0, 1], np.int32), np.array([9], np.int32)),
+    ]
     joined = Ragged.join(parts)
     assert [(list(i), list(v)) for i, v in joined.split()] == [([5], [1.0]), ([7], [2.0]), ([], []), ([9], [3.0])]

@@ -14,8 +14,10 @@ from encoderd.server.errors import InvalidInput
 from encoderd.server.tokenization import ModelTokenizer, pair_lengths
 from encoderd.workers.model_spec import default_model_path
 
-WORDS = ("the cat sat on a mat while quantum chromodynamics unbelievably reorganised ĉƒ 東京 "
-         "emoji 😀 don't re-run it, (x+y)=z").split()
+WORDS = (
+    "the cat sat on a mat while quantum chromodynamics unbelievably reorganised ĉƒ 東京 "
+    "emoji 😀 don't re-run it, (x+y)=z"
+).split()
 
 
 def _text(rnd: random.Random, words: int) -> str:
@@ -57,8 +59,8 @@ def test_over_long_pairs_without_truncation_are_refused(pool):
 
 
 def test_pair_lengths_cases():
-    assert pair_lengths(3, 4, 10) == (3, 4)      # fits
-    assert pair_lengths(2, 20, 10) == (2, 8)     # only the longer is cut
+    assert pair_lengths(3, 4, 10) == (3, 4)  # fits
+    assert pair_lengths(2, 20, 10) == (2, 8)  # only the longer is cut
     assert pair_lengths(20, 2, 10) == (8, 2)
-    assert pair_lengths(20, 30, 11) == (5, 6)    # both halve the budget
+    assert pair_lengths(20, 30, 11) == (5, 6)  # both halve the budget
     assert pair_lengths(30, 20, 11) == (6, 5)

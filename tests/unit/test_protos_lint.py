@@ -22,8 +22,14 @@ def build_image(out: Path) -> Path:
     from grpc_tools import protoc
 
     protos = sorted(str(p.relative_to(generate.PROTO_ROOT)) for p in generate.PACKAGE_DIR.glob("*.proto"))
-    args = ["protoc", *(f"-I{d}" for d in generate.include_dirs()), "--include_imports", "--include_source_info",
-            f"--descriptor_set_out={out}", *protos]
+    args = [
+        "protoc",
+        *(f"-I{d}" for d in generate.include_dirs()),
+        "--include_imports",
+        "--include_source_info",
+        f"--descriptor_set_out={out}",
+        *protos,
+    ]
     assert protoc.main(args) == 0, "protoc could not compile the protos"
     return out
 
@@ -31,7 +37,19 @@ def build_image(out: Path) -> Path:
 def test_buf_lint_is_clean(tmp_path):
     buf = node_client_dir() / "node_modules" / ".bin" / "buf"  # pinned in clients/node's devDependencies
     image = build_image(tmp_path / "encoderd.binpb")
-    result = subprocess.run([str(buf), "lint", f"{image}#format=binpb", "--path", "encoderd",
-                             "--config", str(ROOT / "protos" / "buf.yaml")],
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [
+            str(buf),
+            "lint",
+            f"{image}#format=binpb",
+            "--path",
+            "encoderd",
+            "--config",
+            str(ROOT / "protos" / "buf.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, f"buf lint findings:\n{result.stdout}{result.stderr}"

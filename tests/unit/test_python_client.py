@@ -45,7 +45,7 @@ class ScriptedEncoder(encoderd_pb2_grpc.EncoderServicer):
     def reset(self, failures=(), delay: float = 0.0):
         self.failures = list(failures)
         self.delay = delay
-        self.calls: list[tuple[float, float | None]] = []   # (arrival, the deadline's time remaining)
+        self.calls: list[tuple[float, float | None]] = []  # (arrival, the deadline's time remaining)
         self.authorization: list[str | None] = []
         self.requests: list = []
 
@@ -63,17 +63,25 @@ class ScriptedEncoder(encoderd_pb2_grpc.EncoderServicer):
 
     async def EmbedMultiVector(self, request, context):
         # Input i gets i + 1 rows of 2 values: 0, 1, 2, ...
-        return pb.EmbedMultiVectorResponse(dimensions=2, embeddings=[
-            pb.MultiVector(rows=i + 1, values=range(2 * (i + 1))) for i in range(len(request.inputs))])
+        return pb.EmbedMultiVectorResponse(
+            dimensions=2,
+            embeddings=[pb.MultiVector(rows=i + 1, values=range(2 * (i + 1))) for i in range(len(request.inputs))],
+        )
 
     async def MaxSim(self, request, context):
         self.requests.append(request)
-        return pb.MaxSimResponse(results=[pb.RerankResult(index=i, relevance_score=float(i), document=f"doc {i}")
-                                          for i in reversed(range(len(request.documents)))])
+        return pb.MaxSimResponse(
+            results=[
+                pb.RerankResult(index=i, relevance_score=float(i), document=f"doc {i}")
+                for i in reversed(range(len(request.documents)))
+            ]
+        )
 
     async def EmbedSparse(self, request, context):
-        return pb.EmbedSparseResponse(dimensions=30522, embeddings=[
-            pb.SparseEmbedding(indices=[1, 5], values=[0.5, 0.25]) for _ in request.inputs])
+        return pb.EmbedSparseResponse(
+            dimensions=30522,
+            embeddings=[pb.SparseEmbedding(indices=[1, 5], values=[0.5, 0.25]) for _ in request.inputs],
+        )
 
     async def EmbedStream(self, request_iterator, context):
         async for request in request_iterator:
@@ -99,8 +107,11 @@ class ServerThread:
         self.server = grpc.aio.server()
         encoderd_pb2_grpc.add_EncoderServicer_to_server(self.servicer, self.server)
         address = f"127.0.0.1:{self.port}"
-        port = (self.server.add_secure_port(address, self.credentials) if self.credentials
-                else self.server.add_insecure_port(address))
+        port = (
+            self.server.add_secure_port(address, self.credentials)
+            if self.credentials
+            else self.server.add_insecure_port(address)
+        )
         await self.server.start()
         return port
 
@@ -142,14 +153,16 @@ def test_unavailable_is_retried_with_growing_backoff_until_it_succeeds(encoder):
     np.testing.assert_array_equal(got.vectors, np.array([[0, 1], [1, 1]], dtype=np.float32))
     assert len(servicer.calls) == 3
     first, second = _gaps(servicer.calls)
-    assert first >= 0.05 and second >= 0.1      # initial_backoff, then doubled
+    assert first >= 0.05 and second >= 0.1  # initial_backoff, then doubled
 
 
 def test_after_the_last_attempt_the_typed_error_carries_the_servers_message(encoder):
     servicer, address = encoder
     servicer.reset([(grpc.StatusCode.RESOURCE_EXHAUSTED, "model m is overloaded")] * 10)
-    with EncoderClient(address, retry=RetryPolicy(max_attempts=3, initial_backoff=0.01)) as client, \
-            pytest.raises(ResourceExhausted) as err:
+    with (
+        EncoderClient(address, retry=RetryPolicy(max_attempts=3, initial_backoff=0.01)) as client,
+        pytest.raises(ResourceExhausted) as err,
+    ):
         client.embed(["a"])
     assert len(servicer.calls) == 3 and err.value.attempts == 3
     assert err.value.message == "model m is overloaded"
@@ -195,13 +208,15 @@ def test_per_call_timeout_overrides_the_clients(encoder):
     servicer, address = encoder
     with EncoderClient(address, timeout=30) as client:
         client.embed(["a"], timeout=5)
-    assert 4 < servicer.calls[0][1] < 5.5        # not the client-wide 30 s
+    assert 4 < servicer.calls[0][1] < 5.5  # not the client-wide 30 s
 
 
 def test_no_server_is_unavailable_after_the_retries():
     policy = RetryPolicy(max_attempts=3, initial_backoff=0.01)
-    with EncoderClient(f"127.0.0.1:{free_port()}", retry=policy, timeout=10) as client, \
-            pytest.raises(Unavailable) as err:
+    with (
+        EncoderClient(f"127.0.0.1:{free_port()}", retry=policy, timeout=10) as client,
+        pytest.raises(Unavailable) as err,
+    ):
         client.list_models()
     assert err.value.attempts == 3 and err.value.message
 
@@ -228,9 +243,29 @@ def tls_pair(tmp_path_factory) -> tuple[bytes, bytes]:
     if not shutil.which("openssl"):
         pytest.skip("openssl is needed to make a test certificate")
     tmp = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp / "key.pem"),
-                    "-out", str(tmp / "cert.pem")], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(tmp / "key.pem"),
+            "-out",
+            str(tmp / "cert.pem"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return (tmp / "key.pem").read_bytes(), (tmp / "cert.pem").read_bytes()
 
 
@@ -307,12 +342,11 @@ def test_backoff_grows_to_its_cap_with_jitter_below_it():
     for retry, ceiling in enumerate([0.1, 0.2, 0.4, 0.8, 1.0, 1.0], start=1):
         draws = [policy.backoff(retry, rng) for _ in range(50)]
         assert all(ceiling * 0.5 <= d <= ceiling for d in draws)
-        assert max(draws) - min(draws) > ceiling * 0.3      # the jitter spreads the retries
+        assert max(draws) - min(draws) > ceiling * 0.3  # the jitter spreads the retries
     assert RetryPolicy(jitter=0).backoff(3) == pytest.approx(0.4)
 
 
-@pytest.mark.parametrize("bad", [{"max_attempts": 0}, {"jitter": 1.5}, {"multiplier": 0.5},
-                                 {"initial_backoff": -1}])
+@pytest.mark.parametrize("bad", [{"max_attempts": 0}, {"jitter": 1.5}, {"multiplier": 0.5}, {"initial_backoff": -1}])
 def test_invalid_policies_are_refused(bad):
     with pytest.raises(ValueError):
         RetryPolicy(**bad)

@@ -35,7 +35,9 @@ class StandInWorker:
 
 def make_request(first_ids):
     request = PendingRequest(len(first_ids))
-    return request, [WorkItem(np.full(3 + (v % 5), v, dtype=np.int32), None, request, i) for i, v in enumerate(first_ids)]
+    return request, [
+        WorkItem(np.full(3 + (v % 5), v, dtype=np.int32), None, request, i) for i, v in enumerate(first_ids)
+    ]
 
 
 async def run(scheduler, first_ids, priority=Priority.INTERACTIVE):
@@ -163,8 +165,9 @@ async def test_one_request_is_cut_into_a_piece_for_each_idle_replica():
     """A lone rerank of 50 passages on 2 idle replicas: two pieces side by side, not one batch
     on one replica while the other idles; no third piece trails behind."""
     a, b = StandInWorker("a"), StandInWorker("b")
-    scheduler = ModelScheduler("m", [a, b], BatchLimits(max_batch_size=64, max_batch_tokens=8192, padded=False),
-                               batch_delay=1.0)
+    scheduler = ModelScheduler(
+        "m", [a, b], BatchLimits(max_batch_size=64, max_batch_tokens=8192, padded=False), batch_delay=1.0
+    )
     scheduler.start()
     request = PendingRequest(50)
     items = [WorkItem(np.full(40 + (7 * i) % 90, i, dtype=np.int32), None, request, i) for i in range(50)]

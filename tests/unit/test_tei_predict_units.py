@@ -19,19 +19,23 @@ def _value(python) -> struct_pb2.Value:
     return holder.fields["v"]
 
 
-@pytest.mark.parametrize("inputs, want", [
-    ("a", (["a"], False)),
-    (["a"], (["a"], False)),
-    (["a", "b"], ([("a", "b")], False)),
-    ([["a"]], (["a"], True)),
-    ([["a"], ["b", "c"], ["d"]], (["a", ("b", "c"), "d"], True)),
-])
+@pytest.mark.parametrize(
+    "inputs, want",
+    [
+        ("a", (["a"], False)),
+        (["a"], (["a"], False)),
+        (["a", "b"], ([("a", "b")], False)),
+        ([["a"]], (["a"], True)),
+        ([["a"], ["b", "c"], ["d"]], (["a", ("b", "c"), "d"], True)),
+    ],
+)
 def test_predict_inputs_read_as_tei_reads_them(inputs, want):
     assert predict_inputs(_value(inputs)) == want
 
 
-@pytest.mark.parametrize("inputs", [[], ["a", "b", "c"], [["a", "b", "c"]], [["a"], "b"], [[]], [1], [["a", 2]],
-                                    {"a": 1}, 3])
+@pytest.mark.parametrize(
+    "inputs", [[], ["a", "b", "c"], [["a", "b", "c"]], [["a"], "b"], [[]], [1], [["a", 2]], {"a": 1}, 3]
+)
 def test_predict_inputs_refuse_other_shapes(inputs):
     with pytest.raises(InvalidInput):
         predict_inputs(_value(inputs))

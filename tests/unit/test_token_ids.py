@@ -23,8 +23,7 @@ def _tokenizer_dir(tmp_path, post_processor) -> str:
 
 
 LAYOUTS = {
-    "both": (processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]),
-             [1], [2]),
+    "both": (processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 1), ("</s>", 2)]), [1], [2]),
     "eos": (processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 2)]), [], [2]),
     "none": (None, [], []),
 }
@@ -38,6 +37,6 @@ def test_special_tokens_are_added_once_and_kept_when_cut(tmp_path, layout):
     assert tokenizer.with_special_tokens([3, 4]) == [*prefix, 3, 4, *suffix]
     assert tokenizer.with_special_tokens([*prefix, 3, 4, *suffix]) == [*prefix, 3, 4, *suffix]  # carried already
     cut = tokenizer.with_special_tokens([5] * 20)
-    assert len(cut) == 6 and cut[:len(prefix)] == prefix and cut[len(cut) - len(suffix):] == suffix
+    assert len(cut) == 6 and cut[: len(prefix)] == prefix and cut[len(cut) - len(suffix) :] == suffix
     # The same ids the text path computes, truncation included.
     assert tokenizer.with_special_tokens([3, 4, 5]) == tokenizer.untruncated.encode("a b c").ids

@@ -16,10 +16,10 @@ from ..protocol import MediaBatch, TokenBatch
 class BackendOptions(msgspec.Struct, frozen=True):
     device: str = "cpu"
     dtype: str = "float32"
-    threads: int = 0          # intra-op threads; 0 = the cores this process may use
-    cache_dir: str = ""       # converted models (ONNX, CTranslate2, TensorRT); "" = model_cache.default_cache_dir()
+    threads: int = 0  # intra-op threads; 0 = the cores this process may use
+    cache_dir: str = ""  # converted models (ONNX, CTranslate2, TensorRT); "" = model_cache.default_cache_dir()
     max_batch_size: int = 64  # largest batch the scheduler sends; sizes TensorRT optimization profiles
-    compile: bool = False     # torch engine: torch.compile the model (dynamic shapes)
+    compile: bool = False  # torch engine: torch.compile the model (dynamic shapes)
     trust_remote_code: bool = False  # run model code from the model repository (config.json auto_map)
 
 
@@ -95,7 +95,10 @@ TEXT_KINDS = ("embedding", "reranker", "classifier")
 # own modules, so it serves every family. An engine is never trusted on a family it was not checked on:
 # a converter that accepts a model can still compute something else (a lost mask, other positions).
 ENGINE_FAMILIES: dict[str, dict[str, tuple[str, ...]]] = {
-    "onnx": dict.fromkeys(("bert", "camembert", "deberta-v2", "distilbert", "modernbert", "mpnet", "qwen3", "roberta", "xlm-roberta"), TEXT_KINDS),
+    "onnx": dict.fromkeys(
+        ("bert", "camembert", "deberta-v2", "distilbert", "modernbert", "mpnet", "qwen3", "roberta", "xlm-roberta"),
+        TEXT_KINDS,
+    ),
     # CTranslate2's converter knows these encoders; its DistilBERT has no head we can apply (pre_classifier + ReLU).
     # CamemBERT is not claimed: its converter rebuilds the vocabulary in CamemBERT's own fairseq layout and
     # rejects the test model's, so it is unverified here.
@@ -106,8 +109,9 @@ ENGINE_FAMILIES: dict[str, dict[str, tuple[str, ...]]] = {
 
 
 def engines_serving(spec: ModelSpec) -> list[str]:
-    return ["torch"] + [e for e, families in ENGINE_FAMILIES.items()
-                        if spec.kind.value in families.get(spec.model_type, ())]
+    return ["torch"] + [
+        e for e, families in ENGINE_FAMILIES.items() if spec.kind.value in families.get(spec.model_type, ())
+    ]
 
 
 def require_family(spec: ModelSpec, engine: str) -> None:
@@ -117,16 +121,20 @@ def require_family(spec: ModelSpec, engine: str) -> None:
         return
     family = spec.model_type or "unknown-family (config.json has no model_type)"
     served = ", ".join(sorted(f for f, kinds in ENGINE_FAMILIES[engine].items() if spec.kind.value in kinds))
-    raise ValueError(f"the {engine} engine does not serve {spec.name}, a {family} {spec.kind.value} model: it "
-                     f"computes {spec.kind.value} models of {served} only. Engines that serve {family} "
-                     f"{spec.kind.value} models: {', '.join(engines_serving(spec))}")
+    raise ValueError(
+        f"the {engine} engine does not serve {spec.name}, a {family} {spec.kind.value} model: it "
+        f"computes {spec.kind.value} models of {served} only. Engines that serve {family} "
+        f"{spec.kind.value} models: {', '.join(engines_serving(spec))}"
+    )
 
 
 def require_text_kind(spec: ModelSpec, engine: str) -> None:
     """Fail at load, naming the way out, for a kind this engine does not compute."""
     if spec.kind.value not in TEXT_KINDS:
-        raise ValueError(f"the {engine} engine serves {', '.join(TEXT_KINDS)} models; {spec.name} is a "
-                         f"{spec.kind.value} model: use --engine torch (or auto)")
+        raise ValueError(
+            f"the {engine} engine serves {', '.join(TEXT_KINDS)} models; {spec.name} is a "
+            f"{spec.kind.value} model: use --engine torch (or auto)"
+        )
 
 
 def padded(batch: TokenBatch, pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -41,10 +41,14 @@ HEAD_FILE = "encoderd-head.npz"
 TANH_HEADS = ("RobertaClassificationHead", "XLMRobertaClassificationHead", "CamembertClassificationHead")
 # (--dtype, on a GPU?) -> CTranslate2 compute type; the weights are stored converted to it.
 COMPUTE_TYPES = {
-    ("float32", False): "float32", ("float32", True): "float32",
-    ("float16", True): "float16", ("bfloat16", True): "bfloat16",
-    ("int8", False): "int8", ("int8", True): "int8_float16",
-    ("int8_float32", False): "int8_float32", ("int8_float32", True): "int8_float32",
+    ("float32", False): "float32",
+    ("float32", True): "float32",
+    ("float16", True): "float16",
+    ("bfloat16", True): "bfloat16",
+    ("int8", False): "int8",
+    ("int8", True): "int8_float16",
+    ("int8_float32", False): "int8_float32",
+    ("int8_float32", True): "int8_float32",
     ("int8_float16", True): "int8_float16",
 }
 
@@ -55,12 +59,17 @@ def compute_type(dtype: str, device: str) -> str:
     on_gpu = device.startswith("cuda")
     wanted = COMPUTE_TYPES.get((dtype, on_gpu))
     device_type = "cuda" if on_gpu else "cpu"
-    supported = sorted(ctranslate2.get_supported_compute_types(device_type)) if (
-        not on_gpu or ctranslate2.get_cuda_device_count() > 0) else []
+    supported = (
+        sorted(ctranslate2.get_supported_compute_types(device_type))
+        if (not on_gpu or ctranslate2.get_cuda_device_count() > 0)
+        else []
+    )
     if wanted is None or wanted not in supported:
         valid = sorted(d for (d, gpu), ct in COMPUTE_TYPES.items() if gpu == on_gpu and ct in supported)
-        raise ValueError(f"the ctranslate2 engine cannot run --dtype {dtype} on {device}"
-                         + (f"; choose one of {', '.join(valid)}" if valid else ": ctranslate2 sees no CUDA device"))
+        raise ValueError(
+            f"the ctranslate2 engine cannot run --dtype {dtype} on {device}"
+            + (f"; choose one of {', '.join(valid)}" if valid else ": ctranslate2 sees no CUDA device")
+        )
     return wanted
 
 
@@ -78,14 +87,19 @@ def extract_head(model) -> dict[str, np.ndarray]:
     head = getattr(model, "classifier", None)
     pooler = getattr(model.base_model, "pooler", None)
     # Matched by structure *and* activation: ELECTRA's head also has dense/out_proj but uses GELU.
-    if isinstance(head, torch.nn.Linear) and pooler is not None and \
-            isinstance(getattr(pooler, "activation", None), torch.nn.Tanh):
+    if (
+        isinstance(head, torch.nn.Linear)
+        and pooler is not None
+        and isinstance(getattr(pooler, "activation", None), torch.nn.Tanh)
+    ):
         first, second = _linear(pooler.dense), _linear(head)
     elif head is not None and type(head).__name__ in TANH_HEADS:
         first, second = _linear(head.dense), _linear(head.out_proj)
     else:
-        raise ValueError(f"the ctranslate2 engine cannot apply the classification head of {type(model).__name__} "
-                         "(it knows BERT and RoBERTa-style heads); serve this model with --engine onnx or torch")
+        raise ValueError(
+            f"the ctranslate2 engine cannot apply the classification head of {type(model).__name__} "
+            "(it knows BERT and RoBERTa-style heads); serve this model with --engine onnx or torch"
+        )
     return {"w0": first[0], "b0": first[1], "w1": second[0], "b1": second[1]}
 
 
@@ -106,8 +120,7 @@ def _for_loader(model, model_class):
     return SimpleNamespace(**{model_class.base_model_prefix: model.base_model, "config": model.config})
 
 
-def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path, trust_remote_code: bool = False
-            ) -> None:
+def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path, trust_remote_code: bool = False) -> None:
     """Convert with CTranslate2's TransformersConverter; for classifiers also save the head."""
     import torch
     from ctranslate2.converters import TransformersConverter
@@ -118,8 +131,10 @@ def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path, t
     if not type(model).__module__.startswith("transformers."):
         # CTranslate2 converts the weights into its own implementation of the stock architecture:
         # whatever the repository's code computes differently would be lost.
-        raise ValueError(f"{type(model).__name__} is the model repository's own code, which CTranslate2 cannot "
-                         "reproduce; serve this model with --engine torch")
+        raise ValueError(
+            f"{type(model).__name__} is the model repository's own code, which CTranslate2 cannot "
+            "reproduce; serve this model with --engine torch"
+        )
     head = extract_head(model) if kind != ModelKind.EMBEDDING else None
     if not hasattr(model.config, "position_embedding_type"):
         # transformers 5 dropped the attribute (absolute positions are all it implements);
@@ -137,8 +152,12 @@ def convert(model_dir: str, kind: ModelKind, quantization: str, out_dir: Path, t
 
 
 def ensure_converted(spec, ctype: str, cache_dir: str, trust_remote_code: bool = False) -> tuple[Path, bool]:
-    key = {"model": fingerprint_model(spec.path), "kind": spec.kind.value, "dtype": ctype,
-           "versions": library_versions("ctranslate2", "torch", "transformers")}
+    key = {
+        "model": fingerprint_model(spec.path),
+        "kind": spec.kind.value,
+        "dtype": ctype,
+        "versions": library_versions("ctranslate2", "torch", "transformers"),
+    }
 
     def build(out: Path) -> None:
         log.info("converting %s to CTranslate2 (%s) ...", spec.name, ctype)
@@ -162,13 +181,17 @@ class CT2Backend(Backend):
         require_text_kind(self.spec, self.engine)
         require_family(self.spec, self.engine)
         ctype = compute_type(self.options.dtype, self.options.device)
-        path, self.cache_hit = ensure_converted(self.spec, ctype, self.options.cache_dir,
-                                                self.options.trust_remote_code)
+        path, self.cache_hit = ensure_converted(
+            self.spec, ctype, self.options.cache_dir, self.options.trust_remote_code
+        )
         self._on_gpu = self.options.device.startswith("cuda")
         self.encoder = ctranslate2.Encoder(
-            str(path), device="cuda" if self._on_gpu else "cpu", compute_type=ctype,
+            str(path),
+            device="cuda" if self._on_gpu else "cpu",
+            compute_type=ctype,
             device_index=int(self.options.device.partition(":")[2] or 0),
-            intra_threads=self.options.threads or len(os.sched_getaffinity(0)))
+            intra_threads=self.options.threads or len(os.sched_getaffinity(0)),
+        )
         self.head = dict(np.load(path / HEAD_FILE)) if self.spec.kind != ModelKind.EMBEDDING else None
         self._dim = self.spec.hidden_size if self.head is None else int(self.head["w1"].shape[0])
         log.info("ctranslate2 encoder on %s, compute type %s (%s)", self.options.device, ctype, path)

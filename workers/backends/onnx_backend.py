@@ -64,10 +64,13 @@ def check_onnxruntime_install(installed: set[str] | None = None) -> None:
             "both onnxruntime and onnxruntime-gpu are installed; they overwrite each other's `onnxruntime` "
             "package, so which one runs is an accident of install order. Keep exactly one: "
             "`pip uninstall -y onnxruntime onnxruntime-gpu` then `pip install 'encoderd[onnx]'` (CPU) "
-            "or `pip install 'encoderd[onnx-gpu]'` (CUDA)")
+            "or `pip install 'encoderd[onnx-gpu]'` (CUDA)"
+        )
     if not installed:
-        raise RuntimeError("the onnx engine needs onnxruntime: `pip install 'encoderd[onnx]'` (CPU) "
-                           "or `pip install 'encoderd[onnx-gpu]'` (CUDA)")
+        raise RuntimeError(
+            "the onnx engine needs onnxruntime: `pip install 'encoderd[onnx]'` (CPU) "
+            "or `pip install 'encoderd[onnx-gpu]'` (CUDA)"
+        )
 
 
 # ------------------------------------------------------------------------ export
@@ -78,16 +81,18 @@ def _export_inputs(model) -> list[str]:
     return names
 
 
-def export_onnx(model_dir: str, kind: ModelKind, max_length: int, out_dir: Path, trust_remote_code: bool = False
-                ) -> None:
+def export_onnx(
+    model_dir: str, kind: ModelKind, max_length: int, out_dir: Path, trust_remote_code: bool = False
+) -> None:
     """Write out_dir/model.onnx: float32, dynamic (batch, sequence) axes."""
     import torch
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     model_class = AutoModel if kind == ModelKind.EMBEDDING else AutoModelForSequenceClassification
     try:
-        model = from_pretrained(model_class, model_dir, trust_remote_code, dtype=torch.float32,
-                                attn_implementation="sdpa").eval()
+        model = from_pretrained(
+            model_class, model_dir, trust_remote_code, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
     except ValueError:  # no SDPA path (DeBERTa-v2): the model's own attention
         model = from_pretrained(model_class, model_dir, trust_remote_code, dtype=torch.float32).eval()
     names = _export_inputs(model)
@@ -114,12 +119,21 @@ def export_onnx(model_dir: str, kind: ModelKind, max_length: int, out_dir: Path,
     seq = torch.export.Dim("sequence", max=max(max_length, 17))
     big = sum(p.numel() * p.element_size() for p in model.parameters()) > _EXTERNAL_DATA_BYTES
     with torch.no_grad():
-        torch.onnx.export(GraphOutput().eval(), example, str(out_dir / MODEL_FILE), input_names=names,
-                          output_names=[output], dynamo=True, opset_version=OPSET, verbose=False,
-                          # The exporter's optimizer folds weight transposes into constant initializers;
-                          # without it quantize_dynamic finds no constant MatMul weight and quantizes nothing.
-                          optimize=True,
-                          dynamic_shapes={name: {0: batch, 1: seq} for name in names}, external_data=big)
+        torch.onnx.export(
+            GraphOutput().eval(),
+            example,
+            str(out_dir / MODEL_FILE),
+            input_names=names,
+            output_names=[output],
+            dynamo=True,
+            opset_version=OPSET,
+            verbose=False,
+            # The exporter's optimizer folds weight transposes into constant initializers;
+            # without it quantize_dynamic finds no constant MatMul weight and quantizes nothing.
+            optimize=True,
+            dynamic_shapes={name: {0: batch, 1: seq} for name in names},
+            external_data=big,
+        )
 
 
 def _matrix_shapes(graph) -> dict[str, tuple[int, int]]:
@@ -156,8 +170,14 @@ def calibration_feed(graph, length: int, rows: int = 8) -> dict[str, np.ndarray]
     """Seeded random tokens over the whole vocabulary. Enough for smoothing: the channels
     whose outliers matter are the same for any input (they come with every token)."""
     shapes = _matrix_shapes(graph)
-    vocab = next((shapes[node.input[0]][0] for node in graph.node if node.op_type == "Gather"
-                  and node.input[1] == "input_ids" and node.input[0] in shapes), 1000)
+    vocab = next(
+        (
+            shapes[node.input[0]][0]
+            for node in graph.node
+            if node.op_type == "Gather" and node.input[1] == "input_ids" and node.input[0] in shapes
+        ),
+        1000,
+    )
     ids = np.random.default_rng(0).integers(0, vocab, (rows, length), dtype=np.int64)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
     return {i.name: feed[i.name] for i in graph.input}
@@ -168,8 +188,7 @@ def activation_ranges(source: Path, names: list[str], length: int, work: Path) -
     import onnx
 
     model = onnx.load(str(source))
-    model.graph.output.extend(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
-                              for name in names)
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in names)
     onnx.save(model, str(work / "calibrate.onnx"), save_as_external_data=_is_big(source))
     session = create_session(work / "calibrate.onnx", ["CPUExecutionProvider"], 0)
     values = session.run(names, calibration_feed(model.graph, length))
@@ -190,13 +209,16 @@ def smooth(model, groups: dict[str, list], ranges: dict[str, np.ndarray]) -> Non
         w_max = np.max([np.abs(w).max(1) for w in arrays], axis=0)
         s = np.maximum(ranges[activation], 1e-5) ** SMOOTH_ALPHA / np.maximum(w_max, 1e-5) ** (1 - SMOOTH_ALPHA)
         for node, w in zip(nodes, arrays, strict=True):
-            weights[node.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32),
-                                                                    node.input[1]))
+            weights[node.input[1]].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), node.input[1]))
             node.input[0] = f"{activation}/smoothed"
         graph.initializer.append(numpy_helper.from_array((1 / s).astype(np.float32), f"{activation}/smooth"))
         first = min(list(graph.node).index(node) for node in nodes)  # before its readers: topological order
-        graph.node.insert(first, onnx.helper.make_node("Mul", [activation, f"{activation}/smooth"],
-                                                       [f"{activation}/smoothed"], name=f"smooth_{index}"))
+        graph.node.insert(
+            first,
+            onnx.helper.make_node(
+                "Mul", [activation, f"{activation}/smooth"], [f"{activation}/smoothed"], name=f"smooth_{index}"
+            ),
+        )
 
 
 def _is_big(source: Path) -> bool:
@@ -234,8 +256,15 @@ def quantize_int8(source: Path, out_dir: Path, max_length: int, recipe: str) -> 
         # Quantize an export, never an onnxruntime-optimized (fused) graph: quantize_dynamic fails on those.
         # MatMul only: also quantizing the embedding Gathers costs accuracy (min cosine 0.976 vs 0.980) for no speed.
         weights = QuantType.QUInt8 if recipe == hardware.ONNX_INT8_UNSIGNED else QuantType.QInt8
-        quantize_dynamic(work / MODEL_FILE, out_dir / MODEL_FILE, per_channel=True, weight_type=weights,
-                         op_types_to_quantize=["MatMul"], nodes_to_exclude=keep_float, use_external_data_format=big)
+        quantize_dynamic(
+            work / MODEL_FILE,
+            out_dir / MODEL_FILE,
+            per_channel=True,
+            weight_type=weights,
+            op_types_to_quantize=["MatMul"],
+            nodes_to_exclude=keep_float,
+            use_external_data_format=big,
+        )
     # quantize_dynamic skips MatMuls whose weight is not a constant initializer without failing;
     # a graph it left in float32 must not be served (and cached) as int8.
     graph = onnx.load(str(out_dir / MODEL_FILE), load_external_data=False).graph
@@ -277,31 +306,52 @@ def _timed(what: str, step, *args) -> None:
     log.info("%s done in %.1fs", what, time.perf_counter() - started)
 
 
-def ensure_onnx_model(spec: ModelSpec, dtype: str, cache_dir: str, trust_remote_code: bool = False
-                      ) -> tuple[Path, bool]:
+def ensure_onnx_model(
+    spec: ModelSpec, dtype: str, cache_dir: str, trust_remote_code: bool = False
+) -> tuple[Path, bool]:
     """The cached graph for (model, dtype), exporting and converting on a miss.
 
     Returns (model.onnx path, whether it came from the cache untouched).
     """
     root = cache_dir or default_cache_dir()
     versions = library_versions("torch", "transformers", "onnx", "onnxscript", *ORT_DISTRIBUTIONS)
-    key = {"model": fingerprint_model(spec.path), "kind": spec.kind.value, "max_length": spec.max_length,
-           "versions": versions}
-    base = cached_build(root, "onnx", f"{spec.name}-float32", {**key, "dtype": "float32"}, lambda out: _timed(
-        f"exporting {spec.name} to ONNX", export_onnx, spec.path, spec.kind, spec.max_length, out, trust_remote_code))
+    key = {
+        "model": fingerprint_model(spec.path),
+        "kind": spec.kind.value,
+        "max_length": spec.max_length,
+        "versions": versions,
+    }
+    base = cached_build(
+        root,
+        "onnx",
+        f"{spec.name}-float32",
+        {**key, "dtype": "float32"},
+        lambda out: _timed(
+            f"exporting {spec.name} to ONNX", export_onnx, spec.path, spec.kind, spec.max_length, out, trust_remote_code
+        ),
+    )
     if dtype == "float32":
         return base.path / MODEL_FILE, base.hit
     scheme = hardware.onnx_int8_recipe()
     # (what it does, for the progress line; the conversion; its arguments after source and destination)
     steps: dict[str, tuple[str, Callable[..., None], tuple]] = {
-        "int8": (f"quantizing {{}} to int8 ({scheme}: smoothed, dynamic, per-channel)", quantize_int8,
-                 (spec.max_length, scheme)),
-        "float16": ("converting {} to float16", convert_float16, ())}
+        "int8": (
+            f"quantizing {{}} to int8 ({scheme}: smoothed, dynamic, per-channel)",
+            quantize_int8,
+            (spec.max_length, scheme),
+        ),
+        "float16": ("converting {} to float16", convert_float16, ()),
+    }
     what, convert, extra = steps[dtype]
     # The scheme is in the key: a graph quantized for a VNNI CPU is never reused on one it would saturate.
     recipe = {"recipe": INT8_RECIPE, "scheme": scheme} if dtype == "int8" else {}
-    entry = cached_build(root, "onnx", f"{spec.name}-{dtype}", {**key, "dtype": dtype, **recipe}, lambda out: _timed(
-        what.format(spec.name), convert, base.path / MODEL_FILE, out, *extra))
+    entry = cached_build(
+        root,
+        "onnx",
+        f"{spec.name}-{dtype}",
+        {**key, "dtype": dtype, **recipe},
+        lambda out: _timed(what.format(spec.name), convert, base.path / MODEL_FILE, out, *extra),
+    )
     return entry.path / MODEL_FILE, base.hit and entry.hit
 
 
@@ -353,8 +403,9 @@ class OnnxBackend(Backend):
         check_onnxruntime_install()
         self._check_dtype()
         providers = self._providers()
-        model_file, self.cache_hit = ensure_onnx_model(self.spec, self.options.dtype, self.options.cache_dir,
-                                                       self.options.trust_remote_code)
+        model_file, self.cache_hit = ensure_onnx_model(
+            self.spec, self.options.dtype, self.options.cache_dir, self.options.trust_remote_code
+        )
         self.session = create_session(model_file, providers, self.options.threads)
         self._check_session(providers)
         self._inputs = {i.name for i in self.session.get_inputs()}
@@ -369,14 +420,19 @@ class OnnxBackend(Backend):
         if device not in self.dtypes:
             raise ValueError(f"the {self.engine} engine runs on cpu or cuda, not {self.options.device!r}")
         if self.options.dtype not in self.dtypes[device]:
-            raise ValueError(f"the {self.engine} engine on {device} supports dtypes {', '.join(self.dtypes[device])}, "
-                             f"not {self.options.dtype!r} (int8 is CPU dynamic quantization; float16 needs CUDA)")
+            raise ValueError(
+                f"the {self.engine} engine on {device} supports dtypes {', '.join(self.dtypes[device])}, "
+                f"not {self.options.dtype!r} (int8 is CPU dynamic quantization; float16 needs CUDA)"
+            )
 
     def _providers(self) -> list:
         if self._device_type() == "cpu":
             return ["CPUExecutionProvider"]
-        require_provider("CUDAExecutionProvider", "For --device cuda install onnxruntime-gpu "
-                         "(`pip install 'encoderd[onnx-gpu]'`) in an environment without onnxruntime.")
+        require_provider(
+            "CUDAExecutionProvider",
+            "For --device cuda install onnxruntime-gpu "
+            "(`pip install 'encoderd[onnx-gpu]'`) in an environment without onnxruntime.",
+        )
         return [("CUDAExecutionProvider", {"device_id": device_index(self.options.device)}), "CPUExecutionProvider"]
 
     def _check_session(self, providers: list) -> None:
@@ -384,8 +440,10 @@ class OnnxBackend(Backend):
         # libraries (CUDA, cuDNN, TensorRT) fail to load; serving on CPU silently is worse than failing.
         wanted = providers[0] if isinstance(providers[0], str) else providers[0][0]
         if wanted not in self.session.get_providers():
-            raise RuntimeError(f"onnxruntime could not start {wanted} (session has {self.session.get_providers()}): "
-                               "its CUDA/cuDNN/TensorRT libraries are missing or do not match this onnxruntime build")
+            raise RuntimeError(
+                f"onnxruntime could not start {wanted} (session has {self.session.get_providers()}): "
+                "its CUDA/cuDNN/TensorRT libraries are missing or do not match this onnxruntime build"
+            )
 
     @property
     def output_dim(self) -> int:

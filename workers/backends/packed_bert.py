@@ -10,23 +10,28 @@ epilogue. Together: +5% tokens/s on one thread, +7% on two (MiniLM).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..model_spec import ModelKind
-from .packed_encoder import PackedBatch, activated, attend, fuse_linears
+from .packed_encoder import HFModule, PackedBatch, activated, attend, fuse_linears
 
 
 class BertPieces:
     """BertModel / BertForSequenceClassification with absolute positions (0, 1, ... per sequence);
     the head is BERT's pooler (dense + tanh on [CLS]) then the classifier."""
-    model_types = ("bert",)
-    classes = {ModelKind.EMBEDDING: ("BertModel",),
-               ModelKind.RERANKER: ("BertForSequenceClassification",),
-               ModelKind.CLASSIFIER: ("BertForSequenceClassification",)}
+
+    model_types: ClassVar[tuple[str, ...]] = ("bert",)
+    classes: ClassVar[dict[ModelKind, tuple[str, ...]]] = {
+        ModelKind.EMBEDDING: ("BertModel",),
+        ModelKind.RERANKER: ("BertForSequenceClassification",),
+        ModelKind.CLASSIFIER: ("BertForSequenceClassification",),
+    }
     encoder_attribute = "bert"
 
     @classmethod
-    def covers(cls, model: torch.nn.Module, kind: ModelKind) -> bool:
+    def covers(cls, model: HFModule, kind: ModelKind) -> bool:
         config = model.config
         if config.is_decoder or config.hidden_act not in ("gelu", "relu"):
             return False
@@ -34,8 +39,8 @@ class BertPieces:
             return False
         return type(model).__name__ in cls.classes.get(kind, ())
 
-    def __init__(self, model: torch.nn.Module, kind: ModelKind):
-        self.head = model if kind != ModelKind.EMBEDDING else None
+    def __init__(self, model: HFModule, kind: ModelKind):
+        self.head: HFModule = model if kind != ModelKind.EMBEDDING else None  # None: an embedder
         self.encoder = getattr(model, self.encoder_attribute) if self.head is not None else model
         config = self.encoder.config
         self.heads = config.num_attention_heads
@@ -77,12 +82,21 @@ class RobertaPieces(BertPieces):
     """RoBERTa, XLM-RoBERTa (bge-m3, bge-reranker, multilingual-e5) and CamemBERT: fairseq positions,
     counted from padding_idx + 1 over the tokens that are not the pad token; the head is
     RobertaClassificationHead (dense + tanh + out_proj on <s>), with no pooler."""
+
     model_types = ("roberta", "xlm-roberta", "camembert")
-    classes = {ModelKind.EMBEDDING: ("RobertaModel", "XLMRobertaModel", "CamembertModel"),
-               ModelKind.RERANKER: ("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
-                                    "CamembertForSequenceClassification"),
-               ModelKind.CLASSIFIER: ("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
-                                      "CamembertForSequenceClassification")}
+    classes: ClassVar[dict[ModelKind, tuple[str, ...]]] = {
+        ModelKind.EMBEDDING: ("RobertaModel", "XLMRobertaModel", "CamembertModel"),
+        ModelKind.RERANKER: (
+            "RobertaForSequenceClassification",
+            "XLMRobertaForSequenceClassification",
+            "CamembertForSequenceClassification",
+        ),
+        ModelKind.CLASSIFIER: (
+            "RobertaForSequenceClassification",
+            "XLMRobertaForSequenceClassification",
+            "CamembertForSequenceClassification",
+        ),
+    }
     encoder_attribute = "roberta"
 
     def positions(self, batch: PackedBatch) -> torch.Tensor:
@@ -103,18 +117,21 @@ class RobertaPieces(BertPieces):
 class DistilBertPieces(BertPieces):
     """DistilBERT (msmarco-distilbert, multi-qa-distilbert): BERT's post-norm layers under other names,
     no token types; the head is pre_classifier + ReLU + classifier on [CLS]."""
+
     model_types = ("distilbert",)
-    classes = {ModelKind.EMBEDDING: ("DistilBertModel",),
-               ModelKind.RERANKER: ("DistilBertForSequenceClassification",),
-               ModelKind.CLASSIFIER: ("DistilBertForSequenceClassification",)}
+    classes: ClassVar[dict[ModelKind, tuple[str, ...]]] = {
+        ModelKind.EMBEDDING: ("DistilBertModel",),
+        ModelKind.RERANKER: ("DistilBertForSequenceClassification",),
+        ModelKind.CLASSIFIER: ("DistilBertForSequenceClassification",),
+    }
     encoder_attribute = "distilbert"
 
     @classmethod
-    def covers(cls, model: torch.nn.Module, kind: ModelKind) -> bool:
+    def covers(cls, model: HFModule, kind: ModelKind) -> bool:
         return model.config.activation in ("gelu", "relu") and type(model).__name__ in cls.classes.get(kind, ())
 
-    def __init__(self, model: torch.nn.Module, kind: ModelKind):
-        self.head = model if kind != ModelKind.EMBEDDING else None
+    def __init__(self, model: HFModule, kind: ModelKind):
+        self.head: HFModule = model if kind != ModelKind.EMBEDDING else None  # None: an embedder
         self.encoder = model.distilbert if self.head is not None else model
         config = self.encoder.config
         self.heads = config.n_heads

@@ -18,14 +18,20 @@ pieces (embeddings and positions, one layer, the classification head):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..model_spec import ModelKind, Pooling, pooling_modes
 from . import packed_linear
+
+# A transformers model or one of its submodules: which attributes it has (model.bert.encoder.layer,
+# model.layers, config.layer_types) depends on the architecture, which a type checker cannot see.
+HFModule = Any
 
 # Attention windows: (tokens before, tokens after) each query sees; -1 = unbounded.
 FULL = (-1, -1)
@@ -36,6 +42,7 @@ CAUSAL = (-1, 0)
 class PackedBatch:
     """Token ids (tokens,) int64, cu_seqlens (n + 1,) int32, optional token type ids, each token's
     offset in its sequence (0, 1, ...), and the longest sequence, all on the model's device."""
+
     ids: torch.Tensor
     cu_seqlens: torch.Tensor
     types: torch.Tensor | None
@@ -61,11 +68,16 @@ class PackedBatch:
 def _families():
     from . import packed_bert, packed_modernbert, packed_qwen3
 
-    return (packed_bert.BertPieces, packed_bert.RobertaPieces, packed_bert.DistilBertPieces,
-            packed_modernbert.ModernBertPieces, packed_qwen3.Qwen3Pieces)
+    return (
+        packed_bert.BertPieces,
+        packed_bert.RobertaPieces,
+        packed_bert.DistilBertPieces,
+        packed_modernbert.ModernBertPieces,
+        packed_qwen3.Qwen3Pieces,
+    )
 
 
-def usable(model: torch.nn.Module, kind: ModelKind, device: torch.device, dtype: torch.dtype) -> bool:
+def usable(model: HFModule, kind: ModelKind, device: torch.device, dtype: torch.dtype) -> bool:
     """A family with packed pieces, loaded as transformers' own class of that family and kind; on CUDA
     only where a varlen kernel runs (float16/bfloat16): a per-sequence loop there would cost more
     kernel launches than padding costs FLOPs."""
@@ -76,7 +88,7 @@ def usable(model: torch.nn.Module, kind: ModelKind, device: torch.device, dtype:
     return _pieces_for(model, kind) is not None
 
 
-def _pieces_for(model: torch.nn.Module, kind: ModelKind):
+def _pieces_for(model: HFModule, kind: ModelKind):
     for pieces in _families():
         if model.config.model_type in pieces.model_types and pieces.covers(model, kind):
             return pieces
@@ -87,7 +99,7 @@ class PackedEncoder:
     """The packed forward of one loaded model. The family's pieces may take over some of the
     model's modules (fused projections): build it before pre-packing the model's other linears."""
 
-    def __init__(self, model: torch.nn.Module, kind: ModelKind):
+    def __init__(self, model: HFModule, kind: ModelKind):
         self.pieces = _pieces_for(model, kind)(model, kind)
 
     @property
@@ -137,8 +149,14 @@ def _pool_one(hidden: torch.Tensor, cu_seqlens: torch.Tensor, mode: Pooling) -> 
 
 
 # ------------------------------------------------------------------ attention
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch,
-           window: tuple[int, int] = FULL, scale: float | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: PackedBatch,
+    window: tuple[int, int] = FULL,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Attention within each sequence: q (tokens, heads, d), k and v (tokens, kv_heads, d), kv_heads
     dividing heads (grouped-query). `window`: FULL, CAUSAL, or (before, after) tokens each query sees."""
     kernel = varlen_kernel()
@@ -147,12 +165,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch
     out = torch.empty_like(q)
     grouped = k.shape[1] != q.shape[1]
     bounds = batch.cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         # (L, heads, d) -> (1, heads, L, d): one sequence, no padding mask needed
         seq = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
         causal, mask = window == CAUSAL, None if window in (FULL, CAUSAL) else _band(b - a, window, q.device)
-        out[a:b] = F.scaled_dot_product_attention(*seq, attn_mask=mask, is_causal=causal, scale=scale,
-                                                  enable_gqa=grouped)[0].transpose(0, 1)
+        out[a:b] = F.scaled_dot_product_attention(
+            seq[0], seq[1], seq[2], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=grouped
+        )[0].transpose(0, 1)
     return out
 
 
@@ -176,11 +195,14 @@ def varlen_kernel():
     except ImportError:
         flash_attn_varlen_func = None
     if flash_attn_varlen_func is not None:
+
         def flash_attn(q, k, v, cu, longest, window, scale):
             # q, k, v may be strided views into a fused projection: the kernels want them dense.
             q, k, v = (t.contiguous() for t in (q, k, v))
-            return flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, softmax_scale=scale,
-                                          causal=window == CAUSAL, window_size=window)
+            return flash_attn_varlen_func(
+                q, k, v, cu, cu, longest, longest, softmax_scale=scale, causal=window == CAUSAL, window_size=window
+            )
+
         return flash_attn
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -189,13 +211,15 @@ def varlen_kernel():
 
     def torch_varlen(q, k, v, cu, longest, window, scale):
         q, k, v = (t.contiguous() for t in (q, k, v))
-        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=window,
-                           enable_gqa=k.shape[1] != q.shape[1])
+        return varlen_attn(
+            q, k, v, cu, cu, longest, longest, scale=scale, window_size=window, enable_gqa=k.shape[1] != q.shape[1]
+        )
+
     return torch_varlen
 
 
 # ------------------------------------------------------------------ shared pieces
-def fuse_linears(linears: list[torch.nn.Module]) -> torch.nn.Module:
+def fuse_linears(linears: list[HFModule]) -> torch.nn.Module:
     """One linear whose output is the given linears' outputs side by side (one larger GEMM instead
     of several: on CPU fewer OpenMP parallel regions). Packed for oneDNN where the model's are."""
     weight = torch.cat([p.weight.detach() for p in linears])

@@ -7,10 +7,12 @@ packed tokens; only attention needs the sequence bounds (and, for local layers, 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..model_spec import ModelKind
-from .packed_encoder import FULL, PackedBatch, attend, rotate
+from .packed_encoder import FULL, HFModule, PackedBatch, attend, rotate
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -18,13 +20,16 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 class ModernBertPieces:
     """ModernBertModel / ModernBertForSequenceClassification (its head pools by CLS or by the mean
     over the sequence, then dense + activation + norm, then the classifier)."""
+
     model_types = ("modernbert",)
-    classes = {ModelKind.EMBEDDING: ("ModernBertModel",),
-               ModelKind.RERANKER: ("ModernBertForSequenceClassification",),
-               ModelKind.CLASSIFIER: ("ModernBertForSequenceClassification",)}
+    classes: ClassVar[dict[ModelKind, tuple[str, ...]]] = {
+        ModelKind.EMBEDDING: ("ModernBertModel",),
+        ModelKind.RERANKER: ("ModernBertForSequenceClassification",),
+        ModelKind.CLASSIFIER: ("ModernBertForSequenceClassification",),
+    }
 
     @classmethod
-    def covers(cls, model: torch.nn.Module, kind: ModelKind) -> bool:
+    def covers(cls, model: HFModule, kind: ModelKind) -> bool:
         config = model.config
         if type(model).__name__ not in cls.classes.get(kind, ()):
             return False
@@ -32,8 +37,8 @@ class ModernBertPieces:
             return False
         return set(config.layer_types) <= set(_LAYER_TYPES)
 
-    def __init__(self, model: torch.nn.Module, kind: ModelKind):
-        self.head = model if kind != ModelKind.EMBEDDING else None
+    def __init__(self, model: HFModule, kind: ModelKind):
+        self.head: HFModule = model if kind != ModelKind.EMBEDDING else None  # None: an embedder
         self.encoder = model.model if self.head is not None else model
         config = self.encoder.config
         self.heads = config.num_attention_heads
@@ -57,8 +62,9 @@ class ModernBertPieces:
         attention = layer.attn
         q, k, v = attention.Wqkv(layer.attn_norm(x)).view(x.shape[0], 3, self.heads, -1).unbind(1)
         cos, sin = tables[kind]
-        context = attend(rotate(q, cos, sin), rotate(k, cos, sin), v, batch, self.windows[kind],
-                         scale=attention.head_dim ** -0.5)
+        context = attend(
+            rotate(q, cos, sin), rotate(k, cos, sin), v, batch, self.windows[kind], scale=attention.head_dim**-0.5
+        )
         x = x + attention.Wo(context.flatten(1))
         return x + layer.mlp(layer.mlp_norm(x))
 

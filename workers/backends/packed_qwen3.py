@@ -7,36 +7,45 @@ MLP are the model's own modules, run on the packed tokens.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from ..model_spec import ModelKind
-from .packed_encoder import CAUSAL, PackedBatch, attend, fuse_linears, rotate
+from .packed_encoder import CAUSAL, HFModule, PackedBatch, attend, fuse_linears, rotate
 
 
 class Qwen3Pieces:
     """Qwen3Model / Qwen3ForSequenceClassification with global attention in every layer (a sliding
     window, use_sliding_window, keeps the padded forward)."""
+
     model_types = ("qwen3",)
-    classes = {ModelKind.EMBEDDING: ("Qwen3Model",),
-               ModelKind.RERANKER: ("Qwen3ForSequenceClassification",),
-               ModelKind.CLASSIFIER: ("Qwen3ForSequenceClassification",)}
+    classes: ClassVar[dict[ModelKind, tuple[str, ...]]] = {
+        ModelKind.EMBEDDING: ("Qwen3Model",),
+        ModelKind.RERANKER: ("Qwen3ForSequenceClassification",),
+        ModelKind.CLASSIFIER: ("Qwen3ForSequenceClassification",),
+    }
 
     @classmethod
-    def covers(cls, model: torch.nn.Module, kind: ModelKind) -> bool:
+    def covers(cls, model: HFModule, kind: ModelKind) -> bool:
         config = model.config
-        return (type(model).__name__ in cls.classes.get(kind, ())
-                and all(t == "full_attention" for t in config.layer_types))
+        return type(model).__name__ in cls.classes.get(kind, ()) and all(
+            t == "full_attention" for t in config.layer_types
+        )
 
-    def __init__(self, model: torch.nn.Module, kind: ModelKind):
-        self.head = model if kind != ModelKind.EMBEDDING else None
+    def __init__(self, model: HFModule, kind: ModelKind):
+        self.head: HFModule = model if kind != ModelKind.EMBEDDING else None  # None: an embedder
         self.decoder = model.model if self.head is not None else model
         config = self.decoder.config
         self.pad = config.pad_token_id
         self.layers = list(self.decoder.layers)
         self.layer_count = len(self.layers)
         first = self.layers[0].self_attn
-        self.heads, self.kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
-                                                    first.head_dim)
+        self.heads, self.kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            first.head_dim,
+        )
         self.sizes = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.qkv = [_fuse_projections(layer.self_attn) for layer in self.layers]
 
@@ -71,8 +80,9 @@ class Qwen3Pieces:
         when all are; the last one when the model has no pad token)."""
         if self.pad is None:
             return batch.lasts
-        sequence = torch.repeat_interleave(torch.arange(len(batch.firsts), device=batch.ids.device),
-                                           batch.cu_seqlens.diff().long())
+        sequence = torch.repeat_interleave(
+            torch.arange(len(batch.firsts), device=batch.ids.device), batch.cu_seqlens.diff().long()
+        )
         offsets = batch.offsets * (batch.ids != self.pad)
         rightmost = torch.zeros_like(batch.firsts).scatter_reduce(0, sequence, offsets, "amax")
         return batch.firsts + rightmost

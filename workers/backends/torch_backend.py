@@ -66,8 +66,9 @@ class TorchBackend(Backend):
             model = from_pretrained(*load, dtype=DTYPES[self.options.dtype])
         self.model = model.to(self.device).eval()
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
-        usable = (not self.options.compile
-                  and packed_encoder.usable(self.model, self.spec.kind, self.device, DTYPES[self.options.dtype]))
+        usable = not self.options.compile and packed_encoder.usable(
+            self.model, self.spec.kind, self.device, DTYPES[self.options.dtype]
+        )
         self.packed = packed_encoder.PackedEncoder(self.model, self.spec.kind) if usable else None
         if self.options.compile:
             # Inductor fuses and packs weights itself; it compiles in the warm-up forward passes.
@@ -81,8 +82,11 @@ class TorchBackend(Backend):
             self.projection = projection.to(self.device, DTYPES[self.options.dtype]) if projection else None
         self.is_padded = self.packed is None  # the scheduler then budgets real tokens, not size x longest
         log.info("%s forward", f"padding-free (packed tokens, {self.packed.family})" if self.packed else "padded")
-        self._dim = (self.model.config.num_labels if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
-                     else torch_heads.output_dim(self.model, self.spec.kind, self.projection))
+        self._dim = (
+            self.model.config.num_labels
+            if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
+            else torch_heads.output_dim(self.model, self.spec.kind, self.projection)
+        )
 
     @property
     def output_dim(self) -> int:
@@ -98,11 +102,14 @@ class TorchBackend(Backend):
             return self._forward_packed(batch)
         ids, mask, types = padded(batch, self.spec.pad_token_id)
         self._size_threads(ids.size)
-        inputs = {"input_ids": torch.from_numpy(ids).to(self.device),
-                  "attention_mask": torch.from_numpy(mask).to(self.device)}
+        inputs = {
+            "input_ids": torch.from_numpy(ids).to(self.device),
+            "attention_mask": torch.from_numpy(mask).to(self.device),
+        }
         if self._takes_token_types:
-            inputs["token_type_ids"] = (torch.from_numpy(types) if types is not None
-                                        else torch.zeros_like(inputs["input_ids"], device="cpu")).to(self.device)
+            inputs["token_type_ids"] = (
+                torch.from_numpy(types) if types is not None else torch.zeros_like(inputs["input_ids"], device="cpu")
+            ).to(self.device)
         if self.spec.kind not in _POOLED_KINDS:
             return torch_heads.forward_text(self, inputs)
         out = self.model(**inputs)
@@ -127,8 +134,11 @@ class TorchBackend(Backend):
         with torch.inference_mode():
             ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
             cu_seqlens = torch.from_numpy(batch.cu_seqlens).to(self.device)
-            types = (None if batch.token_type_ids is None
-                     else torch.from_numpy(batch.token_type_ids).to(self.device, torch.long))
+            types = (
+                None
+                if batch.token_type_ids is None
+                else torch.from_numpy(batch.token_type_ids).to(self.device, torch.long)
+            )
             batch_view = packed_encoder.PackedBatch.of(ids, cu_seqlens, types)
             layers = packed.hidden_states(batch_view)
             while True:

@@ -61,7 +61,9 @@ def _dense_module(path: Path) -> torch.nn.Linear:
     config = json.loads((path / "config.json").read_text())
     activation = config.get("activation_function", "torch.nn.modules.linear.Identity")
     if not activation.endswith("Identity"):
-        raise ModelLoadError(f"{path}: a ColBERT projection with activation {activation} is not supported (Identity only)")
+        raise ModelLoadError(
+            f"{path}: a ColBERT projection with activation {activation} is not supported (Identity only)"
+        )
     weights = _tensors(path / "model.safetensors", ("linear.weight", "linear.bias"))
     if not weights and (path / "pytorch_model.bin").exists():
         weights = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -115,7 +117,7 @@ def splade(model, inputs: dict[str, torch.Tensor]) -> Ragged:
     step = max(1, SPARSE_LOGITS_BUDGET // (length * model.config.vocab_size))
     pooled = []
     for start in range(0, n, step):
-        chunk = {k: v[start:start + step] for k, v in inputs.items()}
+        chunk = {k: v[start : start + step] for k, v in inputs.items()}
         logits = model(**chunk).logits
         # Weights are >= 0, so zeroing the padding cannot change the max.
         weights = torch.log1p(torch.relu(logits.float())) * chunk["attention_mask"].unsqueeze(-1)
@@ -160,7 +162,9 @@ def forward_media(backend, batch: MediaBatch):
     if batch.modality == "audio" and kind == ModelKind.CLAP:
         flags = batch.flags if batch.flags is not None else np.zeros(batch.size, dtype=np.int32)
         is_longer = torch.tensor(flags, dtype=torch.bool, device=backend.device)[:, None]
-        return model.get_audio_features(input_features=features, is_longer=is_longer).pooler_output.float().cpu().numpy()
+        return (
+            model.get_audio_features(input_features=features, is_longer=is_longer).pooler_output.float().cpu().numpy()
+        )
     raise ValueError(f"{kind.value} models take no {batch.modality} input")
 
 
