@@ -38,11 +38,18 @@ class WorkItem:
     index: int  # position among the request's inputs
     enqueued: float = 0.0  # monotonic time it was queued
     attempts: int = 0  # batches it rode in that were lost with their worker
+    # An embedding model's token states (TEI's /embed_all), not its pooled vector: batched apart.
+    token_states: bool = False
     modality: ClassVar[str] = "text"  # a batch holds one modality (MediaItem overrides it)
 
     @property
     def length(self) -> int:
         return len(self.ids)
+
+    @property
+    def output(self) -> tuple[str, bool]:
+        """What the worker computes for it; a batch holds items of one output only."""
+        return self.modality, self.token_states
 
 
 @dataclass(slots=True, eq=False)
@@ -88,10 +95,11 @@ def take_batch(queue: deque[WorkItem], limits: BatchLimits) -> list[WorkItem]:
     if not window:
         return []
     candidates: Sequence[int] = range(len(window))
-    if limits.mixed_modalities:  # checked only there: text-only models skip the scan
-        # One modality per batch, the oldest input's; the others wait in arrival order.
-        first = window[0].modality
-        candidates = [i for i in candidates if window[i].modality == first]
+    first = window[0].output
+    if limits.mixed_modalities or any(item.token_states != first[1] for item in window):
+        # One output per batch (modality, token states or not), the oldest input's; the others
+        # wait in arrival order.
+        candidates = [i for i in candidates if window[i].output == first]
     order = sorted(candidates, key=lambda i: window[i].length)
     chosen = _chunk_holding(order, window, limits, oldest=0)
     taken = set(chosen)
@@ -134,6 +142,7 @@ def pack(batch: list[WorkItem], batch_id: int, urgent: bool = False) -> TokenBat
         types = [item.type_ids if item.type_ids is not None else np.zeros_like(item.ids) for item in batch]
     packed = TokenBatch.from_sequences(batch_id, [item.ids for item in batch], types)
     packed.urgent = urgent
+    packed.token_states = batch[0].token_states  # one output per batch (take_batch)
     return packed
 
 

@@ -74,11 +74,18 @@ class ServedModel:
             else self.spec.hidden_size
         )
 
-    async def compute(self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE) -> np.ndarray:
-        request = PendingRequest(len(tokens.ids))
+    async def compute(
+        self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE, token_states: bool = False
+    ) -> np.ndarray:
+        """The rows of tokenized inputs; `token_states`: per input its (tokens, hidden) last hidden
+        states, a list (server/token_states.py)."""
+        request = PendingRequest(len(tokens.ids), ragged=token_states)
         no_types: list[np.ndarray | None] = [None] * len(tokens.ids)
         types: Sequence[np.ndarray | None] = tokens.type_ids or no_types
-        items = [WorkItem(ids, t, request, i) for i, (ids, t) in enumerate(zip(tokens.ids, types, strict=True))]
+        items = [
+            WorkItem(ids, t, request, i, token_states=token_states)
+            for i, (ids, t) in enumerate(zip(tokens.ids, types, strict=True))
+        ]
         return await self.scheduler.run(items, request, priority)
 
 

@@ -24,6 +24,7 @@ from .engine import estimate_tokens
 from .errors import InvalidInput, WrongModelKind
 from .media import Content
 from .scheduler import DEFAULT_PRIORITY, Priority
+from .token_states import embed_token_states
 
 SIDES = {"": "right", "right": "right", "left": "left"}
 # huggingface_hub's function_to_apply for /predict, over a row of logits ("": the model's default).
@@ -163,22 +164,35 @@ def _texts(request, route: str) -> list[str]:
 
 
 async def embed_all(service, request) -> httpbody_pb2.HttpBody:
+    """Per input, one vector per token: a plain embedder's last hidden states (as TEI), a
+    multi-vector model's token (and patch) vectors."""
     opts = options(request)
     _no_embedding_options(opts, "/embed_all")
     _no_predict_options(opts, "/embed_all")
-    if opts.side != "right":
-        raise InvalidInput("/embed_all cuts over-long inputs on the right only")
     texts = _texts(request, "/embed_all")
-    name = pick_model(service, request.model, tuple(MULTI_VECTOR_KINDS), "/embed_all")
-    prompt = service.engine.prompt_text(service.engine.get(name, tuple(MULTI_VECTOR_KINDS)), "", opts.prompt_name)
-    model, rows, _ = await multimodal.embed_multivector(
-        service.engine,
-        name,
-        [Content(text=t) for t in texts],
-        truncate=opts.truncate,
-        prompt=prompt,
-        priority=DEFAULT_PRIORITY.get(),
-    )
+    name = pick_model(service, request.model, (ModelKind.EMBEDDING, *MULTI_VECTOR_KINDS), "/embed_all")
+    if service.engine.get(name, (ModelKind.EMBEDDING, *MULTI_VECTOR_KINDS)).spec.kind == ModelKind.EMBEDDING:
+        model, rows, _ = await embed_token_states(
+            service.engine,
+            name,
+            texts,
+            truncate=opts.truncate,
+            side=opts.side,
+            prompt_name=opts.prompt_name,
+            priority=DEFAULT_PRIORITY.get(),
+        )
+    else:
+        if opts.side != "right":
+            raise InvalidInput("/embed_all cuts a multi-vector model's over-long inputs on the right only")
+        prompt = service.engine.prompt_text(service.engine.get(name, tuple(MULTI_VECTOR_KINDS)), "", opts.prompt_name)
+        model, rows, _ = await multimodal.embed_multivector(
+            service.engine,
+            name,
+            [Content(text=t) for t in texts],
+            truncate=opts.truncate,
+            prompt=prompt,
+            priority=DEFAULT_PRIORITY.get(),
+        )
     rendered = ("[" + ",".join(compat.float_rows(model.spec.name, r)) + "]" for r in rows)
     return _body("[" + ",".join(rendered) + "]")
 

@@ -10,6 +10,9 @@ Batches carry token ids packed back to back (int32) and `cu_seqlens`
 (int32, n+1 offsets, the FlashAttention varlen convention); results carry one
 float32 array of shape (n, dim).
 
+A text batch may ask an embedding model for its token states instead of pooled
+vectors: every token's last hidden state, which comes back ragged (below).
+
 Media batches (images, audio) carry instead one float32 array (n, *shape) of
 preprocessed inputs, all of one shape (the frontend resized / padded them), and
 optionally one int32 flag per input. Ragged results (a vector per token or
@@ -52,6 +55,7 @@ class BatchHeader(msgspec.Struct, array_like=True, gc=False):
     shape: tuple[int, ...] = ()
     has_flags: bool = False
     urgent: bool = False  # interactive work: the worker runs it between the layers of a bulk batch
+    token_states: bool = False  # an embedding model's unpooled last hidden states (TokenBatch.token_states)
 
 
 class ResultHeader(msgspec.Struct, array_like=True, gc=False):
@@ -102,6 +106,9 @@ class TokenBatch(msgspec.Struct, gc=False):
     cu_seqlens: np.ndarray  # int32, n + 1 offsets into input_ids
     token_type_ids: np.ndarray | None = None  # int32 like input_ids; pairs only
     urgent: bool = False  # interactive: may pause a bulk batch between layers (workers/process.py)
+    # Embedding models: per input, every token's last hidden state (a Ragged of (tokens, hidden)),
+    # not pooled, no Dense modules (TEI's /embed_all). A batch holds one kind of output.
+    token_states: bool = False
 
     @property
     def size(self) -> int:
@@ -129,6 +136,7 @@ class TokenBatch(msgspec.Struct, gc=False):
             self.cu_seqlens[: at + 1],
             None if types is None else types[:cut],
             self.urgent,
+            self.token_states,
         )
         rest = TokenBatch(
             self.batch_id,
@@ -136,6 +144,7 @@ class TokenBatch(msgspec.Struct, gc=False):
             self.cu_seqlens[at:] - cut,
             None if types is None else types[cut:],
             self.urgent,
+            self.token_states,
         )
         return first, rest
 
@@ -206,7 +215,9 @@ def _type_frame(kind: MessageType) -> bytes:
 def encode_batch(batch: TokenBatch | MediaBatch) -> list:
     if isinstance(batch, MediaBatch):
         return _encode_media_batch(batch)
-    header = BatchHeader(batch.batch_id, batch.token_type_ids is not None, urgent=batch.urgent)
+    header = BatchHeader(
+        batch.batch_id, batch.token_type_ids is not None, urgent=batch.urgent, token_states=batch.token_states
+    )
     frames = [
         _type_frame(MessageType.BATCH),
         _encoder.encode(header),
@@ -282,7 +293,14 @@ def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch | MediaBa
         flags = _array(frames[1], np.int32) if header.has_flags else None
         return MediaBatch(header.batch_id, header.modality, features, flags)
     types = _array(frames[2], np.int32) if header.has_token_types else None
-    return TokenBatch(header.batch_id, _array(frames[0], np.int32), _array(frames[1], np.int32), types, header.urgent)
+    return TokenBatch(
+        header.batch_id,
+        _array(frames[0], np.int32),
+        _array(frames[1], np.int32),
+        types,
+        header.urgent,
+        header.token_states,
+    )
 
 
 def result_array(header: ResultHeader, frames: list) -> np.ndarray | list:

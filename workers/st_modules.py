@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .model_spec import DenseModule, ModelKind, ModelLoadError, ModelSpec, pooling_modes
+from .protocol import Ragged
 
 
 class SentenceModules:
@@ -24,8 +25,8 @@ class SentenceModules:
         self.spec = spec
         self.layers = [_load_dense(module) for module in spec.dense] if self.applies else []
 
-    def __call__(self, pooled: np.ndarray) -> np.ndarray:
-        if not self.layers:
+    def __call__(self, pooled: np.ndarray | Ragged) -> np.ndarray | Ragged:
+        if not self.layers or isinstance(pooled, Ragged):  # token states: the encoder's own output, before any module
             return pooled
         import torch
 

@@ -9,8 +9,8 @@ from collections.abc import Generator
 import msgspec
 import numpy as np
 
-from ..model_spec import ModelSpec, require_known_architectures
-from ..protocol import MediaBatch, TokenBatch
+from ..model_spec import ModelKind, ModelSpec, require_known_architectures
+from ..protocol import MediaBatch, Ragged, TokenBatch
 
 
 class BackendOptions(msgspec.Struct, frozen=True):
@@ -45,7 +45,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, batch: TokenBatch) -> np.ndarray:
-        """Embedding models: pooled, unnormalized (n, dim). Others: logits (n, labels).
+        """Embedding models: pooled, unnormalized (n, dim), or with batch.token_states every token's
+        last hidden state (a protocol.Ragged, see token_states). Others: logits (n, labels).
         Multi-vector and sparse kinds return a protocol.Ragged instead."""
 
     def forward_in_steps(self, batch: TokenBatch) -> Generator[None, None, np.ndarray]:
@@ -135,6 +136,21 @@ def require_text_kind(spec: ModelSpec, engine: str) -> None:
             f"the {engine} engine serves {', '.join(TEXT_KINDS)} models; {spec.name} is a "
             f"{spec.kind.value} model: use --engine torch (or auto)"
         )
+
+
+def wants_token_states(spec: ModelSpec, batch: TokenBatch) -> bool:
+    """Whether `batch` asks for token states; only an embedding model has them to give (the
+    frontend asks no other kind: this guards the wire contract)."""
+    if batch.token_states and spec.kind != ModelKind.EMBEDDING:
+        raise ValueError(f"token states are an embedding model's output; {spec.name} is a {spec.kind.value} model")
+    return batch.token_states
+
+
+def token_states(hidden: np.ndarray, batch: TokenBatch) -> Ragged:
+    """A right-padded (n, L, d) last hidden state -> each input's real tokens' rows, as float32
+    (input 0's tokens first, as packed): nothing pooled, normalized or projected."""
+    mask = np.arange(hidden.shape[1]) < batch.lengths[:, None]
+    return Ragged(np.ascontiguousarray(hidden[mask], dtype=np.float32), batch.cu_seqlens.astype(np.int32))
 
 
 def padded(batch: TokenBatch, pad_token_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

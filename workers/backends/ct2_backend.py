@@ -32,7 +32,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, from_pretrained, require_family, require_text_kind
+from .base import Backend, from_pretrained, require_family, require_text_kind, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +208,8 @@ class CT2Backend(Backend):
         if batch.token_type_ids is not None:
             types = [batch.token_type_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]
         hidden = self._to_numpy(self.encoder.forward_batch(ids, token_type_ids=types).last_hidden_state)
+        if wants_token_states(self.spec, batch):
+            return token_states(hidden, batch)
         if self.head is not None:
             return apply_head(self.head, hidden[:, 0])
         mask = np.arange(hidden.shape[1]) < batch.lengths[:, None]

@@ -36,7 +36,7 @@ from ..model_cache import cached_build, default_cache_dir, fingerprint_model, li
 from ..model_spec import ModelKind, ModelSpec
 from ..pooling import pool
 from ..protocol import TokenBatch
-from .base import Backend, from_pretrained, padded, require_family, require_text_kind
+from .base import Backend, from_pretrained, padded, require_family, require_text_kind, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
 
@@ -455,6 +455,8 @@ class OnnxBackend(Backend):
         if "token_type_ids" in self._inputs:
             feed["token_type_ids"] = types if types is not None else np.zeros_like(ids)
         out = self.session.run(None, feed)[0]
+        if wants_token_states(self.spec, batch):  # the graph ends at last_hidden_state (export_onnx)
+            return token_states(out, batch)
         if self.spec.kind == ModelKind.EMBEDDING:
             return pool(out, mask, self.spec.pooling)
         return out.astype(np.float32, copy=False)

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from ..model_spec import ModelKind, Pooling, pooling_modes
-from ..protocol import MediaBatch, TokenBatch
+from ..protocol import MediaBatch, Ragged, TokenBatch
 from . import packed_encoder, packed_linear, torch_heads
-from .base import Backend, from_pretrained, padded, run_to_end
+from .base import Backend, from_pretrained, padded, run_to_end, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,8 @@ class TorchBackend(Backend):
         if self.spec.kind not in _POOLED_KINDS:
             return torch_heads.forward_text(self, inputs)
         out = self.model(**inputs)
+        if wants_token_states(self.spec, batch):
+            return token_states(out.last_hidden_state.float().cpu().numpy(), batch)
         if self.spec.kind == ModelKind.EMBEDDING:
             result = pool(out.last_hidden_state, inputs["attention_mask"], self.spec.pooling)
         else:
@@ -149,6 +151,8 @@ class TorchBackend(Backend):
                     hidden = done.value
                     break
                 yield
+            if wants_token_states(self.spec, batch):  # already one row per token, inputs back to back
+                return Ragged(hidden.float().cpu().numpy(), batch.cu_seqlens.astype(np.int32))
             if self.spec.kind == ModelKind.EMBEDDING:
                 result = packed.pool(hidden, cu_seqlens, self.spec.pooling)
             else:

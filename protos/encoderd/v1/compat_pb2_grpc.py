@@ -246,8 +246,9 @@ class CompatServicer:
         raise NotImplementedError('Method not implemented!')
 
     def TeiEmbedAll(self, request, context):
-        """TEI `POST /embed_all`: per input, one vector per token. Served by
-        multi-vector (colbert) models, whose token vectors these are.
+        """TEI `POST /embed_all`: per input, one vector per token. A plain embedding
+        model's last hidden states (not pooled, not normalized), or a multi-vector
+        (colbert, colpali) model's token vectors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
