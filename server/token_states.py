@@ -10,6 +10,8 @@ from the pooled vectors of the same texts.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from ..workers.model_spec import ModelKind
@@ -47,4 +49,4 @@ async def embed_token_states(
 
     keys = [result_key(KEY, side, str(truncate), t) for t in texts]
     rows, n_tokens = await model.results.resolve(keys, compute, stack=False)
-    return model, rows, n_tokens
+    return model, cast("list[np.ndarray]", rows), n_tokens  # stack=False: the rows, as a list

@@ -44,6 +44,8 @@ def compat_server(tmp_path_factory, models_dir, reranker_path, classifier_path):
         f"search_query={QUERY_PROMPT}",
         "--cpu-threads",
         "1",
+        "--cache-size",  # results are reused: a route's output must never come from another's entry
+        "1024",
         "--cors-allow-origin",
         ORIGIN,
         rest=True,
@@ -330,7 +332,7 @@ def test_tei_tokenize_decode_info(http, minilm_path):
 
 def test_tei_embed_all_and_sparse_equal_grpc(http, stub):
     texts = ["late interaction", "sparse lexical retrieval"]
-    tokens = http.post("/embed_all", json={"inputs": texts})
+    tokens = http.post("/embed_all", json={"inputs": texts, "model": "colbert"})
     assert tokens.status_code == 200, tokens.text
     contents = [pb.Content(text=t) for t in texts]
     grpc = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(model="colbert", inputs=contents))
@@ -379,10 +381,81 @@ def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_pref
 
 def test_tei_routes_refuse_what_they_cannot_do(http):
     _error(http.post("/embed_sparse", json={"inputs": "x", "model": M}), 400, "sparse")
-    _error(http.post("/embed_all", json={"inputs": "x", "model": M}), 400, "colbert")
+    _error(http.post("/embed_all", json={"inputs": "x", "model": "reranker"}), 400, "embedding or colbert")
+    _error(http.post("/embed_all", json={"inputs": "x"}), 400, "several are served")  # an embedder and colbert
+    body = {"inputs": "x", "model": "colbert", "truncation_direction": "left"}
+    _error(http.post("/embed_all", json=body), 400, "right only")
     _error(http.post("/embed_all", json={"inputs": "x", "normalize": True}), 400, "normalize")
     _error(http.post("/embed", json={"inputs": "x", "truncation_direction": "middle"}), 400, "truncation_direction")
     _error(http.post("/embed", json={"inputs": "x", "dimensions": 0}), 400, "dimensions")
+
+
+# A text over MiniLM's 256 tokens: TEI's /embed_all cuts it, then returns every token left.
+LONG = " ".join(sentences(30, max_words=40, seed=4))
+
+
+@pytest.fixture(scope="module")
+def hidden_states(minilm_path):
+    """transformers' last_hidden_state of a text, tokenized as the model's tokenizer does (special
+    tokens included, cut at 256 tokens on the given side)."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(minilm_path, dtype=torch.float32).eval()
+    tokenizers = {side: AutoTokenizer.from_pretrained(minilm_path, truncation_side=side) for side in ("right", "left")}
+
+    def states(text: str, side: str = "right") -> np.ndarray:
+        encoded = tokenizers[side](text, truncation=True, max_length=256, return_tensors="pt")
+        with torch.inference_mode():
+            return model(**encoded).last_hidden_state[0].numpy()
+
+    return states
+
+
+def _assert_states(got: list, want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for rows, reference in zip(got, want, strict=True):
+        assert np.shape(rows) == reference.shape
+        np.testing.assert_allclose(rows, reference, atol=1e-4)
+
+
+def test_tei_embed_all_on_a_plain_embedder_equals_transformers(http, hidden_states):
+    """TEI's /embed_all on an embedding model: per input, every token's last hidden state (special
+    tokens included, after truncation), not pooled and not normalized."""
+    texts = [TEXTS[0], LONG, "short"]  # three lengths; the second is cut at 256 tokens
+    response = http.post("/embed_all", json={"model": M, "inputs": texts})
+    assert response.status_code == 200, response.text
+    got = response.json()
+    _assert_states(got, [hidden_states(t) for t in texts])
+    assert len(got[1]) == 256 and len(got[2]) == 3  # [CLS] short [SEP]
+    one = http.post("/embed_all", json={"model": M, "inputs": LONG, "truncation_direction": "left"})
+    _assert_states(one.json(), [hidden_states(LONG, "left")])
+    prompted = http.post("/embed_all", json={"model": M, "inputs": [TEXTS[1]], "prompt_name": "search_query"})
+    _assert_states(prompted.json(), [hidden_states(QUERY_PROMPT + TEXTS[1])])
+    _error(http.post("/embed_all", json={"model": M, "inputs": LONG, "truncate": False}), 400, "256")
+    _error(http.post("/embed_all", json={"model": M, "inputs": "x", "dimensions": 8}), 400, "dimensions")
+
+
+def test_embed_and_embed_all_at_once_each_get_their_own_output(http, st_vectors):
+    """Pooled and token-state work for the same texts, interleaved on one model: never in one batch,
+    never one's result for the other (in-flight sharing and the result cache key them apart)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def embed(i: int):
+        return http.post("/embed", json={"model": M, "inputs": TEXTS[i % 3 : i % 3 + 3]})
+
+    def embed_all(i: int):
+        return http.post("/embed_all", json={"model": M, "inputs": TEXTS[i % 3 : i % 3 + 3]})
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [(pool.submit(embed, i), pool.submit(embed_all, i)) for i in range(8)]
+        answers = [(i, f.result(), g.result()) for i, (f, g) in enumerate(futures)]
+    lengths = [len(t) for t in http.post("/tokenize", json={"model": M, "inputs": TEXTS}).json()]
+    for i, pooled, states in answers:
+        assert pooled.status_code == states.status_code == 200, (pooled.text, states.text)
+        window = slice(i % 3, i % 3 + 3)
+        np.testing.assert_allclose(pooled.json(), st_vectors[window], atol=1e-5)
+        assert [np.shape(rows) for rows in states.json()] == [(n, 384) for n in lengths[window]]
 
 
 # -------------------------------------------------------------------- Cohere

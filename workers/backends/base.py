@@ -44,12 +44,12 @@ class Backend(abc.ABC):
         """Load weights onto the device."""
 
     @abc.abstractmethod
-    def forward(self, batch: TokenBatch) -> np.ndarray:
+    def forward(self, batch: TokenBatch) -> np.ndarray | Ragged:
         """Embedding models: pooled, unnormalized (n, dim), or with batch.token_states every token's
         last hidden state (a protocol.Ragged, see token_states). Others: logits (n, labels).
         Multi-vector and sparse kinds return a protocol.Ragged instead."""
 
-    def forward_in_steps(self, batch: TokenBatch) -> Generator[None, None, np.ndarray]:
+    def forward_in_steps(self, batch: TokenBatch) -> Generator[None, None, np.ndarray | Ragged]:
         """`forward` as a generator that yields between steps (the torch padding-free forward:
         its layers) and returns the output: the worker runs urgent batches at those points.
         Engines that cannot stop midway compute it in one step."""

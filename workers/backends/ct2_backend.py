@@ -31,7 +31,7 @@ import numpy as np
 from ..model_cache import cached_build, default_cache_dir, fingerprint_model, library_versions
 from ..model_spec import ModelKind
 from ..pooling import pool
-from ..protocol import TokenBatch
+from ..protocol import Ragged, TokenBatch
 from .base import Backend, from_pretrained, require_family, require_text_kind, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class CT2Backend(Backend):
     def output_dim(self) -> int:
         return self._dim
 
-    def forward(self, batch: TokenBatch) -> np.ndarray:
+    def forward(self, batch: TokenBatch) -> np.ndarray | Ragged:
         # Ragged lists (not a padded array) so CTranslate2 moves them to whichever device it runs on.
         bounds = batch.cu_seqlens
         ids = [batch.input_ids[a:b].tolist() for a, b in itertools.pairwise(bounds)]

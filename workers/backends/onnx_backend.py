@@ -35,7 +35,7 @@ from .. import hardware
 from ..model_cache import cached_build, default_cache_dir, fingerprint_model, library_versions
 from ..model_spec import ModelKind, ModelSpec
 from ..pooling import pool
-from ..protocol import TokenBatch
+from ..protocol import Ragged, TokenBatch
 from .base import Backend, from_pretrained, padded, require_family, require_text_kind, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
@@ -449,7 +449,7 @@ class OnnxBackend(Backend):
     def output_dim(self) -> int:
         return self._dim
 
-    def forward(self, batch: TokenBatch) -> np.ndarray:
+    def forward(self, batch: TokenBatch) -> np.ndarray | Ragged:
         ids, mask, types = padded(batch, self.spec.pad_token_id)
         feed = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self._inputs:

@@ -97,7 +97,7 @@ class TorchBackend(Backend):
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def forward(self, batch: TokenBatch) -> np.ndarray:
+    def forward(self, batch: TokenBatch) -> np.ndarray | Ragged:
         if self.packed is not None:
             return self._forward_packed(batch)
         ids, mask, types = padded(batch, self.spec.pad_token_id)
@@ -121,7 +121,7 @@ class TorchBackend(Backend):
             result = out.logits
         return result.float().cpu().numpy()
 
-    def _forward_packed(self, batch: TokenBatch) -> np.ndarray:
+    def _forward_packed(self, batch: TokenBatch) -> np.ndarray | Ragged:
         return run_to_end(self._packed_steps(batch))
 
     def forward_in_steps(self, batch: TokenBatch):
