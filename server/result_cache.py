@@ -45,23 +45,28 @@ class ResultCache:
 
     @overload
     async def resolve(
-        self, keys: list[bytes], compute: ComputeFn, stack: Literal[True] = True
+        self, keys: list[bytes], compute: ComputeFn, stack: Literal[True] = True, remember: bool = True
     ) -> tuple[np.ndarray, int]: ...
 
     @overload
-    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: bool) -> tuple[np.ndarray | list, int]: ...
+    async def resolve(
+        self, keys: list[bytes], compute: ComputeFn, stack: bool, remember: bool = True
+    ) -> tuple[np.ndarray | list, int]: ...
 
-    async def resolve(self, keys: list[bytes], compute: ComputeFn, stack: bool = True) -> tuple[np.ndarray | list, int]:
+    async def resolve(
+        self, keys: list[bytes], compute: ComputeFn, stack: bool = True, remember: bool = True
+    ) -> tuple[np.ndarray | list, int]:
         """Rows for every key, in order, and the total token count; `stack=False`
-        leaves ragged rows (multi-vector, sparse) as a list."""
+        leaves ragged rows (multi-vector, sparse) as a list. `remember=False`: shared while in
+        flight, never kept in the LRU (outputs too large for an LRU sized in entries)."""
         rows: list = [None] * len(keys)
         tokens = [0] * len(keys)
         unresolved = list(range(len(keys)))
         while unresolved:
-            unresolved = await self._resolve_round(keys, unresolved, rows, tokens, compute)
+            unresolved = await self._resolve_round(keys, unresolved, rows, tokens, compute, remember)
         return (np.stack(rows) if stack else rows), int(sum(tokens))
 
-    async def _resolve_round(self, keys, indices, rows, tokens, compute) -> list[int]:
+    async def _resolve_round(self, keys, indices, rows, tokens, compute, remember: bool) -> list[int]:
         owned: dict[bytes, list[int]] = {}
         waiting: dict[bytes, tuple[asyncio.Future, list[int]]] = {}
         for i in indices:
@@ -82,7 +87,7 @@ class ResultCache:
                 if self.max_entries:
                     metrics.CACHE.labels(self.model, "miss").inc()
         if owned:
-            await self._compute_owned(owned, rows, tokens, compute)
+            await self._compute_owned(owned, rows, tokens, compute, remember)
         retry = []
         for future, where in waiting.values():
             try:
@@ -94,7 +99,7 @@ class ResultCache:
                 rows[i], tokens[i] = row, count
         return retry
 
-    async def _compute_owned(self, owned: dict[bytes, list[int]], rows, tokens, compute) -> None:
+    async def _compute_owned(self, owned: dict[bytes, list[int]], rows, tokens, compute, remember: bool) -> None:
         loop = asyncio.get_running_loop()
         futures = {key: loop.create_future() for key in owned}
         for future in futures.values():
@@ -114,7 +119,8 @@ class ResultCache:
         for j, (key, where) in enumerate(owned.items()):
             result = (out[j], int(counts[j]))
             futures[key].set_result(result)
-            self._lru_put(key, result)
+            if remember:
+                self._lru_put(key, result)
             for i in where:
                 rows[i], tokens[i] = result
 

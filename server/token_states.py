@@ -4,8 +4,8 @@
 What the encoder computes before pooling, for all of an input's tokens (special tokens
 included, after truncation): not pooled, not normalized, no Dense module. The worker
 computes them in batches of their own (batching.WorkItem.token_states) and sends them
-back ragged, one (tokens, hidden) array per input; their cache entries are keyed apart
-from the pooled vectors of the same texts.
+back ragged, one (tokens, hidden) array per input. Identical inputs in flight are computed
+once, keyed apart from the pooled vectors of the same texts; they are not kept in the LRU.
 """
 
 from __future__ import annotations
@@ -48,5 +48,7 @@ async def embed_token_states(
         return await model.compute(tokens, priority, token_states=True), tokens.lengths
 
     keys = [result_key(KEY, side, str(truncate), t) for t in texts]
-    rows, n_tokens = await model.results.resolve(keys, compute, stack=False)
+    # Not kept in the LRU: one input's states are ~tokens x a pooled vector's bytes (256 x 1.5 KB for
+    # MiniLM), which an LRU sized in entries for vectors would turn into gigabytes.
+    rows, n_tokens = await model.results.resolve(keys, compute, stack=False, remember=False)
     return model, cast("list[np.ndarray]", rows), n_tokens  # stack=False: the rows, as a list

@@ -95,3 +95,26 @@ def test_dense_modules_leave_token_states_alone():
     modules.layers = [lambda x: x * 0]  # a Dense layer: it must not touch token states
     rows = Ragged(np.ones((3, 2), np.float32), np.array([0, 3], np.int32))
     assert modules(rows) is rows
+
+
+def test_token_states_are_shared_in_flight_but_not_kept():
+    import asyncio
+
+    from encoderd.server.result_cache import ResultCache
+
+    cache, calls = ResultCache("m", max_entries=8), []
+
+    async def compute(indices):
+        calls.append(len(indices))
+        await asyncio.sleep(0.01)
+        return [np.ones((2 + i, 4), np.float32) for i in indices], np.array([2 + i for i in indices])
+
+    async def main():
+        keys = [b"a", b"b", b"a"]
+        together = await asyncio.gather(*(cache.resolve(keys, compute, stack=False, remember=False) for _ in range(2)))
+        assert calls == [2]  # the repeat and the concurrent request waited for the one computation
+        assert [r.shape for r in together[1][0]] == [(2, 4), (3, 4), (2, 4)]
+        await cache.resolve(keys, compute, stack=False, remember=False)
+        assert calls == [2, 2]  # nothing was kept
+
+    asyncio.run(main())
