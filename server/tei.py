@@ -163,6 +163,9 @@ def _texts(request, route: str) -> list[str]:
     return texts
 
 
+EMBED_ALL_KINDS = (ModelKind.EMBEDDING, *MULTI_VECTOR_KINDS)
+
+
 async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     """Per input, one vector per token: a plain embedder's last hidden states (as TEI), a
     multi-vector model's token (and patch) vectors."""
@@ -170,8 +173,9 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     _no_embedding_options(opts, "/embed_all")
     _no_predict_options(opts, "/embed_all")
     texts = _texts(request, "/embed_all")
-    name = pick_model(service, request.model, (ModelKind.EMBEDDING, *MULTI_VECTOR_KINDS), "/embed_all")
-    if service.engine.get(name, (ModelKind.EMBEDDING, *MULTI_VECTOR_KINDS)).spec.kind == ModelKind.EMBEDDING:
+    name = pick_model(service, request.model, EMBED_ALL_KINDS, "/embed_all")
+    served = service.engine.get(name, EMBED_ALL_KINDS)
+    if served.spec.kind == ModelKind.EMBEDDING:
         model, rows, _ = await embed_token_states(
             service.engine,
             name,
@@ -184,7 +188,7 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     else:
         if opts.side != "right":
             raise InvalidInput("/embed_all cuts a multi-vector model's over-long inputs on the right only")
-        prompt = service.engine.prompt_text(service.engine.get(name, tuple(MULTI_VECTOR_KINDS)), "", opts.prompt_name)
+        prompt = service.engine.prompt_text(served, "", opts.prompt_name)
         model, rows, _ = await multimodal.embed_multivector(
             service.engine,
             name,
