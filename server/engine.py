@@ -341,7 +341,8 @@ class Engine:
         priority: Priority = Priority.INTERACTIVE,
     ) -> tuple[ServedModel, np.ndarray, int]:
         """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's)."""
-        model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP))
+        # Named none: the embedding model, not a clip or clap served beside it.
+        model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), prefer=(ModelKind.EMBEDDING,))
         model.scheduler.refuse_if_full(len(texts))  # a flood is refused before any other work
         texts = self.check_inputs(texts)
         prefix = self.prompt_text(model, prompt, prompt_name)

@@ -109,8 +109,9 @@ def _json(document) -> httpbody_pb2.HttpBody:
 
 
 def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> str:
-    """The name of the model `route` serves: the named one, else the one of `kinds` (server/model_resolver.py)."""
-    return service.engine.get(name, kinds, call=route).spec.name
+    """The name of the model `route` serves: the named one, else the one of `kinds`, an embedding
+    model first (server/model_resolver.py)."""
+    return service.engine.get(name, kinds, prefer=(ModelKind.EMBEDDING,), call=route).spec.name
 
 
 def _no_embedding_options(opts: Options, route: str) -> None:
