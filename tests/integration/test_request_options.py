@@ -98,12 +98,13 @@ def calls(server, stub, key: str, tag: str):
     with http(server, key) as client:
         for path, body in (
             ("/v1/embeddings", {"model": "colbert", "input": [f"openai {tag}"]}),
-            ("/embeddings", {"input": f"infinity {tag}"}),
-            ("/embed_all", {"inputs": f"tei {tag}"}),
+            ("/embeddings", {"model": "colbert", "input": f"infinity {tag}"}),
+            ("/embed_all", {"model": "colbert", "inputs": f"tei {tag}"}),
         ):
             response = client.post(path, json=body)
             assert response.status_code == 200, response.text
-    stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(inputs=[pb.Content(text=f"grpc {tag}")]), metadata=auth(key))
+    request = pb.EmbedMultiVectorRequest(model="colbert", inputs=[pb.Content(text=f"grpc {tag}")])
+    stub.EmbedMultiVector(request, metadata=auth(key))
 
 
 def test_every_multi_vector_route_takes_the_bulk_keys_priority(server, stub):

@@ -3,6 +3,7 @@ resolver (server/model_resolver.py), on real proto messages."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from types import SimpleNamespace
 
@@ -28,10 +29,16 @@ def in_call(function, *args, key: str = "", **kwargs):
     return contextvars.copy_context().run(call)
 
 
-@pytest.mark.parametrize(
-    "message",
-    [pb.EmbedRequest, pb.EmbedStreamRequest, pb.EmbedMultimodalRequest, pb.EmbedMultiVectorRequest, pb.EmbedSparseRequest],
+EMBED_MESSAGES = (
+    pb.EmbedRequest,
+    pb.EmbedStreamRequest,
+    pb.EmbedMultimodalRequest,
+    pb.EmbedMultiVectorRequest,
+    pb.EmbedSparseRequest,
 )
+
+
+@pytest.mark.parametrize("message", EMBED_MESSAGES)
 def test_every_embed_message_has_the_same_defaults(message):
     options = in_call(request_options.from_embed, message())
     assert options == request_options.EmbedOptions()
@@ -133,10 +140,8 @@ def test_the_metrics_label_is_the_resolved_model_or_a_bounded_stand_in():
 
     def label_after(name: str) -> str:
         model_resolver.RESOLVED.set("")
-        try:
+        with contextlib.suppress(ModelNotFound):
             resolve(models, (), name)
-        except ModelNotFound:
-            pass
         return model_resolver.metrics_label(models, name)
 
     run = contextvars.copy_context().run
