@@ -25,7 +25,8 @@ from . import multimodal, postprocess
 from . import rest as compat
 from .errors import InvalidInput
 from .media import Content
-from .scheduler import DEFAULT_PRIORITY
+from .multimodal import SINGLE_VECTOR_KINDS
+from .request_options import EmbedOptions, positive
 
 INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")
@@ -126,8 +127,7 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     texts = [c.text for c in contents if c.modality == "text"]
     n_images = len(contents) - len(texts)
     side, truncate = TRUNCATE[request.truncate.upper()]
-    name = service.model_name(request.model, ModelKind.EMBEDDING)
-    model = service.engine.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP))
+    model = service.engine.get(request.model, SINGLE_VECTOR_KINDS, prefer=(ModelKind.EMBEDDING,))
     _check_max_tokens(request, model.spec.max_length)
     warnings = []
     prompt_name = request.input_type if request.input_type in model.prompts else ""
@@ -135,19 +135,21 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
         warnings.append(
             f"model {model.spec.name!r} has no prompt named {request.input_type!r}: the texts were embedded without one"
         )
+    options = EmbedOptions.for_call(
+        truncate=truncate, side=side, prompt_name=prompt_name, dimensions=positive(request, "output_dimension")
+    )
     if n_images:
-        model, pooled, tokens = await _embed_media(service, model, contents, prompt_name, truncate, side)
+        model, pooled, tokens = await _embed_media(service, model, contents, options)
     else:
         model, pooled, tokens = await service.engine.embed(
             model.spec.name,
             texts,
-            truncate=truncate,
-            side=side,
-            prompt_name=prompt_name,
-            priority=DEFAULT_PRIORITY.get(),
+            truncate=options.truncate,
+            side=options.side,
+            prompt_name=options.prompt_name,
+            priority=options.priority,
         )
-    dimensions = compat._positive(request, "output_dimension")
-    vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
+    vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
     billed = {"input_tokens": tokens, **({"images": n_images} if n_images else {})}
     meta: dict[str, Any] = {"api_version": {"version": version}, "billed_units": billed}
     if warnings:
@@ -160,18 +162,23 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     return compat._json(body)
 
 
-async def _embed_media(service, model, contents: list[Content], prompt_name: str, truncate: bool, side: str):
+async def _embed_media(service, model, contents: list[Content], options: EmbedOptions):
     """Texts and images through the model's multi-modal path (texts with their prompt, as the text path)."""
-    prefix = service.engine.prompt_text(model, "", prompt_name) if prompt_name else ""
+    prefix = service.engine.prompt_text(model, "", options.prompt_name) if options.prompt_name else ""
     contents = [Content(text=prefix + c.text) if c.modality == "text" else c for c in contents]
     return await multimodal.embed_contents(
-        service.engine, model.spec.name, contents, truncate=truncate, side=side, priority=DEFAULT_PRIORITY.get()
+        service.engine,
+        model.spec.name,
+        contents,
+        truncate=options.truncate,
+        side=options.side,
+        priority=options.priority,
     )
 
 
 def _check_max_tokens(request: cpb.CohereEmbedRequest, model_max: int) -> None:
     """v2's `max_tokens`: honoured when it is at least the model's own maximum (inputs are cut there)."""
-    max_tokens = compat._positive(request, "max_tokens")
+    max_tokens = positive(request, "max_tokens")
     if max_tokens and max_tokens < model_max:
         raise InvalidInput(
             f"`max_tokens` below the model's maximum ({model_max}) is not supported; "

@@ -33,8 +33,9 @@ from . import metrics
 from .batching import BatchLimits, WorkItem
 from .choices import explain
 from .config import ModelConfig, ServerConfig
-from .errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
+from .errors import InvalidInput
 from .media import MediaLimits, load_preprocessors
+from .model_resolver import resolve
 from .placement import Placement, plan_replicas
 from .result_cache import ResultCache, result_key
 from .scheduler import ModelScheduler, PendingRequest, Priority
@@ -263,27 +264,16 @@ class Engine:
         self.fetch_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------- operations
-    def get(self, name: str, kind: ModelKind | tuple[ModelKind, ...] | None = None) -> ServedModel:
-        if not name and len(self.models) == 1:
-            model = next(iter(self.models.values()))
-        elif name in self.models:
-            model = self.models[name]
-        elif name in self.loading or (not name and not self.models and self.loading):
-            raise Unavailable(f"model {name or next(iter(self.loading))!r} is loading; retry shortly")
-        elif not name:
-            raise InvalidInput(
-                f"the request names no model and several are served: set `model` to one of "
-                f"{', '.join(sorted(self.models))}"
-            )
-        else:
-            raise ModelNotFound(f"model {name!r} is not served here; served models: {', '.join(sorted(self.models))}")
-        kinds = (kind,) if isinstance(kind, ModelKind) else kind
-        if kinds is not None and model.spec.kind not in kinds:
-            raise WrongModelKind(
-                f"model {model.spec.name!r} is a {model.spec.kind.value} model; "
-                f"this call needs a {' or '.join(k.value for k in kinds)} model"
-            )
-        return model
+    def get(
+        self,
+        name: str,
+        kinds: ModelKind | Sequence[ModelKind] | None = None,
+        prefer: Sequence[ModelKind] = (),
+        call: str = "this call",
+    ) -> ServedModel:
+        """The served model a request means (server/model_resolver.py)."""
+        kinds = (kinds,) if isinstance(kinds, ModelKind) else kinds
+        return resolve(self.models, self.loading, name, kinds, prefer, call)
 
     def check_inputs(self, texts, what: str = "inputs") -> list[str]:
         texts = list(texts)
@@ -358,7 +348,8 @@ class Engine:
         priority: Priority = Priority.INTERACTIVE,
     ) -> tuple[ServedModel, np.ndarray, int]:
         """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's)."""
-        model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP))
+        # Named none: the embedding model, not a clip or clap served beside it.
+        model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), prefer=(ModelKind.EMBEDDING,))
         model.scheduler.refuse_if_full(len(texts))  # a flood is refused before any other work
         texts = self.check_inputs(texts)
         prefix = self.prompt_text(model, prompt, prompt_name)
@@ -378,7 +369,9 @@ class Engine:
         rows, n_tokens = await model.results.resolve(keys, compute)
         return model, rows, n_tokens
 
-    async def embed_ids(self, name: str, id_lists) -> tuple[ServedModel, np.ndarray, int]:
+    async def embed_ids(
+        self, name: str, id_lists, *, priority: Priority = Priority.INTERACTIVE
+    ) -> tuple[ServedModel, np.ndarray, int]:
         """`embed` for pre-tokenized inputs (OpenAI token-id input). Clients tokenize without the
         model's special tokens (OpenAI's do), which the model needs: they are added unless the ids
         already carry them, and over-long ids are cut between them, as texts are."""
@@ -397,7 +390,7 @@ class Engine:
                 np.asarray(model.tokenizer.with_special_tokens(values.astype(np.int64).tolist()), dtype=np.int32)
             )
         tokens = Tokenized(ids, None, sum(len(a) for a in ids))
-        return model, await model.compute(tokens), tokens.total_tokens
+        return model, await model.compute(tokens, priority), tokens.total_tokens
 
     async def score_pairs(
         self,

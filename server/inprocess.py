@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import request_options
 from .cli import build_parser, config_from_args
 from .config import ServerConfig
 from .engine import Engine, estimate_tokens
 from .errors import EncoderdError, InvalidInput
-from .postprocess import QUANTIZERS, finish_embeddings, quantize, rank, scores
+from .postprocess import QUANTIZERS, finish_requested, quantize, rank, scores
+from .request_options import EmbedOptions
 from .scheduler import Priority
 
 OUTPUT_DTYPES = ("float32", *QUANTIZERS)
@@ -124,19 +126,27 @@ class AsyncEngine:
         packed `output_dtype` rows (float16, int8, uint8, binary, ubinary) as the server sends them."""
         _one_of(output_dtype, OUTPUT_DTYPES, "output_dtype")
         _one_of(truncation_direction, SIDES, "truncation_direction")
+        options = EmbedOptions(
+            truncate=truncate,
+            side=truncation_direction,
+            priority=_priority(bulk),
+            prompt=prompt,
+            prompt_name=prompt_name,
+            normalize=normalize,
+            dimensions=dimensions,
+            output_dtype=output_dtype,
+        )
         served, pooled, _ = await self.engine.embed(
             model,
             texts,
-            truncate=truncate,
-            side=truncation_direction,
-            prompt=prompt,
-            prompt_name=prompt_name,
-            priority=_priority(bulk),
+            truncate=options.truncate,
+            side=options.side,
+            prompt=options.prompt,
+            prompt_name=options.prompt_name,
+            priority=options.priority,
         )
-        vectors = finish_embeddings(
-            pooled, normalize=served.spec.normalize if normalize is None else normalize, dimensions=dimensions
-        )
-        return vectors if output_dtype == "float32" else quantize(vectors, output_dtype)
+        vectors = finish_requested(pooled, served.spec.normalize, options)
+        return vectors if options.output_dtype == "float32" else quantize(vectors, options.output_dtype)
 
     async def rerank(
         self,
@@ -155,7 +165,8 @@ class AsyncEngine:
             model, query, documents, truncate=truncate, priority=_priority(bulk)
         )
         values = scores(logits, served.spec.score_activation, raw_scores)
-        return [Ranked(int(i), float(values[i]), documents[i] if return_documents else "") for i in rank(values, top_n)]
+        order = rank(values, request_options.top_n(top_n))
+        return [Ranked(int(i), float(values[i]), documents[i] if return_documents else "") for i in order]
 
     async def classify(
         self, texts: list[str], model: str = "", *, raw_scores: bool = False, truncate: bool = True, bulk: bool = False

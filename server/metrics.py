@@ -2,7 +2,7 @@
 
 Naming follows the Prometheus conventions: an `encoderd_` prefix, base units
 (`_seconds`), counters exported with `_total`. Label sets stay bounded: the
-`model` label only ever holds a served model's name (see `model_label`), `rpc`
+`model` label only ever holds a served model's name (see `model_resolver.metrics_label`), `rpc`
 and `code` come from fixed sets.
 
 Latency is split the way an operator debugs it:
@@ -18,8 +18,6 @@ from prometheus_client import Counter, Gauge, Histogram
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
-
-UNKNOWN_MODEL = "(unknown)"  # requests naming a model we do not serve share one series
 
 # ---------------------------------------------------------------- requests
 REQUESTS = Counter(
@@ -94,15 +92,6 @@ MODEL_FIDELITY_BOUND = Gauge(
     "The dtype's floor for that figure (max_prob_diff: its ceiling)",
     ["model", "metric"],
 )
-
-
-def model_label(served, name: str) -> str:
-    """The `model` label for a request: a served name, never free client text."""
-    if name in served:
-        return name
-    if not name and len(served) == 1:
-        return next(iter(served))
-    return "" if not name else UNKNOWN_MODEL
 
 
 def observe_fidelity(model: str, figures) -> None:

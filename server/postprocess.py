@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .errors import InvalidInput
+
+if TYPE_CHECKING:
+    from .request_options import EmbedOptions
 
 
 def finish_embeddings(pooled: np.ndarray, *, normalize: bool, dimensions: int = 0) -> np.ndarray:
@@ -18,10 +23,9 @@ def finish_embeddings(pooled: np.ndarray, *, normalize: bool, dimensions: int = 
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
-def finish_requested(pooled: np.ndarray, default_normalize: bool, request) -> np.ndarray:
-    """finish_embeddings with a message's optional `normalize` (else the model's default) and `dimensions`."""
-    normalize = request.normalize if request.HasField("normalize") else default_normalize
-    return finish_embeddings(pooled, normalize=normalize, dimensions=request.dimensions)
+def finish_requested(pooled: np.ndarray, default_normalize: bool, options: EmbedOptions) -> np.ndarray:
+    """finish_embeddings as a request's EmbedOptions ask (server/request_options.py)."""
+    return finish_embeddings(pooled, normalize=options.normalizes(default_normalize), dimensions=options.dimensions)
 
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:
@@ -48,8 +52,6 @@ def scores(logits: np.ndarray, activation: str, raw: bool = False) -> np.ndarray
 
 def rank(scores: np.ndarray, top_n: int) -> np.ndarray:
     """Indices of the best `top_n` scores (all when 0), best first; ties keep input order."""
-    if top_n < 0:
-        raise InvalidInput(f"`top_n` must be positive, not {top_n}")
     order = np.argsort(-scores, kind="stable")
     return order[:top_n] if top_n else order
 

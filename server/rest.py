@@ -24,19 +24,31 @@ from ..v1 import compat_pb2_grpc
 from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
 from . import cohere_embed, multimodal, openapi, postprocess, tei
 from .engine import Engine, ServedModel
-from .errors import BackendError, InvalidInput, ModelNotFound, Unavailable
+from .errors import BackendError, InvalidInput, Unavailable
 from .media import Content
-from .scheduler import DEFAULT_PRIORITY, Priority
+from .multimodal import SINGLE_VECTOR_KINDS
+from .request_options import ClassifyOptions, EmbedOptions, RerankOptions, positive
+from .scheduler import Priority
 from .service import model_info, rpc
 
 ENCODING_FORMATS = ("float", "base64")
-# What Infinity's client sends as `model` when the caller names none: like an absent model.
-INFINITY_NO_MODEL = "default/not-specified"
 MODALITIES = ("text", "image", "audio")
 INPUT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
+# Kinds /embeddings serves: one vector per input, or (colbert, colpali) one per token or patch.
+EMBEDDINGS_KINDS = (*SINGLE_VECTOR_KINDS, *MULTI_VECTOR_KINDS)
+
+
 # ------------------------------------------------------------------ requests
+def _preferred_kinds(modality: str) -> tuple[ModelKind, ...]:
+    """Which model a call naming none means: the embedding model for text (not a clip or colbert
+    served beside it), else the model that takes the modality."""
+    if modality == "text":
+        return (ModelKind.EMBEDDING,)
+    return tuple(kind for kind in EMBEDDINGS_KINDS if modality in modalities(kind))
+
+
 def embedding_inputs(value: struct_pb2.Value) -> tuple[list[str] | None, list[list[float]] | None]:
     """OpenAI `input` -> (texts, None) or (None, token-id lists); ids are range-checked by the engine."""
     kind = value.WhichOneof("kind")
@@ -119,16 +131,6 @@ def string_list(value: struct_pb2.Value, what: str) -> list[str]:
     if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
         raise InvalidInput(f"`{what}` is required and must be a string or a non-empty list of strings")
     return [v.string_value for v in items]
-
-
-def _positive(request, field: str) -> int:
-    """An optional int field: 0 when absent, an error when given and < 1."""
-    if not request.HasField(field):
-        return 0
-    value = getattr(request, field)
-    if value < 1:
-        raise InvalidInput(f"`{field}` must be a positive integer, not {value}")
-    return value
 
 
 # ----------------------------------------------------------------- responses
@@ -238,21 +240,6 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         self.engine = engine
         self.health = health  # grpc_health's servicer: /health reports its overall status
 
-    def model_name(self, name: str, kind: ModelKind | tuple[ModelKind, ...]) -> str:
-        """REST callers may omit `model` when exactly one model of the needed kind is served."""
-        if name and name != INFINITY_NO_MODEL:
-            return name
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        of_kind = [n for n, m in self.engine.models.items() if m.spec.kind in kinds]
-        return of_kind[0] if len(of_kind) == 1 else ""
-
-    def _model_taking(self, name: str, modality: str) -> str:
-        """Like model_name, for the one served model that takes `modality` (clip for images...)."""
-        if name and name != INFINITY_NO_MODEL:
-            return name
-        takers = [n for n, m in self.engine.models.items() if modality in modalities(m.spec.kind)]
-        return takers[0] if len(takers) == 1 else ""
-
     @rpc
     async def CreateEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
         return await self._embeddings(request, request.modality or "text")
@@ -278,29 +265,32 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         if modality not in MODALITIES:
             raise InvalidInput(f"`modality` must be one of {', '.join(MODALITIES)}, not {modality!r}")
         # Infinity reads `dimensions: 0` as full size; OpenAI's API has no such value.
-        dimensions = 0 if zero_is_full and request.dimensions == 0 else _positive(request, "dimensions")
-        served = self.engine.models.get(request.model)
-        if served is not None and served.spec.kind in MULTI_VECTOR_KINDS:
-            return await self._multivectors(request, modality, encoding_format, dimensions)
+        options = EmbedOptions.for_call(
+            dimensions=0 if zero_is_full and request.dimensions == 0 else positive(request, "dimensions")
+        )
+        model = self.engine.get(request.model, EMBEDDINGS_KINDS, prefer=_preferred_kinds(modality))
+        if model.spec.kind in MULTI_VECTOR_KINDS:
+            return await self._multivectors(model, request, modality, encoding_format, options)
         if modality != "text":
-            name = self._model_taking(request.model, modality)
+            inputs = media_inputs(request.input, modality)
             model, pooled, tokens = await multimodal.embed_contents(
-                self.engine, name, media_inputs(request.input, modality)
+                self.engine, model.spec.name, inputs, priority=options.priority
             )
-            vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
-            return render_embeddings(model.spec.name, vectors, encoding_format, tokens)
-        texts, token_ids = embedding_inputs(request.input)
-        name = self.model_name(request.model, ModelKind.EMBEDDING)
-        if texts is not None:
-            model, pooled, tokens = await self.engine.embed(name, texts, priority=DEFAULT_PRIORITY.get())
         else:
-            model, pooled, tokens = await self.engine.embed_ids(name, token_ids)
-        vectors = postprocess.finish_embeddings(pooled, normalize=model.spec.normalize, dimensions=dimensions)
+            model, pooled, tokens = await self._embed_texts(model.spec.name, request.input, options)
+        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
         return render_embeddings(model.spec.name, vectors, encoding_format, tokens)
 
-    async def _multivectors(self, request, modality: str, encoding_format: str, dimensions: int):
+    async def _embed_texts(self, name: str, value: struct_pb2.Value, options: EmbedOptions):
+        """OpenAI's `input`: texts, or token ids."""
+        texts, token_ids = embedding_inputs(value)
+        if texts is not None:
+            return await self.engine.embed(name, texts, priority=options.priority)
+        return await self.engine.embed_ids(name, token_ids, priority=options.priority)
+
+    async def _multivectors(self, model: ServedModel, request, modality: str, encoding_format: str, options):
         """A colbert / colpali model on /embeddings: per input, its token or patch vectors."""
-        if dimensions:
+        if options.dimensions:
             raise InvalidInput("`dimensions` does not apply to multi-vector models")
         if modality == "text":
             texts, _token_ids = embedding_inputs(request.input)
@@ -309,25 +299,17 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             inputs = [Content(text=t) for t in texts]
         else:
             inputs = media_inputs(request.input, modality)
-        model, rows, tokens = await multimodal.embed_multivector(self.engine, request.model, inputs)
+        model, rows, tokens = await multimodal.embed_multivector(
+            self.engine, model.spec.name, inputs, priority=options.priority
+        )
         return render_multivectors(model.spec.name, rows, encoding_format, tokens)
 
-    async def rerank_scores(
-        self,
-        name: str,
-        query: str,
-        documents: list[str],
-        *,
-        raw_scores: bool,
-        truncate: bool = True,
-        side: str = "right",
-    ):
+    async def rerank_scores(self, name: str, query: str, documents: list[str], options: RerankOptions):
         """(model, scores, tokens): a cross-encoder's scores (its activation), or its logits when asked."""
-        name = self.model_name(name, ModelKind.RERANKER)
         model, logits, tokens = await self.engine.score_pairs(
-            name, query, documents, truncate=truncate, side=side, priority=DEFAULT_PRIORITY.get()
+            name, query, documents, truncate=options.truncate, side=options.side, priority=options.priority
         )
-        return model, postprocess.scores(logits, model.spec.score_activation, raw_scores), tokens
+        return model, postprocess.scores(logits, model.spec.score_activation, options.raw_scores), tokens
 
     @rpc
     async def Rerank(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
@@ -338,15 +320,15 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return await self._cohere_rerank(request, "2")
 
     async def _cohere_rerank(self, request: cpb.CohereRerankRequest, version: str) -> httpbody_pb2.HttpBody:
-        top_n = _positive(request, "top_n")
-        texts, documents = rerank_documents(request.documents, tuple(request.rank_fields))
-        model, scores, tokens = await self.rerank_scores(
-            request.model, request.query, texts, raw_scores=request.raw_scores
+        options = RerankOptions.for_call(
+            raw_scores=request.raw_scores, top_n=positive(request, "top_n"), return_documents=request.return_documents
         )
+        texts, documents = rerank_documents(request.documents, tuple(request.rank_fields))
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, texts, options)
         results = []
-        for i in postprocess.rank(scores, top_n).tolist():
+        for i in postprocess.rank(scores, options.top_n).tolist():
             result = {"index": i, "relevance_score": float(scores[i])}
-            if request.return_documents:
+            if options.return_documents:
                 result["document"] = documents[i]  # every field of an object document, as Cohere v1 returns
             results.append(result)
         return _json(
@@ -370,15 +352,15 @@ class CompatService(compat_pb2_grpc.CompatServicer):
 
     async def _infinity_rerank(self, request: cpb.RootRerankRequest) -> httpbody_pb2.HttpBody:
         tei.reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
-        top_n = _positive(request, "top_n")
-        documents, _ = rerank_documents(request.documents)
-        model, scores, tokens = await self.rerank_scores(
-            request.model, request.query, documents, raw_scores=request.raw_scores
+        options = RerankOptions.for_call(
+            raw_scores=request.raw_scores, top_n=positive(request, "top_n"), return_documents=request.return_documents
         )
+        documents, _ = rerank_documents(request.documents)
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, documents, options)
         results = []
-        for i in postprocess.rank(scores, top_n).tolist():
+        for i in postprocess.rank(scores, options.top_n).tolist():
             result = {"relevance_score": float(scores[i]), "index": i}
-            if request.return_documents:
+            if options.return_documents:
                 result["document"] = documents[i]  # Infinity's shape: the string itself
             results.append(result)
         return _json(
@@ -394,20 +376,20 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     @rpc
     async def InfinityClassify(self, request: cpb.InfinityClassifyRequest, context) -> httpbody_pb2.HttpBody:
         texts = string_list(request.input, "input")
-        name = self.model_name(request.model, ModelKind.CLASSIFIER)
-        model, scores, tokens = await self.classifications(name, texts, raw_scores=request.raw_scores)
+        options = ClassifyOptions.for_call(raw_scores=request.raw_scores)
+        model, scores, tokens = await self.classifications(request.model, texts, options)
         return _json(
             {"object": "classify", "data": scores, "model": model.spec.name, "usage": _usage(tokens), **_infinity_id()}
         )
 
     async def classifications(
-        self, name: str, texts: list[str], *, raw_scores: bool, truncate: bool = True, side: str = "right"
+        self, name: str, texts: list[str], options: ClassifyOptions
     ) -> tuple[ServedModel, list[list[dict]], int]:
         """Per input, every label with its score ({"score", "label"}), best first."""
         model, logits, tokens = await self.engine.classify(
-            name, texts, truncate=truncate, side=side, priority=DEFAULT_PRIORITY.get()
+            name, texts, truncate=options.truncate, side=options.side, priority=options.priority
         )
-        scores = postprocess.scores(logits, model.spec.score_activation, raw_scores)
+        scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         return (
             model,
@@ -475,12 +457,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
 
     @rpc
     async def GetModel(self, request: cpb.GetModelRequest, context) -> httpbody_pb2.HttpBody:
-        model = self.engine.models.get(request.id)
-        if model is None and request.id in self.engine.loading:
-            raise Unavailable(f"model {request.id!r} is loading; retry shortly")
-        if model is None:
-            raise ModelNotFound(f"model {request.id!r} is not served here")
-        return _json(openai_model(model))
+        return _json(openai_model(self.engine.get(request.id)))
 
     @rpc
     async def GetOpenApi(self, request, context) -> httpbody_pb2.HttpBody:

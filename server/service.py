@@ -11,23 +11,16 @@ import grpc
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from . import logs, metrics, multimodal, postprocess, tracing
+from . import logs, metrics, model_resolver, multimodal, postprocess, request_options, tracing
 from .auth import presented_key
 from .engine import Engine, estimate_tokens
 from .errors import EncoderdError, InvalidInput
 from .handlers import MalformedRequest
 from .media import Content
 from .messages import embeddings_message
-from .scheduler import DEFAULT_PRIORITY, Priority
 from .streaming import embed_stream
 
 log = logging.getLogger("encoderd.service")
-
-_SIDES = {
-    pb.TRUNCATION_DIRECTION_UNSPECIFIED: "right",
-    pb.TRUNCATION_DIRECTION_RIGHT: "right",
-    pb.TRUNCATION_DIRECTION_LEFT: "left",
-}
 
 
 @contextlib.asynccontextmanager
@@ -38,10 +31,9 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
     rpc_label = f"{type(service).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
     metadata = context.invocation_metadata()
     rid = logs.bind_request_id(metadata)
-    if presented_key(metadata) in service.engine.config.bulk_api_keys:
-        DEFAULT_PRIORITY.set(Priority.BULK)  # this call's task only
+    request_options.bind_key_priority(presented_key(metadata), service.engine.config.bulk_api_keys)
     rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
-    model = metrics.model_label(service.engine.models, model_name)
+    model_resolver.RESOLVED.set("")  # this call's task only; set when the call resolves its model
     code = grpc.StatusCode.OK
     with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
         try:
@@ -66,6 +58,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             raise
         finally:
             elapsed = time.perf_counter() - started
+            model = model_resolver.metrics_label(service.engine.models, model_name)
             if log.isEnabledFor(logging.DEBUG):  # an access log, for debugging only: it costs per call
                 log.debug("%s model=%s code=%s %.1fms", rpc_label, model, code.name, elapsed * 1000)
             tracing.finish(span, code, model)
@@ -108,12 +101,6 @@ def stream_rpc(method):
     return wrapper
 
 
-def _priority(value: int) -> Priority:
-    """The request's priority field, else the default of its API key."""
-    by_field: dict[int, Priority] = {pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE, pb.PRIORITY_BULK: Priority.BULK}
-    return by_field.get(value, DEFAULT_PRIORITY.get())
-
-
 def _usage(tokens: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=tokens, total_tokens=tokens)
 
@@ -133,28 +120,25 @@ def contents(messages, what: str = "inputs") -> list[Content]:
     return out
 
 
-def _truncate(request) -> bool:
-    return request.truncate if request.HasField("truncate") else True
-
-
 class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     def __init__(self, engine: Engine):
         self.engine = engine
 
     @rpc
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        options = request_options.from_embed(request)
         model, pooled, tokens = await self.engine.embed(
             request.model,
             request.inputs,
-            truncate=_truncate(request),
-            side=_SIDES.get(request.truncation_direction, "right"),
-            prompt=request.prompt,
-            prompt_name=request.prompt_name,
-            priority=_priority(request.priority),
+            truncate=options.truncate,
+            side=options.side,
+            prompt=options.prompt,
+            prompt_name=options.prompt_name,
+            priority=options.priority,
         )
-        vectors = postprocess.finish_requested(pooled, model.spec.normalize, request)
+        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
         return pb.EmbedResponse(
-            model=model.spec.name, usage=_usage(tokens), embeddings=embeddings_message(vectors, request.output_dtype)
+            model=model.spec.name, usage=_usage(tokens), embeddings=embeddings_message(vectors, options.output_dtype)
         )
 
     @stream_rpc
@@ -165,30 +149,28 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
+        options = request_options.from_rerank(request)
         model, logits, tokens = await self.engine.score_pairs(
-            request.model,
-            request.query,
-            request.documents,
-            truncate=_truncate(request),
-            priority=_priority(request.priority),
+            request.model, request.query, request.documents, truncate=options.truncate, priority=options.priority
         )
-        scores = postprocess.scores(logits, model.spec.score_activation, request.raw_scores)
+        scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
         results = [
             pb.RerankResult(
                 index=int(i),
                 relevance_score=float(scores[i]),
-                document=request.documents[i] if request.return_documents else "",
+                document=request.documents[i] if options.return_documents else "",
             )
-            for i in postprocess.rank(scores, request.top_n)
+            for i in postprocess.rank(scores, options.top_n)
         ]
         return pb.RerankResponse(model=model.spec.name, results=results, usage=_usage(tokens))
 
     @rpc
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
+        options = request_options.from_classify(request)
         model, logits, tokens = await self.engine.classify(
-            request.model, request.inputs, truncate=_truncate(request), priority=_priority(request.priority)
+            request.model, request.inputs, truncate=options.truncate, priority=options.priority
         )
-        scores = postprocess.scores(logits, model.spec.score_activation, request.raw_scores)
+        scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         results = []
         for row in scores:
@@ -218,27 +200,29 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def EmbedMultimodal(self, request: pb.EmbedMultimodalRequest, context) -> pb.EmbedMultimodalResponse:
+        options = request_options.from_embed(request)
         model, pooled, usage = await multimodal.embed_contents(
             self.engine,
             request.model,
             contents(request.inputs),
-            truncate=_truncate(request),
-            priority=_priority(request.priority),
+            truncate=options.truncate,
+            priority=options.priority,
         )
-        vectors = postprocess.finish_requested(pooled, model.spec.normalize, request)
+        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
         return pb.EmbedMultimodalResponse(
-            model=model.spec.name, usage=_usage(usage), embeddings=embeddings_message(vectors, request.output_dtype)
+            model=model.spec.name, usage=_usage(usage), embeddings=embeddings_message(vectors, options.output_dtype)
         )
 
     @rpc
     async def EmbedMultiVector(self, request: pb.EmbedMultiVectorRequest, context) -> pb.EmbedMultiVectorResponse:
+        options = request_options.from_embed(request)
         model, rows, usage = await multimodal.embed_multivector(
             self.engine,
             request.model,
             contents(request.inputs),
-            truncate=_truncate(request),
-            prompt=request.prompt,
-            priority=_priority(request.priority),
+            truncate=options.truncate,
+            prompt=options.prompt,
+            priority=options.priority,
         )
         return pb.EmbedMultiVectorResponse(
             model=model.spec.name,
@@ -249,37 +233,39 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def MaxSim(self, request: pb.MaxSimRequest, context) -> pb.MaxSimResponse:
+        options = request_options.from_rerank(request)
         model, scores, usage = await multimodal.maxsim(
             self.engine,
             request.model,
             request.query,
             contents(request.documents, "documents"),
-            truncate=_truncate(request),
+            truncate=options.truncate,
             query_prompt=request.query_prompt,
             document_prompt=request.document_prompt,
-            priority=_priority(request.priority),
+            priority=options.priority,
         )
         documents = request.documents
         results = [
             pb.RerankResult(
                 index=int(i),
                 relevance_score=float(scores[i]),
-                document=documents[i].text if request.return_documents else "",
+                document=documents[i].text if options.return_documents else "",
             )
-            for i in postprocess.rank(scores, request.top_n)
+            for i in postprocess.rank(scores, options.top_n)
         ]
         return pb.MaxSimResponse(model=model.spec.name, results=results, usage=_usage(usage))
 
     @rpc
     async def EmbedSparse(self, request: pb.EmbedSparseRequest, context) -> pb.EmbedSparseResponse:
+        options = request_options.from_embed(request)
         model, vectors, usage = await multimodal.embed_sparse(
             self.engine,
             request.model,
             request.inputs,
-            truncate=_truncate(request),
-            side=_SIDES.get(request.truncation_direction, "right"),
-            prompt=request.prompt,
-            priority=_priority(request.priority),
+            truncate=options.truncate,
+            side=options.side,
+            prompt=options.prompt,
+            priority=options.priority,
             top_k=request.top_k,
             threshold=request.threshold,
         )

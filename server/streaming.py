@@ -19,7 +19,7 @@ from google.rpc import status_pb2
 
 from ..v1 import encoderd_pb2 as pb
 from ..workers.model_spec import ModelKind
-from . import metrics, postprocess
+from . import metrics, postprocess, request_options
 from .errors import EncoderdError, InvalidInput, Overloaded
 from .handlers import MalformedRequest
 from .messages import embeddings_message
@@ -38,10 +38,10 @@ def _error(item_id: str, exc: Exception) -> pb.EmbedStreamResponse:
 class _Stream:
     def __init__(self, engine, first: pb.EmbedStreamRequest, window: int):
         self.engine = engine
-        self.options = first
-        self.model = engine.get(first.model, ModelKind.EMBEDDING)  # bad model: the whole stream fails
-        engine.prompt_text(self.model, first.prompt, first.prompt_name)  # likewise a bad prompt name
-        self.priority = Priority.INTERACTIVE if first.priority == pb.PRIORITY_INTERACTIVE else Priority.BULK
+        # Bad options, model or prompt name: the whole stream fails. A stream is bulk unless it says otherwise.
+        self.options = request_options.from_embed(first, default_priority=Priority.BULK)
+        self.model = engine.get(first.model, ModelKind.EMBEDDING)
+        engine.prompt_text(self.model, self.options.prompt, self.options.prompt_name)
         self.slots = asyncio.Semaphore(window)
         self.incoming: asyncio.Queue = asyncio.Queue()
         self.results: asyncio.Queue = asyncio.Queue()
@@ -98,12 +98,13 @@ class _Stream:
             while True:
                 try:
                     model, pooled, _ = await self.engine.embed(
-                        o.model,
+                        self.model.spec.name,
                         [m.input for m in good],
-                        truncate=o.truncate if o.HasField("truncate") else True,
+                        truncate=o.truncate,
+                        side=o.side,
                         prompt=o.prompt,
                         prompt_name=o.prompt_name,
-                        priority=self.priority,
+                        priority=o.priority,
                     )
                     break
                 except Overloaded:

@@ -21,8 +21,9 @@ from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from . import multimodal, postprocess
 from . import rest as compat
 from .engine import estimate_tokens
-from .errors import InvalidInput, WrongModelKind
+from .errors import InvalidInput
 from .media import Content
+from .request_options import ClassifyOptions, RerankOptions, key_priority
 from .scheduler import DEFAULT_PRIORITY, Priority
 from .token_states import embed_token_states
 
@@ -63,6 +64,7 @@ class Options:
     dimensions: int  # 0: not given
     function_to_apply: str  # "": not given
     top_k: int  # 0: not given
+    priority: Priority  # the API key's (server/request_options.py)
 
 
 def options(request) -> Options:
@@ -95,6 +97,7 @@ def options(request) -> Options:
         dimensions=positive["dimensions"] or 0,
         function_to_apply=function,
         top_k=positive["top_k"] or 0,
+        priority=key_priority(),
     )
 
 
@@ -107,16 +110,9 @@ def _json(document) -> httpbody_pb2.HttpBody:
 
 
 def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> str:
-    """The named model, else the one served model of `kinds`; a 400 when none is served."""
-    if name:
-        return name
-    of_kind = [n for n, m in service.engine.models.items() if m.spec.kind in kinds]
-    if not of_kind:
-        raise WrongModelKind(
-            f"{route} needs a {' or '.join(k.value for k in kinds)} model, and none is served here "
-            f"(served: {', '.join(sorted(service.engine.models))})"
-        )
-    return of_kind[0] if len(of_kind) == 1 else ""  # "": the engine asks for `model`
+    """The name of the model `route` serves: the named one, else the one of `kinds`, an embedding
+    model first (server/model_resolver.py)."""
+    return service.engine.get(name, kinds, prefer=(ModelKind.EMBEDDING,), call=route).spec.name
 
 
 def _no_embedding_options(opts: Options, route: str) -> None:
@@ -142,7 +138,7 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
             truncate=opts.truncate,
             side=opts.side,
             prompt_name=opts.prompt_name,
-            priority=DEFAULT_PRIORITY.get(),
+            priority=opts.priority,
         )
     else:
         if opts.prompt_name or opts.side != "right" or not opts.truncate:
@@ -150,7 +146,7 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
                 "token-id inputs are used as given: `prompt_name`, `truncate` and "
                 "`truncation_direction` apply to text inputs only"
             )
-        model, pooled, _ = await service.engine.embed_ids(name, token_ids)
+        model, pooled, _ = await service.engine.embed_ids(name, token_ids, priority=opts.priority)
     # TEI normalizes unless told not to, whatever the model's own default.
     vectors = postprocess.finish_embeddings(pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions)
     return _body("[" + ",".join(compat.float_rows(model.spec.name, vectors)) + "]")
@@ -215,7 +211,7 @@ async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
         truncate=opts.truncate,
         side=opts.side,
         prompt=prompt,
-        priority=DEFAULT_PRIORITY.get(),
+        priority=opts.priority,
     )
     return _json(
         [
@@ -271,9 +267,9 @@ async def predict(service, request) -> httpbody_pb2.HttpBody:
     texts, batched = predict_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
     activation = ACTIVATIONS[opts.function_to_apply]
-    _, results, _ = await service.classifications(
-        name, texts, raw_scores=request.raw_scores or bool(activation), truncate=opts.truncate, side=opts.side
-    )
+    raw_scores = request.raw_scores or bool(activation)
+    scoring = ClassifyOptions(truncate=opts.truncate, side=opts.side, priority=opts.priority, raw_scores=raw_scores)
+    _, results, _ = await service.classifications(name, texts, scoring)
     if activation:  # monotonic within a row: the best-first order of the logits holds
         results = [_activated(row, activation) for row in results]
     results = [row[: opts.top_k or None] for row in results]
@@ -299,7 +295,7 @@ async def similarity(service, request) -> httpbody_pb2.HttpBody:
         truncate=opts.truncate,
         side=opts.side,
         prompt_name=opts.prompt_name,
-        priority=DEFAULT_PRIORITY.get(),
+        priority=opts.priority,
     )
     vectors = postprocess.finish_embeddings(pooled, normalize=True)
     return _json([float(s) for s in vectors[1:] @ vectors[0]])
@@ -312,15 +308,12 @@ async def rerank(service, request) -> httpbody_pb2.HttpBody:
     texts = list(request.texts)
     if not texts:
         raise InvalidInput("`texts` is required: a non-empty list of strings")
-    truncate = request.truncate if request.HasField("truncate") else True
-    _, scores, _ = await service.rerank_scores(
-        name,
-        request.query,
-        texts,
-        raw_scores=request.raw_scores,
-        truncate=truncate,
+    options = RerankOptions.for_call(
+        truncate=request.truncate if request.HasField("truncate") else True,
         side=side(request.truncation_direction),
+        raw_scores=request.raw_scores,
     )
+    _, scores, _ = await service.rerank_scores(name, request.query, texts, options)
     results = []
     for i in postprocess.rank(scores, 0).tolist():
         result = {"index": i, "score": float(scores[i])}

@@ -97,6 +97,24 @@ def test_stream_to_unknown_model_fails_the_stream(server):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_stream_cuts_over_long_inputs_on_the_side_it_asks(server, stub):
+    """Issue 20: EmbedStreamRequest had no truncation_direction; the stream cut on the right."""
+    long_text = " ".join(_texts(80))  # far over the model's 256 tokens
+    unary = {
+        side: stub.Embed(
+            pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[long_text], truncation_direction=side)
+        ).embeddings[0]
+        for side in (pb.TRUNCATION_DIRECTION_LEFT, pb.TRUNCATION_DIRECTION_RIGHT)
+    }
+    first = pb.EmbedStreamRequest(
+        model=DEFAULT_MODEL_NAME, id="0", input=long_text, truncation_direction=pb.TRUNCATION_DIRECTION_LEFT
+    )
+    (streamed,) = list(stub.EmbedStream(iter([first])))
+    assert not streamed.HasField("error"), streamed.error
+    np.testing.assert_allclose(streamed.embedding.values, unary[pb.TRUNCATION_DIRECTION_LEFT].values, atol=1e-6)
+    assert not np.allclose(streamed.embedding.values, unary[pb.TRUNCATION_DIRECTION_RIGHT].values, atol=1e-3)
+
+
 def test_resumable_jsonl(server, tmp_path):
     out = tmp_path / "out.jsonl"
     items = [(f"d{i}", t) for i, t in enumerate(_texts(30))]

@@ -163,7 +163,8 @@ BAD_REQUESTS = [
         pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["a"], dimensions=999),
         grpc.StatusCode.INVALID_ARGUMENT,
     ),
-    ("Embed", pb.EmbedRequest(inputs=["a"]), grpc.StatusCode.INVALID_ARGUMENT),  # several models served: name one
+    # Naming no model: the one served model of a kind the call takes; Tokenize takes any kind, and three are served.
+    ("Tokenize", pb.TokenizeRequest(inputs=["a"]), grpc.StatusCode.INVALID_ARGUMENT),
     ("Rerank", pb.RerankRequest(model="reranker", query="q"), grpc.StatusCode.INVALID_ARGUMENT),
     ("Rerank", pb.RerankRequest(model="reranker", query="", documents=["a"]), grpc.StatusCode.INVALID_ARGUMENT),
     (
@@ -191,6 +192,13 @@ def test_bad_input_gets_its_status(stub, method, request_, code):
         getattr(stub, method)(request_)
     assert err.value.code() == code
     assert err.value.details()  # a message that says why
+
+
+def test_a_call_naming_no_model_gets_the_one_served_model_of_its_kind(stub):
+    """Issue 20: one resolver for every API (REST did this; gRPC asked for a name)."""
+    assert stub.Embed(pb.EmbedRequest(inputs=["a"])).model == DEFAULT_MODEL_NAME
+    assert stub.Rerank(pb.RerankRequest(query="q", documents=["d"])).model == "reranker"
+    assert stub.Classify(pb.ClassifyRequest(inputs=["a"])).model == "classifier"
 
 
 def test_server_still_serves_after_bad_input(stub):

@@ -23,11 +23,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.corpus import sentences
+from support.multimodal_models import build_clip
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 TEXTS = sentences(64, max_words=60, seed=11)
+# One red pixel, as PNG.
+PNG_1X1 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGM4wcUFAAJ6AN1nJ0J9AAAAAElFTkSuQmCC"
 
 
 def _metric(server, name: str) -> float:
@@ -257,10 +261,16 @@ def test_sigkill_of_the_frontend_leaves_no_worker_and_no_socket(tmp_path, socket
     assert _ours(sockets) == []  # the worker removed what its frontend could not
 
 
-def test_api_keys_over_grpc_and_rest(tmp_path):
+def test_api_keys_over_grpc_and_rest(tmp_path, models_dir):
     key_file = tmp_path / "keys"
     key_file.write_text("# one per line\nfile-key\n")
     server = ServerProcess(
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+        "--model",  # for the bulk key's image calls
+        f"clip={build_clip(models_dir / 'mm-clip')}",
+        "--cpu-threads",
+        "1",
         "--api-key",
         "flag-key",
         "--api-key-file",
@@ -295,6 +305,7 @@ def test_api_keys_over_grpc_and_rest(tmp_path):
             )
             == bulk_before + 1
         )  # the key's default; the field still wins
+        _rest_calls_take_the_bulk_keys_priority(server)
         with grpc.insecure_channel(server.address) as channel:  # health stays open for probes
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
             assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -327,6 +338,28 @@ def test_api_keys_over_grpc_and_rest(tmp_path):
         assert _metric(server, f'encoderd_auth_failures_total{{route="{rest}"}}') == 2
     finally:
         server.stop()
+
+
+def _rest_calls_take_the_bulk_keys_priority(server) -> None:
+    """Issue 20: REST text, token-id and image embeddings of a bulk key are queued as bulk (token
+    ids and images were queued as interactive)."""
+
+    def bulk(model: str) -> float:
+        return _metric(server, f'encoderd_queued_inputs_total{{model="{model}",priority="bulk"}}')
+
+    minilm, clip = bulk(DEFAULT_MODEL_NAME), bulk("clip")
+    image = "data:image/png;base64," + PNG_1X1
+    with httpx.Client(
+        base_url=server.rest_url, trust_env=False, timeout=60, headers={"Authorization": "Bearer ingest-key"}
+    ) as http:
+        for path, body in (
+            ("/v1/embeddings", {"model": DEFAULT_MODEL_NAME, "input": "a bulk text over REST"}),
+            ("/v1/embeddings", {"model": DEFAULT_MODEL_NAME, "input": [[2023, 2003, 1037]]}),  # token ids
+            ("/v1/embeddings", {"model": "clip", "modality": "image", "input": image}),
+        ):
+            response = http.post(path, json=body)
+            assert response.status_code == 200, response.text
+    assert (bulk(DEFAULT_MODEL_NAME), bulk("clip")) == (minilm + 2, clip + 1)
 
 
 def test_health_can_require_the_key(tmp_path):

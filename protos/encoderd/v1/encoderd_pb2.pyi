@@ -95,7 +95,7 @@ class EmbedResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class EmbedStreamRequest(_message.Message):
-    __slots__ = ("model", "id", "input", "normalize", "dimensions", "truncate", "prompt", "prompt_name", "output_dtype", "priority")
+    __slots__ = ("model", "id", "input", "normalize", "dimensions", "truncate", "prompt", "prompt_name", "output_dtype", "priority", "truncation_direction")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class EmbedStreamRequest(_message.Message):
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
     model: str
     id: str
     input: str
@@ -116,7 +117,8 @@ class EmbedStreamRequest(_message.Message):
     prompt_name: str
     output_dtype: OutputDtype
     priority: Priority
-    def __init__(self, model: _Optional[str] = ..., id: _Optional[str] = ..., input: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate: _Optional[bool] = ..., prompt: _Optional[str] = ..., prompt_name: _Optional[str] = ..., output_dtype: _Optional[_Union[OutputDtype, str]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
+    truncation_direction: TruncationDirection
+    def __init__(self, model: _Optional[str] = ..., id: _Optional[str] = ..., input: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., truncate: _Optional[bool] = ..., prompt: _Optional[str] = ..., prompt_name: _Optional[str] = ..., output_dtype: _Optional[_Union[OutputDtype, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ...) -> None: ...
 
 class EmbedStreamResponse(_message.Message):
     __slots__ = ("id", "embedding", "error", "prompt_tokens")
