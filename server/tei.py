@@ -24,7 +24,7 @@ from .engine import estimate_tokens
 from .errors import InvalidInput
 from .media import Content
 from .request_options import ClassifyOptions, RerankOptions, key_priority
-from .scheduler import DEFAULT_PRIORITY, Priority
+from .scheduler import Priority
 from .token_states import embed_token_states
 
 SIDES = {"": "right", "right": "right", "left": "left"}
@@ -179,7 +179,7 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
             truncate=opts.truncate,
             side=opts.side,
             prompt_name=opts.prompt_name,
-            priority=DEFAULT_PRIORITY.get(),
+            priority=opts.priority,
         )
     else:
         if opts.side != "right":
@@ -191,7 +191,7 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
             [Content(text=t) for t in texts],
             truncate=opts.truncate,
             prompt=prompt,
-            priority=DEFAULT_PRIORITY.get(),
+            priority=opts.priority,
         )
     rendered = ("[" + ",".join(compat.float_rows(model.spec.name, r)) + "]" for r in rows)
     return _body("[" + ",".join(rendered) + "]")
