@@ -382,7 +382,9 @@ def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_pref
 def test_tei_routes_refuse_what_they_cannot_do(http):
     _error(http.post("/embed_sparse", json={"inputs": "x", "model": M}), 400, "sparse")
     _error(http.post("/embed_all", json={"inputs": "x", "model": "reranker"}), 400, "embedding or colbert")
-    _error(http.post("/embed_all", json={"inputs": "x"}), 400, "several are served")  # an embedder and colbert
+    # An embedder and colbert are served: without `model`, TEI's routes take the embedding model.
+    unnamed = http.post("/embed_all", json={"inputs": "x"})
+    assert unnamed.status_code == 200 and len(unnamed.json()[0][0]) == 384, unnamed.text
     body = {"inputs": "x", "model": "colbert", "truncation_direction": "left"}
     _error(http.post("/embed_all", json=body), 400, "right only")
     _error(http.post("/embed_all", json={"inputs": "x", "normalize": True}), 400, "normalize")
