@@ -86,7 +86,9 @@ class EnvoyProcess:
         return subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *args],
             stdin=subprocess.DEVNULL,
-            process_group=0,
+            # Out of the terminal's process group: Ctrl-C reaches the frontend, which drains Envoy
+            # itself. (start_new_session, as Popen's process_group needs Python 3.11.)
+            start_new_session=True,
         )
 
     async def _spawn_and_wait(self, timeout: float) -> None:

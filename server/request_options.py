@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, TypeVar
 
 from ..v1 import encoderd_pb2 as pb
 from .errors import InvalidInput
@@ -50,6 +50,9 @@ def key_priority() -> Priority:
     return DEFAULT_PRIORITY.get()
 
 
+_Options = TypeVar("_Options", bound="InputOptions")  # typing.Self needs Python 3.11
+
+
 @dataclass(frozen=True, kw_only=True)
 class InputOptions:
     """How any request's texts are cut and scheduled."""
@@ -59,7 +62,7 @@ class InputOptions:
     priority: Priority = Priority.INTERACTIVE
 
     @classmethod
-    def for_call(cls, **fields: Any) -> Self:
+    def for_call(cls: type[_Options], **fields: Any) -> _Options:
         """Options of a Compat (REST) call: its fields, scheduled at the API key's priority."""
         return cls(priority=key_priority(), **fields)
 
