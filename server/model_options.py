@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..workers.model_spec import Pooling
+from ..workers.contract.model_spec import Pooling
 
 # "auto" resolves in the worker (workers.backends.resolve_engine / resolve_options), which reports what runs.
 ENGINES = ("auto", "torch", "onnx", "ctranslate2", "tensorrt")

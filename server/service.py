@@ -11,7 +11,8 @@ import grpc
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from . import logs, metrics, multimodal, postprocess, tracing
+from ..workers.contract import logs
+from . import metrics, multimodal, postprocess, tracing
 from .auth import presented_key
 from .engine import Engine, estimate_tokens
 from .errors import EncoderdError, InvalidInput

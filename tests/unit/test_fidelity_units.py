@@ -10,7 +10,7 @@ import pytest
 
 from encoderd.workers import calibration, fidelity
 from encoderd.workers.backends.base import BackendOptions
-from encoderd.workers.model_spec import ModelKind, default_model_path, load_model_spec
+from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
 
 
 # ------------------------------------------------------------------ metrics

@@ -7,8 +7,8 @@ covers the real thing."""
 import numpy as np
 import pytest
 
+from encoderd.workers.contract.protocol import Ragged, TokenBatch
 from encoderd.workers.process import forward
-from encoderd.workers.protocol import Ragged, TokenBatch
 
 
 class OutOfMemoryError(RuntimeError):
