@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from encoderd.workers import calibration, fidelity
-from encoderd.workers.backends.base import BackendOptions
+from encoderd.workers.contract.config import BackendOptions
 from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
 
 
