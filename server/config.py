@@ -94,7 +94,7 @@ class ServerConfig:
     worker_zygote: bool = True  # fork CPU workers from a pre-imported process (workers/zygote.py)
     drain_timeout: float = 30.0
     drain_delay: float = 0.0  # seconds of NOT_SERVING before refusing new calls
-    cache_dir: str = ""  # converted models; "" = workers.model_cache.default_cache_dir()
+    cache_dir: str = ""  # converted models; "" = workers/contract/config.py default_cache_dir()
     extra: dict = field(default_factory=dict)
 
     def for_model(self, model: ModelConfig) -> ServerConfig:
