@@ -158,3 +158,20 @@ def test_relative_imports_resolve():
     found = imports(ROOT / "server/worker_client.py", "from ..workers.contract import protocol\n")
     assert (1, "encoderd.workers.contract.protocol") in found
     assert (1, "encoderd.gateway.process") in imports(ROOT / "gateway/__init__.py", "from . import process\n")
+
+
+def test_engine_and_dtype_names_are_the_backends():
+    """The contract names the engines and dtypes once (the frontend's --engine / --dtype choices):
+    every engine module is one of them and every dtype an engine computes is one of them."""
+    from encoderd.workers import backends
+    from encoderd.workers.backends import ct2_backend, onnx_backend, tensorrt_backend, torch_backend
+    from encoderd.workers.contract.config import DTYPES, ENGINES
+
+    assert tuple(backends.ENGINES) == ENGINES
+    computed = {
+        *torch_backend.DTYPES,
+        *(d for device in onnx_backend.OnnxBackend.dtypes.values() for d in device),
+        *(d for device in tensorrt_backend.TensorRTBackend.dtypes.values() for d in device),
+        *(dtype for dtype, _ in ct2_backend.COMPUTE_TYPES),
+    }
+    assert computed == set(DTYPES)

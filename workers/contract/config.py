@@ -13,6 +13,12 @@ import msgspec
 from .model_spec import ModelSpec
 from .protocol import HEARTBEAT_INTERVAL
 
+# The engines (workers/backends/: one module each) and every dtype one of them computes; each
+# engine serves a subset, named in its own table. `auto` (the frontend's default) is resolved in
+# the worker (workers/backends: resolve_engine, resolve_options).
+ENGINES = ("torch", "onnx", "ctranslate2", "tensorrt")
+DTYPES = ("float32", "float16", "bfloat16", "int8", "int8_float32", "int8_float16")
+
 
 def default_cache_dir() -> str:
     """$XDG_CACHE_HOME/encoderd, else ~/.cache/encoderd: converted models (workers/model_cache.py)
