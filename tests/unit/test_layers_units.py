@@ -14,6 +14,8 @@ A failure names each offending import as file:line.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,15 @@ def test_engine_and_dtype_names_are_the_backends():
         *(dtype for dtype, _ in ct2_backend.COMPUTE_TYPES),
     }
     assert computed == set(DTYPES)
+
+
+def test_the_frontend_loads_without_the_worker_code():
+    """What the rules are for: importing the frontend (the CLI, the gRPC app, the engine, the worker
+    and zygote clients) loads neither torch nor an engine nor the worker's own modules."""
+    heavy = ("torch", "transformers", "onnxruntime", "ctranslate2", "encoderd.workers.process", "encoderd.workers.backends")
+    script = (
+        "import sys; import encoderd.server.cli, encoderd.server.app, encoderd.server.worker_client;"
+        f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    assert loaded.stdout.strip() == ""
