@@ -180,9 +180,10 @@ def test_engine_and_dtype_names_are_the_backends():
 
 
 def test_the_frontend_loads_without_the_worker_code():
-    """What the rules are for: importing the frontend (the CLI, the gRPC app, the engine, the worker
-    and zygote clients) loads neither torch nor an engine nor the worker's own modules."""
-    heavy = ("torch", "transformers", "onnxruntime", "ctranslate2", "encoderd.workers.process", "encoderd.workers.backends")
+    """What the rules are for: importing the frontend (the CLI, the gRPC app, the worker client) loads
+    neither torch nor an engine nor the worker's own modules."""
+    heavy = ("torch", "transformers", "onnxruntime", "ctranslate2")
+    heavy += ("encoderd.workers.process", "encoderd.workers.backends")
     script = (
         "import sys; import encoderd.server.cli, encoderd.server.app, encoderd.server.worker_client;"
         f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
