@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..gateway.envoy import local_address
 from ..v1 import compat_pb2, encoderd_pb2
-from ..workers.protocol import frontend_grpc_socket
+from ..workers.contract.protocol import frontend_grpc_socket
 from . import reflection_v1, systemd, tls, tracing
 from .auth import ApiKeyInterceptor, load_keys
 from .config import ServerConfig

@@ -16,7 +16,7 @@ from typing import ClassVar, Protocol, cast
 
 import numpy as np
 
-from ..workers.protocol import MediaBatch, TokenBatch
+from ..workers.contract.protocol import MediaBatch, TokenBatch
 
 
 class RequestLike(Protocol):

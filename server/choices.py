@@ -1,11 +1,11 @@
 """The one start-up line per model that says which layout, engine and dtype it runs and why.
 
-The decisions themselves live in workers/hardware.py (layout, CPU dtype) and in the worker (the
+The decisions themselves live in workers/contract/hardware.py (layout, CPU dtype) and in the worker (the
 engine, and the fidelity fallback of an automatic dtype); this only explains them."""
 
 from __future__ import annotations
 
-from ..workers import hardware
+from ..workers.contract import hardware
 from .config import ServerConfig
 from .placement import Placement, cpu_layout, usable_cores
 

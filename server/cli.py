@@ -14,12 +14,12 @@ from typing import Any, cast
 from ..gateway.cli import add_commands as add_gateway_commands
 from ..gateway.cli import run as run_gateway_command
 from ..gateway.envoy import ListenerLimits
-from ..workers.model_cache import default_cache_dir
-from ..workers.model_spec import DEFAULT_MODEL_NAME, ModelLoadError, Pooling, default_model_path
-from ..workers.protocol import HEARTBEAT_INTERVAL
+from ..workers.contract.config import default_cache_dir
+from ..workers.contract.logs import FORMATS as LOG_FORMATS
+from ..workers.contract.logs import configure_logging
+from ..workers.contract.model_spec import DEFAULT_MODEL_NAME, ModelLoadError, Pooling, default_model_path
+from ..workers.contract.protocol import HEARTBEAT_INTERVAL
 from .config import ModelConfig, ServerConfig
-from .logs import FORMATS as LOG_FORMATS
-from .logs import configure_logging
 from .model_options import (
     DTYPES,
     ENGINES,
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "--replicas",
         "worker processes per device and model (CPU replicas get disjoint cores; 0 = chosen "
-        "for this host's usable cores, affinity and cgroup quota: see workers/hardware.choose_cpu_layout)",
+        "for this host's usable cores, affinity and cgroup quota: see workers/contract/hardware.choose_cpu_layout)",
         0,
         int,
     )
@@ -634,7 +634,7 @@ def _models_file(path: str | None) -> ModelsFile | None:
 
 def _startup_errors() -> tuple[type[Exception], ...]:
     from ..gateway.envoy import GatewayError
-    from ..workers.model_spec import ModelLoadError
+    from ..workers.contract.model_spec import ModelLoadError
     from .placement import PlacementError
     from .startup import StartupError
     from .worker_client import WorkerStartError

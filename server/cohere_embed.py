@@ -20,7 +20,7 @@ import numpy as np
 from google.api import httpbody_pb2
 
 from ..v1 import compat_pb2 as cpb
-from ..workers.model_spec import ModelKind
+from ..workers.contract.model_spec import ModelKind
 from . import multimodal, postprocess
 from . import rest as compat
 from .errors import InvalidInput

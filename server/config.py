@@ -16,7 +16,7 @@ class ModelConfig:
     kind: str | None = None  # force a kind (server/cli.py KINDS)
     device: str | None = None  # this model's devices; None = the server's --device
     revision: str | None = None  # hub models: branch, tag or commit; None = the default branch
-    pooling: str | None = None  # a workers.model_spec.Pooling value instead of the model's own
+    pooling: str | None = None  # a workers.contract.model_spec.Pooling value instead of the model's own
     max_length: int | None = None  # tokens per input instead of the model's own limit
     # This model's own value of the ServerConfig field of the same name (None: the server's); see for_model.
     engine: str | None = None
@@ -49,7 +49,7 @@ class ServerConfig:
     models: tuple[ModelConfig, ...]
     engine: str = "torch"
     device: str = "cpu"
-    dtype: str = "auto"  # chosen per host in the worker (workers/hardware.py)
+    dtype: str = "auto"  # chosen per host in the worker (workers/contract/hardware.py)
     cpu_threads: int = 0
     torch_compile: bool = False  # torch engine: torch.compile each model during warm-up
     trust_remote_code: bool = False  # run Python code shipped in model repositories (config.json auto_map)
@@ -94,7 +94,7 @@ class ServerConfig:
     worker_zygote: bool = True  # fork CPU workers from a pre-imported process (workers/zygote.py)
     drain_timeout: float = 30.0
     drain_delay: float = 0.0  # seconds of NOT_SERVING before refusing new calls
-    cache_dir: str = ""  # converted models; "" = workers.model_cache.default_cache_dir()
+    cache_dir: str = ""  # converted models; "" = workers/contract/config.py default_cache_dir()
     extra: dict = field(default_factory=dict)
 
     def for_model(self, model: ModelConfig) -> ServerConfig:

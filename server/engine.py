@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..workers.backends.base import BackendOptions
-from ..workers.model_spec import (
+from ..workers.contract.config import BackendOptions, WorkerConfig
+from ..workers.contract.model_spec import (
     ModelKind,
     ModelSpec,
     Pooling,
@@ -27,8 +27,7 @@ from ..workers.model_spec import (
     modalities,
     resolve_model_path,
 )
-from ..workers.process import WorkerConfig
-from ..workers.protocol import HEARTBEAT_INTERVAL
+from ..workers.contract.protocol import HEARTBEAT_INTERVAL
 from . import metrics
 from .batching import BatchLimits, WorkItem
 from .choices import explain

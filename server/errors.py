@@ -1,11 +1,14 @@
 """One error taxonomy for the frontend and its single mapping to gRPC status.
 
-Envoy derives the HTTP code from the gRPC status, so there is no second table.
+Envoy derives the HTTP code from the gRPC status, so there is no second table. A batch a worker
+failed arrives with an error code (workers/contract/errors.py), mapped here too (WORKER_FAILURES).
 """
 
 from __future__ import annotations
 
 import grpc
+
+from ..workers.contract.errors import ErrorCode
 
 
 class EncoderdError(Exception):
@@ -28,7 +31,20 @@ class WrongModelKind(EncoderdError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unsupported(EncoderdError):
+    """The served model or its engine does not do this (images sent to an ONNX engine)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Overloaded(EncoderdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OutOfMemory(EncoderdError):
+    """The device ran out of memory (a text batch is first halved down to one input). Not
+    Overloaded: waiting does not help (a stream retries Overloaded), fewer or shorter inputs do."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -42,3 +58,18 @@ class BackendError(EncoderdError):
     """The backend failed on a batch for a reason that is not the client's."""
 
     code = grpc.StatusCode.INTERNAL
+
+
+# A failed batch's code (workers/contract/errors.py) -> the error its requests fail with.
+WORKER_FAILURES: dict[ErrorCode, type[EncoderdError]] = {
+    ErrorCode.INVALID_INPUT: InvalidInput,
+    ErrorCode.UNSUPPORTED: Unsupported,
+    ErrorCode.OUT_OF_MEMORY: OutOfMemory,
+    ErrorCode.INTERNAL: BackendError,
+}
+
+
+def worker_failure(code: ErrorCode, message: str) -> EncoderdError:
+    """The error a batch the worker failed with `code` raises in the frontend (an error sent without
+    a code is INTERNAL)."""
+    return WORKER_FAILURES.get(code, BackendError)(message)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..workers.model_spec import ModelSpec, modalities
+from ..workers.contract.model_spec import ModelSpec, modalities
 from .errors import InvalidInput
 
 log = logging.getLogger("encoderd.media")

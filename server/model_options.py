@@ -9,12 +9,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..workers.model_spec import Pooling
+from ..workers.contract import config as worker_config
+from ..workers.contract.model_spec import ModelKind, Pooling
 
 # "auto" resolves in the worker (workers.backends.resolve_engine / resolve_options), which reports what runs.
-ENGINES = ("auto", "torch", "onnx", "ctranslate2", "tensorrt")
-DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "int8_float32", "int8_float16")
-KINDS = ("embedding", "reranker", "classifier", "clip", "clap", "colbert", "colpali", "sparse")
+ENGINES = ("auto", *worker_config.ENGINES)
+DTYPES = ("auto", *worker_config.DTYPES)
+KINDS = tuple(kind.value for kind in ModelKind)
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 

@@ -9,7 +9,7 @@ import contextvars
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..workers.model_spec import ModelKind
+from ..workers.contract.model_spec import ModelKind
 from .errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import cast
 
 import numpy as np
 
-from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
+from ..workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
 from .batching import MediaItem, WorkItem
 from .engine import Engine, ServedModel
 from .errors import InvalidInput

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from ..workers.hardware import Layout, choose_cpu_layout, cpu_budget
+from ..workers.contract.hardware import Layout, choose_cpu_layout, cpu_budget
 
 
 class PlacementError(ValueError):
@@ -28,7 +28,7 @@ class Placement:
 
 
 def usable_cores() -> list[int]:
-    """The cores this process may run on, within its cgroup CPU quota (workers/hardware.py)."""
+    """The cores this process may run on, within its cgroup CPU quota (workers/contract/hardware.py)."""
     return list(cpu_budget().cores)
 
 

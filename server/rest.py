@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2
 
 from ..v1 import compat_pb2 as cpb
 from ..v1 import compat_pb2_grpc
-from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
+from ..workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
 from . import cohere_embed, multimodal, openapi, postprocess, tei
 from .engine import Engine, ServedModel
 from .errors import BackendError, InvalidInput, Unavailable

@@ -11,7 +11,8 @@ import grpc
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from . import logs, metrics, model_resolver, multimodal, postprocess, request_options, tracing
+from ..workers.contract import logs
+from . import metrics, model_resolver, multimodal, postprocess, request_options, tracing
 from .auth import presented_key
 from .engine import Engine, estimate_tokens
 from .errors import EncoderdError, InvalidInput

@@ -18,7 +18,7 @@ import grpc
 from google.rpc import status_pb2
 
 from ..v1 import encoderd_pb2 as pb
-from ..workers.model_spec import ModelKind
+from ..workers.contract.model_spec import ModelKind
 from . import metrics, postprocess, request_options
 from .errors import EncoderdError, InvalidInput, Overloaded
 from .handlers import MalformedRequest

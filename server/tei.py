@@ -17,7 +17,7 @@ from google.api import httpbody_pb2
 from google.protobuf import json_format
 
 from ..v1 import compat_pb2 as cpb
-from ..workers.model_spec import MULTI_VECTOR_KINDS, ModelKind
+from ..workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from . import multimodal, postprocess
 from . import rest as compat
 from .engine import estimate_tokens

@@ -14,7 +14,7 @@ from typing import cast
 
 import numpy as np
 
-from ..workers.model_spec import ModelKind
+from ..workers.contract.model_spec import ModelKind
 from .engine import Engine, ServedModel
 from .result_cache import result_key
 from .scheduler import Priority

@@ -22,9 +22,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from ..workers import protocol
-from ..workers.process import WorkerConfig, run_worker
-from .errors import BackendError, Unavailable
+from ..workers.contract import protocol
+from ..workers.contract.config import WorkerConfig
+from ..workers.contract.launch import run_worker
+from .errors import Unavailable, worker_failure
 from .zygote_client import ForkedWorker, Zygote
 
 log = logging.getLogger("encoderd.worker_client")
@@ -292,7 +293,7 @@ class WorkerClient:
                 if future is None or future.done():
                     continue  # its request was cancelled meanwhile
                 if header.error:
-                    future.set_exception(BackendError(f"model {self.label}: {header.error}"))
+                    future.set_exception(worker_failure(header.code, f"model {self.label}: {header.error}"))
                 else:
                     future.set_result(protocol.result_array(header, rest))
             elif isinstance(header, protocol.WorkerReady) and not ready.done():

@@ -18,12 +18,9 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING
 
-from ..workers import zygote as wire
-
-if TYPE_CHECKING:  # the worker code is the zygote's to import, not a reason to delay the frontend's start
-    from ..workers.process import WorkerConfig
+from ..workers.contract import zygote_wire as wire
+from ..workers.contract.config import WorkerConfig
 
 log = logging.getLogger("encoderd.zygote")
 
@@ -119,7 +116,7 @@ class Zygote:
         argv = [
             sys.executable,
             "-m",
-            "encoderd.workers.zygote",
+            wire.ZYGOTE_MODULE,
             str(theirs.fileno()),
             str(os.getpid()),
             *self._log_args,

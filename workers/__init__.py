@@ -1,5 +1,5 @@
 """Worker side of encoderd: one process per (model, device) running a backend.
 
-`protocol` and `model_spec` are the contract shared with the frontend and
-import neither torch nor any backend library.
+`contract` is what the frontend shares with the workers, and the only part of this package
+the frontend imports; it imports neither torch nor any backend library.
 """

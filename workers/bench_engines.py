@@ -29,9 +29,9 @@ from pathlib import Path
 import msgspec
 
 from .backends import BackendOptions, create_backend
-from .model_cache import default_cache_dir
-from .model_spec import ModelKind, default_model_path, load_model_spec
-from .protocol import TokenBatch
+from .contract.config import default_cache_dir
+from .contract.model_spec import ModelKind, default_model_path, load_model_spec
+from .contract.protocol import TokenBatch
 
 CPU_MATRIX = [
     ("torch", "float32"),

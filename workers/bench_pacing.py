@@ -24,9 +24,9 @@ import time
 import numpy as np
 
 from .backends import BackendOptions, create_backend
-from .model_spec import default_model_path, load_model_spec
+from .contract.model_spec import default_model_path, load_model_spec
+from .contract.protocol import TokenBatch
 from .pacing import Pacer
-from .protocol import TokenBatch
 
 BATCH_SIZE = 16  # the CPU default of --batch-size
 CUT_TOKENS = 256  # the former --bulk-batch-tokens default
@@ -35,7 +35,7 @@ FACTORS = (1.0, 1.5, 2.0)  # pacing.URGENT_FACTOR candidates
 
 def corpus(tokenizer, n: int) -> list[np.ndarray]:
     """The mixed bench's ingestion chunks (server/bench/mixed.py), tokenized, in arrival order."""
-    from ..server.bench.mixed import chunk_corpus
+    from .contract.corpus import chunk_corpus
 
     return [np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(chunk_corpus(n))]
 
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--inputs", type=int, default=400)
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from ..server.tokenization import load_tokenizer
+    from .contract.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
     tokenizer.no_padding()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 from tokenizers import Tokenizer
 
-from .model_spec import ModelKind, ModelSpec
-from .protocol import TokenBatch
+from .contract.model_spec import ModelKind, ModelSpec
+from .contract.protocol import TokenBatch
 
 VERSION = 1
 BATCH_SIZE = 8  # most inputs per batch
@@ -129,7 +129,7 @@ def pairs(tokenizer, max_length: int) -> list[tuple[str, str]]:
 def batches(spec: ModelSpec, batch_size: int = BATCH_SIZE) -> list[TokenBatch]:
     """The calibration set of this model, tokenized and cut into batches of at most `batch_size`
     (no more than the backend accepts: TensorRT profiles end at --batch-size)."""
-    from ..server.tokenization import load_tokenizer
+    from .contract.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec.path)
     tokenizer.no_padding()

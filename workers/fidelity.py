@@ -37,9 +37,10 @@ import msgspec
 import numpy as np
 
 from . import calibration
-from .model_cache import cached_build, default_cache_dir, fingerprint_model, library_versions
-from .model_spec import ModelKind, ModelSpec
-from .protocol import FidelityFigure, TokenBatch
+from .contract.config import default_cache_dir
+from .contract.model_spec import ModelKind, ModelSpec
+from .contract.protocol import FidelityFigure, TokenBatch
+from .model_cache import cached_build, fingerprint_model, library_versions
 
 log = logging.getLogger("encoderd.fidelity")
 
@@ -180,7 +181,7 @@ def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_
     model = from_pretrained(model_class(spec.kind), spec.path, trust_remote_code, dtype=torch.float32).eval()
     pad_id = model.config.pad_token_id or 0  # decoder classifiers read the last non-pad token
     takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
-    from .hardware import cpu_budget
+    from .contract.hardware import cpu_budget
 
     torch.set_num_threads(cpu_budget().usable)  # not 64 threads in a 2-CPU container
     outputs = []

@@ -39,12 +39,6 @@ MANIFEST = "encoderd-cache.json"
 _STALE_TMP_S = 24 * 3600
 
 
-def default_cache_dir() -> str:
-    """$XDG_CACHE_HOME/encoderd, else ~/.cache/encoderd."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "encoderd")
-
-
 def library_versions(*distributions: str) -> dict[str, str]:
     """Installed versions by distribution name ("-" when absent), for cache keys."""
     versions = {}

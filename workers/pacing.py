@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .protocol import Ragged, TokenBatch
+from .contract.protocol import Ragged, TokenBatch
 
 STEP_ENV = "ENCODERD_BULK_STEP_MS"
 MIN_STEP_S = 0.002

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .model_spec import Pooling, pooling_modes
+from .contract.model_spec import Pooling, pooling_modes
 
 
 def pool(hidden: np.ndarray, mask: np.ndarray, pooling: Pooling | tuple[Pooling, ...]) -> np.ndarray:

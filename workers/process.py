@@ -28,28 +28,16 @@ import msgspec
 import numpy as np
 import zmq
 
-from ..server.logs import configure_logging
-from . import fidelity, memory, pacing, protocol
-from .backends import BackendOptions, create_backend
-from .hardware import UnsupportedOnHardware
-from .model_spec import ModelSpec
+from . import fidelity, memory, pacing
+from .backends import create_backend
+from .contract import protocol
+from .contract.config import WorkerConfig
+from .contract.errors import ErrorCode, WorkerError
+from .contract.hardware import UnsupportedOnHardware
+from .contract.logs import configure_logging
 from .st_modules import SentenceModules
 
 log = logging.getLogger("encoderd.worker")
-
-
-class WorkerConfig(msgspec.Struct, frozen=True):
-    spec: ModelSpec
-    engine: str
-    options: BackendOptions
-    batch_address: str  # frontend PUSH -> our PULL
-    result_address: str  # our PUSH -> frontend PULL
-    log_level: str = "INFO"
-    label: str = ""
-    cpu_affinity: tuple[int, ...] = ()  # pin this worker to these cores
-    log_format: str = "text"  # "json": JSON lines, as the frontend's --log-format
-    allow_low_fidelity: bool = False  # serve below the fidelity floors (with a warning)
-    heartbeat_interval: float = protocol.HEARTBEAT_INTERVAL  # 0 = no heartbeats (stall check off)
 
 
 def _watch_parent(parent_pid: int, addresses: tuple[str, ...]) -> None:
@@ -226,6 +214,13 @@ def is_out_of_memory(exc: Exception) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "failed to allocate" in text
 
 
+def error_code(exc: Exception) -> ErrorCode:
+    """What a failed batch tells the frontend (server/errors.py maps it to a gRPC status)."""
+    if isinstance(exc, WorkerError):
+        return exc.code
+    return ErrorCode.OUT_OF_MEMORY if is_out_of_memory(exc) else ErrorCode.INTERNAL
+
+
 def forward(backend, batch: protocol.TokenBatch):
     """backend.forward, halving the batch on device out-of-memory instead of failing its requests."""
     try:
@@ -255,7 +250,9 @@ def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.So
             output = modules(_forward_yielding(backend, modules, batch, inbox, results, pacer))
     except Exception as exc:
         log.exception("batch %d failed", batch.batch_id)
-        results.send_multipart(protocol.encode_error(batch.batch_id, f"{type(exc).__name__}: {exc}"))
+        code = error_code(exc)
+        message = str(exc) if isinstance(exc, WorkerError) else f"{type(exc).__name__}: {exc}"
+        results.send_multipart(protocol.encode_error(batch.batch_id, message, code))
         return
     results.send_multipart(protocol.encode_result(batch.batch_id, output, time.perf_counter_ns() - started), copy=False)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .model_spec import DenseModule, ModelKind, ModelLoadError, ModelSpec, pooling_modes
-from .protocol import Ragged
+from .contract.model_spec import DenseModule, ModelKind, ModelLoadError, ModelSpec, pooling_modes
+from .contract.protocol import Ragged
 
 
 class SentenceModules:

@@ -17,22 +17,19 @@ frontend (PR_SET_PDEATHSIG, and EOF on its socket).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import logging
 import os
-import pickle
 import signal
 import socket
-import struct
 import sys
 import time
 import warnings
 
+from .contract.zygote_wire import LENGTH, PR_SET_PDEATHSIG, prctl, receive, send
+
 log = logging.getLogger("encoderd.zygote")
 
-PR_SET_PDEATHSIG = 1
-PR_SET_CHILD_SUBREAPER = 36
 # What every CPU worker imports before its model loads: seconds of work done here once.
 PRELOAD = (
     "torch",
@@ -45,43 +42,6 @@ PRELOAD = (
     "encoderd.workers.fidelity",
     "encoderd.workers.calibration",
 )
-_LENGTH = struct.Struct("!I")
-
-
-def prctl(option: int, value: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(option, value, 0, 0, 0) == 0
-
-
-# ------------------------------------------------------------------ the wire (both sides)
-
-
-def send(sock: socket.socket, message) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LENGTH.pack(len(data)) + data)
-
-
-def receive(sock: socket.socket):
-    """The next message, or None at end of stream."""
-    header = _read_exactly(sock, _LENGTH.size)
-    if header is None:
-        return None
-    data = _read_exactly(sock, _LENGTH.unpack(header)[0])
-    return None if data is None else pickle.loads(data)
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
-    chunks, left = [], n
-    while left:
-        chunk = sock.recv(left)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-# ------------------------------------------------------------------ the zygote process
 
 
 def main(argv: list[str]) -> int:
@@ -93,7 +53,7 @@ def main(argv: list[str]) -> int:
     # Read by OpenMP when torch loads, here: as workers/process.py sets it for a spawned CPU worker.
     if "GOMP_SPINCOUNT" not in os.environ:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from ..server.logs import configure_logging
+    from .contract.logs import configure_logging
 
     configure_logging(log_level, log_format)  # its records are the "encoderd.zygote" logger's; no worker label
     sock = socket.socket(fileno=fd)
@@ -147,20 +107,20 @@ def fork_worker(sock: socket.socket, config, frontend_pid: int) -> int:
             if worker == 0:
                 os.close(write_end)
                 _become_worker(sock, config, frontend_pid, os.getppid())
-            os.write(write_end, _LENGTH.pack(worker))
+            os.write(write_end, LENGTH.pack(worker))
         except BaseException:  # noqa: BLE001 - a forked child must reach os._exit, never unwind into the zygote's loop
             code = 1
         finally:
             os._exit(code)
     os.close(write_end)
     try:
-        data = os.read(read_end, _LENGTH.size)
+        data = os.read(read_end, LENGTH.size)
     finally:
         os.close(read_end)
         os.waitpid(middle, 0)  # the worker is re-parented once its middle has exited
-    if len(data) != _LENGTH.size:
+    if len(data) != LENGTH.size:
         raise OSError("the forked worker's intermediate process failed")
-    return _LENGTH.unpack(data)[0]
+    return LENGTH.unpack(data)[0]
 
 
 def _become_worker(sock: socket.socket, config, frontend_pid: int, middle_pid: int) -> None:

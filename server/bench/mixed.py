@@ -30,6 +30,7 @@ import numpy as np
 from ...clients.bulk import embed_iterable
 from ...v1 import encoderd_pb2 as pb
 from ...v1 import encoderd_pb2_grpc
+from ...workers.contract.corpus import chunk_corpus
 from .processes import Managed, free_port, grpc_serving, wait_until
 
 QUERIES = [
@@ -42,17 +43,6 @@ QUERIES = [
     "cheap flights to tokyo",
     "define entropy",
 ]
-
-
-def chunk_corpus(n: int, seed: int = 0) -> list[str]:
-    """Mixed-length ingestion chunks: mostly paragraphs, some long, some short."""
-    rng = np.random.default_rng(seed)
-    words = (
-        "retrieval augmented generation splits documents into chunks and embeds each one so that a query can "
-        "find the passages most similar to it before a reranker orders them"
-    ).split()
-    lengths = np.clip(rng.lognormal(mean=4.0, sigma=0.8, size=n), 5, 400).astype(int)
-    return [f"chunk {i}: " + " ".join(rng.choice(words, size=k)) for i, k in enumerate(lengths)]
 
 
 class BulkStream(threading.Thread):

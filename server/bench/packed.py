@@ -29,8 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     from tokenizers import Tokenizer
 
     from ...workers.backends import BackendOptions, create_backend, packed_encoder
-    from ...workers.model_spec import ModelKind, load_model_spec
-    from ...workers.protocol import TokenBatch
+    from ...workers.contract.model_spec import ModelKind, load_model_spec
+    from ...workers.contract.protocol import TokenBatch
     from .corpus import TokenCounter, make_corpus, make_queries
     from .models import build_xlmr_reranker
 

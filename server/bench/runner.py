@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ...workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from ...workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import Workload, make_workload
 from .flops import FlopModel, matmul_peak
 from .models import build_base_embedder, build_xlmr_reranker

@@ -1,5 +1,5 @@
 """Issue 19.1: with no --dtype / --replicas / --cpu-threads the server picks them for this host
-(workers/hardware.py), serves what it says it picked, and logs one line per model saying why."""
+(workers/contract/hardware.py), serves what it says it picked, and logs one line per model saying why."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.hardware import choose_cpu_dtype, choose_cpu_layout, cpu_budget
-from encoderd.workers.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.hardware import choose_cpu_dtype, choose_cpu_layout, cpu_budget
+from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
 
 
 def test_defaults_are_chosen_for_this_host_and_logged(tmp_path, minilm_path):

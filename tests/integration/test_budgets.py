@@ -43,7 +43,7 @@ def server(tmp_path_factory, reranker_path):
 
 
 def _minilm() -> str:
-    from encoderd.workers.model_spec import default_model_path
+    from encoderd.workers.contract.model_spec import default_model_path
 
     return default_model_path()
 

@@ -23,11 +23,11 @@ import pytest
 from support.corpus import sentences
 from support.models import TOKENIZER_FILES, build_classifier, build_reranker
 
-from encoderd.workers import hardware
 from encoderd.workers.backends import BackendOptions, create_backend, resolve_engine, resolve_options
+from encoderd.workers.contract import hardware
+from encoderd.workers.contract.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
+from encoderd.workers.contract.protocol import TokenBatch
 from encoderd.workers.model_cache import MANIFEST, cached_build, fingerprint_model
-from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
-from encoderd.workers.protocol import TokenBatch
 
 KINDS = ("embedding", "reranker", "classifier")
 # (engine, dtype, library): what runs on this CPU.
@@ -356,7 +356,7 @@ def test_model_fingerprint_follows_content(tmp_path):
 
 # ------------------------------------------------------------------ auto and start-up errors
 def test_auto_engine_and_dtype():
-    from encoderd.workers.hardware import choose_cpu_dtype
+    from encoderd.workers.contract.hardware import choose_cpu_dtype
 
     cpu, gpu = BackendOptions(dtype="auto"), BackendOptions(device="cuda:1", dtype="auto")
     assert resolve_options(gpu).dtype == "float16" and resolve_engine("auto", resolve_options(gpu)) == "torch"

@@ -27,8 +27,8 @@ from support.families import FAMILIES, KINDS, MAX_POSITIONS, build
 
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder, resolve_engine
 from encoderd.workers.backends.base import ENGINE_FAMILIES
-from encoderd.workers.model_spec import ModelKind, Pooling, load_model_spec
-from encoderd.workers.protocol import TokenBatch
+from encoderd.workers.contract.model_spec import ModelKind, Pooling, load_model_spec
+from encoderd.workers.contract.protocol import TokenBatch
 
 _SHORT = sentences(22, max_words=300, seed=11)  # 5 to ~380 tokens
 _LONG = sentences(2, min_words=600, max_words=700, seed=5)  # past every family's 512 tokens: truncated
@@ -174,7 +174,7 @@ def test_frontend_tokenizer_gives_the_reference_ids(family, references, models_d
     tokenizer class), which may rebuild parts of it. Same ids, singles and pairs, or the vectors differ."""
     from transformers import AutoTokenizer
 
-    from encoderd.server.tokenization import load_tokenizer
+    from encoderd.workers.contract.tokenizer import load_tokenizer
 
     spec, _ = case(references, models_dir, family, "reranker")
     raw, auto = load_tokenizer(spec.path), AutoTokenizer.from_pretrained(spec.path)

@@ -20,8 +20,8 @@ import pytest
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from encoderd.workers.model_cache import MANIFEST
-from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 SCALE_BUG = 1.25  # every int8 weight scale off by 25%: what a quantizer with a wrong range would write

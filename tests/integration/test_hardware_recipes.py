@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `support` when r
 
 from support.broad_corpus import broad_corpus
 
-from encoderd.workers import hardware
 from encoderd.workers.backends import BackendOptions, create_backend
-from encoderd.workers.model_spec import default_model_path, load_model_spec
+from encoderd.workers.contract import hardware
+from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
 
 AVX2_HOST = "avx512*,avx_vnni,amx*"  # the mask that leaves this host's flags as an AVX2-only CPU's
 TEXTS = broad_corpus()
@@ -51,7 +51,7 @@ def length_sorted(spec, texts) -> list[str]:
 
 def tokenized(spec, texts):
     """Length-sorted batches of 16."""
-    from encoderd.workers.protocol import TokenBatch
+    from encoderd.workers.contract.protocol import TokenBatch
 
     ids = _encode(spec, length_sorted(spec, texts))
     return [TokenBatch.from_sequences(k, ids[i : i + 16]) for k, i in enumerate(range(0, len(ids), 16))]

@@ -24,8 +24,8 @@ from support.models import build_classifier, build_reranker
 
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
 from encoderd.workers.backends.torch_backend import pool
-from encoderd.workers.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
-from encoderd.workers.protocol import TokenBatch
+from encoderd.workers.contract.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
+from encoderd.workers.contract.protocol import TokenBatch
 
 TEXTS = sentences(40, max_words=300, seed=11)  # 3 to 256+ tokens: some are truncated
 QUERY = "which engine serves encoders fastest"

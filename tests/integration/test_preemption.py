@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from encoderd.server.worker_client import WorkerClient
-from encoderd.workers.backends import BackendOptions
-from encoderd.workers.model_spec import ModelKind, default_model_path, load_model_spec
-from encoderd.workers.process import WorkerConfig
-from encoderd.workers.protocol import TokenBatch
+from encoderd.workers.contract.config import BackendOptions, WorkerConfig
+from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
+from encoderd.workers.contract.protocol import TokenBatch
 
 BULK = [[101] + [2000 + (i * 7 + j) % 5000 for j in range(254)] + [102] for i in range(16)]
 QUERY = [[101, 2029, 3194, 4240, 102]]

@@ -18,7 +18,7 @@ from support.corpus import sentences
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 TEXTS = sentences(24, max_words=80, seed=3)
 QUERY = "how do search engines rank documents"

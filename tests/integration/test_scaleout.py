@@ -24,7 +24,7 @@ from support.server import ServerProcess, free_port
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
-from encoderd.workers.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 FRONT = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "front.yaml"
 CLIENTS = 6  # concurrent callers

@@ -24,10 +24,10 @@ from support.server import ServerProcess
 from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
 from encoderd.server import postprocess
-from encoderd.server.tokenization import ModelTokenizer, load_tokenizer
+from encoderd.server.tokenization import ModelTokenizer
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
-from encoderd.workers.model_spec import (
+from encoderd.workers.contract.model_spec import (
     ModelKind,
     ModelLoadError,
     Pooling,
@@ -35,7 +35,8 @@ from encoderd.workers.model_spec import (
     check_prompts,
     load_model_spec,
 )
-from encoderd.workers.protocol import TokenBatch
+from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.tokenizer import load_tokenizer
 from encoderd.workers.st_modules import SentenceModules
 
 CASED = ["Hello World from PARIS and Berlin", "The EU's GDP Grew in Q3", "iPhone USB-C CamelCaseIdentifier HTTPServer"]

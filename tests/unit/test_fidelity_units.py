@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from encoderd.workers import calibration, fidelity
-from encoderd.workers.backends.base import BackendOptions
-from encoderd.workers.model_spec import ModelKind, default_model_path, load_model_spec
+from encoderd.workers.contract.config import BackendOptions, WorkerConfig
+from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
 
 
 # ------------------------------------------------------------------ metrics
@@ -225,7 +225,7 @@ def test_an_automatic_dtype_below_the_floor_falls_back_to_float32(fake_reference
         return built[-1]
 
     monkeypatch.setattr(process, "create_backend", create_backend)
-    config = process.WorkerConfig(minilm_spec, "torch", BackendOptions(dtype="auto"), "ipc://a", "ipc://b")
+    config = WorkerConfig(minilm_spec, "torch", BackendOptions(dtype="auto"), "ipc://a", "ipc://b")
     with caplog.at_level(logging.INFO, "encoderd.fidelity"):
         backend, report = process._load(config)
     assert [b.options.dtype for b in built] == ["bfloat16", "float32"] and backend is built[-1]

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from encoderd.workers import hardware
-from encoderd.workers.hardware import UnsupportedOnHardware, check_dtype, onnx_int8_recipe, parse_cpuinfo, read_cpu
+from encoderd.workers.contract import hardware
+from encoderd.workers.contract.hardware import (
+    UnsupportedOnHardware,
+    check_dtype,
+    onnx_int8_recipe,
+    parse_cpuinfo,
+    read_cpu,
+)
 
 _BASE = (
     "fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht "

@@ -10,7 +10,7 @@ import pytest
 from support.model_repos import build_hub_cache
 
 from encoderd.server.cli import build_parser, config_from_args
-from encoderd.workers.model_spec import (
+from encoderd.workers.contract.model_spec import (
     DEFAULT_MODEL_NAME,
     ModelKind,
     ModelLoadError,

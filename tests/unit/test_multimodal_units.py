@@ -11,8 +11,8 @@ from encoderd.server.cli import parse_model
 from encoderd.server.errors import InvalidInput
 from encoderd.server.media import Content, MediaLimits, data_uri_bytes, media_bytes
 from encoderd.server.multimodal import maxsim_scores, sparsify
-from encoderd.workers import protocol
-from encoderd.workers.model_spec import ModelKind, ModelLoadError, detect_kind
+from encoderd.workers.contract import protocol
+from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError, detect_kind
 
 
 class Req:

@@ -1,14 +1,20 @@
-"""A batch that runs out of device memory is computed in halves, not failed.
+"""A batch that runs out of device memory is computed in halves, not failed; one input that
+still does not fit fails with the out-of-memory code (RESOURCE_EXHAUSTED at the frontend).
 
 CUDA cannot run here, so the backend below raises the error torch raises
 (an exception named OutOfMemoryError) above a batch size; the GPU check script
 covers the real thing."""
 
+import grpc
 import numpy as np
 import pytest
+import zmq
 
-from encoderd.workers.process import forward
-from encoderd.workers.protocol import Ragged, TokenBatch
+from encoderd.server.errors import EncoderdError, worker_failure
+from encoderd.workers.contract import protocol
+from encoderd.workers.contract.errors import ErrorCode
+from encoderd.workers.contract.protocol import Ragged, TokenBatch
+from encoderd.workers.process import _run, forward
 
 
 class OutOfMemoryError(RuntimeError):
@@ -91,3 +97,43 @@ def test_sparse_ragged_outputs_keep_their_indices():
     ]
     joined = Ragged.join(parts)
     assert [(list(i), list(v)) for i, v in joined.split()] == [([5], [1.0]), ([7], [2.0]), ([], []), ([9], [3.0])]
+
+
+def _failed_batch_through_the_wire(device) -> tuple[protocol.ResultHeader, EncoderdError]:
+    """One urgent batch through the worker's batch loop (process._run) onto a real ZeroMQ socket:
+    the result header the frontend reads, and the error its requests fail with."""
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    address = f"inproc://oom-{id(device)}"
+    pull.bind(address)
+    push.connect(address)
+    try:
+        work = batch_of([3, 4])
+        work.urgent = True  # the path without pacing: forward (halving), then the modules
+        _run(device, lambda rows: rows, work, None, push, None)
+        _, header, _ = protocol.decode(pull.recv_multipart())
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+    assert isinstance(header, protocol.ResultHeader)
+    return header, worker_failure(header.code, header.error)
+
+
+def test_out_of_memory_on_one_input_is_resource_exhausted_at_the_frontend():
+    device = SmallDevice(fits=0)  # not even one input fits
+    header, error = _failed_batch_through_the_wire(device)
+    assert device.calls == [2, 1]  # halved down to one input first
+    assert header.code == ErrorCode.OUT_OF_MEMORY
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "CUDA out of memory" in str(error)
+
+
+def test_an_unnamed_failure_is_internal_at_the_frontend():
+    class Broken(SmallDevice):
+        def forward(self, batch):
+            raise KeyError("head")
+
+    header, error = _failed_batch_through_the_wire(Broken(fits=8))
+    assert header.code == ErrorCode.INTERNAL
+    assert error.code == grpc.StatusCode.INTERNAL
+    assert str(error) == "KeyError: 'head'"

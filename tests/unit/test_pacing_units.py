@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from encoderd.workers import pacing
-from encoderd.workers.protocol import Ragged, TokenBatch
+from encoderd.workers.contract.protocol import Ragged, TokenBatch
 
 
 class Clock:

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from encoderd.server.errors import InvalidInput
 from encoderd.server.tokenization import ModelTokenizer, pair_lengths
-from encoderd.workers.model_spec import default_model_path
+from encoderd.workers.contract.model_spec import default_model_path
 
 WORDS = (
     "the cat sat on a mat while quantum chromodynamics unbelievably reorganised ĉƒ 東京 "

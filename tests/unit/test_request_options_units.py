@@ -14,7 +14,7 @@ from encoderd.server.errors import InvalidInput, ModelNotFound, Unavailable, Wro
 from encoderd.server.model_resolver import resolve
 from encoderd.server.scheduler import Priority
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.model_spec import MULTI_VECTOR_KINDS, ModelKind
+from encoderd.workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
 
 EMBEDDERS = (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP)
 

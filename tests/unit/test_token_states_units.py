@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from encoderd.server.batching import BatchLimits, MediaItem, WorkItem, pack, take_batch
-from encoderd.workers import protocol
 from encoderd.workers.backends.base import token_states, wants_token_states
-from encoderd.workers.model_spec import ModelKind, ModelSpec
-from encoderd.workers.protocol import Ragged, TokenBatch
+from encoderd.workers.contract import protocol
+from encoderd.workers.contract.model_spec import ModelKind, ModelSpec
+from encoderd.workers.contract.protocol import Ragged, TokenBatch
 from encoderd.workers.st_modules import SentenceModules
 
 

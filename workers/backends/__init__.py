@@ -8,7 +8,7 @@ import logging
 
 import msgspec
 
-from .. import hardware
+from ..contract import hardware
 from .base import ENGINE_FAMILIES, TEXT_KINDS, Backend, BackendOptions
 
 log = logging.getLogger(__name__)

@@ -6,21 +6,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Generator
 
-import msgspec
 import numpy as np
 
-from ..model_spec import ModelKind, ModelSpec, require_known_architectures
-from ..protocol import MediaBatch, Ragged, TokenBatch
-
-
-class BackendOptions(msgspec.Struct, frozen=True):
-    device: str = "cpu"
-    dtype: str = "float32"
-    threads: int = 0  # intra-op threads; 0 = the cores this process may use
-    cache_dir: str = ""  # converted models (ONNX, CTranslate2, TensorRT); "" = model_cache.default_cache_dir()
-    max_batch_size: int = 64  # largest batch the scheduler sends; sizes TensorRT optimization profiles
-    compile: bool = False  # torch engine: torch.compile the model (dynamic shapes)
-    trust_remote_code: bool = False  # run model code from the model repository (config.json auto_map)
+from ..contract.config import BackendOptions
+from ..contract.errors import Unsupported
+from ..contract.model_spec import ModelKind, ModelSpec, require_known_architectures
+from ..contract.protocol import MediaBatch, Ragged, TokenBatch
 
 
 def from_pretrained(model_class, path: str, trust_remote_code: bool, **kwargs):
@@ -58,7 +49,7 @@ class Backend(abc.ABC):
 
     def forward_media(self, batch: MediaBatch):
         """Image / audio batches (multi-modal kinds): (n, dim) embeddings or a Ragged of vectors."""
-        raise ValueError(f"the {self.engine} engine computes no {batch.modality} inputs; use --engine torch")
+        raise Unsupported(f"the {self.engine} engine computes no {batch.modality} inputs; use --engine torch")
 
     @property
     @abc.abstractmethod
@@ -142,7 +133,7 @@ def wants_token_states(spec: ModelSpec, batch: TokenBatch) -> bool:
     """Whether `batch` asks for token states; only an embedding model has them to give (the
     frontend asks no other kind: this guards the wire contract)."""
     if batch.token_states and spec.kind != ModelKind.EMBEDDING:
-        raise ValueError(f"token states are an embedding model's output; {spec.name} is a {spec.kind.value} model")
+        raise Unsupported(f"token states are an embedding model's output; {spec.name} is a {spec.kind.value} model")
     return batch.token_states
 
 

@@ -28,10 +28,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ..model_cache import cached_build, default_cache_dir, fingerprint_model, library_versions
-from ..model_spec import ModelKind
+from ..contract.config import default_cache_dir
+from ..contract.model_spec import ModelKind
+from ..contract.protocol import Ragged, TokenBatch
+from ..model_cache import cached_build, fingerprint_model, library_versions
 from ..pooling import pool
-from ..protocol import Ragged, TokenBatch
 from .base import Backend, from_pretrained, require_family, require_text_kind, token_states, wants_token_states
 
 log = logging.getLogger(__name__)

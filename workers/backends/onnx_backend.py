@@ -31,11 +31,12 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import hardware
-from ..model_cache import cached_build, default_cache_dir, fingerprint_model, library_versions
-from ..model_spec import ModelKind, ModelSpec
+from ..contract import hardware
+from ..contract.config import default_cache_dir
+from ..contract.model_spec import ModelKind, ModelSpec
+from ..contract.protocol import Ragged, TokenBatch
+from ..model_cache import cached_build, fingerprint_model, library_versions
 from ..pooling import pool
-from ..protocol import Ragged, TokenBatch
 from .base import Backend, from_pretrained, padded, require_family, require_text_kind, token_states, wants_token_states
 
 log = logging.getLogger(__name__)

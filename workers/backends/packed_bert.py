@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from ..model_spec import ModelKind
+from ..contract.model_spec import ModelKind
 from .packed_encoder import HFModule, PackedBatch, activated, attend, fuse_linears
 
 

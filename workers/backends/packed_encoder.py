@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..model_spec import ModelKind, Pooling, pooling_modes
+from ..contract.model_spec import ModelKind, Pooling, pooling_modes
 from . import packed_linear
 
 # A transformers model or one of its submodules: which attributes it has (model.bert.encoder.layer,

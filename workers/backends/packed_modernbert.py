@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from ..model_spec import ModelKind
+from ..contract.model_spec import ModelKind
 from .packed_encoder import FULL, HFModule, PackedBatch, attend, rotate
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")

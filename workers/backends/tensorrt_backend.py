@@ -30,7 +30,8 @@ import os
 from pathlib import Path
 from typing import ClassVar
 
-from ..model_cache import cached_build, default_cache_dir
+from ..contract.config import default_cache_dir
+from ..model_cache import cached_build
 from .base import require_family, require_text_kind
 from .onnx_backend import (
     OnnxBackend,

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import torch
 
-from ..model_spec import ModelKind, Pooling, pooling_modes
-from ..protocol import MediaBatch, Ragged, TokenBatch
+from ..contract.model_spec import ModelKind, Pooling, pooling_modes
+from ..contract.protocol import MediaBatch, Ragged, TokenBatch
 from . import packed_encoder, packed_linear, torch_heads
 from .base import Backend, from_pretrained, padded, run_to_end, token_states, wants_token_states
 

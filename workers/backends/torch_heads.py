@@ -26,8 +26,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..model_spec import ModelKind, ModelLoadError
-from ..protocol import MediaBatch, Ragged
+from ..contract.errors import InputRefused
+from ..contract.model_spec import ModelKind, ModelLoadError
+from ..contract.protocol import MediaBatch, Ragged
 
 # Most MLM logits (rows x length x vocabulary) one SPLADE step holds: 64 Mi floats, 256 MiB in float32.
 SPARSE_LOGITS_BUDGET = 64 * 1024 * 1024
@@ -165,7 +166,7 @@ def forward_media(backend, batch: MediaBatch):
         return (
             model.get_audio_features(input_features=features, is_longer=is_longer).pooler_output.float().cpu().numpy()
         )
-    raise ValueError(f"{kind.value} models take no {batch.modality} input")
+    raise InputRefused(f"{kind.value} models take no {batch.modality} input")
 
 
 def media_warmup_shapes(model, kind: ModelKind, model_dir: str) -> dict[str, tuple[int, ...]]:

