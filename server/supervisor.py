@@ -74,7 +74,7 @@ class Supervisor(Generic[T]):
     async def start(self) -> T:
         """The first start: its failure is the caller's (raised), not retried."""
         ready = await self._launch()
-        self._task = asyncio.create_task(self._watch(), name=f"supervise[{self.name}]")
+        self._task = asyncio.create_task(self._supervise(), name=f"supervise[{self.name}]")
         return ready
 
     def stop(self) -> None:
@@ -82,6 +82,13 @@ class Supervisor(Generic[T]):
         self._stopping = True
         if self._task:
             self._task.cancel()
+
+    async def _supervise(self) -> None:
+        try:
+            await self._watch()
+        except Exception:  # noqa: BLE001 - a bug here must not end supervision silently: say it, once
+            self.gave_up = True
+            self._log.exception("supervision of %s stopped by an unexpected error; it stays down", self.name)
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()

@@ -23,9 +23,12 @@ class Child:
         self.starts_fail = starts_fail
         self.process: asyncio.subprocess.Process | None = None
         self.launches = 0
+        self.error: Exception | None = None  # what its restarts raise, when set
 
     async def launch(self) -> int:
         self.launches += 1
+        if self.launches > 1 and self.error:
+            raise self.error
         if self.launches > 1 and self.starts_fail:
             self.starts_fail -= 1
             raise StartFailed("its port is taken")
@@ -108,3 +111,13 @@ def test_policy_never_gives_up_unless_asked():
     assert not RestartPolicy().gives_up(1000)
     assert not FAST.gives_up(5) and FAST.gives_up(6)
     assert RestartPolicy(first_delay=0.0).after_failure(0.0) == 0.5  # the first failure waits the least delay
+
+
+async def test_an_unexpected_error_ends_supervision_with_one_clear_line(caplog):
+    child = Child("sleep 0.3")
+    supervisor = child.supervisor(FAST)
+    await supervisor.start()
+    child.error = OSError("fork failed")  # not one of its start errors
+    await _until(lambda: supervisor.gave_up)
+    assert "supervision of child stopped by an unexpected error; it stays down" in caplog.text
+    assert "OSError: fork failed" in caplog.text  # with its traceback
