@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..server.supervisor import RestartPolicy, Supervisor
 from .envoy import GatewayError, GatewaySettings, find_envoy, local_address, render
 
 log = logging.getLogger("encoderd.gateway")
@@ -36,8 +37,9 @@ _LAUNCHER = (
     "if os.getppid() != int(sys.argv[1]): os._exit(1)  # the parent died before prctl\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
-MAX_FAST_FAILURES = 5  # restarts in a row that die within FAST_FAILURE_S before the supervisor gives up
-FAST_FAILURE_S = 10.0
+# Restarts 0.5 s after a death, doubling while they fail; gives up after 5 restarts in a row that
+# die within 10 s (a taken port, a broken config: respawning cannot fix those).
+RESTART_POLICY = RestartPolicy(first_delay=0.5, give_up_after=5, healthy_after=10.0)
 _ENVOY_LOG_LEVELS = {"DEBUG": "info", "INFO": "warning", "WARNING": "warning", "ERROR": "error"}
 
 
@@ -46,10 +48,23 @@ class EnvoyProcess:
         self.settings = settings
         self.binary = find_envoy(envoy_bin)
         self.log_level = _ENVOY_LOG_LEVELS.get(log_level.upper(), "warning")
-        self.restarts = 0
         self._proc: subprocess.Popen | None = None
-        self._supervisor: asyncio.Task | None = None
-        self._stopping = False
+        self._start_timeout = 30.0
+        self._supervisor = Supervisor(
+            "Envoy",
+            lambda: self._spawn_and_wait(self._start_timeout),
+            self._wait_exit,
+            lambda: self.pid,
+            RESTART_POLICY,
+            (GatewayError,),
+            giving_up=f"REST on port {settings.rest_port} is down (gRPC still serves). Fix the cause in Envoy's "
+            "log above and restart encoderd",
+            logger=log,
+        )
+
+    @property
+    def restarts(self) -> int:
+        return self._supervisor.restarts
 
     @property
     def pid(self) -> int | None:
@@ -69,8 +84,9 @@ class EnvoyProcess:
         return self._proc
 
     async def start(self, timeout: float = 30.0) -> None:
-        await self._spawn_and_wait(timeout)
-        self._supervisor = asyncio.create_task(self._supervise(), name="supervise[envoy]")
+        """Start Envoy (its failure raised), then restart it whenever it dies (30 s per restart)."""
+        self._start_timeout = timeout
+        await self._supervisor.start()
 
     def _spawn(self, config: Path) -> subprocess.Popen:
         args = [
@@ -140,45 +156,6 @@ class EnvoyProcess:
             os.close(fd)
         return self._started.wait()
 
-    async def _supervise(self) -> None:
-        backoff, fast_failures = 0.5, 0
-        while not self._stopping:
-            started = time.monotonic()
-            code = await self._wait_exit()
-            if self._stopping:
-                return
-            self.restarts += 1
-            # One that ran a while died of something transient; one that dies at once will again.
-            fast_failures = fast_failures + 1 if time.monotonic() - started < FAST_FAILURE_S else 1
-            while not self._stopping:
-                if fast_failures > MAX_FAST_FAILURES:
-                    log.error(
-                        "Envoy failed %d times in a row within %.0fs of starting; giving up: REST on port %d "
-                        "is down (gRPC still serves). Fix the cause in Envoy's log above and restart "
-                        "encoderd",
-                        fast_failures - 1,
-                        FAST_FAILURE_S,
-                        self.settings.rest_port,
-                    )
-                    return
-                log.error(
-                    "Envoy (pid %d) exited with code %s; restarting it in %.1fs", self._started.pid, code, backoff
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-                if self._stopping:
-                    return
-                try:
-                    started = time.monotonic()
-                    await self._spawn_and_wait(30.0)
-                    log.info("Envoy restarted (pid %d)", self._started.pid)
-                    backoff = 0.5
-                    break
-                except GatewayError as exc:
-                    log.error("%s", exc)
-                    code = self._started.returncode
-                    fast_failures += 1
-
     def _kill(self) -> None:
         if self._proc and self._proc.poll() is None:
             self._proc.kill()
@@ -186,9 +163,7 @@ class EnvoyProcess:
 
     def stop_supervising(self) -> None:
         """From now on a dead Envoy stays dead (the server is shutting down)."""
-        self._stopping = True
-        if self._supervisor:
-            self._supervisor.cancel()
+        self._supervisor.stop()
 
     async def stop(self, timeout: float = 5.0) -> None:
         self.stop_supervising()

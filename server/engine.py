@@ -3,7 +3,7 @@
 Each ServedModel owns a tokenizer, a result cache, a scheduler and its worker
 processes (one per replica). The gRPC servicers (and through Envoy, REST)
 call Engine.embed / score_pairs / classify (server/multimodal.py: media and
-multi-vector).
+multi-vector), which all compute through server/compute.py.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -28,17 +29,17 @@ from ..workers.contract.model_spec import (
     resolve_model_path,
 )
 from ..workers.contract.protocol import HEARTBEAT_INTERVAL
-from . import metrics
-from .batching import BatchLimits, WorkItem
+from . import compute, metrics
+from .batching import BatchLimits
 from .choices import explain
 from .config import ModelConfig, ServerConfig
 from .errors import InvalidInput
 from .media import MediaLimits, load_preprocessors
 from .model_resolver import resolve
 from .placement import Placement, plan_replicas
-from .result_cache import ResultCache, result_key
-from .scheduler import ModelScheduler, PendingRequest, Priority
-from .tokenization import ModelTokenizer, Tokenized
+from .result_cache import ResultCache
+from .scheduler import ModelScheduler, Priority
+from .tokenization import ModelTokenizer
 from .worker_client import WorkerClient
 from .zygote_client import shared_zygote
 
@@ -73,20 +74,6 @@ class ServedModel:
             if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
             else self.spec.hidden_size
         )
-
-    async def compute(
-        self, tokens: Tokenized, priority: Priority = Priority.INTERACTIVE, token_states: bool = False
-    ) -> np.ndarray:
-        """The rows of tokenized inputs; `token_states`: per input its (tokens, hidden) last hidden
-        states, a list (server/token_states.py)."""
-        request = PendingRequest(len(tokens.ids), ragged=token_states)
-        no_types: list[np.ndarray | None] = [None] * len(tokens.ids)
-        types: Sequence[np.ndarray | None] = tokens.type_ids or no_types
-        items = [
-            WorkItem(ids, t, request, i, token_states=token_states)
-            for i, (ids, t) in enumerate(zip(tokens.ids, types, strict=True))
-        ]
-        return await self.scheduler.run(items, request, priority)
 
 
 class Engine:
@@ -274,24 +261,11 @@ class Engine:
         kinds = (kinds,) if isinstance(kinds, ModelKind) else kinds
         return resolve(self.models, self.loading, name, kinds, prefer, call)
 
-    def check_inputs(self, texts, what: str = "inputs") -> list[str]:
-        texts = list(texts)
-        if not texts:
-            raise InvalidInput(f"`{what}` is empty: send at least one")
-        if len(texts) > self.config.max_inputs_per_request:
-            raise InvalidInput(f"too many {what}: {len(texts)} > {self.config.max_inputs_per_request} per request")
-        for i, text in enumerate(texts):
-            for part in text if isinstance(text, tuple) else (text,):  # a (text, text_pair) pair: both
-                if not part:
-                    raise InvalidInput(f"{what}[{i}] is an empty string")
-                self.check_text(part, f"{what}[{i}]")
-        return texts
+    def check_inputs(self, texts, what: str = "inputs") -> list:
+        return compute.check_inputs(self.config, list(texts), what)
 
     def check_text(self, text: str, what: str) -> str:
-        """The character limit, for every text field a request carries (inputs, documents, query, prompt)."""
-        if len(text) > self.config.max_input_chars:
-            raise InvalidInput(f"{what} has {len(text)} characters; the limit is {self.config.max_input_chars}")
-        return text
+        return compute.check_text(self.config, text, what)
 
     def check_token_budget(self, estimate: int, exact: int | None = None) -> None:
         """--max-request-tokens: a cheap estimate before any work, the exact count after tokenization
@@ -349,24 +323,11 @@ class Engine:
         """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's)."""
         # Named none: the embedding model, not a clip or clap served beside it.
         model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), prefer=(ModelKind.EMBEDDING,))
-        model.scheduler.refuse_if_full(len(texts))  # a flood is refused before any other work
-        texts = self.check_inputs(texts)
         prefix = self.prompt_text(model, prompt, prompt_name)
-        if prefix:
-            texts = [prefix + t for t in texts]
-
-        async def compute(indices: list[int]):
-            batch = [texts[i] for i in indices]
-            with self.admit(model, batch, truncate=truncate):
-                tokens = await model.tokenizer.encode(
-                    batch, truncate=truncate, side=side, bulk=priority == Priority.BULK
-                )
-            self.check_token_budget(0, tokens.total_tokens)
-            return await model.compute(tokens, priority), tokens.lengths
-
-        keys = [result_key("embed", side, str(truncate), t) for t in texts]
-        rows, n_tokens = await model.results.resolve(keys, compute)
-        return model, rows, n_tokens
+        rows, n_tokens = await compute.run(
+            self, model, texts, compute.POOLED, truncate=truncate, side=side, prefix=prefix, priority=priority
+        )
+        return model, cast("np.ndarray", rows), n_tokens
 
     async def embed_ids(
         self, name: str, id_lists, *, priority: Priority = Priority.INTERACTIVE
@@ -386,10 +347,12 @@ class Engine:
                     f"inputs[{i}] holds a value that is not a token id: ids are integers in [0, {vocab})"
                 )
             ids.append(
-                np.asarray(model.tokenizer.with_special_tokens(values.astype(np.int64).tolist()), dtype=np.int32)
+                compute.TokenIds(
+                    np.asarray(model.tokenizer.with_special_tokens(values.astype(np.int64).tolist()), dtype=np.int32)
+                )
             )
-        tokens = Tokenized(ids, None, sum(len(a) for a in ids))
-        return model, await model.compute(tokens, priority), tokens.total_tokens
+        rows, n_tokens = await compute.run(self, model, ids, compute.POOLED, priority=priority)
+        return model, cast("np.ndarray", rows), n_tokens
 
     async def score_pairs(
         self,
@@ -403,24 +366,21 @@ class Engine:
     ) -> tuple[ServedModel, np.ndarray, int]:
         """Cross-encoder logits (n,) of (query, document) pairs and the token count."""
         model = self.get(name, ModelKind.RERANKER)
-        model.scheduler.refuse_if_full(len(documents))  # a flood is refused before any other work
         if not query:
             raise InvalidInput("`query` is empty")
         self.check_text(query, "`query`")
-        documents = self.check_inputs(documents, "documents")
-
-        async def compute(indices: list[int]):
-            batch = [documents[i] for i in indices]
-            with self.admit(model, batch, truncate=truncate, pairs_with=query):
-                tokens = await model.tokenizer.encode(
-                    batch, truncate=truncate, side=side, pairs_with=query, bulk=priority == Priority.BULK
-                )
-            self.check_token_budget(0, tokens.total_tokens)
-            return await model.compute(tokens, priority), tokens.lengths
-
-        keys = [result_key("pair", side, str(truncate), query, d) for d in documents]
-        logits, n_tokens = await model.results.resolve(keys, compute)
-        return model, logits[:, 0], n_tokens
+        logits, n_tokens = await compute.run(
+            self,
+            model,
+            documents,
+            compute.PAIR_LOGITS,
+            truncate=truncate,
+            side=side,
+            pairs_with=query,
+            priority=priority,
+            what="documents",
+        )
+        return model, cast("np.ndarray", logits)[:, 0], n_tokens
 
     async def classify(
         self, name: str, texts, *, truncate: bool = True, side: str = "right", priority: Priority = Priority.INTERACTIVE
@@ -428,21 +388,10 @@ class Engine:
         """Classifier logits (n, labels) and the token count. An input is a text or a (text,
         text_pair) pair (TEI's /predict), which the model reads as its tokenizer pairs them."""
         model = self.get(name, ModelKind.CLASSIFIER)
-        model.scheduler.refuse_if_full(len(texts))  # a flood is refused before any other work
-        texts = self.check_inputs(texts)
-
-        async def compute(indices: list[int]):
-            batch = [texts[i] for i in indices]
-            with self.admit(model, ["".join(t) if isinstance(t, tuple) else t for t in batch], truncate=truncate):
-                tokens = await model.tokenizer.encode(
-                    batch, truncate=truncate, side=side, bulk=priority == Priority.BULK
-                )
-            self.check_token_budget(0, tokens.total_tokens)
-            return await model.compute(tokens, priority), tokens.lengths
-
-        keys = [result_key("classify", side, str(truncate), *(t if isinstance(t, tuple) else (t,))) for t in texts]
-        logits, n_tokens = await model.results.resolve(keys, compute)
-        return model, logits, n_tokens
+        logits, n_tokens = await compute.run(
+            self, model, texts, compute.CLASS_LOGITS, truncate=truncate, side=side, priority=priority
+        )
+        return model, cast("np.ndarray", logits), n_tokens
 
 
 # A generous characters-per-token figure: the estimate must not exceed the true count for real text

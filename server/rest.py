@@ -159,36 +159,35 @@ def float_rows(model: str, vectors: np.ndarray) -> list[str]:
     return [row_format % tuple(row) for row in vectors.tolist()]
 
 
-def base64_rows(vectors: np.ndarray) -> list[str]:
+def base64_rows(vectors: np.ndarray | list[np.ndarray]) -> list[str]:
     """Each row as a JSON string: base64 of its little-endian float32 bytes (what the OpenAI SDK decodes)."""
     return ['"' + base64.b64encode(row.astype("<f4").tobytes()).decode() + '"' for row in vectors]
 
 
 def render_embeddings(model: str, vectors, encoding_format: str, tokens: int) -> httpbody_pb2.HttpBody:
-    """The OpenAI embeddings response, built as text.
+    """The OpenAI embeddings response: one vector per input.
 
     Floats print as "%.9g", which round-trips float32 exactly: one `%` over a
     whole row is ~3x faster than json.dumps of the list (whose 17-digit doubles
     are also 60% bigger), and on par with Envoy printing a repeated float."""
-    if encoding_format == "base64":
-        rows = base64_rows(vectors)
-    else:
-        rows = float_rows(model, vectors)
-    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in enumerate(rows))
-    tail = json.dumps({"model": model, "usage": _usage(tokens)}, ensure_ascii=False, separators=(",", ":"))[1:]
-    return httpbody_pb2.HttpBody(
-        content_type="application/json", data=f'{{"object":"list","data":[{data}],{tail}'.encode()
-    )
+    rows = base64_rows(vectors) if encoding_format == "base64" else float_rows(model, vectors)
+    return _embedding_list(model, rows, tokens)
 
 
 def render_multivectors(model: str, rows: list[np.ndarray], encoding_format: str, tokens: int) -> httpbody_pb2.HttpBody:
     """Infinity's multi-vector shape: each `embedding` a list of vectors, or in
     base64 all of them as one flat little-endian float32 buffer."""
     if encoding_format == "base64":
-        rendered = ['"' + base64.b64encode(r.astype("<f4").tobytes()).decode() + '"' for r in rows]
+        rendered = base64_rows(rows)  # an input's (vectors, dim) array: its bytes are the flat buffer
     else:
-        rendered = [json.dumps(r.tolist(), separators=(",", ":")) for r in rows]
-    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in enumerate(rendered))
+        rendered = ["[" + ",".join(float_rows(model, r)) + "]" for r in rows]
+    return _embedding_list(model, rendered, tokens)
+
+
+def _embedding_list(model: str, rows: list[str], tokens: int) -> httpbody_pb2.HttpBody:
+    """The one envelope of every embeddings answer (one vector or several per input), built as
+    text around rows already rendered as JSON values."""
+    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in enumerate(rows))
     tail = json.dumps({"model": model, "usage": _usage(tokens)}, ensure_ascii=False, separators=(",", ":"))[1:]
     return httpbody_pb2.HttpBody(
         content_type="application/json", data=f'{{"object":"list","data":[{data}],{tail}'.encode()

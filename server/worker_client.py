@@ -15,7 +15,6 @@ import asyncio
 import logging
 import multiprocessing
 import os
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -26,6 +25,7 @@ from ..workers.contract import protocol
 from ..workers.contract.config import WorkerConfig
 from ..workers.contract.launch import run_worker
 from .errors import Unavailable, worker_failure
+from .supervisor import RestartPolicy, Supervisor
 from .zygote_client import ForkedWorker, Zygote
 
 log = logging.getLogger("encoderd.worker_client")
@@ -53,7 +53,6 @@ class WorkerClient:
         self.label = label
         self._on_state = on_state
         self._start_timeout = start_timeout
-        self._max_backoff = max_backoff
         self._stall_timeout = stall_timeout  # 0 = no heartbeat check
         self._last_heartbeat = 0.0  # loop.time() of the last message from the worker
         self._stalled = False  # killed by the heartbeat check, not dead on its own
@@ -66,11 +65,22 @@ class WorkerClient:
         self._batches: zmq.asyncio.Socket | None = None
         self._results: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
-        self._supervisor: asyncio.Task | None = None
         self._stopping = False
         self.ready_info: protocol.WorkerReady | None = None
-        self.restarts = 0
         self.state_changed = asyncio.Event()
+        # The first restart after a healthy run at once (a fork from the zygote is cheap); never gives
+        # up: a model that cannot load now may load later (its files restored, memory freed).
+        self._supervisor = Supervisor(
+            f"worker {label}",
+            self._spawn_and_wait,
+            self._wait_exit,
+            lambda: self.pid,
+            RestartPolicy(first_delay=0.0, max_delay=max_backoff),
+            (WorkerStartError,),
+            on_exit=self._teardown,
+            exit_detail=self._exit_detail,
+            logger=log,
+        )
 
     # ------------------------------------------------------------------ state
     @property
@@ -80,6 +90,10 @@ class WorkerClient:
     @property
     def in_flight(self) -> int:
         return len(self._pending)
+
+    @property
+    def restarts(self) -> int:
+        return self._supervisor.restarts
 
     @property
     def pid(self) -> int | None:
@@ -93,8 +107,7 @@ class WorkerClient:
     # -------------------------------------------------------------- lifecycle
     async def start(self) -> protocol.WorkerReady:
         """Spawn the worker, wait until its model is loaded and warm, then supervise it."""
-        info = await self._spawn_and_wait()
-        self._supervisor = asyncio.create_task(self._supervise(), name=f"supervise[{self.label}]")
+        info = await self._supervisor.start()
         if self._stall_timeout:
             self._watchdog = asyncio.create_task(self._watch_heartbeats(), name=f"heartbeats[{self.label}]")
         return info
@@ -172,36 +185,15 @@ class WorkerClient:
         exited.add_done_callback(stop_watching)
         return exited
 
-    async def _supervise(self) -> None:
-        backoff = 0.0  # the first restart at once: a fork from the zygote is cheap; failures back off
-        while not self._stopping:
-            await self._process_exit()
-            if self._stopping:
-                return
-            self.restarts += 1
-            assert self._process is not None  # it just exited; _teardown, below, drops it
-            if not self._stalled:  # a stall was logged when it was found
-                log.error(
-                    "worker %s (pid %s) died with exit code %s; failing its %d pending batches",
-                    self.label,
-                    self.pid,
-                    self._process.exitcode,
-                    len(self._pending),
-                )
-            await self._teardown()
-            while not self._stopping:
-                await asyncio.sleep(backoff)
-                try:
-                    started = time.perf_counter()
-                    info = await self._spawn_and_wait()
-                    log.info(
-                        "worker %s restarted (pid %d) in %.1fs", self.label, info.pid, time.perf_counter() - started
-                    )
-                    backoff = 0.0
-                    break
-                except WorkerStartError as exc:
-                    log.error("restart of %s failed: %s", self.label, exc)
-                    backoff = min(max(0.5, backoff * 2), self._max_backoff)
+    async def _wait_exit(self) -> int | None:
+        await self._process_exit()
+        assert self._process is not None  # it just exited; _teardown, after this, keeps it
+        return self._process.exitcode
+
+    def _exit_detail(self) -> str:
+        if self._stalled:  # the stall was logged when it was found, and its batches failed then
+            return " (killed by the stall check)"
+        return f"; failing its {len(self._pending)} pending batches"
 
     async def _watch_heartbeats(self) -> None:
         loop = asyncio.get_running_loop()
@@ -257,9 +249,9 @@ class WorkerClient:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in (self._supervisor, self._watchdog):
-            if task:
-                task.cancel()
+        self._supervisor.stop()
+        if self._watchdog:
+            self._watchdog.cancel()
         if self._process and self._process.is_alive():
             self._process.terminate()
             await asyncio.get_running_loop().run_in_executor(None, self._process.join, 5)

@@ -86,6 +86,10 @@ def test_token_budget_refuses_on_the_estimate_and_on_the_exact_count(stub, serve
         server.rest_url + "/v1/embeddings", json={"model": "embedder", "input": long_texts}, timeout=30
     )
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_argument"
+    # Token-id inputs (OpenAI's) are held to the budget as texts are: 20 x 250 ids.
+    ids = [[101] + [2000 + i] * 248 + [102] for i in range(20)]
+    response = httpx.post(server.rest_url + "/v1/embeddings", json={"model": "embedder", "input": ids}, timeout=30)
+    assert response.status_code == 400 and "holds 5000 tokens" in response.json()["error"]["message"], response.text
     # Within the budget, all is served.
     assert len(stub.Embed(pb.EmbedRequest(model="embedder", inputs=dense[:10]), timeout=60).embeddings) == 10
 

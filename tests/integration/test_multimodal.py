@@ -463,9 +463,12 @@ def test_infinity_rest_routes(rest, refs, site):
 def test_rest_multivector_and_sparse(rest, refs):
     response = rest.post("/embeddings", json={"model": "colbert", "input": ["hello world"]})
     assert response.status_code == 200, response.text
-    np.testing.assert_allclose(
-        response.json()["data"][0]["embedding"], refs.colbert_tokens(["hello world"])[0], atol=TOL
-    )
+    vectors = np.asarray(response.json()["data"][0]["embedding"], dtype=np.float32)
+    np.testing.assert_allclose(vectors, refs.colbert_tokens(["hello world"])[0], atol=TOL)
+    # base64: an input's vectors as one flat little-endian float32 buffer, the same values exactly
+    packed = rest.post("/embeddings", json={"model": "colbert", "input": ["hello world"], "encoding_format": "base64"})
+    flat = np.frombuffer(base64.b64decode(packed.json()["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_array_equal(flat.reshape(vectors.shape), vectors)
     maxsim = rest.post(
         "/v1/encoderd/maxsim",
         json={"model": "colbert", "query": "cat", "documents": [{"text": d} for d in COLBERT_DOCS]},

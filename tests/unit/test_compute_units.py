@@ -1,0 +1,44 @@
+"""The one input checker of the compute path (server/compute.py), for every kind of input."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from encoderd.server.compute import TokenIds, check_inputs
+from encoderd.server.config import ServerConfig
+from encoderd.server.errors import InvalidInput
+from encoderd.server.media import Content
+
+CONFIG = ServerConfig((), max_inputs_per_request=3, max_input_chars=10)
+CLIP = ("text", "image")
+
+
+@pytest.mark.parametrize(
+    ("inputs", "takes", "message"),
+    [
+        ([], ("text",), "`inputs` is empty: send at least one"),
+        (["a"] * 4, ("text",), "too many inputs: 4 > 3 per request"),
+        (["a", ""], ("text",), "inputs[1] is an empty string"),
+        (["a", "x" * 11], ("text",), "inputs[1] has 11 characters; the limit is 10"),
+        ([("a", "")], ("text",), "inputs[0] is an empty string"),  # a (text, text_pair) pair: both parts
+        ([("a", "x" * 11)], ("text",), "inputs[0] has 11 characters"),
+        ([Content(text="")], CLIP, "inputs[0] is an empty string"),
+        ([Content(text="a"), Content("audio", data=b"RIFF")], CLIP, "inputs[1] is audio, but model 'm' (clip)"),
+        ([Content("image", data=b"png")], ("text",), "inputs[0] is an image, but model 'm' (clip) takes text"),
+    ],
+)
+def test_refusals_name_the_input_and_the_limit(inputs, takes, message):
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        check_inputs(CONFIG, inputs, "inputs", takes, "'m' (clip)")
+
+
+def test_what_passes():
+    ids = TokenIds(np.array([101, 102], dtype=np.int32))
+    inputs = ["a", ("a", "b"), Content("image", data=b"x" * 100)]  # a media input's size is not a text's
+    assert check_inputs(CONFIG, inputs, "inputs", CLIP) == inputs
+    assert check_inputs(CONFIG, [ids], "documents") == [ids]
+    with pytest.raises(InvalidInput, match="`documents` is empty"):
+        check_inputs(CONFIG, [], "documents")
