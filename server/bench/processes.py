@@ -19,11 +19,19 @@ import subprocess
 import time
 from pathlib import Path
 
+_GIVEN: set[int] = set()  # ports handed out in this process
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before: the servers bind theirs only once started, so
+    the kernel may offer the same free port twice in a row (encoderd and Infinity once collided)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class Managed:
