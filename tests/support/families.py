@@ -57,6 +57,16 @@ class Family:
     by_kind: dict | None = None  # kind -> config.json settings of that kind only
 
 
+# RoBERTa, XLM-R and CamemBERT: fairseq positions start after the pad id, one token type.
+ROBERTA_LAYOUT = {
+    "max_position_embeddings": MAX_POSITIONS + 2,
+    "type_vocab_size": 1,
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+}
+
+
 def _tiny(**extra) -> dict:
     return dict(
         hidden_size=64,
@@ -85,13 +95,7 @@ FAMILIES = {
             "XLMRobertaConfig",
             "XLMRobertaModel",
             "XLMRobertaForSequenceClassification",
-            _tiny(
-                max_position_embeddings=MAX_POSITIONS + 2,
-                type_vocab_size=1,
-                pad_token_id=1,
-                bos_token_id=0,
-                eos_token_id=2,
-            ),
+            _tiny(**ROBERTA_LAYOUT),
             "cls",
             "xlm-roberta",
         ),
@@ -100,13 +104,7 @@ FAMILIES = {
             "CamembertConfig",
             "CamembertModel",
             "CamembertForSequenceClassification",
-            _tiny(
-                max_position_embeddings=MAX_POSITIONS + 2,
-                type_vocab_size=1,
-                pad_token_id=1,
-                bos_token_id=0,
-                eos_token_id=2,
-            ),
+            _tiny(**ROBERTA_LAYOUT),
             "mean",
             "camembert",
         ),
@@ -115,13 +113,7 @@ FAMILIES = {
             "RobertaConfig",
             "RobertaModel",
             "RobertaForSequenceClassification",
-            _tiny(
-                max_position_embeddings=MAX_POSITIONS + 2,
-                type_vocab_size=1,
-                pad_token_id=1,
-                bos_token_id=0,
-                eos_token_id=2,
-            ),
+            _tiny(**ROBERTA_LAYOUT),
             "mean",
             "roberta",
         ),
