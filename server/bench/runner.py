@@ -4,6 +4,7 @@ target, the report; `main` is `encoderd bench` and `python -m encoderd.server.be
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -214,38 +215,25 @@ class Bench:
             for t in targets:
                 self.quiet()
                 if t["name"] == "sentence-transformers":
-                    row = run_bulk_in_process(t["client"], work, args, flops, peak["float32"], threads)
-                else:
-                    row = run_bulk(
-                        t["name"],
-                        t["client"],
-                        work,
-                        args,
-                        t["probe"],
-                        t["metrics"],
-                        t.get("model", ""),
-                        flops,
-                        peak.get(t["dtype"]),
-                        threads,
-                    )
-                self.rows.append(row)
+                    self.rows.append(run_bulk_in_process(t["client"], work, args, flops, peak["float32"], threads))
+                    continue
+                bulk = functools.partial(
+                    run_bulk,
+                    t["name"],
+                    t["client"],
+                    work,
+                    args,
+                    t["probe"],
+                    t["metrics"],
+                    t.get("model", ""),
+                    flops,
+                    peak.get(t["dtype"]),
+                    threads,
+                )
+                self.rows.append(bulk())
                 if args.stream and t["name"] == "encoderd" and t["client"].protocol == "grpc":
                     self.quiet()
-                    self.rows.append(
-                        run_bulk(
-                            t["name"],
-                            t["client"],
-                            work,
-                            args,
-                            t["probe"],
-                            t["metrics"],
-                            t.get("model", ""),
-                            flops,
-                            peak.get(t["dtype"]),
-                            threads,
-                            stream=True,
-                        )
-                    )
+                    self.rows.append(bulk(stream=True))
 
     def measure_peak(self, threads: int) -> dict:
         """The best of up to three tries: a peak measured while others load the machine is too low (and
