@@ -144,6 +144,25 @@ def test_families_without_packed_pieces_keep_the_padded_forward(family_models):
         assert backend.packed is None and backend.is_padded, family
 
 
+def _check_varlen_against_padded(spec, kind: str, dtype: str, relative: bool = False) -> None:
+    """The packed (varlen FlashAttention) forward vs the padded SDPA one, same dtype and GPU:
+    embeddings by cosine, logits within 0.05 (bfloat16) / 0.01, also relatively if `relative`."""
+    options = BackendOptions(device="cuda", dtype=dtype)
+    backends = [load_backend(spec, options, packed) for packed in (True, False)]
+    if backends[0].packed is None:
+        pytest.skip("no varlen attention kernel in this torch (and no flash-attn)")
+    tolerance = 0.05 if dtype == "bfloat16" else 0.01
+    for batch in batches(spec, QUERY if kind == "reranker" else None):
+        got, want = backends[0].forward(batch), backends[1].forward(batch)
+        if kind == "embedding":
+            cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+            assert cos.min() >= 0.999, cos.min()
+        elif relative:
+            np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
+        else:
+            np.testing.assert_allclose(got, want, atol=tolerance)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -151,17 +170,7 @@ def test_varlen_attention_on_cuda_matches_padded(dtype, reranker_path):
     """One varlen FlashAttention call per layer vs the padded SDPA forward, same dtype and GPU."""
     for kind, path in (("embedding", default_model_path()), ("reranker", reranker_path)):
         spec = load_model_spec(kind, path, ModelKind(kind))
-        options = BackendOptions(device="cuda", dtype=dtype)
-        backends = [load_backend(spec, options, packed) for packed in (True, False)]
-        if backends[0].packed is None:
-            pytest.skip("no varlen attention kernel in this torch (and no flash-attn)")
-        for batch in batches(spec, QUERY if kind == "reranker" else None):
-            got, want = backends[0].forward(batch), backends[1].forward(batch)
-            if kind == "embedding":
-                cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-                assert cos.min() >= 0.999, cos.min()
-            else:
-                np.testing.assert_allclose(got, want, atol=0.05 if dtype == "bfloat16" else 0.01)
+        _check_varlen_against_padded(spec, kind, dtype)
 
 
 # Where the CUDA path differs per family: XLM-R's positions and head, ModernBERT's sliding window
@@ -183,18 +192,8 @@ def test_varlen_attention_on_cuda_matches_padded_per_family(family, kind, dtype,
     """Each family's packed pieces through one varlen FlashAttention call per layer (window and causal
     flags included) vs its padded SDPA forward, same dtype and GPU."""
     spec = load_model_spec(kind, family_models(family, kind), ModelKind(kind))
-    options = BackendOptions(device="cuda", dtype=dtype)
-    backends = [load_backend(spec, options, packed) for packed in (True, False)]
-    if backends[0].packed is None:
-        pytest.skip("no varlen attention kernel in this torch (and no flash-attn)")
-    for batch in batches(spec, QUERY if kind == "reranker" else None):
-        got, want = backends[0].forward(batch), backends[1].forward(batch)
-        if kind == "embedding":
-            cos = (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-            assert cos.min() >= 0.999, cos.min()
-        else:  # these random heads spread logits over several units: a relative bound as well
-            tolerance = 0.05 if dtype == "bfloat16" else 0.01
-            np.testing.assert_allclose(got, want, atol=tolerance, rtol=tolerance)
+    # These random heads spread logits over several units: a relative bound as well.
+    _check_varlen_against_padded(spec, kind, dtype, relative=True)
 
 
 def test_torch_compile_option_matches_the_eager_forward():
