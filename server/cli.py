@@ -512,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
         "",
     )
     add_gateway_commands(commands)
-    # Parsed by encoderd.server.bench itself (main() hands it the rest of the command line).
+    # Parsed by encoderd.bench itself (main() hands it the rest of the command line).
     commands.add_parser("bench", add_help=False, help="benchmark encoderd (and Infinity) [encoderd bench --help]")
     return parser
 
@@ -645,7 +645,7 @@ def _startup_errors() -> tuple[type[Exception], ...]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from .bench.runner import main as bench_main
+        from ..bench.runner import main as bench_main
 
         return bench_main(argv[1:], prog="encoderd bench")
     args = build_parser().parse_args(argv)

@@ -2,7 +2,7 @@
 
 Each RPC answers a google.api.HttpBody whose JSON is rendered here, so the bytes
 are exactly what the official SDKs parse (snake_case, base64 or float lists) and
-Envoy never prints floats itself (it is ~10x slower at it; see server/bench/rest.py).
+Envoy never prints floats itself (it is ~10x slower at it; see bench/rest.py).
 Failures raise EncoderdError like the Encoder service; gateway/errors.lua turns
 the resulting status into an OpenAI-shaped error body.
 """

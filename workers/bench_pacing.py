@@ -34,7 +34,7 @@ FACTORS = (1.0, 1.5, 2.0)  # pacing.URGENT_FACTOR candidates
 
 
 def corpus(tokenizer, n: int) -> list[np.ndarray]:
-    """The mixed bench's ingestion chunks (server/bench/mixed.py), tokenized, in arrival order."""
+    """The mixed bench's ingestion chunks (bench/mixed.py), tokenized, in arrival order."""
     from .contract.corpus import chunk_corpus
 
     return [np.asarray(e.ids, dtype=np.int32) for e in tokenizer.encode_batch(chunk_corpus(n))]

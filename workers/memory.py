@@ -17,7 +17,7 @@ batch a new shape: RSS 486 -> 1,822 MB and still growing. Two causes, each bound
   idle (at most once a second) and, under unbroken load, at least every TRIM_BUSY_INTERVAL.
 
 With both: 488 -> 512 MB after 100 batches, then flat over the next 200 (tests/integration/
-test_memory.py reproduces the growth and its bound; `python -m encoderd.server.bench.soak` is the
+test_memory.py reproduces the growth and its bound; `python -m encoderd.bench.soak` is the
 10-minute soak).
 """
 

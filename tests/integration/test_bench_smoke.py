@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from encoderd.server.bench.servers import serve_flags
+from encoderd.bench.servers import serve_flags
 
 ROW_FIELDS = {
     "mode",
@@ -44,7 +44,7 @@ def test_bench_quick_writes_report(tmp_path, reranker_path):
     cmd = [
         sys.executable,
         "-m",
-        "encoderd.server.bench",
+        "encoderd.bench",
         "--quick",
         "--json",
         str(out),
@@ -85,7 +85,7 @@ def test_bench_recovery_mode_reports_cold_start_and_restart(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "encoderd.server.bench",
+        "encoderd.bench",
         "--quick",
         "--modes",
         "recovery",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from encoderd.server.bench.corpus import _sentence, make_queries
-from encoderd.server.bench.models import _xlmr_tokenizer
+from encoderd.bench.corpus import _sentence, make_queries
+from encoderd.bench.models import _xlmr_tokenizer
 
 
 def test_xlmr_tokenizer_is_deterministic_and_covers_the_corpus():

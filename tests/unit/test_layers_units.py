@@ -6,7 +6,10 @@ imported) and held to these rules:
   * the contract imports nothing from workers/ outside itself: the frontend imports it without
     pulling in the worker code (launch.py's deferred entry point is the one exception: it runs in
     the worker process);
-  * the clients import neither the frontend nor the workers (they ship alone as encoderd-client).
+  * the clients import neither the frontend nor the workers (they ship alone as encoderd-client);
+  * the benchmark (bench/) is a client: it imports the clients, the protos and the contract, and the
+    server only where it starts one (the exceptions below); nothing imports the benchmark but the
+    CLI's `encoderd bench`, lazily.
 
 A failure names each offending import as file:line.
 """
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Repository folder -> the package it installs as (pyproject.toml [tool.setuptools] package-dir).
 PACKAGES = {
     "server": "encoderd.server",
+    "bench": "encoderd.bench",
     "workers": "encoderd.workers",
     "gateway": "encoderd.gateway",
     "clients": "encoderd.clients",
@@ -33,14 +37,30 @@ CONTRACT = "encoderd.workers.contract"
 FRONTEND = ("encoderd.server", "encoderd.gateway")
 WORKERS = "encoderd.workers"
 CLIENTS = "encoderd.clients"
+BENCH = "encoderd.bench"
+# What the benchmark imports as any user would: itself, the clients, the protos and the contract.
+BENCH_MAY_IMPORT = (BENCH, CLIENTS, "encoderd.v1", CONTRACT)
 
 # (file, imported module) pairs allowed across a layer, each with its reason.
 EXCEPTIONS = {
     # The spawned worker's entry point, imported in the child process when it runs, never by the frontend.
     ("workers/contract/launch.py", "encoderd.workers.process"),
-    # An in-process benchmark of the torch engine itself, inside the benchmark package that is due to
-    # leave server/ (issue 20: "the benchmark out of the server package").
-    ("server/bench/packed.py", "encoderd.workers.backends"),
+    # An in-process benchmark of the torch engine itself (padding-free vs padded forward): no server.
+    ("bench/packed.py", "encoderd.workers.backends"),
+    # `encoderd bench`: the CLI hands the rest of its command line to the benchmark (imported lazily:
+    # test_the_frontend_loads_without_the_worker_code checks the CLI loads without it).
+    ("server/cli.py", "encoderd.bench.runner"),
+    # The benchmark starts `encoderd serve` as a subprocess with only the flags this checkout's parser
+    # knows, so it reads the server's own argument parser.
+    ("bench/servers.py", "encoderd.server.cli"),
+    # The FLOP peak is the matmul rate of the threads the started server will use: the server's own
+    # layout rule for the same --serve-args (a copy would drift from it).
+    ("bench/options.py", "encoderd.server.placement"),
+    # `bench.rest --stub`: a stand-in gRPC server behind a real Envoy gateway, to measure the gateway
+    # alone; it answers with the server's own response envelope so the bytes are the real ones.
+    ("bench/rest.py", "encoderd.server.rest"),
+    ("bench/rest.py", "encoderd.gateway.envoy"),
+    ("bench/rest.py", "encoderd.gateway.process"),
 }
 
 
@@ -78,7 +98,12 @@ def imports(path: Path, source: str | None = None) -> list[tuple[int, str]]:
 
 def crossing(importer: str, imported: str) -> str:
     """Why `importer` may not import `imported`; "" when it may."""
-    if _within(importer, CONTRACT):
+    if _within(imported, BENCH) and not _within(importer, BENCH):
+        return "nothing imports the benchmark (the CLI's `encoderd bench` is the one exception)"
+    if _within(importer, BENCH):
+        if _within(imported, "encoderd") and not any(_within(imported, p) for p in BENCH_MAY_IMPORT):
+            return "the benchmark is a client: it imports the clients, the protos and the contract"
+    elif _within(importer, CONTRACT):
         if _within(imported, "encoderd") and not _within(imported, CONTRACT) and imported != WORKERS:
             return "the contract imports nothing outside itself"
     elif _within(importer, WORKERS):
@@ -132,6 +157,10 @@ def test_every_exception_is_still_needed():
         ("encoderd.clients.bulk", "encoderd.server.errors", "clients import neither"),
         ("encoderd.clients.bulk", "encoderd.workers.contract.protocol", "clients import neither"),
         ("encoderd.workers.contract.protocol", "encoderd.workers.backends", "contract imports nothing"),
+        ("encoderd.bench.modes", "encoderd.server.scheduler", "the benchmark is a client"),
+        ("encoderd.bench.packed", "encoderd.workers.process", "the benchmark is a client"),
+        ("encoderd.server.app", "encoderd.bench.runner", "nothing imports the benchmark"),
+        ("encoderd.workers.process", "encoderd.bench.corpus", "nothing imports the benchmark"),
     ],
 )
 def test_rules_catch_each_kind_of_crossing(importer, imported, rule):
@@ -142,7 +171,7 @@ def test_rules_catch_each_kind_of_crossing(importer, imported, rule):
     ("importer", "imported"),
     [
         ("encoderd.server.engine", "encoderd.workers.contract.config"),
-        ("encoderd.server.bench.mixed", "encoderd.clients.bulk"),
+        ("encoderd.bench.mixed", "encoderd.clients.bulk"),
         ("encoderd.workers.process", "encoderd.workers.contract.protocol"),
         ("encoderd.workers.contract.config", "encoderd.workers.contract.model_spec"),
         ("encoderd.gateway.envoy", "encoderd.server.openapi"),
@@ -181,9 +210,9 @@ def test_engine_and_dtype_names_are_the_backends():
 
 def test_the_frontend_loads_without_the_worker_code():
     """What the rules are for: importing the frontend (the CLI, the gRPC app, the worker client) loads
-    neither torch nor an engine nor the worker's own modules."""
+    neither torch nor an engine nor the worker's own modules, nor the benchmark."""
     heavy = ("torch", "transformers", "onnxruntime", "ctranslate2")
-    heavy += ("encoderd.workers.process", "encoderd.workers.backends")
+    heavy += ("encoderd.workers.process", "encoderd.workers.backends", "encoderd.bench")
     script = (
         "import sys; import encoderd.server.cli, encoderd.server.app, encoderd.server.worker_client;"
         f"print(','.join(m for m in {heavy!r} if m in sys.modules))"

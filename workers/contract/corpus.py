@@ -1,6 +1,6 @@
 """The synthetic ingestion workload: mixed-length document chunks.
 
-The mixed benchmark (server/bench/mixed.py) streams them to a server, and the worker's pacing
+The mixed benchmark (bench/mixed.py) streams them to a server, and the worker's pacing
 calibration (workers/bench_pacing.py) cuts them into bulk batches, so both measure the same load;
 this is the one place both sides may import it from.
 """

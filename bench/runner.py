@@ -1,5 +1,5 @@
 """The run, top to bottom: workload, matmul peak, the targets (started or given), every mode on every
-target, the report; `main` is `encoderd bench` and `python -m encoderd.server.bench`."""
+target, the report; `main` is `encoderd bench` and `python -m encoderd.bench`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ...workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from ..workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import Workload, make_workload
 from .flops import FlopModel, matmul_peak
 from .models import build_base_embedder, build_xlmr_reranker
@@ -306,7 +306,7 @@ def _raise_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through `finally`, so the servers are stopped
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m encoderd.server.bench") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m encoderd.bench") -> int:
     args = resolve_options(build_parser(prog).parse_args(argv))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,4 +1,4 @@
-"""`encoderd bench` (or `python -m encoderd.server.bench`): the serving benchmark of issue #5.
+"""`encoderd bench` (or `python -m encoderd.bench`): the serving benchmark of issue #5.
 
 It is a benchmark, not a test: it reports numbers and asserts nothing about them.
 
@@ -20,8 +20,8 @@ this process (length-sorted encode; the compute floor without any server).
 
 How tokens, FLOPs and CPU use are counted: corpus.py, flops.py and processes.py. The run
 itself reads top to bottom in runner.py. More benchmarks live here:
-`python -m encoderd.server.bench.rest` (REST through Envoy vs direct gRPC),
-`python -m encoderd.server.bench.mixed` (live queries while bulk ingestion runs),
-`python -m encoderd.server.bench.soak` (memory over 10 minutes of mixed traffic) and
-`python -m encoderd.server.bench.flood` (how fast a refusal arrives under a flood).
+`python -m encoderd.bench.rest` (REST through Envoy vs direct gRPC),
+`python -m encoderd.bench.mixed` (live queries while bulk ingestion runs),
+`python -m encoderd.bench.soak` (memory over 10 minutes of mixed traffic) and
+`python -m encoderd.bench.flood` (how fast a refusal arrives under a flood).
 """

@@ -1,6 +1,6 @@
 """Interactive queries while bulk ingestion saturates the server (issue #9's benchmark).
 
-    python -m encoderd.server.bench.mixed [--seconds 15] [--serve-args "--dtype bfloat16"]
+    python -m encoderd.bench.mixed [--seconds 15] [--serve-args "--dtype bfloat16"]
 
 It starts its own `encoderd serve` (or uses --target HOST:PORT) and measures, one
 phase after the other on the same server:
@@ -27,10 +27,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from ...clients.bulk import embed_iterable
-from ...v1 import encoderd_pb2 as pb
-from ...v1 import encoderd_pb2_grpc
-from ...workers.contract.corpus import chunk_corpus
+from ..clients.bulk import embed_iterable
+from ..v1 import encoderd_pb2 as pb
+from ..v1 import encoderd_pb2_grpc
+from ..workers.contract.corpus import chunk_corpus
 from .processes import Managed, free_port, grpc_serving, wait_until
 
 QUERIES = [

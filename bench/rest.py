@@ -1,7 +1,7 @@
 """REST-through-Envoy next to direct gRPC, in one run, on loopback.
 
-    python -m encoderd.server.bench.rest                      # starts its own server (bundled MiniLM)
-    python -m encoderd.server.bench.rest --grpc 127.0.0.1:50051 --rest http://127.0.0.1:7997
+    python -m encoderd.bench.rest                      # starts its own server (bundled MiniLM)
+    python -m encoderd.bench.rest --grpc 127.0.0.1:50051 --rest http://127.0.0.1:7997
 
 For each batch size (inputs per request) it runs, one after the other, for
 --seconds each with --concurrency requests in flight:
@@ -12,7 +12,7 @@ For each batch size (inputs per request) it runs, one after the other, for
 and prints requests/s, inputs/s, p50, p95 and response size. Every request
 carries distinct texts, so the server's in-flight deduplication never helps.
 
-    python -m encoderd.server.bench.rest --stub
+    python -m encoderd.bench.rest --stub
 
 isolates the gateway: the same real Envoy in front of a stand-in gRPC server
 (its own process) that answers canned unit vectors with no model, so the rows
@@ -36,9 +36,9 @@ import urllib.request
 
 import numpy as np
 
-from ...v1 import encoderd_pb2 as pb
-from ...v1 import encoderd_pb2_grpc
-from ...workers.contract.model_spec import DEFAULT_MODEL_NAME
+from ..v1 import encoderd_pb2 as pb
+from ..v1 import encoderd_pb2_grpc
+from ..workers.contract.model_spec import DEFAULT_MODEL_NAME
 from .processes import free_port
 
 WORDS = "the quick brown fox jumps over a lazy dog while encoders embed short passages into vectors".split()
@@ -107,9 +107,7 @@ async def run(args) -> list[dict]:
     try:
         import httpx
     except ImportError:
-        raise SystemExit(
-            "encoderd.server.bench.rest needs httpx: pip install httpx (or the encoderd[dev] extra)"
-        ) from None
+        raise SystemExit("encoderd.bench.rest needs httpx: pip install httpx (or the encoderd[dev] extra)") from None
 
     counter = itertools.count()
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -139,8 +137,8 @@ def _serve_stub(port: int, dim: int) -> None:
     """Process entry: Embed and CreateEmbeddings answer random unit vectors, computing nothing."""
     import grpc
 
-    from ...v1 import compat_pb2_grpc
-    from ..rest import render_embeddings
+    from ..server.rest import render_embeddings
+    from ..v1 import compat_pb2_grpc
 
     rng = np.random.default_rng(0)
 
@@ -176,8 +174,8 @@ def _serve_stub(port: int, dim: int) -> None:
 async def run_stub(args) -> None:
     import multiprocessing
 
-    from ...gateway.envoy import GatewaySettings
-    from ...gateway.process import EnvoyProcess
+    from ..gateway.envoy import GatewaySettings
+    from ..gateway.process import EnvoyProcess
 
     grpc_port = free_port()
     stub = multiprocessing.get_context("spawn").Process(target=_serve_stub, args=(grpc_port, args.dim), daemon=True)

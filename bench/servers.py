@@ -9,18 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ...workers.contract.model_spec import DEFAULT_MODEL_NAME
+from ..workers.contract.model_spec import DEFAULT_MODEL_NAME
 from .options import log
 from .processes import Managed, free_port, process_tree
 
 RERANKER_NAME = "reranker"
 INFINITY_SPEC = ("infinity-emb[server,torch]==0.0.78", "torch==2.13.0")
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def serve_flags() -> set[str]:
     """The flags this checkout's `encoderd serve` understands (REST is being added)."""
-    from ..cli import build_parser as serve_parser
+    from ..server.cli import build_parser as serve_parser
 
     sub = next(a for a in serve_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {opt for action in sub.choices["serve"]._actions for opt in action.option_strings}
@@ -130,7 +130,7 @@ def build_reranker(args) -> str:
 def list_models(address: str) -> list:
     import grpc
 
-    from ...v1 import encoderd_pb2, encoderd_pb2_grpc
+    from ..v1 import encoderd_pb2, encoderd_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         return list(

@@ -1,7 +1,7 @@
 """Refusal under a flood (issue 16, finding 2): how fast a probe hears RESOURCE_EXHAUSTED while
 many clients keep a small queue bound (`--max-queued-inputs`) overflowing.
 
-    python -m encoderd.server.bench.flood [--clients 640] [--seconds 20] [--compare-ref REF]
+    python -m encoderd.bench.flood [--clients 640] [--seconds 20] [--compare-ref REF]
 
 It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
 exported to a temporary folder) and, for each server in turn:
@@ -29,11 +29,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from ...v1 import encoderd_pb2 as pb
-from ...v1 import encoderd_pb2_grpc
+from ..v1 import encoderd_pb2 as pb
+from ..v1 import encoderd_pb2_grpc
 from .processes import Managed, free_port, grpc_serving, wait_until
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = "refusal under load must arrive at once while the queue is full of other work".split()
 
 

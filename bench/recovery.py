@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ...workers.contract.model_spec import DEFAULT_MODEL_NAME
+from ..workers.contract.model_spec import DEFAULT_MODEL_NAME
 from .modes import Row
 from .options import log
 from .processes import Managed
@@ -36,7 +36,7 @@ class _GrpcProbe:
     def __init__(self, address: str):
         import grpc
 
-        from ...v1 import encoderd_pb2, encoderd_pb2_grpc
+        from ..v1 import encoderd_pb2, encoderd_pb2_grpc
 
         self._pb = encoderd_pb2
         self._channel = grpc.insecure_channel(

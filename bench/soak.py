@@ -1,6 +1,6 @@
 """Soak: does memory plateau under steady mixed traffic? (issue 16, finding 4)
 
-    python -m encoderd.server.bench.soak [--minutes 10] [--clients 4] [--compare-ref REF]
+    python -m encoderd.bench.soak [--minutes 10] [--clients 4] [--compare-ref REF]
 
 It starts `encoderd serve` with three models (the bundled MiniLM embedder, a MiniLM
 cross-encoder and a 3-label classifier, built offline like the tests' models) and keeps C
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import grpc
 
-from ...v1 import encoderd_pb2 as pb
-from ...v1 import encoderd_pb2_grpc
+from ..v1 import encoderd_pb2 as pb
+from ..v1 import encoderd_pb2_grpc
 from .flood import export_ref
 from .processes import Managed, free_port, grpc_serving, wait_until
 from .servers import REPO_ROOT
@@ -49,7 +49,7 @@ def build_models(cache: Path) -> dict[str, str]:
         from support.models import build_classifier, build_reranker  # type: ignore[import-not-found]  # tests/, on sys.path above
     finally:
         sys.path.remove(str(REPO_ROOT / "tests"))
-    from ...workers.contract.model_spec import default_model_path
+    from ..workers.contract.model_spec import default_model_path
 
     cache.mkdir(parents=True, exist_ok=True)
     return {

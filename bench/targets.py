@@ -17,7 +17,7 @@ class GrpcTarget:
     def __init__(self, address: str, embed_model: str, rerank_model: str | None):
         import grpc
 
-        from ...v1 import encoderd_pb2, encoderd_pb2_grpc
+        from ..v1 import encoderd_pb2, encoderd_pb2_grpc
 
         self.address, self.embed_model, self.rerank_model = address, embed_model, rerank_model
         self._grpc, self._pb, self._pb_grpc = grpc, encoderd_pb2, encoderd_pb2_grpc

@@ -1,4 +1,4 @@
-"""`python -m encoderd.server.bench.packed`: the padding-free torch forward against the padded one, in
+"""`python -m encoderd.bench.packed`: the padding-free torch forward against the padded one, in
 this process, on one rerank-sized batch (a query + N corpus passages of mixed length), alternating
 the two so they share the machine's conditions; prints both times, the ratio, and checks they agree.
 
@@ -18,7 +18,7 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m encoderd.server.bench.packed", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m encoderd.bench.packed", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="cross-encoder directory (default: the bge-reranker-base-sized one, built once)")
     p.add_argument("--passages", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
@@ -28,9 +28,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from tokenizers import Tokenizer
 
-    from ...workers.backends import BackendOptions, create_backend, packed_encoder
-    from ...workers.contract.model_spec import ModelKind, load_model_spec
-    from ...workers.contract.protocol import TokenBatch
+    from ..workers.backends import BackendOptions, create_backend, packed_encoder
+    from ..workers.contract.model_spec import ModelKind, load_model_spec
+    from ..workers.contract.protocol import TokenBatch
     from .corpus import TokenCounter, make_corpus, make_queries
     from .models import build_xlmr_reranker
 

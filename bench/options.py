@@ -62,7 +62,7 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
         "--modes",
         default="bulk,single,rerank",
         help="comma-separated subset of bulk,single,rerank,recovery (recovery: cold starts and kill -9 "
-        "of a worker, its own servers; see server/bench/recovery.py)",
+        "of a worker, its own servers; see bench/recovery.py)",
     )
     p.add_argument("--serve-args", default="", help='extra `encoderd serve` flags, e.g. "--dtype bfloat16"')
     p.add_argument("--target-grpc", help="host:port of a running encoderd instead of starting one")
@@ -151,7 +151,7 @@ def _serve_flag(args, flag: str) -> int:
 
 def _layout(args):
     """The server's CPU layout for these --serve-args: its flags, else what it picks on this host."""
-    from ...server.placement import cpu_layout
+    from ..server.placement import cpu_layout
 
     replicas = _serve_flag(args, "--replicas") or int(os.environ.get("ENCODERD_REPLICAS", "0"))
     threads = _serve_flag(args, "--cpu-threads") or int(os.environ.get("ENCODERD_CPU_THREADS", "0"))
