@@ -31,7 +31,7 @@ import numpy as np
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from .processes import Managed, free_port, grpc_serving, wait_until
+from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = "refusal under load must arrive at once while the queue is full of other work".split()
@@ -138,7 +138,7 @@ def export_ref(ref: str) -> Path:
 
 def start_server(label: str, pythonpath: str | None, serve_args: list[str], logs: Path) -> tuple[Managed, str]:
     port = free_port()
-    argv = [sys.executable, "-m", "encoderd.server.cli", "serve", "--no-rest", "--grpc-port", str(port), *serve_args]
+    argv = [*serve_command(pythonpath), "--no-rest", "--grpc-port", str(port), *serve_args]
     env = {"PYTHONPATH": pythonpath} if pythonpath else {}
     server = Managed(label, argv, logs / f"{label}.log", env=env, cwd=pythonpath or None).start()
     address = f"127.0.0.1:{port}"

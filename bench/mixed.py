@@ -31,7 +31,7 @@ from ..clients.bulk import embed_iterable
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from ..workers.contract.corpus import chunk_corpus
-from .processes import Managed, free_port, grpc_serving, wait_until
+from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
 
 QUERIES = [
     "what is a cross encoder",
@@ -159,10 +159,7 @@ def main(argv=None) -> int:
     if not address:
         address = f"127.0.0.1:{free_port()}"
         argv = [
-            sys.executable,
-            "-m",
-            "encoderd.server.cli",
-            "serve",
+            *serve_command(),
             "--no-rest",
             "--grpc-port",
             address.rpartition(":")[2],

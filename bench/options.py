@@ -151,7 +151,7 @@ def _serve_flag(args, flag: str) -> int:
 
 def _layout(args):
     """The server's CPU layout for these --serve-args: its flags, else what it picks on this host."""
-    from ..server.placement import cpu_layout
+    from ..server.scheduling.placement import cpu_layout
 
     replicas = _serve_flag(args, "--replicas") or int(os.environ.get("ENCODERD_REPLICAS", "0"))
     threads = _serve_flag(args, "--cpu-threads") or int(os.environ.get("ENCODERD_CPU_THREADS", "0"))

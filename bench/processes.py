@@ -16,10 +16,18 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 _GIVEN: set[int] = set()  # ports handed out in this process
+
+
+def serve_command(checkout: str | None = None) -> list[str]:
+    """`python -m <its CLI> serve` of this checkout, or of an older one exported under `checkout`
+    (flood.export_ref), whose CLI may still be at server/cli.py (before server/ was grouped)."""
+    old = checkout is not None and (Path(checkout) / "encoderd/server/cli.py").exists()
+    return [sys.executable, "-m", "encoderd.server.cli" if old else "encoderd.server.ops.cli", "serve"]
 
 
 def free_port() -> int:

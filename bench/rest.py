@@ -39,7 +39,7 @@ import numpy as np
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from ..workers.contract.model_spec import DEFAULT_MODEL_NAME
-from .processes import free_port
+from .processes import free_port, serve_command
 
 WORDS = "the quick brown fox jumps over a lazy dog while encoders embed short passages into vectors".split()
 MODES = ("grpc", "openai-float", "openai-base64", "encoderd-json")
@@ -137,7 +137,7 @@ def _serve_stub(port: int, dim: int) -> None:
     """Process entry: Embed and CreateEmbeddings answer random unit vectors, computing nothing."""
     import grpc
 
-    from ..server.rest import render_embeddings
+    from ..server.api.rest import render_embeddings
     from ..v1 import compat_pb2_grpc
 
     rng = np.random.default_rng(0)
@@ -199,10 +199,7 @@ def _start_server(args) -> subprocess.Popen:
     grpc_port, rest_port = free_port(), free_port()
     args.grpc, args.rest = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{rest_port}"
     command = [
-        sys.executable,
-        "-m",
-        "encoderd.server.cli",
-        "serve",
+        *serve_command(),
         "--grpc-port",
         str(grpc_port),
         "--rest-port",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..workers.contract.model_spec import DEFAULT_MODEL_NAME
 from .options import log
-from .processes import Managed, free_port, process_tree
+from .processes import Managed, free_port, process_tree, serve_command
 
 RERANKER_NAME = "reranker"
 INFINITY_SPEC = ("infinity-emb[server,torch]==0.0.78", "torch==2.13.0")
@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def serve_flags() -> set[str]:
     """The flags this checkout's `encoderd serve` understands (REST is being added)."""
-    from ..server.cli import build_parser as serve_parser
+    from ..server.ops.cli import build_parser as serve_parser
 
     sub = next(a for a in serve_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return {opt for action in sub.choices["serve"]._actions for opt in action.option_strings}
@@ -32,10 +32,7 @@ def start_encoderd(args, embed_dir: str, rerank_dir: str | None, logs: Path, res
     flags = serve_flags()
     ports = {"grpc": free_port(), "metrics": free_port(), "rest": free_port() if rest else 0}
     argv = [
-        sys.executable,
-        "-m",
-        "encoderd.server.cli",
-        "serve",
+        *serve_command(),
         "--host",
         "127.0.0.1",
         "--grpc-port",

@@ -32,7 +32,7 @@ import grpc
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from .flood import export_ref
-from .processes import Managed, free_port, grpc_serving, wait_until
+from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
 from .servers import REPO_ROOT
 
 WORDS = (
@@ -130,10 +130,7 @@ def processes(server: Managed, address: str) -> dict[str, int]:
 def start(label: str, pythonpath: str | None, models: dict[str, str], serve_args: list[str], logs: Path):
     port = free_port()
     argv = [
-        sys.executable,
-        "-m",
-        "encoderd.server.cli",
-        "serve",
+        *serve_command(pythonpath),
         "--no-rest",
         "--grpc-port",
         str(port),

@@ -1,5 +1,5 @@
 """A readable page of the REST API (`GET /docs`), rendered from the same OpenAPI document as
-`GET /openapi.json` (server/openapi.py) when Envoy's config is rendered, and served by Envoy as
+`GET /openapi.json` (server/api/openapi.py) when Envoy's config is rendered, and served by Envoy as
 a direct response: plain HTML and CSS, no script or CDN, nothing hand-kept beside the protos."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _operation(path: str, verb: str, operation: dict) -> str:
 
 
 def render(document: dict) -> str:
-    """The HTML page of an OpenAPI document as server/openapi.py writes it."""
+    """The HTML page of an OpenAPI document as server/api/openapi.py writes it."""
     info, schemas = document["info"], document["components"]["schemas"]
     routes = "".join(_operation(path, verb, op) for path, ops in document["paths"].items() for verb, op in ops.items())
     types = "".join(

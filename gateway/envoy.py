@@ -268,7 +268,7 @@ def _lua_source(name: str) -> str:
 
 def _docs_page() -> str:
     """The /docs page as a YAML (JSON) string literal."""
-    from ..server.openapi import document
+    from ..server.api.openapi import document
     from .api_docs import render
 
     return json.dumps(render(document()))

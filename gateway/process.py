@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..server.supervisor import RestartPolicy, Supervisor
+from ..server.scheduling.supervisor import RestartPolicy, Supervisor
 from .envoy import GatewayError, GatewaySettings, find_envoy, local_address, render
 
 log = logging.getLogger("encoderd.gateway")

@@ -30,7 +30,7 @@ from .contract.protocol import Ragged, TokenBatch
 STEP_ENV = "ENCODERD_BULK_STEP_MS"
 MIN_STEP_S = 0.002
 MAX_STEP_S = 0.05
-QUIET_S = 2.0  # as the scheduler's interactive window (server/scheduler.py INTERACTIVE_WINDOW)
+QUIET_S = 2.0  # as the scheduler's interactive window (server/scheduling/scheduler.py INTERACTIVE_WINDOW)
 SMOOTHING = 0.2  # EWMA weight of the newest measurement
 # A bulk step takes about this many urgent batches' time. The idle query's own latency is about
 # twice its compute here (frontend, transport), and a query waits half a step on average: 2

@@ -1,7 +1,7 @@
 """The zygote: a process that has imported torch, transformers and the worker code once, and
 forks CPU workers on request, so a worker (a restart above all) skips seconds of imports.
 
-Started by the frontend (server/zygote_client.py) with one end of a socket pair; it answers
+Started by the frontend (server/scheduling/zygote_client.py) with one end of a socket pair; it answers
 `ready` once its imports are done, then reads fork requests (a WorkerConfig) one at a time.
 It runs no torch op, no tokenizer and no ZeroMQ context: nothing in it may hold a thread or a
 lock that a forked child would inherit half-taken (numpy's OpenBLAS threads are its own, and

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import encoderd
-from encoderd.server.errors import ModelNotFound, WrongModelKind
-from encoderd.server.worker_client import WorkerStartError
+from encoderd.server.api.errors import ModelNotFound, WrongModelKind
+from encoderd.server.scheduling.worker_client import WorkerStartError
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 

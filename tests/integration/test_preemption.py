@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from encoderd.server.worker_client import WorkerClient
+from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
 from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
 from encoderd.workers.contract.protocol import TokenBatch

@@ -90,7 +90,7 @@ def test_two_pinned_replicas_share_the_load_and_survive_a_kill(replicated, minil
 
 
 def _gpus() -> int:
-    from encoderd.server.placement import visible_gpus
+    from encoderd.server.scheduling.placement import visible_gpus
 
     return visible_gpus()
 

@@ -23,8 +23,8 @@ from support.corpus import sentences
 from support.server import ServerProcess
 from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
-from encoderd.server import postprocess
-from encoderd.server.tokenization import ModelTokenizer
+from encoderd.server.api import postprocess
+from encoderd.server.models.tokenization import ModelTokenizer
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
 from encoderd.workers.contract.model_spec import (
@@ -107,7 +107,7 @@ def references(embedders) -> dict[str, np.ndarray]:
 
 
 def frontend_tokens(spec, texts: list[str], pairs_with: str | None = None):
-    """Token ids as the frontend makes them (server/tokenization.py, lower-casing included)."""
+    """Token ids as the frontend makes them (server/models/tokenization.py, lower-casing included)."""
     with ThreadPoolExecutor(1) as pool:
         tokenizer = ModelTokenizer(spec.path, spec.max_length, pool, lowercase=spec.lowercase)
         return asyncio.run(tokenizer.encode(texts, pairs_with=pairs_with))

@@ -2,8 +2,8 @@
 
 A real worker process over ZeroMQ (the test reranker, torch, one thread) is sent batches the
 frontend's own checks would have stopped earlier, so the worker's refusal is what answers: each
-arrives at the frontend as the error server/errors.py's WORKER_FAILURES maps its code to, whose
-`code` is the gRPC status the RPC fails with (server/handlers.py). Device out-of-memory cannot
+arrives at the frontend as the error server/api/errors.py's WORKER_FAILURES maps its code to, whose
+`code` is the gRPC status the RPC fails with (server/api/handlers.py). Device out-of-memory cannot
 happen on this CPU machine; tests/unit/test_oom_split.py sends one through the worker's batch loop
 and wire instead.
 """
@@ -14,8 +14,8 @@ import grpc
 import numpy as np
 import pytest
 
-from encoderd.server.errors import EncoderdError
-from encoderd.server.worker_client import WorkerClient
+from encoderd.server.api.errors import EncoderdError
+from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
 from encoderd.workers.contract.model_spec import ModelKind, load_model_spec
 from encoderd.workers.contract.protocol import MediaBatch, TokenBatch

@@ -4,7 +4,7 @@ from collections import deque
 
 import numpy as np
 
-from encoderd.server.batching import BatchLimits, WorkItem, pack, queued_cost_reaches_budget, take_batch
+from encoderd.server.scheduling.batching import BatchLimits, WorkItem, pack, queued_cost_reaches_budget, take_batch
 
 
 class Req:

@@ -1,4 +1,4 @@
-"""The one input checker of the compute path (server/compute.py), for every kind of input."""
+"""The one input checker of the compute path (server/models/compute.py), for every kind of input."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import re
 import numpy as np
 import pytest
 
-from encoderd.server.compute import TokenIds, check_inputs
-from encoderd.server.config import ServerConfig
-from encoderd.server.errors import InvalidInput
-from encoderd.server.media import Content
+from encoderd.server.api.errors import InvalidInput
+from encoderd.server.models.compute import TokenIds, check_inputs
+from encoderd.server.models.media import Content
+from encoderd.server.ops.config import ServerConfig
 
 CONFIG = ServerConfig((), max_inputs_per_request=3, max_input_chars=10)
 CLIP = ("text", "image")

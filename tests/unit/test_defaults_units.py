@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from test_hardware import host
 
-from encoderd.server import placement
-from encoderd.server.cli import build_parser, config_from_args
+from encoderd.server.ops.cli import build_parser, config_from_args
+from encoderd.server.scheduling import placement
 from encoderd.workers.contract.hardware import (
     CpuBudget,
     choose_cpu_dtype,

@@ -249,7 +249,7 @@ def test_kinds_outside_the_calibration_set_are_reported_unchecked(minilm_spec):
     [([], {}, False), (["--allow-low-fidelity"], {}, True), ([], {"ENCODERD_ALLOW_LOW_FIDELITY": "1"}, True)],
 )
 def test_allow_low_fidelity_flag_and_env(monkeypatch, argv, env, allowed):
-    from encoderd.server.cli import build_parser, config_from_args
+    from encoderd.server.ops.cli import build_parser, config_from_args
 
     monkeypatch.delenv("ENCODERD_ALLOW_LOW_FIDELITY", raising=False)
     for name, value in env.items():

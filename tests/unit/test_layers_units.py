@@ -49,16 +49,16 @@ EXCEPTIONS = {
     ("bench/packed.py", "encoderd.workers.backends"),
     # `encoderd bench`: the CLI hands the rest of its command line to the benchmark (imported lazily:
     # test_the_frontend_loads_without_the_worker_code checks the CLI loads without it).
-    ("server/cli.py", "encoderd.bench.runner"),
+    ("server/ops/cli.py", "encoderd.bench.runner"),
     # The benchmark starts `encoderd serve` as a subprocess with only the flags this checkout's parser
     # knows, so it reads the server's own argument parser.
-    ("bench/servers.py", "encoderd.server.cli"),
+    ("bench/servers.py", "encoderd.server.ops.cli"),
     # The FLOP peak is the matmul rate of the threads the started server will use: the server's own
     # layout rule for the same --serve-args (a copy would drift from it).
-    ("bench/options.py", "encoderd.server.placement"),
+    ("bench/options.py", "encoderd.server.scheduling.placement"),
     # `bench.rest --stub`: a stand-in gRPC server behind a real Envoy gateway, to measure the gateway
     # alone; it answers with the server's own response envelope so the bytes are the real ones.
-    ("bench/rest.py", "encoderd.server.rest"),
+    ("bench/rest.py", "encoderd.server.api.rest"),
     ("bench/rest.py", "encoderd.gateway.envoy"),
     ("bench/rest.py", "encoderd.gateway.process"),
 }
@@ -152,14 +152,14 @@ def test_every_exception_is_still_needed():
     ("importer", "imported", "rule"),
     [
         ("encoderd.workers.process", "encoderd.server.logs", "workers never import"),
-        ("encoderd.server.engine", "encoderd.workers.process", "frontend imports only the contract"),
+        ("encoderd.server.models.engine", "encoderd.workers.process", "frontend imports only the contract"),
         ("encoderd.gateway.envoy", "encoderd.workers.backends.base", "frontend imports only the contract"),
-        ("encoderd.clients.bulk", "encoderd.server.errors", "clients import neither"),
+        ("encoderd.clients.bulk", "encoderd.server.api.errors", "clients import neither"),
         ("encoderd.clients.bulk", "encoderd.workers.contract.protocol", "clients import neither"),
         ("encoderd.workers.contract.protocol", "encoderd.workers.backends", "contract imports nothing"),
-        ("encoderd.bench.modes", "encoderd.server.scheduler", "the benchmark is a client"),
+        ("encoderd.bench.modes", "encoderd.server.scheduling.scheduler", "the benchmark is a client"),
         ("encoderd.bench.packed", "encoderd.workers.process", "the benchmark is a client"),
-        ("encoderd.server.app", "encoderd.bench.runner", "nothing imports the benchmark"),
+        ("encoderd.server.ops.app", "encoderd.bench.runner", "nothing imports the benchmark"),
         ("encoderd.workers.process", "encoderd.bench.corpus", "nothing imports the benchmark"),
     ],
 )
@@ -170,11 +170,11 @@ def test_rules_catch_each_kind_of_crossing(importer, imported, rule):
 @pytest.mark.parametrize(
     ("importer", "imported"),
     [
-        ("encoderd.server.engine", "encoderd.workers.contract.config"),
+        ("encoderd.server.models.engine", "encoderd.workers.contract.config"),
         ("encoderd.bench.mixed", "encoderd.clients.bulk"),
         ("encoderd.workers.process", "encoderd.workers.contract.protocol"),
         ("encoderd.workers.contract.config", "encoderd.workers.contract.model_spec"),
-        ("encoderd.gateway.envoy", "encoderd.server.openapi"),
+        ("encoderd.gateway.envoy", "encoderd.server.api.openapi"),
         ("encoderd.clients.bulk", "encoderd.v1.encoderd_pb2"),
     ],
 )
@@ -186,7 +186,7 @@ def test_relative_imports_resolve():
     """`from ..server.logs import x` in workers/process.py is encoderd.server.logs (and .x)."""
     source = "\n" * 30 + "from ..server.logs import configure_logging\n"
     assert (31, "encoderd.server.logs") in imports(ROOT / "workers/process.py", source)
-    found = imports(ROOT / "server/worker_client.py", "from ..workers.contract import protocol\n")
+    found = imports(ROOT / "server/scheduling/worker_client.py", "from ...workers.contract import protocol\n")
     assert (1, "encoderd.workers.contract.protocol") in found
     assert (1, "encoderd.gateway.process") in imports(ROOT / "gateway/__init__.py", "from . import process\n")
 
@@ -214,7 +214,7 @@ def test_the_frontend_loads_without_the_worker_code():
     heavy = ("torch", "transformers", "onnxruntime", "ctranslate2")
     heavy += ("encoderd.workers.process", "encoderd.workers.backends", "encoderd.bench")
     script = (
-        "import sys; import encoderd.server.cli, encoderd.server.app, encoderd.server.worker_client;"
+        "import sys; import encoderd.server.ops.cli, encoderd.server.ops.app, encoderd.server.scheduling.worker_client;"
         f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)

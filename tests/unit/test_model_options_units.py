@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from support.model_repos import build_hub_cache
 
-from encoderd.server.cli import build_parser, config_from_args
+from encoderd.server.ops.cli import build_parser, config_from_args
 from encoderd.workers.contract.model_spec import (
     DEFAULT_MODEL_NAME,
     ModelKind,

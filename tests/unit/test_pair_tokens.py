@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tokenizers import Tokenizer
 
-from encoderd.server.errors import InvalidInput
-from encoderd.server.tokenization import ModelTokenizer, pair_lengths
+from encoderd.server.api.errors import InvalidInput
+from encoderd.server.models.tokenization import ModelTokenizer, pair_lengths
 from encoderd.workers.contract.model_spec import default_model_path
 
 WORDS = (

@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from encoderd.server import placement
-from encoderd.server.placement import Placement, expand_devices, plan_replicas
+from encoderd.server.scheduling import placement
+from encoderd.server.scheduling.placement import Placement, expand_devices, plan_replicas
 
 
 def test_single_cpu_worker_is_not_pinned():

@@ -10,9 +10,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from encoderd.server.batching import BatchLimits, WorkItem
-from encoderd.server.errors import Overloaded, Unavailable
-from encoderd.server.scheduler import ModelScheduler, PendingRequest, Priority
+from encoderd.server.api.errors import Overloaded, Unavailable
+from encoderd.server.scheduling.batching import BatchLimits, WorkItem
+from encoderd.server.scheduling.scheduler import ModelScheduler, PendingRequest, Priority
 
 
 class StandInWorker:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from encoderd.server.supervisor import RestartPolicy, Supervisor
+from encoderd.server.scheduling.supervisor import RestartPolicy, Supervisor
 
 
 class StartFailed(Exception):

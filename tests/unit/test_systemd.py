@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from encoderd.server import systemd
+from encoderd.server.ops import systemd
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from google.protobuf import struct_pb2
 
-from encoderd.server.batching import WorkItem, pack
-from encoderd.server.errors import InvalidInput
-from encoderd.server.tei import predict_inputs
+from encoderd.server.api.errors import InvalidInput
+from encoderd.server.api.tei import predict_inputs
+from encoderd.server.scheduling.batching import WorkItem, pack
 
 
 def _value(python) -> struct_pb2.Value:

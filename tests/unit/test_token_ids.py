@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from encoderd.server.tokenization import ModelTokenizer
+from encoderd.server.models.tokenization import ModelTokenizer
 
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4, "c": 5}
 

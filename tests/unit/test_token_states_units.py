@@ -7,7 +7,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from encoderd.server.batching import BatchLimits, MediaItem, WorkItem, pack, take_batch
+from encoderd.server.scheduling.batching import BatchLimits, MediaItem, WorkItem, pack, take_batch
 from encoderd.workers.backends.base import token_states, wants_token_states
 from encoderd.workers.contract import protocol
 from encoderd.workers.contract.model_spec import ModelKind, ModelSpec
@@ -100,7 +100,7 @@ def test_dense_modules_leave_token_states_alone():
 def test_token_states_are_shared_in_flight_but_not_kept():
     import asyncio
 
-    from encoderd.server.result_cache import ResultCache
+    from encoderd.server.models.result_cache import ResultCache
 
     cache, calls = ResultCache("m", max_entries=8), []
 

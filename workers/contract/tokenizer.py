@@ -1,6 +1,6 @@
 """A model's tokenizer, read the way sentence-transformers reads it.
 
-The frontend tokenizes every request with it (server/tokenization.py); the worker tokenizes its
+The frontend tokenizes every request with it (server/models/tokenization.py); the worker tokenizes its
 calibration set with it (workers/calibration.py), so the int8 and fidelity figures are computed on
 exactly the tokens requests will carry.
 """

@@ -1,6 +1,6 @@
 """The zygote's wire, both ends: length-prefixed pickles over a socket pair, and prctl.
 
-The frontend (server/zygote_client.py) starts the zygote (workers/zygote.py) by module name and
+The frontend (server/scheduling/zygote_client.py) starts the zygote (workers/zygote.py) by module name and
 talks to it through these; neither side imports the other.
 """
 

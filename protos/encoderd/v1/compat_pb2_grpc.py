@@ -331,7 +331,7 @@ class CompatServicer:
 
     def GetOpenApi(self, request, context):
         """`GET /openapi.json`: this REST API as an OpenAPI 3.1 document, derived
-        from these google.api.http rules and messages (server/openapi.py).
+        from these google.api.http rules and messages (server/api/openapi.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

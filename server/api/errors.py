@@ -1,0 +1,75 @@
+"""One error taxonomy for the frontend and its single mapping to gRPC status.
+
+Envoy derives the HTTP code from the gRPC status, so there is no second table. A batch a worker
+failed arrives with an error code (workers/contract/errors.py), mapped here too (WORKER_FAILURES).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from ...workers.contract.errors import ErrorCode
+
+
+class EncoderdError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidInput(EncoderdError):
+    """Malformed request, empty input, bad option, input too long."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ModelNotFound(EncoderdError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class WrongModelKind(EncoderdError):
+    """The call does not fit the model (Rerank on an embedding model)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unsupported(EncoderdError):
+    """The served model or its engine does not do this (images sent to an ONNX engine)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Overloaded(EncoderdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OutOfMemory(EncoderdError):
+    """The device ran out of memory (a text batch is first halved down to one input). Not
+    Overloaded: waiting does not help (a stream retries Overloaded), fewer or shorter inputs do."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(EncoderdError):
+    """The model's worker crashed, is restarting or the server is draining."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class BackendError(EncoderdError):
+    """The backend failed on a batch for a reason that is not the client's."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+# A failed batch's code (workers/contract/errors.py) -> the error its requests fail with.
+WORKER_FAILURES: dict[ErrorCode, type[EncoderdError]] = {
+    ErrorCode.INVALID_INPUT: InvalidInput,
+    ErrorCode.UNSUPPORTED: Unsupported,
+    ErrorCode.OUT_OF_MEMORY: OutOfMemory,
+    ErrorCode.INTERNAL: BackendError,
+}
+
+
+def worker_failure(code: ErrorCode, message: str) -> EncoderdError:
+    """The error a batch the worker failed with `code` raises in the frontend (an error sent without
+    a code is INTERNAL)."""
+    return WORKER_FAILURES.get(code, BackendError)(message)

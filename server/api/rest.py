@@ -1,0 +1,473 @@
+"""The Compat gRPC service: what Envoy transcodes the OpenAI / Cohere REST API to.
+
+Each RPC answers a google.api.HttpBody whose JSON is rendered here, so the bytes
+are exactly what the official SDKs parse (snake_case, base64 or float lists) and
+Envoy never prints floats itself (it is ~10x slower at it; see bench/rest.py).
+Failures raise EncoderdError like the Encoder service; gateway/errors.lua turns
+the resulting status into an OpenAI-shaped error body.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+
+import numpy as np
+from google.api import httpbody_pb2
+from google.protobuf import json_format, struct_pb2
+from grpc_health.v1 import health_pb2
+
+from ...v1 import compat_pb2 as cpb
+from ...v1 import compat_pb2_grpc
+from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
+from ..models import multimodal
+from ..models.engine import Engine, ServedModel
+from ..models.media import Content
+from ..models.multimodal import SINGLE_VECTOR_KINDS
+from ..scheduling.scheduler import Priority
+from . import cohere_embed, openapi, postprocess, tei
+from .errors import BackendError, InvalidInput, Unavailable
+from .request_options import ClassifyOptions, EmbedOptions, RerankOptions, positive
+from .service import model_info, rpc
+
+ENCODING_FORMATS = ("float", "base64")
+MODALITIES = ("text", "image", "audio")
+INPUT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+
+
+# Kinds /embeddings serves: one vector per input, or (colbert, colpali) one per token or patch.
+EMBEDDINGS_KINDS = (*SINGLE_VECTOR_KINDS, *MULTI_VECTOR_KINDS)
+
+
+# ------------------------------------------------------------------ requests
+def _preferred_kinds(modality: str) -> tuple[ModelKind, ...]:
+    """Which model a call naming none means: the embedding model for text (not a clip or colbert
+    served beside it), else the model that takes the modality."""
+    if modality == "text":
+        return (ModelKind.EMBEDDING,)
+    return tuple(kind for kind in EMBEDDINGS_KINDS if modality in modalities(kind))
+
+
+def embedding_inputs(value: struct_pb2.Value) -> tuple[list[str] | None, list[list[float]] | None]:
+    """OpenAI `input` -> (texts, None) or (None, token-id lists); ids are range-checked by the engine."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return [value.string_value], None
+    if kind != "list_value":
+        raise InvalidInput(f"`input` is required and must be {INPUT_SHAPES}")
+    items = value.list_value.values
+    if not items:
+        raise InvalidInput("`input` is empty: send at least one")
+    kinds = {v.WhichOneof("kind") for v in items}
+    if kinds == {"string_value"}:
+        return [v.string_value for v in items], None
+    if kinds == {"number_value"}:
+        return None, [[v.number_value for v in items]]
+    if kinds == {"list_value"}:
+        return None, [_token_ids(v.list_value.values, i) for i, v in enumerate(items)]
+    raise InvalidInput(f"`input` mixes element types; it must be {INPUT_SHAPES}")
+
+
+def _token_ids(values, index: int) -> list[float]:
+    if not values:
+        raise InvalidInput(f"input[{index}] is an empty token list")
+    if any(v.WhichOneof("kind") != "number_value" for v in values):
+        raise InvalidInput(f"input[{index}] must be a list of token ids (integers)")
+    return [v.number_value for v in values]
+
+
+def media_inputs(value: struct_pb2.Value, modality: str) -> list[Content]:
+    """Infinity's image / audio `input`: a string or a list of strings, each a data
+    URI, an http(s) URL or bare base64 (decoded later, off the event loop)."""
+    kind = value.WhichOneof("kind")
+    items = [value] if kind == "string_value" else list(value.list_value.values) if kind == "list_value" else []
+    if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
+        raise InvalidInput(
+            f"`input` must be a string or a non-empty list of strings (data URIs, http(s) URLs or "
+            f"base64) for modality {modality!r}"
+        )
+    return [Content(modality, url=v.string_value) for v in items]
+
+
+def rerank_documents(value: struct_pb2.Value, rank_fields=()) -> tuple[list[str], list]:
+    """Cohere `documents` -> (the texts ranked, the documents as given): strings, or objects
+    (the v1 API) ranked on their `text`, or on `rank_fields` as "key: value" lines."""
+    if value.WhichOneof("kind") != "list_value":
+        raise InvalidInput('`documents` is required and must be a list of strings or of {"text": ...} objects')
+    texts, originals = [], []
+    for i, item in enumerate(value.list_value.values):
+        kind = item.WhichOneof("kind")
+        if kind == "string_value":
+            texts.append(item.string_value)
+            originals.append({"text": item.string_value})
+        elif kind == "struct_value":
+            texts.append(_document_text(item.struct_value, rank_fields, i))
+            originals.append(json_format.MessageToDict(item.struct_value))
+        else:
+            raise InvalidInput(f'documents[{i}] must be a string or an object with a string "text" field')
+    return texts, originals
+
+
+def _document_text(document: struct_pb2.Struct, rank_fields, index: int) -> str:
+    fields = document.fields
+    for key in rank_fields or ("text",):
+        if key not in fields or fields[key].WhichOneof("kind") != "string_value":
+            raise InvalidInput(
+                f"documents[{index}] must be a string or an object with a string {key!r} field"
+                + (" (one of `rank_fields`)" if rank_fields else "")
+            )
+    if not rank_fields:
+        return fields["text"].string_value
+    return "\n".join(f"{key}: {fields[key].string_value}" for key in rank_fields)
+
+
+def string_list(value: struct_pb2.Value, what: str) -> list[str]:
+    """A string or a non-empty list of strings."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return [value.string_value]
+    items = value.list_value.values if kind == "list_value" else []
+    if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
+        raise InvalidInput(f"`{what}` is required and must be a string or a non-empty list of strings")
+    return [v.string_value for v in items]
+
+
+# ----------------------------------------------------------------- responses
+def _json(document: dict) -> httpbody_pb2.HttpBody:
+    return httpbody_pb2.HttpBody(
+        content_type="application/json",
+        data=json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(),
+    )
+
+
+def _infinity_id() -> dict:
+    return {"id": str(uuid.uuid4()), "created": int(time.time())}
+
+
+def _usage(tokens: int) -> dict:
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def float_rows(model: str, vectors: np.ndarray) -> list[str]:
+    """Each row of a 2-D float array as a JSON list, "%.9g" per value (see render_embeddings)."""
+    if not np.isfinite(vectors).all():  # "%.9g" would print nan, which is not JSON
+        raise BackendError(f"model {model} produced non-finite embedding values")
+    if vectors.shape[1] == 0:
+        return ["[]"] * len(vectors)
+    row_format = "[" + ",".join(["%.9g"] * vectors.shape[1]) + "]"
+    return [row_format % tuple(row) for row in vectors.tolist()]
+
+
+def base64_rows(vectors: np.ndarray | list[np.ndarray]) -> list[str]:
+    """Each row as a JSON string: base64 of its little-endian float32 bytes (what the OpenAI SDK decodes)."""
+    return ['"' + base64.b64encode(row.astype("<f4").tobytes()).decode() + '"' for row in vectors]
+
+
+def render_embeddings(model: str, vectors, encoding_format: str, tokens: int) -> httpbody_pb2.HttpBody:
+    """The OpenAI embeddings response: one vector per input.
+
+    Floats print as "%.9g", which round-trips float32 exactly: one `%` over a
+    whole row is ~3x faster than json.dumps of the list (whose 17-digit doubles
+    are also 60% bigger), and on par with Envoy printing a repeated float."""
+    rows = base64_rows(vectors) if encoding_format == "base64" else float_rows(model, vectors)
+    return _embedding_list(model, rows, tokens)
+
+
+def render_multivectors(model: str, rows: list[np.ndarray], encoding_format: str, tokens: int) -> httpbody_pb2.HttpBody:
+    """Infinity's multi-vector shape: each `embedding` a list of vectors, or in
+    base64 all of them as one flat little-endian float32 buffer."""
+    if encoding_format == "base64":
+        rendered = base64_rows(rows)  # an input's (vectors, dim) array: its bytes are the flat buffer
+    else:
+        rendered = ["[" + ",".join(float_rows(model, r)) + "]" for r in rows]
+    return _embedding_list(model, rendered, tokens)
+
+
+def _embedding_list(model: str, rows: list[str], tokens: int) -> httpbody_pb2.HttpBody:
+    """The one envelope of every embeddings answer (one vector or several per input), built as
+    text around rows already rendered as JSON values."""
+    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in enumerate(rows))
+    tail = json.dumps({"model": model, "usage": _usage(tokens)}, ensure_ascii=False, separators=(",", ":"))[1:]
+    return httpbody_pb2.HttpBody(
+        content_type="application/json", data=f'{{"object":"list","data":[{data}],{tail}'.encode()
+    )
+
+
+def openai_model(model: ServedModel) -> dict:
+    info = json_format.MessageToDict(
+        model_info(model), preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    return {"id": info.pop("id"), "object": "model", "created": 0, "owned_by": "encoderd", **info}
+
+
+# Infinity's names for what a model can do, by kind.
+INFINITY_CAPABILITIES = {
+    ModelKind.EMBEDDING: ["embed"],
+    ModelKind.RERANKER: ["rerank"],
+    ModelKind.CLASSIFIER: ["classify"],
+    ModelKind.CLIP: ["embed", "image_embed"],
+    ModelKind.CLAP: ["embed", "audio_embed"],
+    ModelKind.COLBERT: ["embed"],
+    ModelKind.COLPALI: ["embed", "image_embed"],
+    ModelKind.SPARSE: [],
+}
+
+
+def infinity_model(model: ServedModel) -> dict:
+    """openai_model plus Infinity's `stats`, `backend` and `capabilities`. `owned_by` is
+    "infinity" because Infinity's client parses it as an enum of that one value."""
+    scheduler = model.scheduler
+    stats = {
+        "queue_fraction": scheduler.queued / max(scheduler.max_queued, 1),
+        "queue_absolute": scheduler.queued,
+        "results_pending": sum(load.batches for load in scheduler.load.values()),
+        "batch_size": scheduler.limits[Priority.INTERACTIVE].max_batch_size,
+    }
+    return {
+        **openai_model(model),
+        "owned_by": "infinity",
+        "stats": stats,
+        "backend": model.engine,
+        "capabilities": INFINITY_CAPABILITIES.get(model.spec.kind, []),
+    }
+
+
+# ------------------------------------------------------------------- service
+class CompatService(compat_pb2_grpc.CompatServicer):
+    def __init__(self, engine: Engine, health):
+        self.engine = engine
+        self.health = health  # grpc_health's servicer: /health reports its overall status
+
+    @rpc
+    async def CreateEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._embeddings(request, request.modality or "text")
+
+    @rpc
+    async def CreateRootEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._embeddings(request, request.modality or "text", zero_is_full=True)
+
+    @rpc
+    async def CreateImageEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._embeddings(request, "image")
+
+    @rpc
+    async def CreateAudioEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._embeddings(request, "audio")
+
+    async def _embeddings(
+        self, request: cpb.OpenAIEmbeddingsRequest, modality: str, zero_is_full: bool = False
+    ) -> httpbody_pb2.HttpBody:
+        encoding_format = request.encoding_format or "float"
+        if encoding_format not in ENCODING_FORMATS:
+            raise InvalidInput(f'`encoding_format` must be "float" or "base64", not {encoding_format!r}')
+        if modality not in MODALITIES:
+            raise InvalidInput(f"`modality` must be one of {', '.join(MODALITIES)}, not {modality!r}")
+        # Infinity reads `dimensions: 0` as full size; OpenAI's API has no such value.
+        options = EmbedOptions.for_call(
+            dimensions=0 if zero_is_full and request.dimensions == 0 else positive(request, "dimensions")
+        )
+        model = self.engine.get(request.model, EMBEDDINGS_KINDS, prefer=_preferred_kinds(modality))
+        if model.spec.kind in MULTI_VECTOR_KINDS:
+            return await self._multivectors(model, request, modality, encoding_format, options)
+        if modality != "text":
+            inputs = media_inputs(request.input, modality)
+            model, pooled, tokens = await multimodal.embed_contents(
+                self.engine, model.spec.name, inputs, priority=options.priority
+            )
+        else:
+            model, pooled, tokens = await self._embed_texts(model.spec.name, request.input, options)
+        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
+        return render_embeddings(model.spec.name, vectors, encoding_format, tokens)
+
+    async def _embed_texts(self, name: str, value: struct_pb2.Value, options: EmbedOptions):
+        """OpenAI's `input`: texts, or token ids."""
+        texts, token_ids = embedding_inputs(value)
+        if texts is not None:
+            return await self.engine.embed(name, texts, priority=options.priority)
+        return await self.engine.embed_ids(name, token_ids, priority=options.priority)
+
+    async def _multivectors(self, model: ServedModel, request, modality: str, encoding_format: str, options):
+        """A colbert / colpali model on /embeddings: per input, its token or patch vectors."""
+        if options.dimensions:
+            raise InvalidInput("`dimensions` does not apply to multi-vector models")
+        if modality == "text":
+            texts, _token_ids = embedding_inputs(request.input)
+            if texts is None:
+                raise InvalidInput("multi-vector models take text, not token ids")
+            inputs = [Content(text=t) for t in texts]
+        else:
+            inputs = media_inputs(request.input, modality)
+        model, rows, tokens = await multimodal.embed_multivector(
+            self.engine, model.spec.name, inputs, priority=options.priority
+        )
+        return render_multivectors(model.spec.name, rows, encoding_format, tokens)
+
+    async def rerank_scores(self, name: str, query: str, documents: list[str], options: RerankOptions):
+        """(model, scores, tokens): a cross-encoder's scores (its activation), or its logits when asked."""
+        model, logits, tokens = await self.engine.score_pairs(
+            name, query, documents, truncate=options.truncate, side=options.side, priority=options.priority
+        )
+        return model, postprocess.scores(logits, model.spec.score_activation, options.raw_scores), tokens
+
+    @rpc
+    async def Rerank(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._cohere_rerank(request, "1")
+
+    @rpc
+    async def RerankV2(self, request: cpb.CohereRerankRequest, context) -> httpbody_pb2.HttpBody:
+        return await self._cohere_rerank(request, "2")
+
+    async def _cohere_rerank(self, request: cpb.CohereRerankRequest, version: str) -> httpbody_pb2.HttpBody:
+        options = RerankOptions.for_call(
+            raw_scores=request.raw_scores, top_n=positive(request, "top_n"), return_documents=request.return_documents
+        )
+        texts, documents = rerank_documents(request.documents, tuple(request.rank_fields))
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, texts, options)
+        results = []
+        for i in postprocess.rank(scores, options.top_n).tolist():
+            result = {"index": i, "relevance_score": float(scores[i])}
+            if options.return_documents:
+                result["document"] = documents[i]  # every field of an object document, as Cohere v1 returns
+            results.append(result)
+        return _json(
+            {
+                "id": str(uuid.uuid4()),
+                "results": results,
+                "model": model.spec.name,
+                "usage": _usage(tokens),
+                "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}},
+            }
+        )
+
+    @rpc
+    async def RootRerank(self, request: cpb.RootRerankRequest, context) -> httpbody_pb2.HttpBody:
+        has_documents = request.HasField("documents")
+        if has_documents == bool(request.texts):
+            raise InvalidInput("send `documents` (Infinity's /rerank) or `texts` (TEI's /rerank), exactly one of them")
+        if has_documents:
+            return await self._infinity_rerank(request)
+        return await tei.rerank(self, request)
+
+    async def _infinity_rerank(self, request: cpb.RootRerankRequest) -> httpbody_pb2.HttpBody:
+        tei.reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
+        options = RerankOptions.for_call(
+            raw_scores=request.raw_scores, top_n=positive(request, "top_n"), return_documents=request.return_documents
+        )
+        documents, _ = rerank_documents(request.documents)
+        model, scores, tokens = await self.rerank_scores(request.model, request.query, documents, options)
+        results = []
+        for i in postprocess.rank(scores, options.top_n).tolist():
+            result = {"relevance_score": float(scores[i]), "index": i}
+            if options.return_documents:
+                result["document"] = documents[i]  # Infinity's shape: the string itself
+            results.append(result)
+        return _json(
+            {
+                "object": "rerank",
+                "results": results,
+                "model": model.spec.name,
+                "usage": _usage(tokens),
+                **_infinity_id(),
+            }
+        )
+
+    @rpc
+    async def InfinityClassify(self, request: cpb.InfinityClassifyRequest, context) -> httpbody_pb2.HttpBody:
+        texts = string_list(request.input, "input")
+        options = ClassifyOptions.for_call(raw_scores=request.raw_scores)
+        model, scores, tokens = await self.classifications(request.model, texts, options)
+        return _json(
+            {"object": "classify", "data": scores, "model": model.spec.name, "usage": _usage(tokens), **_infinity_id()}
+        )
+
+    async def classifications(
+        self, name: str, texts: list[str], options: ClassifyOptions
+    ) -> tuple[ServedModel, list[list[dict]], int]:
+        """Per input, every label with its score ({"score", "label"}), best first."""
+        model, logits, tokens = await self.engine.classify(
+            name, texts, truncate=options.truncate, side=options.side, priority=options.priority
+        )
+        scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
+        labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
+        return (
+            model,
+            [[{"score": float(row[j]), "label": labels[j]} for j in postprocess.rank(row, 0)] for row in scores],
+            tokens,
+        )
+
+    # Cohere embed: server/api/cohere_embed.py.
+    @rpc
+    async def CohereEmbedV1(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await cohere_embed.embed(self, request, "1")
+
+    @rpc
+    async def CohereEmbedV2(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await cohere_embed.embed(self, request, "2")
+
+    # TEI's routes: server/api/tei.py.
+    @rpc
+    async def TeiEmbed(self, request: cpb.TeiEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.embed(self, request)
+
+    @rpc
+    async def TeiEmbedAll(self, request: cpb.TeiEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.embed_all(self, request)
+
+    @rpc
+    async def TeiEmbedSparse(self, request: cpb.TeiEmbedRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.embed_sparse(self, request)
+
+    @rpc
+    async def TeiPredict(self, request: cpb.TeiPredictRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.predict(self, request)
+
+    @rpc
+    async def TeiSimilarity(self, request: cpb.TeiSimilarityRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.similarity(self, request)
+
+    @rpc
+    async def TeiTokenize(self, request: cpb.TeiTokenizeRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.tokenize(self, request)
+
+    @rpc
+    async def TeiDecode(self, request: cpb.TeiDecodeRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.decode(self, request)
+
+    @rpc
+    async def TeiRoot(self, request: cpb.TeiRootRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.root(self, request)
+
+    @rpc
+    async def TeiInfo(self, request: cpb.TeiInfoRequest, context) -> httpbody_pb2.HttpBody:
+        return await tei.info(self, request)
+
+    @rpc
+    async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
+        loading = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "encoderd", "status": "loading"}
+            for name in sorted(self.engine.loading)
+        ]
+        return _json({"object": "list", "data": [openai_model(m) for m in self.engine.models.values()] + loading})
+
+    @rpc
+    async def ListRootModels(self, request, context) -> httpbody_pb2.HttpBody:
+        return _json({"object": "list", "data": [infinity_model(m) for m in self.engine.models.values()]})
+
+    @rpc
+    async def GetModel(self, request: cpb.GetModelRequest, context) -> httpbody_pb2.HttpBody:
+        return _json(openai_model(self.engine.get(request.id)))
+
+    @rpc
+    async def GetOpenApi(self, request, context) -> httpbody_pb2.HttpBody:
+        return _json(openapi.document())
+
+    @rpc
+    async def Health(self, request, context) -> httpbody_pb2.HttpBody:
+        status = (await self.health.Check(health_pb2.HealthCheckRequest(service=""), context)).status
+        if status != health_pb2.HealthCheckResponse.SERVING:
+            raise Unavailable("encoderd is not serving: models are loading or the server is draining")
+        models = {name: "ready" if m.ready else "unavailable" for name, m in self.engine.models.items()}
+        # `unix`: the server's clock, which Infinity's /health answers with.
+        return _json({"status": "serving", "models": models, "unix": time.time()})

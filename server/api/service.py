@@ -1,0 +1,313 @@
+"""gRPC servicer: proto <-> engine calls, and errors -> status codes. Nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+
+import grpc
+
+from ...v1 import encoderd_pb2 as pb
+from ...v1 import encoderd_pb2_grpc
+from ...workers.contract import logs
+from ..models import model_resolver, multimodal
+from ..models.engine import Engine, estimate_tokens
+from ..models.media import Content
+from ..ops import metrics, tracing
+from . import postprocess, request_options
+from .auth import presented_key
+from .errors import EncoderdError, InvalidInput
+from .handlers import MalformedRequest
+from .messages import embeddings_message
+from .streaming import embed_stream
+
+log = logging.getLogger("encoderd.service")
+
+
+@contextlib.asynccontextmanager
+async def _observed(service, name: str, model_name: str, context: grpc.aio.ServicerContext):
+    """Around every call: request id, bulk-key priority, trace span, error -> status, metrics.
+    Yields the metadata that carries the request id back to the client."""
+    started = time.perf_counter()
+    rpc_label = f"{type(service).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
+    metadata = context.invocation_metadata()
+    rid = logs.bind_request_id(metadata)
+    request_options.bind_key_priority(presented_key(metadata), service.engine.config.bulk_api_keys)
+    rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
+    model_resolver.RESOLVED.set("")  # this call's task only; set when the call resolves its model
+    code = grpc.StatusCode.OK
+    with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
+        try:
+            yield rid_metadata
+        except EncoderdError as exc:
+            code = exc.code
+            await context.abort(exc.code, str(exc), rid_metadata)  # errors: in the trailers
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("%s failed", name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log", rid_metadata)
+        except BaseException:  # cancelled: the client's deadline passed, it hung up, or the server is stopping
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            if not expired:  # one line, no traceback: a client that leaves is not our error
+                log.warning(
+                    "%s: the call ended before its answer was sent (the client cancelled, disconnected "
+                    "or stopped reading, or the server is stopping)",
+                    rpc_label,
+                )
+            raise
+        finally:
+            elapsed = time.perf_counter() - started
+            model = model_resolver.metrics_label(service.engine.models, model_name)
+            if log.isEnabledFor(logging.DEBUG):  # an access log, for debugging only: it costs per call
+                log.debug("%s model=%s code=%s %.1fms", rpc_label, model, code.name, elapsed * 1000)
+            tracing.finish(span, code, model)
+            metrics.REQUESTS.labels(model, rpc_label, code.name).inc()
+            metrics.REQUEST_SECONDS.labels(model, rpc_label).observe(elapsed)
+
+
+def rpc(method):
+    """A unary RPC, observed (see `_observed`)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        async with _observed(self, method.__name__, getattr(request, "model", ""), context) as rid_metadata:
+            if isinstance(request, MalformedRequest):
+                raise InvalidInput(request.reason)
+            response = await method(self, request, context)
+            # The id goes out in the response headers, but only now: while no header has left, a
+            # proxy (Envoy) may still retry the call elsewhere if this host dies mid-call.
+            await context.send_initial_metadata(rid_metadata)
+            return response
+
+    return wrapper
+
+
+def stream_rpc(method):
+    """A bidirectional-streaming RPC, observed from its first message (which names the model)
+    to its last response. The method gets that first message apart from the rest."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request_iterator, context: grpc.aio.ServicerContext):
+        requests = request_iterator.__aiter__()
+        first = await anext(requests, None)
+        if first is None:  # the client closed without sending anything: nothing to answer
+            return
+        async with _observed(self, method.__name__, getattr(first, "model", ""), context) as rid_metadata:
+            await context.send_initial_metadata(rid_metadata)
+            async for response in method(self, first, requests, context):
+                yield response
+
+    return wrapper
+
+
+def _usage(tokens: int) -> pb.Usage:
+    return pb.Usage(prompt_tokens=tokens, total_tokens=tokens)
+
+
+def _media_content(modality: str, media: pb.Media) -> Content:
+    return Content(modality, data=media.data) if media.HasField("data") else Content(modality, url=media.url)
+
+
+def contents(messages, what: str = "inputs") -> list[Content]:
+    """Proto Content messages -> the engine's; an unset oneof is a client error."""
+    out = []
+    for i, message in enumerate(messages):
+        which = message.WhichOneof("content")
+        if which is None:
+            raise InvalidInput(f"{what}[{i}] sets none of text, image, audio")
+        out.append(Content(text=message.text) if which == "text" else _media_content(which, getattr(message, which)))
+    return out
+
+
+class EncoderService(encoderd_pb2_grpc.EncoderServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @rpc
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        options = request_options.from_embed(request)
+        model, pooled, tokens = await self.engine.embed(
+            request.model,
+            request.inputs,
+            truncate=options.truncate,
+            side=options.side,
+            prompt=options.prompt,
+            prompt_name=options.prompt_name,
+            priority=options.priority,
+        )
+        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
+        return pb.EmbedResponse(
+            model=model.spec.name, usage=_usage(tokens), embeddings=embeddings_message(vectors, options.output_dtype)
+        )
+
+    @stream_rpc
+    async def EmbedStream(self, first, requests, context):
+        """Bulk embedding over a bidirectional stream; see streaming.py."""
+        async for response in embed_stream(self.engine, first, requests):
+            yield response
+
+    @rpc
+    async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
+        options = request_options.from_rerank(request)
+        model, logits, tokens = await self.engine.score_pairs(
+            request.model, request.query, request.documents, truncate=options.truncate, priority=options.priority
+        )
+        scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
+        results = [
+            pb.RerankResult(
+                index=int(i),
+                relevance_score=float(scores[i]),
+                document=request.documents[i] if options.return_documents else "",
+            )
+            for i in postprocess.rank(scores, options.top_n)
+        ]
+        return pb.RerankResponse(model=model.spec.name, results=results, usage=_usage(tokens))
+
+    @rpc
+    async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
+        options = request_options.from_classify(request)
+        model, logits, tokens = await self.engine.classify(
+            request.model, request.inputs, truncate=options.truncate, priority=options.priority
+        )
+        scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
+        labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
+        results = []
+        for row in scores:
+            order = postprocess.rank(row, 0)
+            results.append(
+                pb.Classification(labels=[pb.LabelScore(label=labels[j], score=float(row[j])) for j in order])
+            )
+        return pb.ClassifyResponse(model=model.spec.name, results=results, usage=_usage(tokens))
+
+    @rpc
+    async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        model = self.engine.get(request.model)
+        texts = self.engine.check_inputs(request.inputs)
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        self.engine.check_token_budget(estimate_tokens(texts, None))
+        encodings = await model.tokenizer.tokenize(texts, add_special)
+        self.engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
+        return pb.TokenizeResponse(
+            model=model.spec.name,
+            results=[
+                pb.TokenizedInput(
+                    ids=e.ids, tokens=e.tokens, offsets=[pb.TokenSpan(start=s, end=t) for s, t in e.offsets]
+                )
+                for e in encodings
+            ],
+        )
+
+    @rpc
+    async def EmbedMultimodal(self, request: pb.EmbedMultimodalRequest, context) -> pb.EmbedMultimodalResponse:
+        options = request_options.from_embed(request)
+        model, pooled, usage = await multimodal.embed_contents(
+            self.engine,
+            request.model,
+            contents(request.inputs),
+            truncate=options.truncate,
+            priority=options.priority,
+        )
+        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
+        return pb.EmbedMultimodalResponse(
+            model=model.spec.name, usage=_usage(usage), embeddings=embeddings_message(vectors, options.output_dtype)
+        )
+
+    @rpc
+    async def EmbedMultiVector(self, request: pb.EmbedMultiVectorRequest, context) -> pb.EmbedMultiVectorResponse:
+        options = request_options.from_embed(request)
+        model, rows, usage = await multimodal.embed_multivector(
+            self.engine,
+            request.model,
+            contents(request.inputs),
+            truncate=options.truncate,
+            prompt=options.prompt,
+            priority=options.priority,
+        )
+        return pb.EmbedMultiVectorResponse(
+            model=model.spec.name,
+            dimensions=model.output_dim,
+            usage=_usage(usage),
+            embeddings=[pb.MultiVector(rows=len(r), values=r.reshape(-1).tolist()) for r in rows],
+        )
+
+    @rpc
+    async def MaxSim(self, request: pb.MaxSimRequest, context) -> pb.MaxSimResponse:
+        options = request_options.from_rerank(request)
+        model, scores, usage = await multimodal.maxsim(
+            self.engine,
+            request.model,
+            request.query,
+            contents(request.documents, "documents"),
+            truncate=options.truncate,
+            query_prompt=request.query_prompt,
+            document_prompt=request.document_prompt,
+            priority=options.priority,
+        )
+        documents = request.documents
+        results = [
+            pb.RerankResult(
+                index=int(i),
+                relevance_score=float(scores[i]),
+                document=documents[i].text if options.return_documents else "",
+            )
+            for i in postprocess.rank(scores, options.top_n)
+        ]
+        return pb.MaxSimResponse(model=model.spec.name, results=results, usage=_usage(usage))
+
+    @rpc
+    async def EmbedSparse(self, request: pb.EmbedSparseRequest, context) -> pb.EmbedSparseResponse:
+        options = request_options.from_embed(request)
+        model, vectors, usage = await multimodal.embed_sparse(
+            self.engine,
+            request.model,
+            request.inputs,
+            truncate=options.truncate,
+            side=options.side,
+            prompt=options.prompt,
+            priority=options.priority,
+            top_k=request.top_k,
+            threshold=request.threshold,
+        )
+        return pb.EmbedSparseResponse(
+            model=model.spec.name,
+            dimensions=model.output_dim,
+            usage=_usage(usage),
+            embeddings=[pb.SparseEmbedding(indices=i.tolist(), values=v.tolist()) for i, v in vectors],
+        )
+
+    @rpc
+    async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
+        loading = [pb.ModelInfo(id=name, status="loading") for name in sorted(self.engine.loading)]
+        return pb.ListModelsResponse(models=[model_info(m) for m in self.engine.models.values()] + loading)
+
+
+def model_info(model) -> pb.ModelInfo:
+    replicas = [
+        pb.ModelReplica(
+            device=r.ready_info.device if r.ready_info else r.label.rpartition("@")[2],
+            pid=r.pid or 0,
+            restarts=r.restarts,
+            status="ready" if r.ready else "unavailable",
+        )
+        for r in model.replicas
+    ]
+    return pb.ModelInfo(
+        id=model.spec.name,
+        kind=model.spec.kind.value,
+        max_input_tokens=model.spec.max_length,
+        dimensions=model.output_dim,
+        engine=model.engine,
+        device=",".join(sorted({r.device for r in replicas})),
+        dtype=model.dtype,
+        labels=list(model.spec.labels),
+        status="ready" if model.ready else "unavailable",
+        replicas=replicas,
+        fidelity_status=model.fidelity_status,
+        fidelity=[
+            pb.FidelityFigure(metric=f.metric, value=f.value, bound=f.bound, passed=f.passed) for f in model.fidelity
+        ],
+    )

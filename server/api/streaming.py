@@ -1,0 +1,146 @@
+"""EmbedStream: bulk embedding over one bidirectional stream, with flow control.
+
+    reader   client messages -> `incoming`, one window slot each (blocks when full)
+    grouper  `incoming` -> groups of up to GROUP inputs -> one engine call each
+    writer   finished results -> client, releasing a slot per result written
+
+A slow reader blocks the writer, slots run out, the reader stops reading and
+gRPC flow control pushes back on the client: the server never holds more than
+`window` inputs of a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+from google.rpc import status_pb2
+
+from ...v1 import encoderd_pb2 as pb
+from ...workers.contract.model_spec import ModelKind
+from ..ops import metrics
+from ..scheduling.scheduler import Priority
+from . import postprocess, request_options
+from .errors import EncoderdError, InvalidInput, Overloaded
+from .handlers import MalformedRequest
+from .messages import embeddings_message
+
+WINDOW = 1024  # inputs of one stream inside the server at once
+GROUP = 64  # inputs sent to the scheduler together
+_END = object()
+
+
+def _error(item_id: str, exc: Exception) -> pb.EmbedStreamResponse:
+    code = exc.code if isinstance(exc, EncoderdError) else grpc.StatusCode.INTERNAL
+    return pb.EmbedStreamResponse(id=item_id, error=status_pb2.Status(code=code.value[0], message=str(exc)))
+
+
+class _Stream:
+    def __init__(self, engine, first: pb.EmbedStreamRequest, window: int):
+        self.engine = engine
+        # Bad options, model or prompt name: the whole stream fails. A stream is bulk unless it says otherwise.
+        self.options = request_options.from_embed(first, default_priority=Priority.BULK)
+        self.model = engine.get(first.model, ModelKind.EMBEDDING)
+        engine.prompt_text(self.model, self.options.prompt, self.options.prompt_name)
+        self.slots = asyncio.Semaphore(window)
+        self.incoming: asyncio.Queue = asyncio.Queue()
+        self.results: asyncio.Queue = asyncio.Queue()
+        self.groups: set[asyncio.Task] = set()
+        self.held = 0  # window slots taken by inputs not yet answered
+
+    async def read(self, first, requests) -> None:
+        await self._admit(first)
+        async for message in requests:
+            await self._admit(message)
+        await self.incoming.put(_END)
+
+    async def _admit(self, message) -> None:
+        await self.slots.acquire()
+        self.held += 1
+        metrics.STREAM_INPUTS_IN_FLIGHT.inc()
+        if isinstance(message, MalformedRequest):  # answered at once; the stream goes on
+            await self.results.put(_error("", InvalidInput(message.reason)))
+        else:
+            await self.incoming.put(message)
+
+    async def group(self) -> None:
+        ended = False
+        while not ended:
+            batch = []
+            message = await self.incoming.get()
+            while True:  # take what has already arrived, up to a group
+                if message is _END:
+                    ended = True
+                    break
+                batch.append(message)
+                if len(batch) == GROUP or self.incoming.empty():
+                    break
+                message = self.incoming.get_nowait()
+            if batch:
+                task = asyncio.create_task(self._embed(batch))
+                self.groups.add(task)
+                task.add_done_callback(self.groups.discard)
+        if self.groups:
+            await asyncio.gather(*list(self.groups))
+        await self.results.put(_END)
+
+    async def _embed(self, batch: list[pb.EmbedStreamRequest]) -> None:
+        good = []
+        for message in batch:
+            if not message.input:
+                await self.results.put(_error(message.id, InvalidInput("empty input")))
+            else:
+                good.append(message)
+        if not good:
+            return
+        o = self.options
+        try:
+            while True:
+                try:
+                    model, pooled, _ = await self.engine.embed(
+                        self.model.spec.name,
+                        [m.input for m in good],
+                        truncate=o.truncate,
+                        side=o.side,
+                        prompt=o.prompt,
+                        prompt_name=o.prompt_name,
+                        priority=o.priority,
+                    )
+                    break
+                except Overloaded:
+                    await asyncio.sleep(0.05)  # bulk work waits for room instead of failing
+            vectors = postprocess.finish_requested(pooled, model.spec.normalize, o)
+            for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype), strict=True):
+                await self.results.put(pb.EmbedStreamResponse(id=message.id, embedding=embedding))
+        except Exception as exc:  # noqa: BLE001 - not swallowed: each message of the group is answered with it
+            for message in good:
+                await self.results.put(_error(message.id, exc))
+
+    def release(self) -> None:
+        self.slots.release()
+        self.held -= 1
+        metrics.STREAM_INPUTS_IN_FLIGHT.dec()
+
+
+async def embed_stream(engine, first, requests, window: int = WINDOW):
+    """The EmbedStream servicer body: an async generator of responses. A bad first message
+    (malformed, unknown model, bad prompt name) fails the whole stream with its status."""
+    if isinstance(first, MalformedRequest):
+        raise InvalidInput(first.reason)
+    stream = _Stream(engine, first, window)
+    tasks = [asyncio.create_task(stream.read(first, requests)), asyncio.create_task(stream.group())]
+    try:
+        while True:
+            response = await stream.results.get()
+            if response is _END:
+                break
+            yield response
+            stream.release()
+        await tasks[0]  # surface a broken client stream
+    finally:
+        for task in (*tasks, *stream.groups):
+            task.cancel()
+        metrics.STREAM_INPUTS_IN_FLIGHT.dec(stream.held)  # unanswered inputs leave with the stream
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)

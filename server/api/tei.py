@@ -1,0 +1,462 @@
+"""Text Embeddings Inference's REST routes (/embed, /embed_all, /embed_sparse, /predict,
+/similarity, /rerank with `texts`, /tokenize, /decode, /info) in TEI's shapes: bare
+JSON lists, rendered here for the Compat service (server/api/rest.py).
+
+TEI serves one model and its requests name none; here `model` (an extension) picks
+one when several of the route's kind are served. Options come either at the top
+level (TEI's API) or nested under `parameters` (huggingface_hub's InferenceClient);
+the nested ones win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from google.api import httpbody_pb2
+from google.protobuf import json_format
+
+from ...v1 import compat_pb2 as cpb
+from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
+from ..models import multimodal
+from ..models.engine import estimate_tokens
+from ..models.media import Content
+from ..scheduling.scheduler import Priority
+from . import postprocess
+from . import rest as compat
+from .errors import InvalidInput
+from .request_options import ClassifyOptions, RerankOptions, key_priority
+from .token_states import embed_token_states
+
+SIDES = {"": "right", "right": "right", "left": "left"}
+# huggingface_hub's function_to_apply for /predict, over a row of logits ("": the model's default).
+ACTIVATIONS = {
+    "": None,
+    "none": lambda row: row,
+    "sigmoid": postprocess.sigmoid,
+    "softmax": lambda row: postprocess.softmax(row[None, :])[0],
+}
+
+
+def reject_set(request, fields: tuple[str, ...], context: str) -> None:
+    """Fields of another API's shape that cannot apply here: a 400, never silently ignored."""
+    for field in fields:
+        descriptor = request.DESCRIPTOR.fields_by_name[field]
+        is_set = (
+            request.HasField(field) if descriptor.has_presence else getattr(request, field) != descriptor.default_value
+        )
+        if is_set:
+            raise InvalidInput(f"`{field}` does not apply {context}")
+
+
+def side(value: str) -> str:
+    """TEI's truncation_direction ("right" / "left", any case) as the tokenizer's side."""
+    if value.lower() not in SIDES:
+        raise InvalidInput(f'`truncation_direction` must be "right" or "left", not {value!r}')
+    return SIDES[value.lower()]
+
+
+@dataclass(frozen=True)
+class Options:
+    truncate: bool
+    side: str
+    prompt_name: str
+    normalize: bool | None  # None: not given
+    dimensions: int  # 0: not given
+    function_to_apply: str  # "": not given
+    top_k: int  # 0: not given
+    priority: Priority  # the API key's (server/api/request_options.py)
+
+
+def options(request) -> Options:
+    """The request's TEI options, `parameters` (huggingface_hub's nesting) over the top level."""
+    params = request.parameters if request.HasField("parameters") else None
+
+    def pick(field: str, default):
+        for source in (params, request):
+            if source is None or field not in source.DESCRIPTOR.fields_by_name:
+                continue
+            if source.DESCRIPTOR.fields_by_name[field].has_presence:
+                if source.HasField(field):
+                    return getattr(source, field)
+            elif getattr(source, field):
+                return getattr(source, field)
+        return default
+
+    positive = {field: pick(field, None) for field in ("dimensions", "top_k")}
+    for field, value in positive.items():
+        if value is not None and value < 1:
+            raise InvalidInput(f"`{field}` must be a positive integer, not {value}")
+    function = pick("function_to_apply", "").lower()
+    if function not in ACTIVATIONS:
+        raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {function!r}")
+    return Options(
+        truncate=pick("truncate", True),
+        side=side(pick("truncation_direction", "")),
+        prompt_name=pick("prompt_name", ""),
+        normalize=pick("normalize", None),
+        dimensions=positive["dimensions"] or 0,
+        function_to_apply=function,
+        top_k=positive["top_k"] or 0,
+        priority=key_priority(),
+    )
+
+
+def _body(text: str) -> httpbody_pb2.HttpBody:
+    return httpbody_pb2.HttpBody(content_type="application/json", data=text.encode())
+
+
+def _json(document) -> httpbody_pb2.HttpBody:
+    return compat._json(document)
+
+
+def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> str:
+    """The name of the model `route` serves: the named one, else the one of `kinds`, an embedding
+    model first (server/models/model_resolver.py)."""
+    return service.engine.get(name, kinds, prefer=(ModelKind.EMBEDDING,), call=route).spec.name
+
+
+def _no_embedding_options(opts: Options, route: str) -> None:
+    if opts.normalize is not None or opts.dimensions:
+        raise InvalidInput(f"`normalize` and `dimensions` apply to /embed, not {route}")
+
+
+def _no_predict_options(opts: Options, route: str) -> None:
+    if opts.function_to_apply or opts.top_k:
+        raise InvalidInput(f"`function_to_apply` and `top_k` apply to /predict, not {route}")
+
+
+# ------------------------------------------------------------------- routes
+async def embed(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    _no_predict_options(opts, "/embed")
+    texts, token_ids = compat.embedding_inputs(request.inputs)
+    name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
+    if texts is not None:
+        model, pooled, _ = await service.engine.embed(
+            name,
+            texts,
+            truncate=opts.truncate,
+            side=opts.side,
+            prompt_name=opts.prompt_name,
+            priority=opts.priority,
+        )
+    else:
+        if opts.prompt_name or opts.side != "right" or not opts.truncate:
+            raise InvalidInput(
+                "token-id inputs are used as given: `prompt_name`, `truncate` and "
+                "`truncation_direction` apply to text inputs only"
+            )
+        model, pooled, _ = await service.engine.embed_ids(name, token_ids, priority=opts.priority)
+    # TEI normalizes unless told not to, whatever the model's own default.
+    vectors = postprocess.finish_embeddings(pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions)
+    return _body("[" + ",".join(compat.float_rows(model.spec.name, vectors)) + "]")
+
+
+def _texts(request, route: str) -> list[str]:
+    texts, _ = compat.embedding_inputs(request.inputs)
+    if texts is None:
+        raise InvalidInput(f"{route} takes text inputs, not token ids")
+    return texts
+
+
+EMBED_ALL_KINDS = (ModelKind.EMBEDDING, *MULTI_VECTOR_KINDS)
+
+
+async def embed_all(service, request) -> httpbody_pb2.HttpBody:
+    """Per input, one vector per token: a plain embedder's last hidden states (as TEI), a
+    multi-vector model's token (and patch) vectors."""
+    opts = options(request)
+    _no_embedding_options(opts, "/embed_all")
+    _no_predict_options(opts, "/embed_all")
+    texts = _texts(request, "/embed_all")
+    name = pick_model(service, request.model, EMBED_ALL_KINDS, "/embed_all")
+    served = service.engine.get(name, EMBED_ALL_KINDS)
+    if served.spec.kind == ModelKind.EMBEDDING:
+        model, rows, _ = await embed_token_states(
+            service.engine,
+            name,
+            texts,
+            truncate=opts.truncate,
+            side=opts.side,
+            prompt_name=opts.prompt_name,
+            priority=opts.priority,
+        )
+    else:
+        if opts.side != "right":
+            raise InvalidInput("/embed_all cuts a multi-vector model's over-long inputs on the right only")
+        prompt = service.engine.prompt_text(served, "", opts.prompt_name)
+        model, rows, _ = await multimodal.embed_multivector(
+            service.engine,
+            name,
+            [Content(text=t) for t in texts],
+            truncate=opts.truncate,
+            prompt=prompt,
+            priority=opts.priority,
+        )
+    rendered = ("[" + ",".join(compat.float_rows(model.spec.name, r)) + "]" for r in rows)
+    return _body("[" + ",".join(rendered) + "]")
+
+
+async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    _no_embedding_options(opts, "/embed_sparse")
+    _no_predict_options(opts, "/embed_sparse")
+    texts = _texts(request, "/embed_sparse")
+    name = pick_model(service, request.model, (ModelKind.SPARSE,), "/embed_sparse")
+    prompt = service.engine.prompt_text(service.engine.get(name, ModelKind.SPARSE), "", opts.prompt_name)
+    _, vectors, _ = await multimodal.embed_sparse(
+        service.engine,
+        name,
+        texts,
+        truncate=opts.truncate,
+        side=opts.side,
+        prompt=prompt,
+        priority=opts.priority,
+    )
+    return _json(
+        [
+            [{"index": int(i), "value": float(v)} for i, v in zip(indices, values, strict=True)]
+            for indices, values in vectors
+        ]
+    )
+
+
+PREDICT_SHAPES = (
+    'a string, a pair of strings ["text", "text_pair"], or a batch of one-string lists and '
+    'pairs [["text"], ["text", "text_pair"], ...]'
+)
+
+
+def _strings(values) -> list[str] | None:
+    """The strings of a JSON list that holds only strings, else None."""
+    if not all(v.WhichOneof("kind") == "string_value" for v in values):
+        return None
+    return [v.string_value for v in values]
+
+
+def predict_inputs(value) -> tuple[list[str | tuple[str, str]], bool]:
+    """TEI's /predict `inputs` -> (inputs, batched), each input a text or a (text, text_pair)
+    pair. As TEI reads it: "a" is one text, ["a", "b"] one pair, [["a"], ["b", "c"]] a batch."""
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return [value.string_value], False
+    items = list(value.list_value.values) if kind == "list_value" else []
+    if not items:
+        raise InvalidInput(f"`inputs` is required: {PREDICT_SHAPES}")
+    if items[0].WhichOneof("kind") == "string_value":  # not a batch: one text, or one pair
+        strings = _strings(items)
+        if strings is None or len(strings) > 2:
+            raise InvalidInput(f"`inputs` must be {PREDICT_SHAPES}")
+        return [strings[0] if len(strings) == 1 else (strings[0], strings[1])], False
+    batch = []
+    for i, item in enumerate(items):
+        strings = _strings(item.list_value.values) if item.WhichOneof("kind") == "list_value" else None
+        if strings is None or len(strings) not in (1, 2):
+            raise InvalidInput(f'inputs[{i}] must be ["text"] or ["text", "text_pair"]: `inputs` is {PREDICT_SHAPES}')
+        batch.append(strings[0] if len(strings) == 1 else (strings[0], strings[1]))
+    return batch, True
+
+
+async def predict(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    _no_embedding_options(opts, "/predict")
+    if opts.prompt_name:
+        raise InvalidInput("`prompt_name` does not apply to /predict")
+    if request.raw_scores and opts.function_to_apply:
+        raise InvalidInput("set `raw_scores` or `function_to_apply`, not both")
+    texts, batched = predict_inputs(request.inputs)
+    name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
+    activation = ACTIVATIONS[opts.function_to_apply]
+    raw_scores = request.raw_scores or bool(activation)
+    scoring = ClassifyOptions(truncate=opts.truncate, side=opts.side, priority=opts.priority, raw_scores=raw_scores)
+    _, results, _ = await service.classifications(name, texts, scoring)
+    if activation:  # monotonic within a row: the best-first order of the logits holds
+        results = [_activated(row, activation) for row in results]
+    results = [row[: opts.top_k or None] for row in results]
+    return _json(results if batched else results[0])
+
+
+def _activated(row: list[dict], activation) -> list[dict]:
+    scores = activation(np.array([label["score"] for label in row], dtype=np.float32))
+    return [{**label, "score": float(score)} for label, score in zip(row, scores, strict=True)]
+
+
+async def similarity(service, request) -> httpbody_pb2.HttpBody:
+    opts = options(request)
+    _no_embedding_options(opts, "/similarity")
+    _no_predict_options(opts, "/similarity")
+    source, sentences = request.inputs.source_sentence, list(request.inputs.sentences)
+    if not source or not sentences:
+        raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")
+    name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/similarity")
+    _, pooled, _ = await service.engine.embed(
+        name,
+        [source, *sentences],
+        truncate=opts.truncate,
+        side=opts.side,
+        prompt_name=opts.prompt_name,
+        priority=opts.priority,
+    )
+    vectors = postprocess.finish_embeddings(pooled, normalize=True)
+    return _json([float(s) for s in vectors[1:] @ vectors[0]])
+
+
+async def rerank(service, request) -> httpbody_pb2.HttpBody:
+    """TEI's /rerank (`texts`): [{index, score, text?}], best first."""
+    reject_set(request, ("top_n", "return_documents"), "with `texts` (TEI's /rerank; it returns every text)")
+    name = pick_model(service, request.model, (ModelKind.RERANKER,), "/rerank")
+    texts = list(request.texts)
+    if not texts:
+        raise InvalidInput("`texts` is required: a non-empty list of strings")
+    options = RerankOptions.for_call(
+        truncate=request.truncate if request.HasField("truncate") else True,
+        side=side(request.truncation_direction),
+        raw_scores=request.raw_scores,
+    )
+    _, scores, _ = await service.rerank_scores(name, request.query, texts, options)
+    results = []
+    for i in postprocess.rank(scores, 0).tolist():
+        result = {"index": i, "score": float(scores[i])}
+        if request.return_text:
+            result["text"] = texts[i]
+        results.append(result)
+    return _json(results)
+
+
+async def tokenize(service, request) -> httpbody_pb2.HttpBody:
+    model = service.engine.get(request.model)
+    texts = service.engine.check_inputs(compat.string_list(request.inputs, "inputs"))
+    prefix = service.engine.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
+    texts = [prefix + t for t in texts]
+    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    service.engine.check_token_budget(estimate_tokens(texts, None))
+    encodings = await model.tokenizer.tokenize(texts, add_special)
+    service.engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
+    return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)])
+
+
+def _tokens(text: str, encoding) -> list[dict]:
+    """TEI's SimpleToken list: special tokens carry their own text and no offsets."""
+    out = []
+    for token_id, token, (start, stop), special in zip(
+        encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask, strict=True
+    ):
+        if special:
+            out.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
+        else:
+            out.append({"id": token_id, "text": text[start:stop], "special": False, "start": start, "stop": stop})
+    return out
+
+
+def decode_ids(value, vocab: int) -> list[list[int]]:
+    """TEI's /decode `ids`: a list of token ids or a list of such lists."""
+    kind = value.WhichOneof("kind")
+    items = list(value.list_value.values) if kind == "list_value" else []
+    if items and all(v.WhichOneof("kind") == "number_value" for v in items):
+        sequences = [[v.number_value for v in items]]
+    elif items and all(v.WhichOneof("kind") == "list_value" for v in items):
+        sequences = [
+            [v.number_value if v.WhichOneof("kind") == "number_value" else -1.0 for v in item.list_value.values]
+            for item in items
+        ]
+    else:
+        raise InvalidInput("`ids` is required: a non-empty list of token ids, or a list of such lists")
+    for i, seq in enumerate(sequences):
+        values = np.asarray(seq, dtype=np.float64)
+        if not ((values >= 0) & (values < vocab) & (values == np.floor(values))).all():
+            raise InvalidInput(f"ids[{i}] holds a value that is not a token id: ids are integers in [0, {vocab})")
+    return [[int(v) for v in seq] for seq in sequences]
+
+
+async def decode(service, request) -> httpbody_pb2.HttpBody:
+    model = service.engine.get(request.model)
+    tokenizer = model.tokenizer.untruncated
+    sequences = decode_ids(request.ids, tokenizer.get_vocab_size(with_added_tokens=True))
+    skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+    return _json(tokenizer.decode_batch(sequences, skip_special_tokens=skip))
+
+
+# TEI's name for a pooling mode where it differs from sentence-transformers'.
+TEI_POOLING = {"lasttoken": "last_token"}
+
+
+def _model_type(model) -> dict:
+    if model.spec.kind not in (ModelKind.CLASSIFIER, ModelKind.RERANKER):
+        modes = [TEI_POOLING.get(mode.value, mode.value) for mode in model.spec.pooling]
+        return {"embedding": {"pooling": "+".join(modes)}}  # several: concatenated, in this order
+    labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(model.output_dim))
+    return {
+        model.spec.kind.value: {
+            "id2label": {str(i): label for i, label in enumerate(labels)},
+            "label2id": {label: i for i, label in enumerate(labels)},
+        }
+    }
+
+
+async def info(service, request) -> httpbody_pb2.HttpBody:
+    model = service.engine.get(request.model)
+    config = service.engine.config
+    limits = model.scheduler.limits[Priority.INTERACTIVE]
+    return _json(
+        {
+            "model_id": model.spec.name,
+            "model_sha": None,
+            "model_dtype": model.dtype,
+            "served_model_name": model.spec.name,
+            "model_type": _model_type(model),
+            "max_concurrent_requests": model.scheduler.max_queued,
+            "max_input_length": model.spec.max_length,
+            "max_batch_tokens": limits.max_batch_tokens,
+            "max_batch_requests": limits.max_batch_size,  # its own
+            "max_client_batch_size": config.max_inputs_per_request,
+            "auto_truncate": True,
+            "tokenization_workers": config.tokenizer_threads,
+            "version": _version(),
+            "sha": None,
+            "docker_label": None,
+        }
+    )
+
+
+# POST /: per model kind, the route (its request message, handler and path) TEI would pick.
+ROOT_ROUTES = {
+    ModelKind.EMBEDDING: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLIP: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLAP: (cpb.TeiEmbedRequest, embed, "/embed"),
+    ModelKind.CLASSIFIER: (cpb.TeiPredictRequest, predict, "/predict"),
+    ModelKind.RERANKER: (cpb.RootRerankRequest, rerank, "/rerank"),
+    ModelKind.SPARSE: (cpb.TeiEmbedRequest, embed_sparse, "/embed_sparse"),
+    ModelKind.COLBERT: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
+    ModelKind.COLPALI: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
+}
+
+
+async def root(service, request: cpb.TeiRootRequest) -> httpbody_pb2.HttpBody:
+    """TEI's POST /: the request, narrowed to the message of the model's route (a field that
+    route does not take is a 400), handled by that route."""
+    if not request.model and len(service.engine.models) > 1:
+        raise InvalidInput(
+            f"POST / needs `model` when several models are served (here: "
+            f"{', '.join(sorted(service.engine.models))}); or post to /embed, /predict, /rerank"
+        )
+    model = service.engine.get(request.model)
+    message_class, handler, path = ROOT_ROUTES[model.spec.kind]
+    fields = json_format.MessageToDict(request, preserving_proto_field_name=True)
+    fields["model"] = model.spec.name
+    try:
+        narrowed = json_format.ParseDict(fields, message_class())
+    except json_format.ParseError as exc:
+        raise InvalidInput(
+            f"POST / serves {model.spec.name!r} as TEI's {path}, which does not take this request: {exc}"
+        ) from None
+    return await handler(service, narrowed)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("encoderd")
+    except PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,40 @@
+"""An embedding model's token states: every input token's last hidden state, as TEI's
+/embed_all returns them for a plain embedder.
+
+What the encoder computes before pooling, for all of an input's tokens (special tokens
+included, after truncation): not pooled, not normalized, no Dense module. The worker
+computes them in batches of their own (batching.WorkItem.token_states) and sends them
+back ragged, one (tokens, hidden) array per input. Identical inputs in flight are computed
+once, keyed apart from the pooled vectors of the same texts; they are not kept in the LRU
+(compute.TOKEN_STATES).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import numpy as np
+
+from ...workers.contract.model_spec import ModelKind
+from ..models import compute
+from ..models.engine import Engine, ServedModel
+from ..scheduling.scheduler import Priority
+
+
+async def embed_token_states(
+    engine: Engine,
+    name: str,
+    texts,
+    *,
+    truncate: bool = True,
+    side: str = "right",
+    prompt_name: str = "",
+    priority: Priority = Priority.INTERACTIVE,
+) -> tuple[ServedModel, list[np.ndarray], int]:
+    """Per input, its (tokens, hidden) float32 last hidden states, and the token count."""
+    model = engine.get(name, ModelKind.EMBEDDING)
+    prefix = engine.prompt_text(model, "", prompt_name)
+    rows, n_tokens = await compute.run(
+        engine, model, texts, compute.TOKEN_STATES, truncate=truncate, side=side, prefix=prefix, priority=priority
+    )
+    return model, cast("list[np.ndarray]", rows), n_tokens  # ragged: the rows, as a list

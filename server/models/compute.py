@@ -1,0 +1,222 @@
+"""The one compute path every operation takes, whatever its kind or modality:
+
+    check → key → dedup / cache → work items (tokenize, or decode media) → schedule → reassemble
+
+An operation (embed, rerank, classify, token states, media, multi-vector, sparse) only says
+what it computes: its inputs (texts, text pairs, token ids, media), the options that shape the
+raw output (truncation, its side, a query the inputs pair with) and which output (`Output`).
+Post-processing (normalize, dimensions, scores) is the caller's, after: not part of the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...workers.contract.model_spec import modalities
+from ..api.errors import InvalidInput
+from ..scheduling.batching import MediaItem, WorkItem
+from ..scheduling.scheduler import PendingRequest, Priority
+from .media import Content, media_bytes
+from .result_cache import result_key
+
+if TYPE_CHECKING:  # engine.py calls this module: its types only
+    from ..ops.config import ServerConfig
+    from .engine import Engine, ServedModel
+
+
+@dataclass(frozen=True)
+class Output:
+    """What the worker computes per input, and how the result cache holds it."""
+
+    name: str  # the result cache's namespace: the same text keys apart per output
+    ragged: bool = False  # one array per input of its own shape (multi-vector, sparse, token states)
+    token_states: bool = False  # an embedder's unpooled last hidden states (batched apart)
+    remember: bool = True  # kept in the LRU (False: only shared while in flight)
+
+
+POOLED = Output("embed")  # one vector per input (embedders, clip, clap)
+PAIR_LOGITS = Output("pair")  # a reranker's logits per (query, document)
+CLASS_LOGITS = Output("classify")  # a classifier's logits per text or text pair
+MULTI_VECTOR = Output("embed", ragged=True)  # colbert / colpali rows, sparse (indices, weights)
+# Not kept in the LRU: one input's states are ~tokens x a pooled vector's bytes (256 x 1.5 KB for
+# MiniLM), which an LRU sized in entries for vectors would turn into gigabytes.
+TOKEN_STATES = Output("token_states", ragged=True, token_states=True, remember=False)
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """A pre-tokenized input (OpenAI token-id input), its model's special tokens already added."""
+
+    ids: np.ndarray  # int32
+
+
+@dataclass(frozen=True)
+class _Media:
+    modality: str
+    data: bytes  # the encoded file
+
+
+# A text, a (text, text_pair) pair, token ids, or a Content (a text, an image or audio clip).
+Input = str | tuple[str, str] | TokenIds | Content
+# What an input's key and work item are made of: a text (its prompt included), a text pair, token
+# ids, or a media input's encoded file.
+_Payload = str | tuple[str, str] | TokenIds | _Media
+_A = {"text": "a text", "image": "an image", "audio": "audio"}
+
+
+async def run(
+    engine: Engine,
+    model: ServedModel,
+    inputs: Iterable[Input],
+    output: Output,
+    *,
+    truncate: bool = True,
+    side: str = "right",
+    prefix: str = "",
+    pairs_with: str | None = None,
+    priority: Priority = Priority.INTERACTIVE,
+    what: str = "inputs",
+) -> tuple[np.ndarray | list, int]:
+    """Rows for every input, in order (stacked, or a list when `output.ragged`), and the token
+    count. `prefix` (a prompt) goes before every text; `pairs_with`: each input is a document
+    paired with this query. Identical inputs in flight are computed once."""
+    inputs = list(inputs)
+    model.scheduler.refuse_if_full(len(inputs))  # a flood is refused before any other work
+    spec = model.spec
+    check_inputs(engine.config, inputs, what, modalities(spec.kind), f"{spec.name!r} ({spec.kind.value})")
+    payloads = await _payloads(engine, inputs, prefix, what)
+    keys = [_key(output, p, truncate, side, pairs_with) for p in payloads]
+
+    async def compute_some(indices: list[int]) -> tuple[np.ndarray, np.ndarray]:  # ragged: a list of rows
+        request = PendingRequest(len(indices), output.ragged)
+        chosen = [(payloads[i], f"{what}[{i}]") for i in indices]
+        items, costs = await _work_items(
+            engine,
+            model,
+            chosen,
+            request,
+            output,
+            truncate=truncate,
+            side=side,
+            pairs_with=pairs_with,
+            priority=priority,
+        )
+        return await model.scheduler.run(items, request, priority), costs
+
+    return await model.results.resolve(keys, compute_some, stack=not output.ragged, remember=output.remember)
+
+
+def check_inputs(
+    config: ServerConfig, inputs: list, what: str = "inputs", takes: Sequence[str] = ("text",), model: str = ""
+) -> list:
+    """Count, modality and text limits of a request's inputs (texts, text pairs, token ids, contents);
+    `takes`: the modalities of `model` (its name and kind, for the message)."""
+    if not inputs:
+        raise InvalidInput(f"`{what}` is empty: send at least one")
+    if len(inputs) > config.max_inputs_per_request:
+        raise InvalidInput(f"too many {what}: {len(inputs)} > {config.max_inputs_per_request} per request")
+    for i, given in enumerate(inputs):
+        name = f"{what}[{i}]"
+        item = given
+        if isinstance(given, Content):
+            if given.modality not in takes:
+                raise InvalidInput(f"{name} is {_A[given.modality]}, but model {model} takes {' and '.join(takes)}")
+            item = given.text if given.modality == "text" else None
+        if isinstance(item, TokenIds) or item is None:
+            continue
+        for part in item if isinstance(item, tuple) else (item,):  # a (text, text_pair) pair: both
+            if not part:
+                raise InvalidInput(f"{name} is an empty string")
+            check_text(config, part, name)
+    return inputs
+
+
+def check_text(config: ServerConfig, text, what: str) -> str:
+    """The character limit, for every text field a request carries (inputs, documents, query, prompt)."""
+    if len(text) > config.max_input_chars:
+        raise InvalidInput(f"{what} has {len(text)} characters; the limit is {config.max_input_chars}")
+    return text
+
+
+async def _payloads(engine: Engine, inputs: list[Input], prefix: str, what: str) -> list[_Payload]:
+    """Texts with their prompt; media bytes given, in a data: URI or fetched (concurrently, off the
+    loop): the cache keys on their digest."""
+    loop = asyncio.get_running_loop()
+    fetches = {
+        i: loop.run_in_executor(engine.fetch_pool, media_bytes, x, engine.media_limits, f"{what}[{i}]")
+        for i, x in enumerate(inputs)
+        if isinstance(x, Content) and x.modality != "text"
+    }
+    blobs = dict(zip(fetches, await asyncio.gather(*fetches.values()), strict=True))
+    payloads: list[_Payload] = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, Content):
+            payloads.append(prefix + x.text if x.modality == "text" else _Media(x.modality, blobs[i]))
+        else:
+            payloads.append(prefix + x if isinstance(x, str) else x)
+    return payloads
+
+
+def _key(output: Output, payload: _Payload, truncate: bool, side: str, pairs_with: str | None) -> bytes:
+    if isinstance(payload, _Media):
+        return result_key(payload.modality, hashlib.blake2b(payload.data, digest_size=20).hexdigest())
+    if isinstance(payload, TokenIds):
+        return result_key(output.name, "ids", payload.ids.tobytes().hex())
+    texts = payload if isinstance(payload, tuple) else (payload,)
+    query = () if pairs_with is None else (pairs_with,)
+    return result_key(output.name, side, str(truncate), *query, *texts)
+
+
+async def _work_items(
+    engine: Engine,
+    model: ServedModel,
+    inputs: list[tuple[_Payload, str]],
+    request: PendingRequest,
+    output: Output,
+    *,
+    truncate: bool,
+    side: str,
+    pairs_with: str | None,
+    priority: Priority,
+) -> tuple[list[WorkItem], np.ndarray]:
+    """Queue items for (payload, name) inputs, and each one's cost in tokens (or token-equivalents)."""
+    items: list = [None] * len(inputs)
+    costs = np.zeros(len(inputs), dtype=np.int64)
+    texts = [j for j, (p, _) in enumerate(inputs) if isinstance(p, str | tuple)]
+    n_tokens = 0  # texts' and token ids', held to --max-request-tokens (media costs are no tokens)
+    if texts:
+        batch: list = [inputs[j][0] for j in texts]
+        estimated = ["".join(t) if isinstance(t, tuple) else t for t in batch]
+        with engine.admit(model, estimated, truncate=truncate, pairs_with=pairs_with or ""):
+            tokens = await model.tokenizer.encode(
+                batch, truncate=truncate, side=side, pairs_with=pairs_with, bulk=priority == Priority.BULK
+            )
+        n_tokens += tokens.total_tokens
+        no_types: list[np.ndarray | None] = [None] * len(texts)
+        types: Sequence[np.ndarray | None] = tokens.type_ids or no_types
+        for j, ids, type_ids in zip(texts, tokens.ids, types, strict=True):
+            items[j] = WorkItem(ids, type_ids, request, j, token_states=output.token_states)
+    for j, (payload, _) in enumerate(inputs):
+        if isinstance(payload, TokenIds):
+            items[j] = WorkItem(payload.ids, None, request, j, token_states=output.token_states)
+            n_tokens += len(payload.ids)
+    engine.check_token_budget(0, n_tokens)
+    media = [(j, p, name) for j, (p, name) in enumerate(inputs) if isinstance(p, _Media)]
+    loop = asyncio.get_running_loop()
+    done = await asyncio.gather(
+        *(loop.run_in_executor(engine.media_pool, model.media[p.modality], p.data, name) for _, p, name in media)
+    )
+    for (j, p, _), (features, flag, cost) in zip(media, done, strict=True):
+        items[j] = MediaItem(_NO_IDS, None, request, j, features=features, flag=flag, cost=cost, modality=p.modality)
+    for j, item in enumerate(items):
+        costs[j] = item.length  # tokens; a media item's cost in token-equivalents
+    return items, costs
+
+
+_NO_IDS = np.zeros(0, dtype=np.int32)

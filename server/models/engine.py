@@ -1,0 +1,407 @@
+"""The served models and the operations on them, independent of any API.
+
+Each ServedModel owns a tokenizer, a result cache, a scheduler and its worker
+processes (one per replica). The gRPC servicers (and through Envoy, REST)
+call Engine.embed / score_pairs / classify (server/models/multimodal.py: media and
+multi-vector), which all compute through server/models/compute.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import cast
+
+import numpy as np
+
+from ...workers.contract.config import BackendOptions, WorkerConfig
+from ...workers.contract.model_spec import (
+    ModelKind,
+    ModelSpec,
+    Pooling,
+    check_prompts,
+    load_model_spec,
+    modalities,
+    resolve_model_path,
+)
+from ...workers.contract.protocol import HEARTBEAT_INTERVAL
+from ..api.errors import InvalidInput
+from ..ops import metrics
+from ..ops.config import ModelConfig, ServerConfig
+from ..scheduling.batching import BatchLimits
+from ..scheduling.placement import Placement, plan_replicas
+from ..scheduling.scheduler import ModelScheduler, Priority
+from ..scheduling.worker_client import WorkerClient
+from ..scheduling.zygote_client import shared_zygote
+from . import compute
+from .choices import explain
+from .media import MediaLimits, load_preprocessors
+from .model_resolver import resolve
+from .result_cache import ResultCache
+from .tokenization import ModelTokenizer
+
+log = logging.getLogger("encoderd.engine")
+
+
+@dataclass
+class ServedModel:
+    spec: ModelSpec
+    tokenizer: ModelTokenizer
+    replicas: list[WorkerClient]
+    scheduler: ModelScheduler
+    engine: str
+    dtype: str
+    results: ResultCache
+    prompts: dict[str, str]
+    media: dict = field(default_factory=dict)  # modality -> preprocessor (server/models/media.py), media kinds only
+    fidelity_status: str = ""  # the first replica's start-up self-check (workers/fidelity.py)
+    fidelity: tuple = ()  # its protocol.FidelityFigure's
+
+    @property
+    def ready(self) -> bool:
+        return self.scheduler.ready
+
+    @property
+    def output_dim(self) -> int:
+        infos = [r.ready_info for r in self.replicas if r.ready_info]
+        if infos:
+            return infos[0].output_dim
+        return (
+            len(self.spec.labels)
+            if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
+            else self.spec.hidden_size
+        )
+
+
+class Engine:
+    def __init__(self, config: ServerConfig, on_model_state=lambda name, ready: None):
+        self.config = config
+        self.models: dict[str, ServedModel] = {}
+        self.loading = {m.name for m in config.models}  # configured, not yet served: calls get UNAVAILABLE
+        self._on_model_state = on_model_state
+        self._workers: list[WorkerClient] = []  # every worker started, so a failed start can stop them all
+        self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenizer")
+        self._bulk_tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-bulk")
+        # Media decoding and preprocessing (server/models/media.py): blocking CPU work, off the event loop; URL
+        # fetches wait on the network instead, in their own pool, so slow hosts never stall the decoding.
+        self.media_pool = ThreadPoolExecutor(config.media_threads, thread_name_prefix="media")
+        self.fetch_pool = ThreadPoolExecutor(16, thread_name_prefix="media-fetch")
+        self.media_limits = MediaLimits(config.media_max_bytes, config.media_fetch_timeout, config.media_urls)
+        self.zygote = shared_zygote(config)  # forks the CPU workers (workers/zygote.py)
+
+    # -------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Load every model concurrently; each in its own worker process. When one fails, the others
+        stop too: no worker outlives a failed start (the in-process API's caller lives on)."""
+        if self.zygote:
+            self.zygote.start()  # (the CLI has launched it already)
+        starts = [asyncio.ensure_future(self._start_model(m)) for m in self.config.models]
+        try:
+            models = await asyncio.gather(*starts)
+        except BaseException:
+            for start in starts:
+                start.cancel()
+            await asyncio.gather(*starts, return_exceptions=True)
+            await asyncio.gather(*(w.stop() for w in self._workers), return_exceptions=True)
+            if self.zygote:
+                self.zygote.stop()
+            raise
+        self.models = {m.spec.name: m for m in models}
+        self.loading.clear()
+
+    async def _start_model(self, model: ModelConfig) -> ServedModel:
+        cfg = self.config.for_model(model)  # its engine, dtype, replicas, batch limits...: own, else the server's
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(None, resolve_model_path, model.source, model.revision)
+        spec = load_model_spec(
+            model.name,
+            path,
+            ModelKind(model.kind) if model.kind else None,
+            pooling=Pooling(model.pooling) if model.pooling else None,
+            max_length=model.max_length,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        prompts = {**spec.prompts, **dict(cfg.prompts)}
+        check_prompts(spec, prompts)
+        tokenizer = ModelTokenizer(
+            path,
+            spec.max_length,
+            self._tokenizer_pool,
+            self._bulk_tokenizer_pool,
+            lowercase=spec.lowercase,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
+        media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
+        placements = plan_replicas(cfg.device, cfg.replicas, cfg.cpu_threads)
+        replicas = [self._replica(spec, placement, cfg) for placement in placements]
+        started = time.perf_counter()
+        log.info("starting %d worker(s) for %s (%s, kind=%s)", len(replicas), spec.name, path, spec.kind.value)
+        infos = await asyncio.gather(*(replica.start() for replica in replicas))
+        log.info(
+            "model %s ready in %.1fs (pids %s, %s/%s; fidelity %s%s)",
+            spec.name,
+            time.perf_counter() - started,
+            ",".join(str(i.pid) for i in infos),
+            infos[0].engine,
+            infos[0].dtype,
+            infos[0].fidelity_status,
+            "".join(f", {f.metric} {f.value:.5f}" for f in infos[0].fidelity),
+        )
+        log.info("chose %s", explain(spec.name, cfg, placements, infos[0].engine, infos[0].dtype))
+        metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
+        metrics.observe_fidelity(spec.name, infos[0].fidelity)
+        scheduler = self._scheduler(spec, replicas, cfg, padded=any(i.is_padded for i in infos))
+        return ServedModel(
+            spec,
+            tokenizer,
+            replicas,
+            scheduler,
+            infos[0].engine,
+            infos[0].dtype,
+            ResultCache(spec.name, cfg.cache_size),
+            prompts,
+            await media,
+            infos[0].fidelity_status,
+            infos[0].fidelity,
+        )
+
+    def _scheduler(
+        self, spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerConfig, padded: bool
+    ) -> ModelScheduler:
+        mixed = len(modalities(spec.kind)) > 1
+        limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
+        bulk_tokens = min(cfg.bulk_batch_tokens or cfg.max_batch_tokens, cfg.max_batch_tokens)
+        bulk_limits = BatchLimits(cfg.max_batch_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
+        scheduler = ModelScheduler(
+            spec.name,
+            replicas,
+            limits,
+            bulk_limits=bulk_limits,
+            batch_delay=cfg.batch_delay_ms / 1000,
+            max_queued=cfg.max_queued_inputs,
+            max_queued_tokens=cfg.max_queued_tokens,
+        )
+        scheduler.start()
+        return scheduler
+
+    def _replica(self, spec: ModelSpec, placement: Placement, cfg: ServerConfig) -> WorkerClient:
+        options = BackendOptions(
+            device=placement.device,
+            dtype=cfg.dtype,
+            threads=placement.threads,
+            cache_dir=cfg.cache_dir,
+            max_batch_size=cfg.max_batch_size,
+            compile=cfg.torch_compile,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        label = f"{spec.name}@{placement.label}"
+
+        def make_config(batch_address: str, result_address: str) -> WorkerConfig:
+            return WorkerConfig(
+                spec,
+                cfg.engine,
+                options,
+                batch_address,
+                result_address,
+                cfg.log_level,
+                label,
+                cpu_affinity=placement.cores,
+                log_format=cfg.log_format,
+                allow_low_fidelity=cfg.allow_low_fidelity,
+                heartbeat_interval=HEARTBEAT_INTERVAL if cfg.worker_stall_timeout else 0.0,
+            )
+
+        restarts_counted = 0
+        metrics.WORKER_RESTARTS.labels(spec.name, label)  # export the series at 0, so increase() sees the first
+
+        def on_state(ready: bool) -> None:
+            nonlocal restarts_counted
+            metrics.WORKER_UP.labels(spec.name, label).set(int(ready))
+            # WorkerClient counts each death it restarts from; mirror that count into Prometheus.
+            if worker.restarts > restarts_counted:
+                metrics.WORKER_RESTARTS.labels(spec.name, label).inc(worker.restarts - restarts_counted)
+                restarts_counted = worker.restarts
+            self._on_model_state(spec.name, self.models[spec.name].ready if spec.name in self.models else ready)
+
+        worker = WorkerClient(
+            make_config,
+            label,
+            on_state,
+            start_timeout=cfg.worker_start_timeout,
+            stall_timeout=cfg.worker_stall_timeout,
+            zygote=self.zygote,
+        )
+        self._workers.append(worker)
+        return worker
+
+    async def stop(self) -> None:
+        for model in self.models.values():
+            await model.scheduler.stop()
+        await asyncio.gather(*(r.stop() for m in self.models.values() for r in m.replicas), return_exceptions=True)
+        if self.zygote:
+            self.zygote.stop()
+        for pool in (self._tokenizer_pool, self._bulk_tokenizer_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.media_pool.shutdown(wait=False, cancel_futures=True)
+        self.fetch_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------- operations
+    def get(
+        self,
+        name: str,
+        kinds: ModelKind | Sequence[ModelKind] | None = None,
+        prefer: Sequence[ModelKind] = (),
+        call: str = "this call",
+    ) -> ServedModel:
+        """The served model a request means (server/models/model_resolver.py)."""
+        kinds = (kinds,) if isinstance(kinds, ModelKind) else kinds
+        return resolve(self.models, self.loading, name, kinds, prefer, call)
+
+    def check_inputs(self, texts, what: str = "inputs") -> list:
+        return compute.check_inputs(self.config, list(texts), what)
+
+    def check_text(self, text: str, what: str) -> str:
+        return compute.check_text(self.config, text, what)
+
+    def check_token_budget(self, estimate: int, exact: int | None = None) -> None:
+        """--max-request-tokens: a cheap estimate before any work, the exact count after tokenization
+        (before any compute)."""
+        budget = self.config.max_request_tokens
+        count = estimate if exact is None else exact
+        if budget and count > budget:
+            kind = "at least" if exact is None else ""
+            raise InvalidInput(
+                f"the request holds {kind} {count} tokens; the limit is {budget} per request "
+                "(--max-request-tokens): split it".replace("  ", " ")
+            )
+
+    def admit(self, model: ServedModel, texts: list[str], *, truncate: bool = True, pairs_with: str = ""):
+        """Budgets and queue admission before tokenization: refused at once when the request is
+        over the token budget or its model's queue bounds, else a reservation held until its
+        inputs are queued (so a flood cannot pile up unbounded in the tokenizer pool)."""
+        cap = model.spec.max_length if truncate else None
+        estimate = estimate_tokens(texts, cap, len(pairs_with))
+        self.check_token_budget(estimate)
+        return model.scheduler.reserve(len(texts), estimate)
+
+    def prompt_text(self, model: ServedModel, prompt: str = "", prompt_name: str = "") -> str:
+        """The instruction prefix: explicit text, else a named prompt, else the model's default."""
+        if prompt and prompt_name:
+            raise InvalidInput("set `prompt` or `prompt_name`, not both")
+        if prompt_name:
+            if prompt_name not in model.prompts:
+                raise InvalidInput(
+                    f"model {model.spec.name!r} has no prompt named {prompt_name!r}; it has: "
+                    f"{', '.join(sorted(model.prompts)) or 'none'}"
+                )
+            text = model.prompts[prompt_name]
+        else:
+            text = self.check_text(prompt, "`prompt`") or model.prompts.get(model.spec.default_prompt_name or "", "")
+        if text and not model.spec.include_prompt:
+            # Its pooling skips the prompt's tokens, which encoderd does not compute (see check_prompts).
+            raise InvalidInput(
+                f"model {model.spec.name!r} takes no prompt: its pooling excludes prompt tokens "
+                "(include_prompt: false), which encoderd does not compute"
+            )
+        return text
+
+    async def embed(
+        self,
+        name: str,
+        texts,
+        *,
+        truncate: bool = True,
+        side: str = "right",
+        prompt: str = "",
+        prompt_name: str = "",
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> tuple[ServedModel, np.ndarray, int]:
+        """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's)."""
+        # Named none: the embedding model, not a clip or clap served beside it.
+        model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), prefer=(ModelKind.EMBEDDING,))
+        prefix = self.prompt_text(model, prompt, prompt_name)
+        rows, n_tokens = await compute.run(
+            self, model, texts, compute.POOLED, truncate=truncate, side=side, prefix=prefix, priority=priority
+        )
+        return model, cast("np.ndarray", rows), n_tokens
+
+    async def embed_ids(
+        self, name: str, id_lists, *, priority: Priority = Priority.INTERACTIVE
+    ) -> tuple[ServedModel, np.ndarray, int]:
+        """`embed` for pre-tokenized inputs (OpenAI token-id input). Clients tokenize without the
+        model's special tokens (OpenAI's do), which the model needs: they are added unless the ids
+        already carry them, and over-long ids are cut between them, as texts are."""
+        model = self.get(name, ModelKind.EMBEDDING)
+        id_lists = self.check_inputs(id_lists)
+        vocab = model.tokenizer.untruncated.get_vocab_size(with_added_tokens=True)
+        ids = []
+        for i, seq in enumerate(id_lists):
+            # Checked as floats: JSON numbers arrive as doubles, and 1e300 must not wrap around.
+            values = np.asarray(seq, dtype=np.float64)
+            if not ((values >= 0) & (values < vocab) & (values == np.floor(values))).all():
+                raise InvalidInput(
+                    f"inputs[{i}] holds a value that is not a token id: ids are integers in [0, {vocab})"
+                )
+            ids.append(
+                compute.TokenIds(
+                    np.asarray(model.tokenizer.with_special_tokens(values.astype(np.int64).tolist()), dtype=np.int32)
+                )
+            )
+        rows, n_tokens = await compute.run(self, model, ids, compute.POOLED, priority=priority)
+        return model, cast("np.ndarray", rows), n_tokens
+
+    async def score_pairs(
+        self,
+        name: str,
+        query: str,
+        documents,
+        *,
+        truncate: bool = True,
+        side: str = "right",
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> tuple[ServedModel, np.ndarray, int]:
+        """Cross-encoder logits (n,) of (query, document) pairs and the token count."""
+        model = self.get(name, ModelKind.RERANKER)
+        if not query:
+            raise InvalidInput("`query` is empty")
+        self.check_text(query, "`query`")
+        logits, n_tokens = await compute.run(
+            self,
+            model,
+            documents,
+            compute.PAIR_LOGITS,
+            truncate=truncate,
+            side=side,
+            pairs_with=query,
+            priority=priority,
+            what="documents",
+        )
+        return model, cast("np.ndarray", logits)[:, 0], n_tokens
+
+    async def classify(
+        self, name: str, texts, *, truncate: bool = True, side: str = "right", priority: Priority = Priority.INTERACTIVE
+    ) -> tuple[ServedModel, np.ndarray, int]:
+        """Classifier logits (n, labels) and the token count. An input is a text or a (text,
+        text_pair) pair (TEI's /predict), which the model reads as its tokenizer pairs them."""
+        model = self.get(name, ModelKind.CLASSIFIER)
+        logits, n_tokens = await compute.run(
+            self, model, texts, compute.CLASS_LOGITS, truncate=truncate, side=side, priority=priority
+        )
+        return model, cast("np.ndarray", logits), n_tokens
+
+
+# A generous characters-per-token figure: the estimate must not exceed the true count for real text
+# (English runs ~4 characters a token, code and CJK fewer), so only requests surely over a bound are
+# refused before tokenization; the exact count is checked after it.
+CHARS_PER_TOKEN = 8
+
+
+def estimate_tokens(texts: list[str], cap: int | None, pair_chars: int = 0) -> int:
+    """A lower-bound guess of a request's tokens without tokenizing: characters / CHARS_PER_TOKEN
+    per input (plus its pair's query), at most `cap` (the model's maximum when truncating)."""
+    return sum(min(cap or 1 << 62, (len(t) + pair_chars) // CHARS_PER_TOKEN + 1) for t in texts)

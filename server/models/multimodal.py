@@ -1,0 +1,166 @@
+"""Multi-modal, multi-vector and sparse operations on served models.
+
+A request's inputs, texts and media in any order, become queue items of their
+own modality (server/models/compute.py, the path every operation takes): texts are
+tokenized, media fetched, decoded and preprocessed in the media thread pools.
+They then share the model's scheduler and worker with every other request, as
+text does; a batch holds one modality (batching.py), and the request's rows
+are reassembled in input order.
+
+What comes back depends on the model kind (workers/backends/torch_heads.py):
+one vector per input (embedding, clip, clap), one unit vector per token or
+patch (colbert, colpali), or a sparse vocabulary vector (sparse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import cast
+
+import numpy as np
+
+from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
+from ..api.errors import InvalidInput
+from ..scheduling.scheduler import Priority
+from . import compute
+from .engine import Engine, ServedModel
+from .media import Content
+
+SINGLE_VECTOR_KINDS = (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP)
+
+
+# ------------------------------------------------------------- operations
+async def embed_contents(
+    engine: Engine,
+    name: str,
+    contents: list[Content],
+    *,
+    truncate: bool = True,
+    side: str = "right",
+    priority: Priority = Priority.INTERACTIVE,
+) -> tuple[ServedModel, np.ndarray, int]:
+    """One vector (n, dim) per input, as the model computes it (normalizing is the caller's), and the usage."""
+    model = engine.get(name, SINGLE_VECTOR_KINDS)
+    rows, usage = await compute.run(
+        engine, model, contents, compute.POOLED, truncate=truncate, side=side, priority=priority
+    )
+    return model, cast("np.ndarray", rows), usage
+
+
+async def embed_multivector(
+    engine: Engine,
+    name: str,
+    contents: list[Content],
+    *,
+    truncate: bool = True,
+    prompt: str = "",
+    priority: Priority = Priority.INTERACTIVE,
+) -> tuple[ServedModel, list[np.ndarray], int]:
+    """Per input, its (rows, dim) unit vectors, and the usage."""
+    model = engine.get(name, MULTI_VECTOR_KINDS)
+    rows, usage = await _multi_vector(engine, model, contents, truncate=truncate, prompt=prompt, priority=priority)
+    return model, rows, usage
+
+
+async def maxsim(
+    engine: Engine,
+    name: str,
+    query: str,
+    documents: list[Content],
+    *,
+    truncate: bool = True,
+    query_prompt: str = "",
+    document_prompt: str = "",
+    priority: Priority = Priority.INTERACTIVE,
+) -> tuple[ServedModel, np.ndarray, int]:
+    """Late-interaction scores (n,) of the documents for the query, and the usage."""
+    if not query:
+        raise InvalidInput("`query` is empty")
+    model = engine.get(name, MULTI_VECTOR_KINDS)
+    # Concurrently, so the query can ride in the documents' first batch.
+    (query_rows, query_usage), (rows, usage) = await asyncio.gather(
+        _multi_vector(
+            engine,
+            model,
+            [Content(text=query)],
+            truncate=truncate,
+            prompt=query_prompt,
+            priority=priority,
+            what="query",
+        ),
+        _multi_vector(
+            engine, model, documents, truncate=truncate, prompt=document_prompt, priority=priority, what="documents"
+        ),
+    )
+    loop = asyncio.get_running_loop()
+    scores = await loop.run_in_executor(engine.media_pool, maxsim_scores, query_rows[0], rows)
+    return model, scores, query_usage + usage
+
+
+async def embed_sparse(
+    engine: Engine,
+    name: str,
+    texts,
+    *,
+    truncate: bool = True,
+    side: str = "right",
+    prompt: str = "",
+    priority: Priority = Priority.INTERACTIVE,
+    top_k: int = 0,
+    threshold: float = 0.0,
+) -> tuple[ServedModel, list[tuple[np.ndarray, np.ndarray]], int]:
+    """Per input, its sparse vector as (ascending indices, weights), and the usage."""
+    if top_k < 0:
+        raise InvalidInput(f"`top_k` must be positive or 0 (all), not {top_k}")
+    if not np.isfinite(threshold) or threshold < 0:
+        raise InvalidInput(f"`threshold` must be a finite number >= 0, not {threshold}")
+    model = engine.get(name, ModelKind.SPARSE)
+    contents = [Content(text=t) for t in texts]
+    rows, usage = await _multi_vector(
+        engine, model, contents, truncate=truncate, side=side, prompt=prompt, priority=priority
+    )
+    return model, [sparsify(indices, values, top_k, threshold) for indices, values in rows], usage
+
+
+# ------------------------------------------------------------------ maths
+def maxsim_scores(query: np.ndarray, documents: list[np.ndarray]) -> np.ndarray:
+    """score(d) = sum over query vectors q of max over d's vectors v of q . v."""
+    return np.array([float((query @ doc.T).max(axis=1).sum()) for doc in documents], dtype=np.float32)
+
+
+def sparsify(indices: np.ndarray, values: np.ndarray, top_k: int, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    keep = values > threshold
+    indices, values = indices[keep], values[keep]
+    if top_k and len(values) > top_k:
+        best = np.sort(np.argpartition(-values, top_k - 1)[:top_k])  # sorted positions keep indices ascending
+        indices, values = indices[best], values[best]
+    return indices, values
+
+
+# ------------------------------------------------------------- internals
+async def _multi_vector(
+    engine: Engine,
+    model: ServedModel,
+    contents: list[Content],
+    *,
+    truncate: bool,
+    priority: Priority,
+    side: str = "right",
+    prompt: str = "",
+    what: str = "inputs",
+) -> tuple[list, int]:
+    """Per input its rows (multi-vector) or (indices, weights) (sparse), and the usage."""
+    if prompt:
+        engine.check_text(prompt, f"the {what} prompt")
+    rows, usage = await compute.run(
+        engine,
+        model,
+        contents,
+        compute.MULTI_VECTOR,
+        truncate=truncate,
+        side=side,
+        prefix=prompt,
+        priority=priority,
+        what=what,
+    )
+    return cast("list", rows), usage

@@ -1,0 +1,146 @@
+"""In-flight deduplication and an optional LRU of recent results, per model.
+
+Identical inputs (same model, same options that shape the raw output, same
+text) are computed once: while one is queued or computing, later copies wait
+for it; with a cache, recent results are served without compute at all.
+Post-processing (normalize, dimensions, output dtype) happens after, per
+request, so it is not part of the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Literal, overload
+
+import numpy as np
+
+from ..ops import metrics
+
+# (rows, token counts) for the given input indices
+ComputeFn = Callable[[list[int]], Awaitable[tuple[np.ndarray, np.ndarray]]]
+
+
+class _OwnerGone(Exception):
+    """The request computing a shared input went away; waiters compute it themselves."""
+
+
+def result_key(*parts: str) -> bytes:
+    digest = hashlib.blake2b(digest_size=20)
+    for part in parts:
+        data = part.encode("utf-8", "surrogatepass")
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.digest()
+
+
+class ResultCache:
+    def __init__(self, model: str, max_entries: int = 0):
+        self.model = model
+        self.max_entries = max_entries
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        self._lru: OrderedDict[bytes, tuple[np.ndarray, int]] = OrderedDict()
+
+    @overload
+    async def resolve(
+        self, keys: list[bytes], compute: ComputeFn, stack: Literal[True] = True, remember: bool = True
+    ) -> tuple[np.ndarray, int]: ...
+
+    @overload
+    async def resolve(
+        self, keys: list[bytes], compute: ComputeFn, stack: bool, remember: bool = True
+    ) -> tuple[np.ndarray | list, int]: ...
+
+    async def resolve(
+        self, keys: list[bytes], compute: ComputeFn, stack: bool = True, remember: bool = True
+    ) -> tuple[np.ndarray | list, int]:
+        """Rows for every key, in order, and the total token count; `stack=False`
+        leaves ragged rows (multi-vector, sparse) as a list. `remember=False`: shared while in
+        flight, never kept in the LRU (outputs too large for an LRU sized in entries)."""
+        rows: list = [None] * len(keys)
+        tokens = [0] * len(keys)
+        unresolved = list(range(len(keys)))
+        while unresolved:
+            unresolved = await self._resolve_round(keys, unresolved, rows, tokens, compute, remember)
+        return (np.stack(rows) if stack else rows), int(sum(tokens))
+
+    async def _resolve_round(self, keys, indices, rows, tokens, compute, remember: bool) -> list[int]:
+        owned: dict[bytes, list[int]] = {}
+        waiting: dict[bytes, tuple[asyncio.Future, list[int]]] = {}
+        for i in indices:
+            key = keys[i]
+            cached = self._lru_get(key)
+            if cached is not None:
+                rows[i], tokens[i] = cached
+                metrics.CACHE.labels(self.model, "hit").inc()
+            elif key in owned:
+                owned[key].append(i)  # a repeat within this request
+            elif key in waiting:
+                waiting[key][1].append(i)
+            elif key in self._inflight:
+                waiting[key] = (self._inflight[key], [i])
+                metrics.CACHE.labels(self.model, "inflight_hit").inc()
+            else:
+                owned[key] = [i]
+                if self.max_entries:
+                    metrics.CACHE.labels(self.model, "miss").inc()
+        if owned:
+            await self._compute_owned(owned, rows, tokens, compute, remember)
+        retry = []
+        for future, where in waiting.values():
+            try:
+                row, count = await asyncio.shield(future)
+            except _OwnerGone:
+                retry += where
+                continue
+            for i in where:
+                rows[i], tokens[i] = row, count
+        return retry
+
+    async def _compute_owned(self, owned: dict[bytes, list[int]], rows, tokens, compute, remember: bool) -> None:
+        loop = asyncio.get_running_loop()
+        futures = {key: loop.create_future() for key in owned}
+        for future in futures.values():
+            future.add_done_callback(_consume)  # nobody may be waiting: don't warn
+        self._inflight.update(futures)
+        first = [where[0] for where in owned.values()]
+        try:
+            out, counts = await compute(first)
+        except BaseException as exc:
+            error = _OwnerGone() if isinstance(exc, asyncio.CancelledError) else exc
+            for future in futures.values():
+                future.set_exception(error)
+            raise
+        finally:
+            for key in owned:
+                self._inflight.pop(key, None)
+        for j, (key, where) in enumerate(owned.items()):
+            result = (out[j], int(counts[j]))
+            futures[key].set_result(result)
+            if remember:
+                self._lru_put(key, result)
+            for i in where:
+                rows[i], tokens[i] = result
+
+    def _lru_get(self, key: bytes):
+        if not self.max_entries:
+            return None
+        hit = self._lru.get(key)
+        if hit is not None:
+            self._lru.move_to_end(key)
+        return hit
+
+    def _lru_put(self, key: bytes, value) -> None:
+        if not self.max_entries:
+            return
+        self._lru[key] = value
+        self._lru.move_to_end(key)
+        while len(self._lru) > self.max_entries:
+            self._lru.popitem(last=False)
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()

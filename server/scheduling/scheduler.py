@@ -1,0 +1,359 @@
+"""Per-model scheduler: queues of single inputs -> dynamic batches -> replicas.
+
+Policy (which inputs form the next batch) lives in batching.py; this file
+decides *when* and *where* to send:
+  * interactive inputs are always batched before bulk ones;
+  * a batch goes at once to an idle replica (a lone query never waits for a
+    batch window), and interactive work at once to a replica running only bulk
+    work (the worker runs it between the bulk batch's layers); a busy replica
+    gets one when it is full or the oldest input has waited `batch_delay`, with
+    at most `max_in_flight` batches per replica;
+  * bulk batches may fill all but one slot of a replica, and are cut small
+    (`bulk_limits`) while interactive work is around, so a live query never
+    queues behind much bulk work;
+  * each batch goes to the ready replica with the fewest tokens in flight; work
+    that finds several replicas idle is cut into one piece for each, so a lone
+    rerank runs on all of them at once; a batch lost with a dying replica is
+    queued again for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import dataclasses
+import enum
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..api.errors import Overloaded, Unavailable
+from ..ops import metrics
+from .batching import BatchLimits, WorkItem, pack, queued_cost_reaches_budget, take_batch
+from .worker_client import WorkerClient
+
+log = logging.getLogger("encoderd.scheduler")
+
+INTERACTIVE_WINDOW = 2.0  # seconds after an interactive request during which bulk batches stay small
+MAX_ATTEMPTS = 2  # an input whose batch died twice with its worker is failed, not retried forever
+MIN_SHARE_TOKENS = 64  # work is not cut for idle replicas below this: a batch's fixed cost would dominate
+
+
+class Priority(enum.IntEnum):
+    INTERACTIVE = 1
+    BULK = 2
+
+
+# The priority of a request that names none: interactive, unless its API key is a bulk key
+# (set per call by the service layer).
+DEFAULT_PRIORITY: contextvars.ContextVar[Priority] = contextvars.ContextVar(
+    "default_priority", default=Priority.INTERACTIVE
+)
+
+
+class PendingRequest:
+    """One request's inputs, reassembled in order as their batches finish."""
+
+    __slots__ = ("future", "ragged", "remaining", "rows")
+
+    def __init__(self, n_inputs: int, ragged: bool = False):
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.rows: list = [None] * n_inputs
+        self.remaining = n_inputs
+        self.ragged = ragged  # rows of different shapes (multi-vector, sparse): a list, not stacked
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    def fill(self, index: int, row: np.ndarray) -> None:
+        self.rows[index] = row
+        self.remaining -= 1
+        if self.remaining == 0 and not self.future.done():
+            self.future.set_result(self.rows if self.ragged else np.stack(self.rows))
+
+    def fail(self, error: Exception) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+@dataclass
+class ReplicaLoad:
+    batches: int = 0
+    bulk_batches: int = 0
+    tokens: int = 0
+
+
+class ModelScheduler:
+    def __init__(
+        self,
+        model: str,
+        replicas: list[WorkerClient],
+        limits: BatchLimits,
+        *,
+        bulk_limits: BatchLimits | None = None,
+        batch_delay: float = 0.005,
+        max_queued: int = 16384,
+        max_queued_tokens: int = 0,
+        max_in_flight: int = 2,
+    ):
+        self.model = model
+        self.replicas = replicas
+        self.limits = {Priority.INTERACTIVE: limits, Priority.BULK: bulk_limits or limits}
+        self.batch_delay = batch_delay
+        self.max_queued = max_queued
+        self.max_queued_tokens = max_queued_tokens
+        self.max_in_flight = max_in_flight
+        self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
+        self.load = {replica: ReplicaLoad() for replica in replicas}
+        self._queued_tokens = 0
+        self._reserved = [0, 0]  # inputs, estimated tokens of admitted requests still tokenizing
+        self._interactive_seen = float("-inf")  # when interactive work last arrived
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._computing: set[asyncio.Task] = set()  # the event loop keeps only weak references to tasks
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    @property
+    def ready(self) -> bool:
+        return any(r.ready for r in self.replicas)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"scheduler[{self.model}]")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        self._fail_queued(Unavailable(f"model {self.model} is shutting down"))
+
+    @contextlib.contextmanager
+    def reserve(self, inputs: int, tokens: int):
+        """Admission before tokenization: refuse at once when the queue bounds, counting the
+        requests still tokenizing, leave no room for `inputs` (~`tokens`, an estimate); else hold
+        their place until the block ends (the request then queues its real inputs by submit)."""
+        self._refuse_if_full(inputs, tokens)
+        self._reserved[0] += inputs
+        self._reserved[1] += tokens
+        try:
+            yield
+        finally:
+            self._reserved[0] -= inputs
+            self._reserved[1] -= tokens
+
+    def refuse_if_full(self, inputs: int) -> None:
+        """The earliest check, before a request is validated or keyed: a flood is refused in
+        microseconds of the event loop (reserve() checks again with the token estimate)."""
+        self._refuse_if_full(inputs, 0)
+
+    def _refuse_if_full(self, inputs: int, tokens: int) -> None:
+        if not self.ready:
+            raise Unavailable(f"model {self.model} is unavailable (its worker is restarting)")
+        queued, queued_tokens = self.queued + self._reserved[0], self._queued_tokens + self._reserved[1]
+        if queued + inputs > self.max_queued or (
+            self.max_queued_tokens and queued_tokens + tokens > self.max_queued_tokens
+        ):
+            metrics.REJECTED.labels(self.model, "queue_full").inc()
+            raise Overloaded(
+                f"model {self.model} is overloaded ({queued} inputs, {queued_tokens} tokens "
+                f"queued or tokenizing); retry later"
+            )
+
+    def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
+        """Queue a request's inputs, or refuse at once when over a bound."""
+        tokens = sum(item.length for item in items)
+        self._refuse_if_full(len(items), tokens)
+        now = time.monotonic()
+        if priority == Priority.INTERACTIVE:
+            self._interactive_seen = now
+        for item in items:
+            item.enqueued = now
+        self.queues[priority].extend(items)
+        metrics.QUEUED_INPUTS.labels(self.model, priority.name.lower()).inc(len(items))
+        self._queued_tokens += tokens
+        self._queue_changed()
+        self._wake.set()
+
+    async def run(
+        self, items: list[WorkItem], request: PendingRequest, priority: Priority = Priority.INTERACTIVE
+    ) -> np.ndarray:
+        """Queue the inputs and wait for all their rows; cancellation drops queued ones."""
+        self.submit(items, priority)
+        try:
+            return await request.future
+        finally:
+            request.future.cancel()  # no-op once done; makes take_batch drop queued inputs
+
+    # ------------------------------------------------------------- the loop
+    async def _run(self) -> None:
+        watchers = [asyncio.create_task(self._watch_replica(r)) for r in self.replicas]
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                self._dispatch_ready_batches()
+        finally:
+            for watcher in watchers:
+                watcher.cancel()
+
+    def _dispatch_ready_batches(self) -> None:
+        for priority in Priority:
+            queue, limits = self.queues[priority], self._limits(priority)
+            shared = self._share_among_idle(queue, limits)  # for this round's idle replicas
+            while queue:
+                replica = self._pick_replica(priority)
+                if replica is None:
+                    break
+                load = self.load[replica]
+                # Interactive work goes at once to a replica running only bulk work: the worker
+                # runs it in the next pause between the bulk batch's layers (workers/process.py).
+                ahead = load.batches - (load.bulk_batches if priority == Priority.INTERACTIVE else 0)
+                if ahead and not self._should_close(queue, limits):
+                    break
+                batch = self._take(queue, limits if load.batches else shared)
+                if batch:
+                    self._send(replica, batch, priority)
+            if queue:
+                return  # interactive work still waits: bulk work must not overtake it
+
+    def _limits(self, priority: Priority) -> BatchLimits:
+        """Bulk batches are cut small only while live traffic is around: alone, bulk work
+        gets full batches; next to interactive work, each bulk batch is short, so a live
+        query waits for little more than its own compute."""
+        live = time.monotonic() - self._interactive_seen < INTERACTIVE_WINDOW
+        return (
+            self.limits[Priority.BULK if live else Priority.INTERACTIVE]
+            if priority == Priority.BULK
+            else self.limits[priority]
+        )
+
+    def _share_among_idle(self, queue: deque[WorkItem], limits: BatchLimits) -> BatchLimits:
+        """With k replicas idle, cut the next batches to about 1/k of the queued tokens each:
+        what would go to one replica goes out as k pieces computed side by side (2 one-thread
+        CPU replicas rerank 50 passages faster than one two-thread worker). The token cap has
+        one input's length of slack, so k pieces hold it all. A padding-free backend's size cap
+        is lifted for them (short inputs must not fill a piece by count); a padded backend keeps
+        it (TensorRT profiles end there), so its pieces may come out more than k."""
+        idle = sum(1 for r in self.replicas if r.ready and not self.load[r].batches)
+        if idle < 2 or not queue:
+            return limits
+        longest = max(item.length for item in itertools.islice(queue, limits.window))
+        tokens = max(MIN_SHARE_TOKENS, -(-self._queued_tokens // idle) + longest)
+        if tokens >= limits.max_batch_tokens:
+            return limits
+        size = limits.max_batch_size if limits.padded else max(limits.max_batch_size, len(queue))
+        return dataclasses.replace(limits, max_batch_tokens=tokens, max_batch_size=size)
+
+    def _pick_replica(self, priority: Priority) -> WorkerClient | None:
+        # Bulk leaves one slot of each replica free for interactive work.
+        bulk_cap = max(1, self.max_in_flight - 1)
+        free = [
+            r
+            for r in self.replicas
+            if r.ready
+            and self.load[r].batches < self.max_in_flight
+            and (priority == Priority.INTERACTIVE or self.load[r].bulk_batches < bulk_cap)
+        ]
+        return min(free, key=lambda r: self.load[r].tokens) if free else None
+
+    def _should_close(self, queue: deque[WorkItem], limits: BatchLimits) -> bool:
+        if queued_cost_reaches_budget(queue, limits):
+            return True
+        waited = time.monotonic() - queue[0].enqueued
+        if waited >= self.batch_delay:
+            return True
+        asyncio.get_running_loop().call_later(self.batch_delay - waited, self._wake.set)
+        return False
+
+    def _take(self, queue: deque[WorkItem], limits: BatchLimits) -> list[WorkItem]:
+        before = len(queue)
+        batch = take_batch(queue, limits)
+        dropped = before - len(queue) - len(batch)
+        if dropped:
+            metrics.DROPPED.labels(self.model).inc(dropped)
+        now = time.monotonic()
+        for item in batch:
+            metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
+        self._queued_tokens = (
+            sum(item.length for q in self.queues.values() for item in q)
+            if dropped
+            else (self._queued_tokens - sum(item.length for item in batch))
+        )
+        self._queue_changed()
+        return batch
+
+    def _send(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority) -> None:
+        tokens = sum(item.length for item in batch)
+        load = self.load[replica]
+        load.batches += 1
+        load.tokens += tokens
+        load.bulk_batches += priority == Priority.BULK
+        task = asyncio.create_task(self._compute(replica, batch, priority, tokens))
+        self._computing.add(task)
+        task.add_done_callback(self._computing.discard)
+
+    async def _compute(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority, tokens: int) -> None:
+        started = time.perf_counter()
+        try:
+            rows = await replica.compute(pack(batch, 0, urgent=priority == Priority.INTERACTIVE))
+        except Unavailable as exc:
+            self._retry_or_fail(batch, priority, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - not swallowed: each request of the batch fails with it
+            for item in batch:
+                item.request.fail(exc)
+            return
+        finally:
+            load = self.load[replica]
+            load.batches -= 1
+            load.tokens -= tokens
+            load.bulk_batches -= priority == Priority.BULK
+            self._wake.set()
+        metrics.observe_batch(
+            self.model, replica.label, batch, self.limits[priority].padded, time.perf_counter() - started
+        )
+        for item, row in zip(batch, rows, strict=True):
+            item.request.fill(item.index, row)
+
+    def _retry_or_fail(self, batch: list[WorkItem], priority: Priority, error: Exception) -> None:
+        """A replica died under this batch: let another replica take it, within limits."""
+        retry = [item for item in batch if not item.request.done and item.attempts + 1 < MAX_ATTEMPTS]
+        for item in batch:
+            if item not in retry:
+                item.request.fail(error)
+        if retry and self.ready:
+            for item in retry:
+                item.attempts += 1
+            self.queues[priority].extendleft(reversed(retry))
+            self._queued_tokens += sum(item.length for item in retry)
+            self._queue_changed()
+        else:
+            for item in retry:
+                item.request.fail(error)
+
+    async def _watch_replica(self, replica: WorkerClient) -> None:
+        """When the last replica goes down, queued work fails fast instead of waiting."""
+        while True:
+            await replica.state_changed.wait()
+            replica.state_changed.clear()
+            if not self.ready:
+                self._fail_queued(Unavailable(f"model {self.model} is unavailable (its worker crashed; restarting)"))
+            self._wake.set()
+
+    def _fail_queued(self, error: Exception) -> None:
+        for priority, queue in self.queues.items():
+            self.queues[priority] = deque()
+            for item in queue:
+                item.request.fail(error)
+        self._queued_tokens = 0
+        self._queue_changed()
+
+    def _queue_changed(self) -> None:
+        metrics.QUEUE_DEPTH.labels(self.model).set(self.queued)
