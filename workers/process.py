@@ -176,7 +176,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     pacer = pacing.Pacer()
     trimmer = memory.HeapTrimmer()  # freed heap pages go back to the OS: see workers/memory.py
     while True:
-        _run(backend, modules, inbox.get(), inbox, results, pacer)
+        _compute_and_reply(backend, modules, inbox.get(), inbox, results, pacer)
         trimmer.after_batch(idle=inbox.empty())
 
 
@@ -221,7 +221,7 @@ def error_code(exc: Exception) -> ErrorCode:
     return ErrorCode.OUT_OF_MEMORY if is_out_of_memory(exc) else ErrorCode.INTERNAL
 
 
-def forward(backend, batch: protocol.TokenBatch):
+def forward_halving_on_oom(backend, batch: protocol.TokenBatch):
     """backend.forward, halving the batch on device out-of-memory instead of failing its requests."""
     try:
         return backend.forward(batch)
@@ -230,13 +230,15 @@ def forward(backend, batch: protocol.TokenBatch):
             raise
         log.warning("out of device memory on a batch of %d; computing it in halves", batch.size)
         backend.release_memory()
-        halves = [forward(backend, half) for half in batch.split(batch.size // 2)]
+        halves = [forward_halving_on_oom(backend, half) for half in batch.split(batch.size // 2)]
         if isinstance(halves[0], protocol.Ragged):  # multi-vector / sparse outputs
             return protocol.Ragged.join(halves)
         return np.concatenate(halves)
 
 
-def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket, pacer: pacing.Pacer) -> None:
+def _compute_and_reply(
+    backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket, pacer: pacing.Pacer
+) -> None:
     """Compute one batch and send its result (or its error: one bad batch fails its requests,
     not the worker)."""
     started = time.perf_counter_ns()
@@ -244,7 +246,7 @@ def _run(backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.So
         if isinstance(batch, protocol.MediaBatch):
             output = backend.forward_media(batch)
         elif batch.urgent:
-            output = modules(forward(backend, batch))
+            output = modules(forward_halving_on_oom(backend, batch))
             pacer.timed_urgent((time.perf_counter_ns() - started) / 1e9)
         else:
             output = modules(_forward_yielding(backend, modules, batch, inbox, results, pacer))
@@ -272,7 +274,7 @@ def _forward_yielding(
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise
-        return forward(backend, batch)  # from the start, halving the batch as needed
+        return forward_halving_on_oom(backend, batch)  # from the start, halving the batch as needed
 
 
 def _steps(
@@ -297,6 +299,6 @@ def _steps(
             paused = True
             pacer.timed_step(tokens, time.perf_counter() - started)
             while (urgent := inbox.take_urgent()) is not None:
-                _run(backend, modules, urgent, inbox, results, pacer)
+                _compute_and_reply(backend, modules, urgent, inbox, results, pacer)
     finally:
         steps.close()

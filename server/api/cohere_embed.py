@@ -1,4 +1,4 @@
-"""Cohere's embed API (`POST /v1/embed`, `/v2/embed`) for the Compat service (server/api/rest.py).
+"""Cohere's embed API (`POST /v1/embed`, `/v2/embed`) for the Compat service (server/api/compat.py).
 
 `input_type` selects the model's sentence-transformers prompt of that name when it
 has one (say a model whose prompts are {"search_query": "query: ", ...}); when it
@@ -24,8 +24,7 @@ from ...workers.contract.model_spec import ModelKind
 from ..models import multimodal
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
-from . import postprocess
-from . import rest as compat
+from . import compat, postprocess
 from .errors import InvalidInput
 from .request_options import EmbedOptions, positive
 
@@ -128,7 +127,7 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     texts = [c.text for c in contents if c.modality == "text"]
     n_images = len(contents) - len(texts)
     side, truncate = TRUNCATE[request.truncate.upper()]
-    model = service.engine.get(request.model, SINGLE_VECTOR_KINDS, prefer=(ModelKind.EMBEDDING,))
+    model = service.registry.get(request.model, SINGLE_VECTOR_KINDS, prefer=(ModelKind.EMBEDDING,))
     _check_max_tokens(request, model.spec.max_length)
     warnings = []
     prompt_name = request.input_type if request.input_type in model.prompts else ""
@@ -142,7 +141,7 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     if n_images:
         model, pooled, tokens = await _embed_media(service, model, contents, options)
     else:
-        model, pooled, tokens = await service.engine.embed(
+        model, pooled, tokens = await service.registry.embed(
             model.spec.name,
             texts,
             truncate=options.truncate,
@@ -165,10 +164,10 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
 
 async def _embed_media(service, model, contents: list[Content], options: EmbedOptions):
     """Texts and images through the model's multi-modal path (texts with their prompt, as the text path)."""
-    prefix = service.engine.prompt_text(model, "", options.prompt_name) if options.prompt_name else ""
+    prefix = service.registry.prompt_text(model, "", options.prompt_name) if options.prompt_name else ""
     contents = [Content(text=prefix + c.text) if c.modality == "text" else c for c in contents]
     return await multimodal.embed_contents(
-        service.engine,
+        service.registry,
         model.spec.name,
         contents,
         truncate=options.truncate,

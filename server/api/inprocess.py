@@ -1,4 +1,4 @@
-"""The in-process API (`import encoderd`): the server's engine and worker processes, driven from
+"""The in-process API (`import encoderd`): the server's model registry and worker processes, driven from
 Python without gRPC. Options go through the server's own parser (server/ops/cli.py), so a model runs
 with exactly the settings `encoderd serve` would give it, and results are post-processed by the
 same functions as the gRPC responses: the same numbers, as numpy arrays.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..models.engine import Engine, estimate_tokens
+from ..models.registry import ModelRegistry, estimate_tokens
 from ..ops.cli import build_parser, config_from_args
 from ..ops.config import ServerConfig
 from ..scheduling.scheduler import Priority
@@ -75,20 +75,20 @@ class AsyncEngine:
 
     def __init__(self, *models: str, config: str | None = None, **options):
         self.config = server_config(models, config, **options)
-        self._engine: Engine | None = None
+        self._registry: ModelRegistry | None = None
 
     async def start(self) -> AsyncEngine:
         """Start every model's workers (the frontend logs to the `encoderd.*` loggers: the caller's
         logging set-up decides what shows)."""
-        engine = Engine(self.config)
-        await engine.start()
-        self._engine = engine
+        registry = ModelRegistry(self.config)
+        await registry.start()
+        self._registry = registry
         return self
 
     async def stop(self) -> None:
-        if self._engine is not None:
-            engine, self._engine = self._engine, None
-            await engine.stop()
+        if self._registry is not None:
+            registry, self._registry = self._registry, None
+            await registry.stop()
 
     async def __aenter__(self) -> AsyncEngine:
         return await self.start()
@@ -97,15 +97,15 @@ class AsyncEngine:
         await self.stop()
 
     @property
-    def engine(self) -> Engine:
-        if self._engine is None:
+    def registry(self) -> ModelRegistry:
+        if self._registry is None:
             raise RuntimeError("the engine is not started: call `await engine.start()` or use `async with`")
-        return self._engine
+        return self._registry
 
     @property
     def models(self) -> dict[str, str]:
         """Served name -> kind."""
-        return {name: model.spec.kind.value for name, model in self.engine.models.items()}
+        return {name: model.spec.kind.value for name, model in self.registry.models.items()}
 
     # ------------------------------------------------------------------ calls
     async def embed(
@@ -136,7 +136,7 @@ class AsyncEngine:
             dimensions=dimensions,
             output_dtype=output_dtype,
         )
-        served, pooled, _ = await self.engine.embed(
+        served, pooled, _ = await self.registry.embed(
             model,
             texts,
             truncate=options.truncate,
@@ -161,7 +161,7 @@ class AsyncEngine:
         bulk: bool = False,
     ) -> list[Ranked]:
         """The documents best first, scored by the model's activation (or raw logits)."""
-        served, logits, _ = await self.engine.score_pairs(
+        served, logits, _ = await self.registry.score_pairs(
             model, query, documents, truncate=truncate, priority=_priority(bulk)
         )
         values = scores(logits, served.spec.score_activation, raw_scores)
@@ -172,18 +172,18 @@ class AsyncEngine:
         self, texts: list[str], model: str = "", *, raw_scores: bool = False, truncate: bool = True, bulk: bool = False
     ) -> list[list[tuple[str, float]]]:
         """Per input, (label, score) pairs best first."""
-        served, logits, _ = await self.engine.classify(model, texts, truncate=truncate, priority=_priority(bulk))
+        served, logits, _ = await self.registry.classify(model, texts, truncate=truncate, priority=_priority(bulk))
         values = scores(logits, served.spec.score_activation, raw_scores)
         labels = served.spec.labels or tuple(f"LABEL_{i}" for i in range(values.shape[1]))
         return [[(labels[j], float(row[j])) for j in rank(row, 0)] for row in values]
 
     async def tokenize(self, texts: list[str], model: str = "", *, add_special_tokens: bool = True) -> list[Tokens]:
-        engine = self.engine
-        served = engine.get(model)
-        texts = engine.check_inputs(texts)
-        engine.check_token_budget(estimate_tokens(texts, None))
+        registry = self.registry
+        served = registry.get(model)
+        texts = registry.check_inputs(texts)
+        registry.check_token_budget(estimate_tokens(texts, None))
         encodings = await served.tokenizer.tokenize(texts, add_special_tokens)
-        engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
+        registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
         return [Tokens(list(e.ids), list(e.tokens), [(start, end) for start, end in e.offsets]) for e in encodings]
 
 

@@ -1,4 +1,4 @@
-"""gRPC servicer: proto <-> engine calls, and errors -> status codes. Nothing else."""
+"""gRPC servicer: proto <-> registry calls, and errors -> status codes. Nothing else."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from ...v1 import encoderd_pb2 as pb
 from ...v1 import encoderd_pb2_grpc
 from ...workers.contract import logs
 from ..models import model_resolver, multimodal
-from ..models.engine import Engine, estimate_tokens
 from ..models.media import Content
+from ..models.registry import ModelRegistry, estimate_tokens
 from ..ops import metrics, tracing
 from . import postprocess, request_options
 from .auth import presented_key
@@ -34,7 +34,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
     rpc_label = f"{type(service).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
     metadata = context.invocation_metadata()
     rid = logs.bind_request_id(metadata)
-    request_options.bind_key_priority(presented_key(metadata), service.engine.config.bulk_api_keys)
+    request_options.bind_key_priority(presented_key(metadata), service.registry.config.bulk_api_keys)
     rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
     model_resolver.RESOLVED.set("")  # this call's task only; set when the call resolves its model
     code = grpc.StatusCode.OK
@@ -61,7 +61,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             raise
         finally:
             elapsed = time.perf_counter() - started
-            model = model_resolver.metrics_label(service.engine.models, model_name)
+            model = model_resolver.metrics_label(service.registry.models, model_name)
             if log.isEnabledFor(logging.DEBUG):  # an access log, for debugging only: it costs per call
                 log.debug("%s model=%s code=%s %.1fms", rpc_label, model, code.name, elapsed * 1000)
             tracing.finish(span, code, model)
@@ -113,7 +113,7 @@ def _media_content(modality: str, media: pb.Media) -> Content:
 
 
 def contents(messages, what: str = "inputs") -> list[Content]:
-    """Proto Content messages -> the engine's; an unset oneof is a client error."""
+    """Proto Content messages -> the registry's; an unset oneof is a client error."""
     out = []
     for i, message in enumerate(messages):
         which = message.WhichOneof("content")
@@ -124,13 +124,13 @@ def contents(messages, what: str = "inputs") -> list[Content]:
 
 
 class EncoderService(encoderd_pb2_grpc.EncoderServicer):
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, registry: ModelRegistry):
+        self.registry = registry
 
     @rpc
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         options = request_options.from_embed(request)
-        model, pooled, tokens = await self.engine.embed(
+        model, pooled, tokens = await self.registry.embed(
             request.model,
             request.inputs,
             truncate=options.truncate,
@@ -147,13 +147,13 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     @stream_rpc
     async def EmbedStream(self, first, requests, context):
         """Bulk embedding over a bidirectional stream; see streaming.py."""
-        async for response in embed_stream(self.engine, first, requests):
+        async for response in embed_stream(self.registry, first, requests):
             yield response
 
     @rpc
     async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
         options = request_options.from_rerank(request)
-        model, logits, tokens = await self.engine.score_pairs(
+        model, logits, tokens = await self.registry.score_pairs(
             request.model, request.query, request.documents, truncate=options.truncate, priority=options.priority
         )
         scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
@@ -170,7 +170,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     @rpc
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
         options = request_options.from_classify(request)
-        model, logits, tokens = await self.engine.classify(
+        model, logits, tokens = await self.registry.classify(
             request.model, request.inputs, truncate=options.truncate, priority=options.priority
         )
         scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
@@ -185,12 +185,12 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        model = self.engine.get(request.model)
-        texts = self.engine.check_inputs(request.inputs)
+        model = self.registry.get(request.model)
+        texts = self.registry.check_inputs(request.inputs)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        self.engine.check_token_budget(estimate_tokens(texts, None))
+        self.registry.check_token_budget(estimate_tokens(texts, None))
         encodings = await model.tokenizer.tokenize(texts, add_special)
-        self.engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
+        self.registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
         return pb.TokenizeResponse(
             model=model.spec.name,
             results=[
@@ -205,7 +205,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def EmbedMultimodal(self, request: pb.EmbedMultimodalRequest, context) -> pb.EmbedMultimodalResponse:
         options = request_options.from_embed(request)
         model, pooled, usage = await multimodal.embed_contents(
-            self.engine,
+            self.registry,
             request.model,
             contents(request.inputs),
             truncate=options.truncate,
@@ -220,7 +220,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def EmbedMultiVector(self, request: pb.EmbedMultiVectorRequest, context) -> pb.EmbedMultiVectorResponse:
         options = request_options.from_embed(request)
         model, rows, usage = await multimodal.embed_multivector(
-            self.engine,
+            self.registry,
             request.model,
             contents(request.inputs),
             truncate=options.truncate,
@@ -238,7 +238,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def MaxSim(self, request: pb.MaxSimRequest, context) -> pb.MaxSimResponse:
         options = request_options.from_rerank(request)
         model, scores, usage = await multimodal.maxsim(
-            self.engine,
+            self.registry,
             request.model,
             request.query,
             contents(request.documents, "documents"),
@@ -262,7 +262,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def EmbedSparse(self, request: pb.EmbedSparseRequest, context) -> pb.EmbedSparseResponse:
         options = request_options.from_embed(request)
         model, vectors, usage = await multimodal.embed_sparse(
-            self.engine,
+            self.registry,
             request.model,
             request.inputs,
             truncate=options.truncate,
@@ -281,8 +281,8 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
 
     @rpc
     async def ListModels(self, request: pb.ListModelsRequest, context) -> pb.ListModelsResponse:
-        loading = [pb.ModelInfo(id=name, status="loading") for name in sorted(self.engine.loading)]
-        return pb.ListModelsResponse(models=[model_info(m) for m in self.engine.models.values()] + loading)
+        loading = [pb.ModelInfo(id=name, status="loading") for name in sorted(self.registry.loading)]
+        return pb.ListModelsResponse(models=[model_info(m) for m in self.registry.models.values()] + loading)
 
 
 def model_info(model) -> pb.ModelInfo:

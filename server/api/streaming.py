@@ -1,7 +1,7 @@
 """EmbedStream: bulk embedding over one bidirectional stream, with flow control.
 
     reader   client messages -> `incoming`, one window slot each (blocks when full)
-    grouper  `incoming` -> groups of up to GROUP inputs -> one engine call each
+    grouper  `incoming` -> groups of up to GROUP inputs -> one registry call each
     writer   finished results -> client, releasing a slot per result written
 
 A slow reader blocks the writer, slots run out, the reader stops reading and
@@ -37,12 +37,12 @@ def _error(item_id: str, exc: Exception) -> pb.EmbedStreamResponse:
 
 
 class _Stream:
-    def __init__(self, engine, first: pb.EmbedStreamRequest, window: int):
-        self.engine = engine
+    def __init__(self, registry, first: pb.EmbedStreamRequest, window: int):
+        self.registry = registry
         # Bad options, model or prompt name: the whole stream fails. A stream is bulk unless it says otherwise.
         self.options = request_options.from_embed(first, default_priority=Priority.BULK)
-        self.model = engine.get(first.model, ModelKind.EMBEDDING)
-        engine.prompt_text(self.model, self.options.prompt, self.options.prompt_name)
+        self.model = registry.get(first.model, ModelKind.EMBEDDING)
+        registry.prompt_text(self.model, self.options.prompt, self.options.prompt_name)
         self.slots = asyncio.Semaphore(window)
         self.incoming: asyncio.Queue = asyncio.Queue()
         self.results: asyncio.Queue = asyncio.Queue()
@@ -98,7 +98,7 @@ class _Stream:
         try:
             while True:
                 try:
-                    model, pooled, _ = await self.engine.embed(
+                    model, pooled, _ = await self.registry.embed(
                         self.model.spec.name,
                         [m.input for m in good],
                         truncate=o.truncate,
@@ -123,12 +123,12 @@ class _Stream:
         metrics.STREAM_INPUTS_IN_FLIGHT.dec()
 
 
-async def embed_stream(engine, first, requests, window: int = WINDOW):
+async def embed_stream(registry, first, requests, window: int = WINDOW):
     """The EmbedStream servicer body: an async generator of responses. A bad first message
     (malformed, unknown model, bad prompt name) fails the whole stream with its status."""
     if isinstance(first, MalformedRequest):
         raise InvalidInput(first.reason)
-    stream = _Stream(engine, first, window)
+    stream = _Stream(registry, first, window)
     tasks = [asyncio.create_task(stream.read(first, requests)), asyncio.create_task(stream.group())]
     try:
         while True:

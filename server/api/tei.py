@@ -1,6 +1,6 @@
 """Text Embeddings Inference's REST routes (/embed, /embed_all, /embed_sparse, /predict,
 /similarity, /rerank with `texts`, /tokenize, /decode, /info) in TEI's shapes: bare
-JSON lists, rendered here for the Compat service (server/api/rest.py).
+JSON lists, rendered here for the Compat service (server/api/compat.py).
 
 TEI serves one model and its requests name none; here `model` (an extension) picks
 one when several of the route's kind are served. Options come either at the top
@@ -19,11 +19,10 @@ from google.protobuf import json_format
 from ...v1 import compat_pb2 as cpb
 from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from ..models import multimodal
-from ..models.engine import estimate_tokens
 from ..models.media import Content
+from ..models.registry import estimate_tokens
 from ..scheduling.scheduler import Priority
-from . import postprocess
-from . import rest as compat
+from . import compat, postprocess
 from .errors import InvalidInput
 from .request_options import ClassifyOptions, RerankOptions, key_priority
 from .token_states import embed_token_states
@@ -113,7 +112,7 @@ def _json(document) -> httpbody_pb2.HttpBody:
 def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> str:
     """The name of the model `route` serves: the named one, else the one of `kinds`, an embedding
     model first (server/models/model_resolver.py)."""
-    return service.engine.get(name, kinds, prefer=(ModelKind.EMBEDDING,), call=route).spec.name
+    return service.registry.get(name, kinds, prefer=(ModelKind.EMBEDDING,), call=route).spec.name
 
 
 def _no_embedding_options(opts: Options, route: str) -> None:
@@ -133,7 +132,7 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
     texts, token_ids = compat.embedding_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
     if texts is not None:
-        model, pooled, _ = await service.engine.embed(
+        model, pooled, _ = await service.registry.embed(
             name,
             texts,
             truncate=opts.truncate,
@@ -147,7 +146,7 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
                 "token-id inputs are used as given: `prompt_name`, `truncate` and "
                 "`truncation_direction` apply to text inputs only"
             )
-        model, pooled, _ = await service.engine.embed_ids(name, token_ids, priority=opts.priority)
+        model, pooled, _ = await service.registry.embed_ids(name, token_ids, priority=opts.priority)
     # TEI normalizes unless told not to, whatever the model's own default.
     vectors = postprocess.finish_embeddings(pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions)
     return _body("[" + ",".join(compat.float_rows(model.spec.name, vectors)) + "]")
@@ -171,10 +170,10 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     _no_predict_options(opts, "/embed_all")
     texts = _texts(request, "/embed_all")
     name = pick_model(service, request.model, EMBED_ALL_KINDS, "/embed_all")
-    served = service.engine.get(name, EMBED_ALL_KINDS)
+    served = service.registry.get(name, EMBED_ALL_KINDS)
     if served.spec.kind == ModelKind.EMBEDDING:
         model, rows, _ = await embed_token_states(
-            service.engine,
+            service.registry,
             name,
             texts,
             truncate=opts.truncate,
@@ -185,9 +184,9 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     else:
         if opts.side != "right":
             raise InvalidInput("/embed_all cuts a multi-vector model's over-long inputs on the right only")
-        prompt = service.engine.prompt_text(served, "", opts.prompt_name)
+        prompt = service.registry.prompt_text(served, "", opts.prompt_name)
         model, rows, _ = await multimodal.embed_multivector(
-            service.engine,
+            service.registry,
             name,
             [Content(text=t) for t in texts],
             truncate=opts.truncate,
@@ -204,9 +203,9 @@ async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
     _no_predict_options(opts, "/embed_sparse")
     texts = _texts(request, "/embed_sparse")
     name = pick_model(service, request.model, (ModelKind.SPARSE,), "/embed_sparse")
-    prompt = service.engine.prompt_text(service.engine.get(name, ModelKind.SPARSE), "", opts.prompt_name)
+    prompt = service.registry.prompt_text(service.registry.get(name, ModelKind.SPARSE), "", opts.prompt_name)
     _, vectors, _ = await multimodal.embed_sparse(
-        service.engine,
+        service.registry,
         name,
         texts,
         truncate=opts.truncate,
@@ -290,7 +289,7 @@ async def similarity(service, request) -> httpbody_pb2.HttpBody:
     if not source or not sentences:
         raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/similarity")
-    _, pooled, _ = await service.engine.embed(
+    _, pooled, _ = await service.registry.embed(
         name,
         [source, *sentences],
         truncate=opts.truncate,
@@ -325,14 +324,14 @@ async def rerank(service, request) -> httpbody_pb2.HttpBody:
 
 
 async def tokenize(service, request) -> httpbody_pb2.HttpBody:
-    model = service.engine.get(request.model)
-    texts = service.engine.check_inputs(compat.string_list(request.inputs, "inputs"))
-    prefix = service.engine.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
+    model = service.registry.get(request.model)
+    texts = service.registry.check_inputs(compat.string_list(request.inputs, "inputs"))
+    prefix = service.registry.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
     texts = [prefix + t for t in texts]
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-    service.engine.check_token_budget(estimate_tokens(texts, None))
+    service.registry.check_token_budget(estimate_tokens(texts, None))
     encodings = await model.tokenizer.tokenize(texts, add_special)
-    service.engine.check_token_budget(0, sum(len(e.ids) for e in encodings))
+    service.registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
     return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)])
 
 
@@ -370,7 +369,7 @@ def decode_ids(value, vocab: int) -> list[list[int]]:
 
 
 async def decode(service, request) -> httpbody_pb2.HttpBody:
-    model = service.engine.get(request.model)
+    model = service.registry.get(request.model)
     tokenizer = model.tokenizer.untruncated
     sequences = decode_ids(request.ids, tokenizer.get_vocab_size(with_added_tokens=True))
     skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
@@ -395,8 +394,8 @@ def _model_type(model) -> dict:
 
 
 async def info(service, request) -> httpbody_pb2.HttpBody:
-    model = service.engine.get(request.model)
-    config = service.engine.config
+    model = service.registry.get(request.model)
+    config = service.registry.config
     limits = model.scheduler.limits[Priority.INTERACTIVE]
     return _json(
         {
@@ -435,12 +434,12 @@ ROOT_ROUTES = {
 async def root(service, request: cpb.TeiRootRequest) -> httpbody_pb2.HttpBody:
     """TEI's POST /: the request, narrowed to the message of the model's route (a field that
     route does not take is a 400), handled by that route."""
-    if not request.model and len(service.engine.models) > 1:
+    if not request.model and len(service.registry.models) > 1:
         raise InvalidInput(
             f"POST / needs `model` when several models are served (here: "
-            f"{', '.join(sorted(service.engine.models))}); or post to /embed, /predict, /rerank"
+            f"{', '.join(sorted(service.registry.models))}); or post to /embed, /predict, /rerank"
         )
-    model = service.engine.get(request.model)
+    model = service.registry.get(request.model)
     message_class, handler, path = ROOT_ROUTES[model.spec.kind]
     fields = json_format.MessageToDict(request, preserving_proto_field_name=True)
     fields["model"] = model.spec.name

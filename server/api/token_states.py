@@ -17,12 +17,12 @@ import numpy as np
 
 from ...workers.contract.model_spec import ModelKind
 from ..models import compute
-from ..models.engine import Engine, ServedModel
+from ..models.registry import ModelRegistry, ServedModel
 from ..scheduling.scheduler import Priority
 
 
 async def embed_token_states(
-    engine: Engine,
+    registry: ModelRegistry,
     name: str,
     texts,
     *,
@@ -32,9 +32,9 @@ async def embed_token_states(
     priority: Priority = Priority.INTERACTIVE,
 ) -> tuple[ServedModel, list[np.ndarray], int]:
     """Per input, its (tokens, hidden) float32 last hidden states, and the token count."""
-    model = engine.get(name, ModelKind.EMBEDDING)
-    prefix = engine.prompt_text(model, "", prompt_name)
+    model = registry.get(name, ModelKind.EMBEDDING)
+    prefix = registry.prompt_text(model, "", prompt_name)
     rows, n_tokens = await compute.run(
-        engine, model, texts, compute.TOKEN_STATES, truncate=truncate, side=side, prefix=prefix, priority=priority
+        registry, model, texts, compute.TOKEN_STATES, truncate=truncate, side=side, prefix=prefix, priority=priority
     )
     return model, cast("list[np.ndarray]", rows), n_tokens  # ragged: the rows, as a list

@@ -25,9 +25,9 @@ from ..scheduling.scheduler import PendingRequest, Priority
 from .media import Content, media_bytes
 from .result_cache import result_key
 
-if TYPE_CHECKING:  # engine.py calls this module: its types only
+if TYPE_CHECKING:  # registry.py calls this module: its types only
     from ..ops.config import ServerConfig
-    from .engine import Engine, ServedModel
+    from .registry import ModelRegistry, ServedModel
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ _A = {"text": "a text", "image": "an image", "audio": "audio"}
 
 
 async def run(
-    engine: Engine,
+    registry: ModelRegistry,
     model: ServedModel,
     inputs: Iterable[Input],
     output: Output,
@@ -89,15 +89,15 @@ async def run(
     inputs = list(inputs)
     model.scheduler.refuse_if_full(len(inputs))  # a flood is refused before any other work
     spec = model.spec
-    check_inputs(engine.config, inputs, what, modalities(spec.kind), f"{spec.name!r} ({spec.kind.value})")
-    payloads = await _payloads(engine, inputs, prefix, what)
+    check_inputs(registry.config, inputs, what, modalities(spec.kind), f"{spec.name!r} ({spec.kind.value})")
+    payloads = await _payloads(registry, inputs, prefix, what)
     keys = [_key(output, p, truncate, side, pairs_with) for p in payloads]
 
     async def compute_some(indices: list[int]) -> tuple[np.ndarray, np.ndarray]:  # ragged: a list of rows
         request = PendingRequest(len(indices), output.ragged)
         chosen = [(payloads[i], f"{what}[{i}]") for i in indices]
         items, costs = await _work_items(
-            engine,
+            registry,
             model,
             chosen,
             request,
@@ -144,12 +144,12 @@ def check_text(config: ServerConfig, text, what: str) -> str:
     return text
 
 
-async def _payloads(engine: Engine, inputs: list[Input], prefix: str, what: str) -> list[_Payload]:
+async def _payloads(registry: ModelRegistry, inputs: list[Input], prefix: str, what: str) -> list[_Payload]:
     """Texts with their prompt; media bytes given, in a data: URI or fetched (concurrently, off the
     loop): the cache keys on their digest."""
     loop = asyncio.get_running_loop()
     fetches = {
-        i: loop.run_in_executor(engine.fetch_pool, media_bytes, x, engine.media_limits, f"{what}[{i}]")
+        i: loop.run_in_executor(registry.fetch_pool, media_bytes, x, registry.media_limits, f"{what}[{i}]")
         for i, x in enumerate(inputs)
         if isinstance(x, Content) and x.modality != "text"
     }
@@ -174,7 +174,7 @@ def _key(output: Output, payload: _Payload, truncate: bool, side: str, pairs_wit
 
 
 async def _work_items(
-    engine: Engine,
+    registry: ModelRegistry,
     model: ServedModel,
     inputs: list[tuple[_Payload, str]],
     request: PendingRequest,
@@ -193,7 +193,7 @@ async def _work_items(
     if texts:
         batch: list = [inputs[j][0] for j in texts]
         estimated = ["".join(t) if isinstance(t, tuple) else t for t in batch]
-        with engine.admit(model, estimated, truncate=truncate, pairs_with=pairs_with or ""):
+        with registry.admit(model, estimated, truncate=truncate, pairs_with=pairs_with or ""):
             tokens = await model.tokenizer.encode(
                 batch, truncate=truncate, side=side, pairs_with=pairs_with, bulk=priority == Priority.BULK
             )
@@ -206,11 +206,11 @@ async def _work_items(
         if isinstance(payload, TokenIds):
             items[j] = WorkItem(payload.ids, None, request, j, token_states=output.token_states)
             n_tokens += len(payload.ids)
-    engine.check_token_budget(0, n_tokens)
+    registry.check_token_budget(0, n_tokens)
     media = [(j, p, name) for j, (p, name) in enumerate(inputs) if isinstance(p, _Media)]
     loop = asyncio.get_running_loop()
     done = await asyncio.gather(
-        *(loop.run_in_executor(engine.media_pool, model.media[p.modality], p.data, name) for _, p, name in media)
+        *(loop.run_in_executor(registry.media_pool, model.media[p.modality], p.data, name) for _, p, name in media)
     )
     for (j, p, _), (features, flag, cost) in zip(media, done, strict=True):
         items[j] = MediaItem(_NO_IDS, None, request, j, features=features, flag=flag, cost=cost, modality=p.modality)

@@ -1,7 +1,7 @@
 """Media inputs: where their bytes come from, decoding, and preprocessing.
 
 Everything here blocks (HTTP fetches, image and audio decoding, resizing,
-feature extraction) and runs in the engine's media thread pool, never on the
+feature extraction) and runs in the registry's media thread pool, never on the
 event loop; the worker only receives finished float32 tensors.
 
 Each preprocessed input also gets a cost, in token-equivalents, which the

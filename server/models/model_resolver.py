@@ -13,7 +13,7 @@ from ...workers.contract.model_spec import ModelKind
 from ..api.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
 
 if TYPE_CHECKING:
-    from .engine import ServedModel
+    from .registry import ServedModel
 
 # What Infinity's client sends as `model` when its caller names none: no name.
 INFINITY_NO_MODEL = "default/not-specified"

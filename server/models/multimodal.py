@@ -23,15 +23,15 @@ from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from ..api.errors import InvalidInput
 from ..scheduling.scheduler import Priority
 from . import compute
-from .engine import Engine, ServedModel
 from .media import Content
+from .registry import ModelRegistry, ServedModel
 
 SINGLE_VECTOR_KINDS = (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP)
 
 
 # ------------------------------------------------------------- operations
 async def embed_contents(
-    engine: Engine,
+    registry: ModelRegistry,
     name: str,
     contents: list[Content],
     *,
@@ -40,15 +40,15 @@ async def embed_contents(
     priority: Priority = Priority.INTERACTIVE,
 ) -> tuple[ServedModel, np.ndarray, int]:
     """One vector (n, dim) per input, as the model computes it (normalizing is the caller's), and the usage."""
-    model = engine.get(name, SINGLE_VECTOR_KINDS)
+    model = registry.get(name, SINGLE_VECTOR_KINDS)
     rows, usage = await compute.run(
-        engine, model, contents, compute.POOLED, truncate=truncate, side=side, priority=priority
+        registry, model, contents, compute.POOLED, truncate=truncate, side=side, priority=priority
     )
     return model, cast("np.ndarray", rows), usage
 
 
 async def embed_multivector(
-    engine: Engine,
+    registry: ModelRegistry,
     name: str,
     contents: list[Content],
     *,
@@ -57,13 +57,13 @@ async def embed_multivector(
     priority: Priority = Priority.INTERACTIVE,
 ) -> tuple[ServedModel, list[np.ndarray], int]:
     """Per input, its (rows, dim) unit vectors, and the usage."""
-    model = engine.get(name, MULTI_VECTOR_KINDS)
-    rows, usage = await _multi_vector(engine, model, contents, truncate=truncate, prompt=prompt, priority=priority)
+    model = registry.get(name, MULTI_VECTOR_KINDS)
+    rows, usage = await _multi_vector(registry, model, contents, truncate=truncate, prompt=prompt, priority=priority)
     return model, rows, usage
 
 
 async def maxsim(
-    engine: Engine,
+    registry: ModelRegistry,
     name: str,
     query: str,
     documents: list[Content],
@@ -76,11 +76,11 @@ async def maxsim(
     """Late-interaction scores (n,) of the documents for the query, and the usage."""
     if not query:
         raise InvalidInput("`query` is empty")
-    model = engine.get(name, MULTI_VECTOR_KINDS)
+    model = registry.get(name, MULTI_VECTOR_KINDS)
     # Concurrently, so the query can ride in the documents' first batch.
     (query_rows, query_usage), (rows, usage) = await asyncio.gather(
         _multi_vector(
-            engine,
+            registry,
             model,
             [Content(text=query)],
             truncate=truncate,
@@ -89,16 +89,16 @@ async def maxsim(
             what="query",
         ),
         _multi_vector(
-            engine, model, documents, truncate=truncate, prompt=document_prompt, priority=priority, what="documents"
+            registry, model, documents, truncate=truncate, prompt=document_prompt, priority=priority, what="documents"
         ),
     )
     loop = asyncio.get_running_loop()
-    scores = await loop.run_in_executor(engine.media_pool, maxsim_scores, query_rows[0], rows)
+    scores = await loop.run_in_executor(registry.media_pool, maxsim_scores, query_rows[0], rows)
     return model, scores, query_usage + usage
 
 
 async def embed_sparse(
-    engine: Engine,
+    registry: ModelRegistry,
     name: str,
     texts,
     *,
@@ -114,10 +114,10 @@ async def embed_sparse(
         raise InvalidInput(f"`top_k` must be positive or 0 (all), not {top_k}")
     if not np.isfinite(threshold) or threshold < 0:
         raise InvalidInput(f"`threshold` must be a finite number >= 0, not {threshold}")
-    model = engine.get(name, ModelKind.SPARSE)
+    model = registry.get(name, ModelKind.SPARSE)
     contents = [Content(text=t) for t in texts]
     rows, usage = await _multi_vector(
-        engine, model, contents, truncate=truncate, side=side, prompt=prompt, priority=priority
+        registry, model, contents, truncate=truncate, side=side, prompt=prompt, priority=priority
     )
     return model, [sparsify(indices, values, top_k, threshold) for indices, values in rows], usage
 
@@ -139,7 +139,7 @@ def sparsify(indices: np.ndarray, values: np.ndarray, top_k: int, threshold: flo
 
 # ------------------------------------------------------------- internals
 async def _multi_vector(
-    engine: Engine,
+    registry: ModelRegistry,
     model: ServedModel,
     contents: list[Content],
     *,
@@ -151,9 +151,9 @@ async def _multi_vector(
 ) -> tuple[list, int]:
     """Per input its rows (multi-vector) or (indices, weights) (sparse), and the usage."""
     if prompt:
-        engine.check_text(prompt, f"the {what} prompt")
+        registry.check_text(prompt, f"the {what} prompt")
     rows, usage = await compute.run(
-        engine,
+        registry,
         model,
         contents,
         compute.MULTI_VECTOR,

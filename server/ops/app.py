@@ -17,10 +17,10 @@ from ...v1 import compat_pb2, encoderd_pb2
 from ...workers.contract.protocol import frontend_grpc_socket
 from ..api import reflection_v1
 from ..api.auth import ApiKeyInterceptor, load_keys
+from ..api.compat import CompatService
 from ..api.handlers import add_servicer
-from ..api.rest import CompatService
 from ..api.service import EncoderService
-from ..models.engine import Engine
+from ..models.registry import ModelRegistry
 from . import systemd, tls, tracing
 from .config import ServerConfig
 from .startup import StartupError, check_ports
@@ -40,7 +40,7 @@ class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.health = health.aio.HealthServicer()
-        self.engine = Engine(config, on_model_state=self._on_model_state)
+        self.registry = ModelRegistry(config, on_model_state=self._on_model_state)
         keys = load_keys(config.api_keys + config.bulk_api_keys, config.api_key_file)
         interceptors = [ApiKeyInterceptor(keys, open_health=config.open_health)] if keys else []
         self.grpc = grpc.aio.server(
@@ -63,8 +63,8 @@ class Server:
             systemd.status(self._status_line())
 
     def _status_line(self) -> str:
-        down = [name for name, model in self.engine.models.items() if not model.ready]
-        line = f"serving {len(self.engine.models)} model(s) on {self.config.host}:{self.bound_port}"
+        down = [name for name, model in self.registry.models.items() if not model.ready]
+        line = f"serving {len(self.registry.models)} model(s) on {self.config.host}:{self.bound_port}"
         return line + (f"; unavailable (worker restarting): {', '.join(down)}" if down else "")
 
     async def _set_overall(self, status) -> None:
@@ -75,9 +75,9 @@ class Server:
         cfg = self.config
         tracing.configure(cfg.otel_endpoint)
         await self._set_overall(health_pb2.HealthCheckResponse.NOT_SERVING)
-        add_servicer(self.grpc, EncoderService(self.engine), encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"])
+        add_servicer(self.grpc, EncoderService(self.registry), encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"])
         add_servicer(
-            self.grpc, CompatService(self.engine, self.health), compat_pb2.DESCRIPTOR.services_by_name["Compat"]
+            self.grpc, CompatService(self.registry, self.health), compat_pb2.DESCRIPTOR.services_by_name["Compat"]
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection_v1.enable(
@@ -119,7 +119,7 @@ class Server:
                     f"cannot listen on {cfg.host}:{cfg.metrics_port} (--metrics-port): {exc.strerror}"
                 ) from None
         systemd.status(f"loading {len(cfg.models)} model(s): {', '.join(m.name for m in cfg.models)}")
-        await self.engine.start()
+        await self.registry.start()
         await self._set_overall(health_pb2.HealthCheckResponse.SERVING)
         systemd.ready(self._status_line())
         self._serving = True
@@ -133,7 +133,7 @@ class Server:
             security,
             cfg.host,
             self.bound_port,
-            ", ".join(self.engine.models),
+            ", ".join(self.registry.models),
         )
 
     async def drain_and_stop(self) -> None:
@@ -149,7 +149,7 @@ class Server:
         await self.grpc.stop(self.config.drain_timeout)
         if self.gateway:  # after the drain: in-flight REST calls finish through it
             await self.gateway.stop()
-        await self.engine.stop()
+        await self.registry.stop()
         tracing.shutdown()  # flush the last spans
         log.info("[shutdown] done")
 

@@ -76,7 +76,7 @@ _shared: Zygote | None = None
 
 def shared_zygote(config) -> Zygote | None:
     """This frontend's zygote (a ServerConfig's settings), made on the first call: the CLI launches it
-    before the frontend's own imports so that both import at once; the engine forks from it.
+    before the frontend's own imports so that both import at once; the registry forks its workers from it.
     None when --no-worker-zygote or no model runs on CPU."""
     global _shared  # noqa: PLW0603 - one zygote per frontend process, made on first use
     if not config.worker_zygote or not any("cpu" in (m.device or config.device) for m in config.models):

@@ -58,7 +58,7 @@ EXCEPTIONS = {
     ("bench/options.py", "encoderd.server.scheduling.placement"),
     # `bench.rest --stub`: a stand-in gRPC server behind a real Envoy gateway, to measure the gateway
     # alone; it answers with the server's own response envelope so the bytes are the real ones.
-    ("bench/rest.py", "encoderd.server.api.rest"),
+    ("bench/rest.py", "encoderd.server.api.compat"),
     ("bench/rest.py", "encoderd.gateway.envoy"),
     ("bench/rest.py", "encoderd.gateway.process"),
 }
@@ -152,7 +152,7 @@ def test_every_exception_is_still_needed():
     ("importer", "imported", "rule"),
     [
         ("encoderd.workers.process", "encoderd.server.logs", "workers never import"),
-        ("encoderd.server.models.engine", "encoderd.workers.process", "frontend imports only the contract"),
+        ("encoderd.server.models.registry", "encoderd.workers.process", "frontend imports only the contract"),
         ("encoderd.gateway.envoy", "encoderd.workers.backends.base", "frontend imports only the contract"),
         ("encoderd.clients.bulk", "encoderd.server.api.errors", "clients import neither"),
         ("encoderd.clients.bulk", "encoderd.workers.contract.protocol", "clients import neither"),
@@ -170,7 +170,7 @@ def test_rules_catch_each_kind_of_crossing(importer, imported, rule):
 @pytest.mark.parametrize(
     ("importer", "imported"),
     [
-        ("encoderd.server.models.engine", "encoderd.workers.contract.config"),
+        ("encoderd.server.models.registry", "encoderd.workers.contract.config"),
         ("encoderd.bench.mixed", "encoderd.clients.bulk"),
         ("encoderd.workers.process", "encoderd.workers.contract.protocol"),
         ("encoderd.workers.contract.config", "encoderd.workers.contract.model_spec"),

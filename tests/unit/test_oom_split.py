@@ -14,7 +14,7 @@ from encoderd.server.api.errors import EncoderdError, worker_failure
 from encoderd.workers.contract import protocol
 from encoderd.workers.contract.errors import ErrorCode
 from encoderd.workers.contract.protocol import Ragged, TokenBatch
-from encoderd.workers.process import _run, forward
+from encoderd.workers.process import _compute_and_reply, forward_halving_on_oom
 
 
 class OutOfMemoryError(RuntimeError):
@@ -51,14 +51,14 @@ def test_split_keeps_sequences_whole():
 
 def test_out_of_memory_halves_until_it_fits_and_keeps_order():
     device = SmallDevice(fits=2)
-    out = forward(device, batch_of([3, 1, 4, 1, 5, 9, 2]))
+    out = forward_halving_on_oom(device, batch_of([3, 1, 4, 1, 5, 9, 2]))
     assert list(out[:, 0]) == list(range(7)) and list(out[:, 1]) == [3, 1, 4, 1, 5, 9, 2]
     assert max(device.calls[1:]) <= 4 and device.released >= 2
 
 
 def test_a_single_input_that_does_not_fit_fails():
     with pytest.raises(OutOfMemoryError):
-        forward(SmallDevice(fits=0), batch_of([3]))
+        forward_halving_on_oom(SmallDevice(fits=0), batch_of([3]))
 
 
 def test_other_errors_are_not_retried():
@@ -67,7 +67,7 @@ def test_other_errors_are_not_retried():
             raise ValueError("bad ids")
 
     with pytest.raises(ValueError):
-        forward(Broken(fits=8), batch_of([1, 2]))
+        forward_halving_on_oom(Broken(fits=8), batch_of([1, 2]))
 
 
 class MultiVectorDevice(SmallDevice):
@@ -84,7 +84,7 @@ class MultiVectorDevice(SmallDevice):
 def test_ragged_outputs_are_joined_in_order_after_a_split():
     lengths = [3, 1, 4, 1, 5, 9, 2]
     whole = MultiVectorDevice(fits=99).forward(batch_of(lengths))
-    out = forward(MultiVectorDevice(fits=2), batch_of(lengths))
+    out = forward_halving_on_oom(MultiVectorDevice(fits=2), batch_of(lengths))
     assert isinstance(out, Ragged) and out.cu_seqlens.dtype == np.int32
     assert np.array_equal(out.cu_seqlens, whole.cu_seqlens) and np.array_equal(out.values, whole.values)
     assert [len(v) for v in out.split()] == lengths
@@ -100,7 +100,7 @@ def test_sparse_ragged_outputs_keep_their_indices():
 
 
 def _failed_batch_through_the_wire(device) -> tuple[protocol.ResultHeader, EncoderdError]:
-    """One urgent batch through the worker's batch loop (process._run) onto a real ZeroMQ socket:
+    """One urgent batch through the worker's batch loop (process._compute_and_reply) onto a real ZeroMQ socket:
     the result header the frontend reads, and the error its requests fail with."""
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -110,7 +110,7 @@ def _failed_batch_through_the_wire(device) -> tuple[protocol.ResultHeader, Encod
     try:
         work = batch_of([3, 4])
         work.urgent = True  # the path without pacing: forward (halving), then the modules
-        _run(device, lambda rows: rows, work, None, push, None)
+        _compute_and_reply(device, lambda rows: rows, work, None, push, None)
         _, header, _ = protocol.decode(pull.recv_multipart())
     finally:
         push.close(linger=0)

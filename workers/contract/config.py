@@ -1,6 +1,6 @@
 """What the frontend hands a worker to start it: the model, the engine and its options.
 
-Built by the frontend (server/models/engine.py), pickled into the spawned or forked worker
+Built by the frontend (server/models/registry.py), pickled into the spawned or forked worker
 (workers/process.py), so both sides import it from here.
 """
 

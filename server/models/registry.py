@@ -2,7 +2,7 @@
 
 Each ServedModel owns a tokenizer, a result cache, a scheduler and its worker
 processes (one per replica). The gRPC servicers (and through Envoy, REST)
-call Engine.embed / score_pairs / classify (server/models/multimodal.py: media and
+call ModelRegistry.embed / score_pairs / classify (server/models/multimodal.py: media and
 multi-vector), which all compute through server/models/compute.py.
 """
 
@@ -77,7 +77,7 @@ class ServedModel:
         )
 
 
-class Engine:
+class ModelRegistry:
     def __init__(self, config: ServerConfig, on_model_state=lambda name, ready: None):
         self.config = config
         self.models: dict[str, ServedModel] = {}

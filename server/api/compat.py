@@ -23,9 +23,9 @@ from ...v1 import compat_pb2 as cpb
 from ...v1 import compat_pb2_grpc
 from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
 from ..models import multimodal
-from ..models.engine import Engine, ServedModel
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
+from ..models.registry import ModelRegistry, ServedModel
 from ..scheduling.scheduler import Priority
 from . import cohere_embed, openapi, postprocess, tei
 from .errors import BackendError, InvalidInput, Unavailable
@@ -51,7 +51,7 @@ def _preferred_kinds(modality: str) -> tuple[ModelKind, ...]:
 
 
 def embedding_inputs(value: struct_pb2.Value) -> tuple[list[str] | None, list[list[float]] | None]:
-    """OpenAI `input` -> (texts, None) or (None, token-id lists); ids are range-checked by the engine."""
+    """OpenAI `input` -> (texts, None) or (None, token-id lists); ids are range-checked by the registry."""
     kind = value.WhichOneof("kind")
     if kind == "string_value":
         return [value.string_value], None
@@ -236,8 +236,8 @@ def infinity_model(model: ServedModel) -> dict:
 
 # ------------------------------------------------------------------- service
 class CompatService(compat_pb2_grpc.CompatServicer):
-    def __init__(self, engine: Engine, health):
-        self.engine = engine
+    def __init__(self, registry: ModelRegistry, health):
+        self.registry = registry
         self.health = health  # grpc_health's servicer: /health reports its overall status
 
     @rpc
@@ -268,13 +268,13 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         options = EmbedOptions.for_call(
             dimensions=0 if zero_is_full and request.dimensions == 0 else positive(request, "dimensions")
         )
-        model = self.engine.get(request.model, EMBEDDINGS_KINDS, prefer=_preferred_kinds(modality))
+        model = self.registry.get(request.model, EMBEDDINGS_KINDS, prefer=_preferred_kinds(modality))
         if model.spec.kind in MULTI_VECTOR_KINDS:
             return await self._multivectors(model, request, modality, encoding_format, options)
         if modality != "text":
             inputs = media_inputs(request.input, modality)
             model, pooled, tokens = await multimodal.embed_contents(
-                self.engine, model.spec.name, inputs, priority=options.priority
+                self.registry, model.spec.name, inputs, priority=options.priority
             )
         else:
             model, pooled, tokens = await self._embed_texts(model.spec.name, request.input, options)
@@ -285,8 +285,8 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         """OpenAI's `input`: texts, or token ids."""
         texts, token_ids = embedding_inputs(value)
         if texts is not None:
-            return await self.engine.embed(name, texts, priority=options.priority)
-        return await self.engine.embed_ids(name, token_ids, priority=options.priority)
+            return await self.registry.embed(name, texts, priority=options.priority)
+        return await self.registry.embed_ids(name, token_ids, priority=options.priority)
 
     async def _multivectors(self, model: ServedModel, request, modality: str, encoding_format: str, options):
         """A colbert / colpali model on /embeddings: per input, its token or patch vectors."""
@@ -300,13 +300,13 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         else:
             inputs = media_inputs(request.input, modality)
         model, rows, tokens = await multimodal.embed_multivector(
-            self.engine, model.spec.name, inputs, priority=options.priority
+            self.registry, model.spec.name, inputs, priority=options.priority
         )
         return render_multivectors(model.spec.name, rows, encoding_format, tokens)
 
     async def rerank_scores(self, name: str, query: str, documents: list[str], options: RerankOptions):
         """(model, scores, tokens): a cross-encoder's scores (its activation), or its logits when asked."""
-        model, logits, tokens = await self.engine.score_pairs(
+        model, logits, tokens = await self.registry.score_pairs(
             name, query, documents, truncate=options.truncate, side=options.side, priority=options.priority
         )
         return model, postprocess.scores(logits, model.spec.score_activation, options.raw_scores), tokens
@@ -386,7 +386,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         self, name: str, texts: list[str], options: ClassifyOptions
     ) -> tuple[ServedModel, list[list[dict]], int]:
         """Per input, every label with its score ({"score", "label"}), best first."""
-        model, logits, tokens = await self.engine.classify(
+        model, logits, tokens = await self.registry.classify(
             name, texts, truncate=options.truncate, side=options.side, priority=options.priority
         )
         scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
@@ -447,17 +447,17 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     async def ListModels(self, request, context) -> httpbody_pb2.HttpBody:
         loading = [
             {"id": name, "object": "model", "created": 0, "owned_by": "encoderd", "status": "loading"}
-            for name in sorted(self.engine.loading)
+            for name in sorted(self.registry.loading)
         ]
-        return _json({"object": "list", "data": [openai_model(m) for m in self.engine.models.values()] + loading})
+        return _json({"object": "list", "data": [openai_model(m) for m in self.registry.models.values()] + loading})
 
     @rpc
     async def ListRootModels(self, request, context) -> httpbody_pb2.HttpBody:
-        return _json({"object": "list", "data": [infinity_model(m) for m in self.engine.models.values()]})
+        return _json({"object": "list", "data": [infinity_model(m) for m in self.registry.models.values()]})
 
     @rpc
     async def GetModel(self, request: cpb.GetModelRequest, context) -> httpbody_pb2.HttpBody:
-        return _json(openai_model(self.engine.get(request.id)))
+        return _json(openai_model(self.registry.get(request.id)))
 
     @rpc
     async def GetOpenApi(self, request, context) -> httpbody_pb2.HttpBody:
@@ -468,6 +468,6 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         status = (await self.health.Check(health_pb2.HealthCheckRequest(service=""), context)).status
         if status != health_pb2.HealthCheckResponse.SERVING:
             raise Unavailable("encoderd is not serving: models are loading or the server is draining")
-        models = {name: "ready" if m.ready else "unavailable" for name, m in self.engine.models.items()}
+        models = {name: "ready" if m.ready else "unavailable" for name, m in self.registry.models.items()}
         # `unix`: the server's clock, which Infinity's /health answers with.
         return _json({"status": "serving", "models": models, "unix": time.time()})
