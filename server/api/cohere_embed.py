@@ -141,14 +141,7 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     if n_images:
         model, pooled, tokens = await _embed_media(service, model, contents, options)
     else:
-        model, pooled, tokens = await service.registry.embed(
-            model.spec.name,
-            texts,
-            truncate=options.truncate,
-            side=options.side,
-            prompt_name=options.prompt_name,
-            priority=options.priority,
-        )
+        model, pooled, tokens = await service.registry.embed(model.spec.name, texts, options)
     vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
     billed = {"input_tokens": tokens, **({"images": n_images} if n_images else {})}
     meta: dict[str, Any] = {"api_version": {"version": version}, "billed_units": billed}
@@ -166,14 +159,7 @@ async def _embed_media(service, model, contents: list[Content], options: EmbedOp
     """Texts and images through the model's multi-modal path (texts with their prompt, as the text path)."""
     prefix = service.registry.prompt_text(model, "", options.prompt_name) if options.prompt_name else ""
     contents = [Content(text=prefix + c.text) if c.modality == "text" else c for c in contents]
-    return await multimodal.embed_contents(
-        service.registry,
-        model.spec.name,
-        contents,
-        truncate=options.truncate,
-        side=options.side,
-        priority=options.priority,
-    )
+    return await multimodal.embed_contents(service.registry, model.spec.name, contents, options)
 
 
 def _check_max_tokens(request: cpb.CohereEmbedRequest, model_max: int) -> None:

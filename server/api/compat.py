@@ -273,9 +273,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             return await self._multivectors(model, request, modality, encoding_format, options)
         if modality != "text":
             inputs = media_inputs(request.input, modality)
-            model, pooled, tokens = await multimodal.embed_contents(
-                self.registry, model.spec.name, inputs, priority=options.priority
-            )
+            model, pooled, tokens = await multimodal.embed_contents(self.registry, model.spec.name, inputs, options)
         else:
             model, pooled, tokens = await self._embed_texts(model.spec.name, request.input, options)
         vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
@@ -285,8 +283,8 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         """OpenAI's `input`: texts, or token ids."""
         texts, token_ids = embedding_inputs(value)
         if texts is not None:
-            return await self.registry.embed(name, texts, priority=options.priority)
-        return await self.registry.embed_ids(name, token_ids, priority=options.priority)
+            return await self.registry.embed(name, texts, options)
+        return await self.registry.embed_ids(name, token_ids, options)
 
     async def _multivectors(self, model: ServedModel, request, modality: str, encoding_format: str, options):
         """A colbert / colpali model on /embeddings: per input, its token or patch vectors."""
@@ -299,16 +297,12 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             inputs = [Content(text=t) for t in texts]
         else:
             inputs = media_inputs(request.input, modality)
-        model, rows, tokens = await multimodal.embed_multivector(
-            self.registry, model.spec.name, inputs, priority=options.priority
-        )
+        model, rows, tokens = await multimodal.embed_multivector(self.registry, model.spec.name, inputs, options)
         return render_multivectors(model.spec.name, rows, encoding_format, tokens)
 
     async def rerank_scores(self, name: str, query: str, documents: list[str], options: RerankOptions):
         """(model, scores, tokens): a cross-encoder's scores (its activation), or its logits when asked."""
-        model, logits, tokens = await self.registry.score_pairs(
-            name, query, documents, truncate=options.truncate, side=options.side, priority=options.priority
-        )
+        model, logits, tokens = await self.registry.score_pairs(name, query, documents, options)
         return model, postprocess.scores(logits, model.spec.score_activation, options.raw_scores), tokens
 
     @rpc
@@ -386,9 +380,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         self, name: str, texts: list[str], options: ClassifyOptions
     ) -> tuple[ServedModel, list[list[dict]], int]:
         """Per input, every label with its score ({"score", "label"}), best first."""
-        model, logits, tokens = await self.registry.classify(
-            name, texts, truncate=options.truncate, side=options.side, priority=options.priority
-        )
+        model, logits, tokens = await self.registry.classify(name, texts, options)
         scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         return (

@@ -26,7 +26,7 @@ from ..scheduling.scheduler import Priority
 from . import request_options
 from .errors import EncoderdError, InvalidInput
 from .postprocess import QUANTIZERS, finish_requested, quantize, rank, scores
-from .request_options import EmbedOptions
+from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 
 OUTPUT_DTYPES = ("float32", *QUANTIZERS)
 SIDES = ("right", "left")
@@ -136,15 +136,7 @@ class AsyncEngine:
             dimensions=dimensions,
             output_dtype=output_dtype,
         )
-        served, pooled, _ = await self.registry.embed(
-            model,
-            texts,
-            truncate=options.truncate,
-            side=options.side,
-            prompt=options.prompt,
-            prompt_name=options.prompt_name,
-            priority=options.priority,
-        )
+        served, pooled, _ = await self.registry.embed(model, texts, options)
         vectors = finish_requested(pooled, served.spec.normalize, options)
         return vectors if options.output_dtype == "float32" else quantize(vectors, options.output_dtype)
 
@@ -161,10 +153,9 @@ class AsyncEngine:
         bulk: bool = False,
     ) -> list[Ranked]:
         """The documents best first, scored by the model's activation (or raw logits)."""
-        served, logits, _ = await self.registry.score_pairs(
-            model, query, documents, truncate=truncate, priority=_priority(bulk)
-        )
-        values = scores(logits, served.spec.score_activation, raw_scores)
+        options = RerankOptions(truncate=truncate, priority=_priority(bulk), raw_scores=raw_scores)
+        served, logits, _ = await self.registry.score_pairs(model, query, documents, options)
+        values = scores(logits, served.spec.score_activation, options.raw_scores)
         order = rank(values, request_options.top_n(top_n))
         return [Ranked(int(i), float(values[i]), documents[i] if return_documents else "") for i in order]
 
@@ -172,8 +163,9 @@ class AsyncEngine:
         self, texts: list[str], model: str = "", *, raw_scores: bool = False, truncate: bool = True, bulk: bool = False
     ) -> list[list[tuple[str, float]]]:
         """Per input, (label, score) pairs best first."""
-        served, logits, _ = await self.registry.classify(model, texts, truncate=truncate, priority=_priority(bulk))
-        values = scores(logits, served.spec.score_activation, raw_scores)
+        options = ClassifyOptions(truncate=truncate, priority=_priority(bulk), raw_scores=raw_scores)
+        served, logits, _ = await self.registry.classify(model, texts, options)
+        values = scores(logits, served.spec.score_activation, options.raw_scores)
         labels = served.spec.labels or tuple(f"LABEL_{i}" for i in range(values.shape[1]))
         return [[(labels[j], float(row[j])) for j in rank(row, 0)] for row in values]
 

@@ -130,15 +130,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     @rpc
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         options = request_options.from_embed(request)
-        model, pooled, tokens = await self.registry.embed(
-            request.model,
-            request.inputs,
-            truncate=options.truncate,
-            side=options.side,
-            prompt=options.prompt,
-            prompt_name=options.prompt_name,
-            priority=options.priority,
-        )
+        model, pooled, tokens = await self.registry.embed(request.model, request.inputs, options)
         vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
         return pb.EmbedResponse(
             model=model.spec.name, usage=_usage(tokens), embeddings=embeddings_message(vectors, options.output_dtype)
@@ -154,7 +146,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def Rerank(self, request: pb.RerankRequest, context) -> pb.RerankResponse:
         options = request_options.from_rerank(request)
         model, logits, tokens = await self.registry.score_pairs(
-            request.model, request.query, request.documents, truncate=options.truncate, priority=options.priority
+            request.model, request.query, request.documents, options
         )
         scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
         results = [
@@ -170,9 +162,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     @rpc
     async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
         options = request_options.from_classify(request)
-        model, logits, tokens = await self.registry.classify(
-            request.model, request.inputs, truncate=options.truncate, priority=options.priority
-        )
+        model, logits, tokens = await self.registry.classify(request.model, request.inputs, options)
         scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         results = []
@@ -205,11 +195,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def EmbedMultimodal(self, request: pb.EmbedMultimodalRequest, context) -> pb.EmbedMultimodalResponse:
         options = request_options.from_embed(request)
         model, pooled, usage = await multimodal.embed_contents(
-            self.registry,
-            request.model,
-            contents(request.inputs),
-            truncate=options.truncate,
-            priority=options.priority,
+            self.registry, request.model, contents(request.inputs), options
         )
         vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
         return pb.EmbedMultimodalResponse(
@@ -220,12 +206,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def EmbedMultiVector(self, request: pb.EmbedMultiVectorRequest, context) -> pb.EmbedMultiVectorResponse:
         options = request_options.from_embed(request)
         model, rows, usage = await multimodal.embed_multivector(
-            self.registry,
-            request.model,
-            contents(request.inputs),
-            truncate=options.truncate,
-            prompt=options.prompt,
-            priority=options.priority,
+            self.registry, request.model, contents(request.inputs), options
         )
         return pb.EmbedMultiVectorResponse(
             model=model.spec.name,
@@ -242,10 +223,9 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
             request.model,
             request.query,
             contents(request.documents, "documents"),
-            truncate=options.truncate,
+            options,
             query_prompt=request.query_prompt,
             document_prompt=request.document_prompt,
-            priority=options.priority,
         )
         documents = request.documents
         results = [
@@ -265,10 +245,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
             self.registry,
             request.model,
             request.inputs,
-            truncate=options.truncate,
-            side=options.side,
-            prompt=options.prompt,
-            priority=options.priority,
+            options,
             top_k=request.top_k,
             threshold=request.threshold,
         )

@@ -98,15 +98,7 @@ class _Stream:
         try:
             while True:
                 try:
-                    model, pooled, _ = await self.registry.embed(
-                        self.model.spec.name,
-                        [m.input for m in good],
-                        truncate=o.truncate,
-                        side=o.side,
-                        prompt=o.prompt,
-                        prompt_name=o.prompt_name,
-                        priority=o.priority,
-                    )
+                    model, pooled, _ = await self.registry.embed(self.model.spec.name, [m.input for m in good], o)
                     break
                 except Overloaded:
                     await asyncio.sleep(0.05)  # bulk work waits for room instead of failing

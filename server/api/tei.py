@@ -10,7 +10,7 @@ the nested ones win.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import numpy as np
 from google.api import httpbody_pb2
@@ -24,7 +24,7 @@ from ..models.registry import estimate_tokens
 from ..scheduling.scheduler import Priority
 from . import compat, postprocess
 from .errors import InvalidInput
-from .request_options import ClassifyOptions, RerankOptions, key_priority
+from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from .token_states import embed_token_states
 
 SIDES = {"": "right", "right": "right", "left": "left"}
@@ -55,20 +55,10 @@ def side(value: str) -> str:
     return SIDES[value.lower()]
 
 
-@dataclass(frozen=True)
-class Options:
-    truncate: bool
-    side: str
-    prompt_name: str
-    normalize: bool | None  # None: not given
-    dimensions: int  # 0: not given
-    function_to_apply: str  # "": not given
-    top_k: int  # 0: not given
-    priority: Priority  # the API key's (server/api/request_options.py)
-
-
-def options(request) -> Options:
-    """The request's TEI options, `parameters` (huggingface_hub's nesting) over the top level."""
+def _parse(request) -> tuple[EmbedOptions, str, int]:
+    """The request's TEI options, `parameters` (huggingface_hub's nesting) over the top level:
+    as EmbedOptions (normalize None and dimensions 0 when not given, the API key's priority),
+    and /predict's own two, function_to_apply ("" when not given) and top_k (0 when not given)."""
     params = request.parameters if request.HasField("parameters") else None
 
     def pick(field: str, default):
@@ -89,16 +79,42 @@ def options(request) -> Options:
     function = pick("function_to_apply", "").lower()
     if function not in ACTIVATIONS:
         raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {function!r}")
-    return Options(
+    options = EmbedOptions.for_call(
         truncate=pick("truncate", True),
         side=side(pick("truncation_direction", "")),
         prompt_name=pick("prompt_name", ""),
         normalize=pick("normalize", None),
         dimensions=positive["dimensions"] or 0,
-        function_to_apply=function,
-        top_k=positive["top_k"] or 0,
-        priority=key_priority(),
     )
+    return options, function, positive["top_k"] or 0
+
+
+def embed_options(request, route: str, *, embedding_options: bool = True) -> EmbedOptions:
+    """An embedding route's options; /predict's are refused, and so are `normalize` and
+    `dimensions` on a route whose output they do not shape (embedding_options=False)."""
+    options, function, top_k = _parse(request)
+    if not embedding_options and (options.normalize is not None or options.dimensions):
+        raise InvalidInput(f"`normalize` and `dimensions` apply to /embed, not {route}")
+    if function or top_k:
+        raise InvalidInput(f"`function_to_apply` and `top_k` apply to /predict, not {route}")
+    return options
+
+
+def predict_options(request) -> tuple[ClassifyOptions, str, int]:
+    """/predict's options: ClassifyOptions (raw scores when an activation replaces the model's),
+    the function_to_apply ("" for the model's own) and top_k (0: every label)."""
+    options, function, top_k = _parse(request)
+    if options.normalize is not None or options.dimensions:
+        raise InvalidInput("`normalize` and `dimensions` apply to /embed, not /predict")
+    if options.prompt_name:
+        raise InvalidInput("`prompt_name` does not apply to /predict")
+    if request.raw_scores and function:
+        raise InvalidInput("set `raw_scores` or `function_to_apply`, not both")
+    raw_scores = request.raw_scores or bool(ACTIVATIONS[function])
+    classify = ClassifyOptions(
+        truncate=options.truncate, side=options.side, priority=options.priority, raw_scores=raw_scores
+    )
+    return classify, function, top_k
 
 
 def _body(text: str) -> httpbody_pb2.HttpBody:
@@ -115,38 +131,20 @@ def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> 
     return service.registry.get(name, kinds, prefer=(ModelKind.EMBEDDING,), call=route).spec.name
 
 
-def _no_embedding_options(opts: Options, route: str) -> None:
-    if opts.normalize is not None or opts.dimensions:
-        raise InvalidInput(f"`normalize` and `dimensions` apply to /embed, not {route}")
-
-
-def _no_predict_options(opts: Options, route: str) -> None:
-    if opts.function_to_apply or opts.top_k:
-        raise InvalidInput(f"`function_to_apply` and `top_k` apply to /predict, not {route}")
-
-
 # ------------------------------------------------------------------- routes
 async def embed(service, request) -> httpbody_pb2.HttpBody:
-    opts = options(request)
-    _no_predict_options(opts, "/embed")
+    opts = embed_options(request, "/embed")
     texts, token_ids = compat.embedding_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
     if texts is not None:
-        model, pooled, _ = await service.registry.embed(
-            name,
-            texts,
-            truncate=opts.truncate,
-            side=opts.side,
-            prompt_name=opts.prompt_name,
-            priority=opts.priority,
-        )
+        model, pooled, _ = await service.registry.embed(name, texts, opts)
     else:
         if opts.prompt_name or opts.side != "right" or not opts.truncate:
             raise InvalidInput(
                 "token-id inputs are used as given: `prompt_name`, `truncate` and "
                 "`truncation_direction` apply to text inputs only"
             )
-        model, pooled, _ = await service.registry.embed_ids(name, token_ids, priority=opts.priority)
+        model, pooled, _ = await service.registry.embed_ids(name, token_ids, opts)
     # TEI normalizes unless told not to, whatever the model's own default.
     vectors = postprocess.finish_embeddings(pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions)
     return _body("[" + ",".join(compat.float_rows(model.spec.name, vectors)) + "]")
@@ -165,53 +163,30 @@ EMBED_ALL_KINDS = (ModelKind.EMBEDDING, *MULTI_VECTOR_KINDS)
 async def embed_all(service, request) -> httpbody_pb2.HttpBody:
     """Per input, one vector per token: a plain embedder's last hidden states (as TEI), a
     multi-vector model's token (and patch) vectors."""
-    opts = options(request)
-    _no_embedding_options(opts, "/embed_all")
-    _no_predict_options(opts, "/embed_all")
+    opts = embed_options(request, "/embed_all", embedding_options=False)
     texts = _texts(request, "/embed_all")
     name = pick_model(service, request.model, EMBED_ALL_KINDS, "/embed_all")
     served = service.registry.get(name, EMBED_ALL_KINDS)
     if served.spec.kind == ModelKind.EMBEDDING:
-        model, rows, _ = await embed_token_states(
-            service.registry,
-            name,
-            texts,
-            truncate=opts.truncate,
-            side=opts.side,
-            prompt_name=opts.prompt_name,
-            priority=opts.priority,
-        )
+        model, rows, _ = await embed_token_states(service.registry, name, texts, opts)
     else:
         if opts.side != "right":
             raise InvalidInput("/embed_all cuts a multi-vector model's over-long inputs on the right only")
         prompt = service.registry.prompt_text(served, "", opts.prompt_name)
         model, rows, _ = await multimodal.embed_multivector(
-            service.registry,
-            name,
-            [Content(text=t) for t in texts],
-            truncate=opts.truncate,
-            prompt=prompt,
-            priority=opts.priority,
+            service.registry, name, [Content(text=t) for t in texts], replace(opts, prompt=prompt, prompt_name="")
         )
     rendered = ("[" + ",".join(compat.float_rows(model.spec.name, r)) + "]" for r in rows)
     return _body("[" + ",".join(rendered) + "]")
 
 
 async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
-    opts = options(request)
-    _no_embedding_options(opts, "/embed_sparse")
-    _no_predict_options(opts, "/embed_sparse")
+    opts = embed_options(request, "/embed_sparse", embedding_options=False)
     texts = _texts(request, "/embed_sparse")
     name = pick_model(service, request.model, (ModelKind.SPARSE,), "/embed_sparse")
     prompt = service.registry.prompt_text(service.registry.get(name, ModelKind.SPARSE), "", opts.prompt_name)
     _, vectors, _ = await multimodal.embed_sparse(
-        service.registry,
-        name,
-        texts,
-        truncate=opts.truncate,
-        side=opts.side,
-        prompt=prompt,
-        priority=opts.priority,
+        service.registry, name, texts, replace(opts, prompt=prompt, prompt_name="")
     )
     return _json(
         [
@@ -258,21 +233,14 @@ def predict_inputs(value) -> tuple[list[str | tuple[str, str]], bool]:
 
 
 async def predict(service, request) -> httpbody_pb2.HttpBody:
-    opts = options(request)
-    _no_embedding_options(opts, "/predict")
-    if opts.prompt_name:
-        raise InvalidInput("`prompt_name` does not apply to /predict")
-    if request.raw_scores and opts.function_to_apply:
-        raise InvalidInput("set `raw_scores` or `function_to_apply`, not both")
+    options, function_to_apply, top_k = predict_options(request)
     texts, batched = predict_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
-    activation = ACTIVATIONS[opts.function_to_apply]
-    raw_scores = request.raw_scores or bool(activation)
-    scoring = ClassifyOptions(truncate=opts.truncate, side=opts.side, priority=opts.priority, raw_scores=raw_scores)
-    _, results, _ = await service.classifications(name, texts, scoring)
+    activation = ACTIVATIONS[function_to_apply]
+    _, results, _ = await service.classifications(name, texts, options)
     if activation:  # monotonic within a row: the best-first order of the logits holds
         results = [_activated(row, activation) for row in results]
-    results = [row[: opts.top_k or None] for row in results]
+    results = [row[: top_k or None] for row in results]
     return _json(results if batched else results[0])
 
 
@@ -282,21 +250,12 @@ def _activated(row: list[dict], activation) -> list[dict]:
 
 
 async def similarity(service, request) -> httpbody_pb2.HttpBody:
-    opts = options(request)
-    _no_embedding_options(opts, "/similarity")
-    _no_predict_options(opts, "/similarity")
+    opts = embed_options(request, "/similarity", embedding_options=False)
     source, sentences = request.inputs.source_sentence, list(request.inputs.sentences)
     if not source or not sentences:
         raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/similarity")
-    _, pooled, _ = await service.registry.embed(
-        name,
-        [source, *sentences],
-        truncate=opts.truncate,
-        side=opts.side,
-        prompt_name=opts.prompt_name,
-        priority=opts.priority,
-    )
+    _, pooled, _ = await service.registry.embed(name, [source, *sentences], opts)
     vectors = postprocess.finish_embeddings(pooled, normalize=True)
     return _json([float(s) for s in vectors[1:] @ vectors[0]])
 

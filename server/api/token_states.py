@@ -18,23 +18,27 @@ import numpy as np
 from ...workers.contract.model_spec import ModelKind
 from ..models import compute
 from ..models.registry import ModelRegistry, ServedModel
-from ..scheduling.scheduler import Priority
+from .request_options import EmbedOptions
 
 
 async def embed_token_states(
     registry: ModelRegistry,
     name: str,
     texts,
-    *,
-    truncate: bool = True,
-    side: str = "right",
-    prompt_name: str = "",
-    priority: Priority = Priority.INTERACTIVE,
+    options: EmbedOptions,
 ) -> tuple[ServedModel, list[np.ndarray], int]:
-    """Per input, its (tokens, hidden) float32 last hidden states, and the token count."""
+    """Per input, its (tokens, hidden) float32 last hidden states, and the token count (the prompt
+    by its name, TEI's only way to name one)."""
     model = registry.get(name, ModelKind.EMBEDDING)
-    prefix = registry.prompt_text(model, "", prompt_name)
+    prefix = registry.prompt_text(model, "", options.prompt_name)
     rows, n_tokens = await compute.run(
-        registry, model, texts, compute.TOKEN_STATES, truncate=truncate, side=side, prefix=prefix, priority=priority
+        registry,
+        model,
+        texts,
+        compute.TOKEN_STATES,
+        truncate=options.truncate,
+        side=options.side,
+        prefix=prefix,
+        priority=options.priority,
     )
     return model, cast("list[np.ndarray]", rows), n_tokens  # ragged: the rows, as a list

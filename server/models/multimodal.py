@@ -21,6 +21,7 @@ import numpy as np
 
 from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from ..api.errors import InvalidInput
+from ..api.request_options import EmbedOptions, RerankOptions
 from ..scheduling.scheduler import Priority
 from . import compute
 from .media import Content
@@ -34,15 +35,18 @@ async def embed_contents(
     registry: ModelRegistry,
     name: str,
     contents: list[Content],
-    *,
-    truncate: bool = True,
-    side: str = "right",
-    priority: Priority = Priority.INTERACTIVE,
+    options: EmbedOptions,
 ) -> tuple[ServedModel, np.ndarray, int]:
     """One vector (n, dim) per input, as the model computes it (normalizing is the caller's), and the usage."""
     model = registry.get(name, SINGLE_VECTOR_KINDS)
     rows, usage = await compute.run(
-        registry, model, contents, compute.POOLED, truncate=truncate, side=side, priority=priority
+        registry,
+        model,
+        contents,
+        compute.POOLED,
+        truncate=options.truncate,
+        side=options.side,
+        priority=options.priority,
     )
     return model, cast("np.ndarray", rows), usage
 
@@ -51,14 +55,14 @@ async def embed_multivector(
     registry: ModelRegistry,
     name: str,
     contents: list[Content],
-    *,
-    truncate: bool = True,
-    prompt: str = "",
-    priority: Priority = Priority.INTERACTIVE,
+    options: EmbedOptions,
 ) -> tuple[ServedModel, list[np.ndarray], int]:
-    """Per input, its (rows, dim) unit vectors, and the usage."""
+    """Per input, its (rows, dim) unit vectors, and the usage. `options.prompt` is the prefix text
+    itself; inputs are cut on the right."""
     model = registry.get(name, MULTI_VECTOR_KINDS)
-    rows, usage = await _multi_vector(registry, model, contents, truncate=truncate, prompt=prompt, priority=priority)
+    rows, usage = await _multi_vector(
+        registry, model, contents, truncate=options.truncate, prompt=options.prompt, priority=options.priority
+    )
     return model, rows, usage
 
 
@@ -67,11 +71,10 @@ async def maxsim(
     name: str,
     query: str,
     documents: list[Content],
+    options: RerankOptions,
     *,
-    truncate: bool = True,
     query_prompt: str = "",
     document_prompt: str = "",
-    priority: Priority = Priority.INTERACTIVE,
 ) -> tuple[ServedModel, np.ndarray, int]:
     """Late-interaction scores (n,) of the documents for the query, and the usage."""
     if not query:
@@ -83,13 +86,19 @@ async def maxsim(
             registry,
             model,
             [Content(text=query)],
-            truncate=truncate,
+            truncate=options.truncate,
             prompt=query_prompt,
-            priority=priority,
+            priority=options.priority,
             what="query",
         ),
         _multi_vector(
-            registry, model, documents, truncate=truncate, prompt=document_prompt, priority=priority, what="documents"
+            registry,
+            model,
+            documents,
+            truncate=options.truncate,
+            prompt=document_prompt,
+            priority=options.priority,
+            what="documents",
         ),
     )
     loop = asyncio.get_running_loop()
@@ -101,15 +110,13 @@ async def embed_sparse(
     registry: ModelRegistry,
     name: str,
     texts,
+    options: EmbedOptions,
     *,
-    truncate: bool = True,
-    side: str = "right",
-    prompt: str = "",
-    priority: Priority = Priority.INTERACTIVE,
     top_k: int = 0,
     threshold: float = 0.0,
 ) -> tuple[ServedModel, list[tuple[np.ndarray, np.ndarray]], int]:
-    """Per input, its sparse vector as (ascending indices, weights), and the usage."""
+    """Per input, its sparse vector as (ascending indices, weights), and the usage. `options.prompt`
+    is the prefix text itself."""
     if top_k < 0:
         raise InvalidInput(f"`top_k` must be positive or 0 (all), not {top_k}")
     if not np.isfinite(threshold) or threshold < 0:
@@ -117,7 +124,13 @@ async def embed_sparse(
     model = registry.get(name, ModelKind.SPARSE)
     contents = [Content(text=t) for t in texts]
     rows, usage = await _multi_vector(
-        registry, model, contents, truncate=truncate, side=side, prompt=prompt, priority=priority
+        registry,
+        model,
+        contents,
+        truncate=options.truncate,
+        side=options.side,
+        prompt=options.prompt,
+        priority=options.priority,
     )
     return model, [sparsify(indices, values, top_k, threshold) for indices, values in rows], usage
 

@@ -30,11 +30,12 @@ from ...workers.contract.model_spec import (
 )
 from ...workers.contract.protocol import HEARTBEAT_INTERVAL
 from ..api.errors import InvalidInput
+from ..api.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..ops import metrics
 from ..ops.config import ModelConfig, ServerConfig
 from ..scheduling.batching import BatchLimits
 from ..scheduling.placement import Placement, plan_replicas
-from ..scheduling.scheduler import ModelScheduler, Priority
+from ..scheduling.scheduler import ModelScheduler
 from ..scheduling.worker_client import WorkerClient
 from ..scheduling.zygote_client import shared_zygote
 from . import compute
@@ -310,32 +311,29 @@ class ModelRegistry:
             )
         return text
 
-    async def embed(
-        self,
-        name: str,
-        texts,
-        *,
-        truncate: bool = True,
-        side: str = "right",
-        prompt: str = "",
-        prompt_name: str = "",
-        priority: Priority = Priority.INTERACTIVE,
-    ) -> tuple[ServedModel, np.ndarray, int]:
-        """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's)."""
+    async def embed(self, name: str, texts, options: EmbedOptions) -> tuple[ServedModel, np.ndarray, int]:
+        """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's).
+        Post-processing (normalize, dimensions, output dtype) is the caller's, from the same options."""
         # Named none: the embedding model, not a clip or clap served beside it.
         model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), prefer=(ModelKind.EMBEDDING,))
-        prefix = self.prompt_text(model, prompt, prompt_name)
+        prefix = self.prompt_text(model, options.prompt, options.prompt_name)
         rows, n_tokens = await compute.run(
-            self, model, texts, compute.POOLED, truncate=truncate, side=side, prefix=prefix, priority=priority
+            self,
+            model,
+            texts,
+            compute.POOLED,
+            truncate=options.truncate,
+            side=options.side,
+            prefix=prefix,
+            priority=options.priority,
         )
         return model, cast("np.ndarray", rows), n_tokens
 
-    async def embed_ids(
-        self, name: str, id_lists, *, priority: Priority = Priority.INTERACTIVE
-    ) -> tuple[ServedModel, np.ndarray, int]:
+    async def embed_ids(self, name: str, id_lists, options: EmbedOptions) -> tuple[ServedModel, np.ndarray, int]:
         """`embed` for pre-tokenized inputs (OpenAI token-id input). Clients tokenize without the
         model's special tokens (OpenAI's do), which the model needs: they are added unless the ids
-        already carry them, and over-long ids are cut between them, as texts are."""
+        already carry them, and over-long ids are cut between them, as texts are (the ids are used
+        as given: of the options, only the priority applies)."""
         model = self.get(name, ModelKind.EMBEDDING)
         id_lists = self.check_inputs(id_lists)
         vocab = model.tokenizer.untruncated.get_vocab_size(with_added_tokens=True)
@@ -352,18 +350,11 @@ class ModelRegistry:
                     np.asarray(model.tokenizer.with_special_tokens(values.astype(np.int64).tolist()), dtype=np.int32)
                 )
             )
-        rows, n_tokens = await compute.run(self, model, ids, compute.POOLED, priority=priority)
+        rows, n_tokens = await compute.run(self, model, ids, compute.POOLED, priority=options.priority)
         return model, cast("np.ndarray", rows), n_tokens
 
     async def score_pairs(
-        self,
-        name: str,
-        query: str,
-        documents,
-        *,
-        truncate: bool = True,
-        side: str = "right",
-        priority: Priority = Priority.INTERACTIVE,
+        self, name: str, query: str, documents, options: RerankOptions
     ) -> tuple[ServedModel, np.ndarray, int]:
         """Cross-encoder logits (n,) of (query, document) pairs and the token count."""
         model = self.get(name, ModelKind.RERANKER)
@@ -375,22 +366,26 @@ class ModelRegistry:
             model,
             documents,
             compute.PAIR_LOGITS,
-            truncate=truncate,
-            side=side,
+            truncate=options.truncate,
+            side=options.side,
             pairs_with=query,
-            priority=priority,
+            priority=options.priority,
             what="documents",
         )
         return model, cast("np.ndarray", logits)[:, 0], n_tokens
 
-    async def classify(
-        self, name: str, texts, *, truncate: bool = True, side: str = "right", priority: Priority = Priority.INTERACTIVE
-    ) -> tuple[ServedModel, np.ndarray, int]:
+    async def classify(self, name: str, texts, options: ClassifyOptions) -> tuple[ServedModel, np.ndarray, int]:
         """Classifier logits (n, labels) and the token count. An input is a text or a (text,
         text_pair) pair (TEI's /predict), which the model reads as its tokenizer pairs them."""
         model = self.get(name, ModelKind.CLASSIFIER)
         logits, n_tokens = await compute.run(
-            self, model, texts, compute.CLASS_LOGITS, truncate=truncate, side=side, priority=priority
+            self,
+            model,
+            texts,
+            compute.CLASS_LOGITS,
+            truncate=options.truncate,
+            side=options.side,
+            priority=options.priority,
         )
         return model, cast("np.ndarray", logits), n_tokens
 
