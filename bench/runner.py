@@ -29,7 +29,6 @@ from .servers import (
     encoderd_probe_groups,
     infinity_venv,
     list_models,
-    serve_flags,
     start_encoderd,
     start_infinity,
 )
@@ -120,13 +119,8 @@ class Bench:
         return Path(self.info["log_dir"])
 
     def _rest_available(self) -> bool:
-        if self.args.target_grpc:
-            return bool(self.args.target_rest)
-        if "--rest-port" in serve_flags():
-            return True
-        log("REST skipped: this checkout's `encoderd serve` has no --rest-port yet")
-        self.info["rest_skipped"] = "encoderd serve has no --rest-port"
-        return False
+        """Our own server always serves REST; a --target-grpc server only with --target-rest."""
+        return bool(self.args.target_rest) if self.args.target_grpc else True
 
     def _encoderd_targets(self, server: Managed | None, ports: dict | None, rest: bool) -> list[dict]:
         args, ports = self.args, ports or {}  # no ports: every address is a --target-* flag

@@ -3,7 +3,6 @@ virtualenv); the reranker they serve; and which of encoderd's processes is which
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
@@ -18,18 +17,9 @@ INFINITY_SPEC = ("infinity-emb[server,torch]==0.0.78", "torch==2.13.0")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def serve_flags() -> set[str]:
-    """The flags this checkout's `encoderd serve` understands (REST is being added)."""
-    from ..server.ops.cli import build_parser as serve_parser
-
-    sub = next(a for a in serve_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {opt for action in sub.choices["serve"]._actions for opt in action.option_strings}
-
-
 def start_encoderd(args, embed_dir: str, rerank_dir: str | None, logs: Path, rest: bool) -> tuple[Managed, dict]:
     import shlex
 
-    flags = serve_flags()
     ports = {"grpc": free_port(), "metrics": free_port(), "rest": free_port() if rest else 0}
     argv = [
         *serve_command(),
@@ -46,7 +36,7 @@ def start_encoderd(args, embed_dir: str, rerank_dir: str | None, logs: Path, res
         argv += ["--model", f"{RERANKER_NAME}={rerank_dir}"]
     if rest:
         argv += ["--rest-port", str(ports["rest"])]
-    elif "--no-rest" in flags:  # its REST default port may be taken (or in use by another run)
+    else:  # its REST default port may be taken (or in use by another run)
         argv += ["--no-rest"]
     argv += shlex.split(args.serve_args)
     log("starting " + " ".join(argv[2:]))

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from encoderd.bench.servers import serve_flags
-
 ROW_FIELDS = {
     "mode",
     "engine",
@@ -40,7 +38,6 @@ def _alive(pid: int) -> bool:
 
 def test_bench_quick_writes_report(tmp_path, reranker_path):
     out = tmp_path / "bench.json"
-    rest = ["--rest"] if "--rest-port" in serve_flags() else []
     cmd = [
         sys.executable,
         "-m",
@@ -52,7 +49,7 @@ def test_bench_quick_writes_report(tmp_path, reranker_path):
         reranker_path,
         "--log-dir",
         str(tmp_path / "logs"),
-        *rest,
+        "--rest",
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -66,9 +63,8 @@ def test_bench_quick_writes_report(tmp_path, reranker_path):
     assert report["floors"]["matmul_peak_gflops"]["float32"] > 0 and report["conditions"]["models"] == "minilm"
 
     rows = {(r["mode"], r["protocol"]): r for r in report["results"]}
-    protocols = ["grpc", "rest"] if rest else ["grpc"]
     for mode in ("bulk", "single", "rerank"):
-        for protocol in protocols:
+        for protocol in ("grpc", "rest"):
             row = rows[(mode, protocol)]
             assert set(row) >= ROW_FIELDS, (mode, protocol)
             assert row["engine"] == "encoderd" and row["calls"] > 0 and row["errors"] == 0, row

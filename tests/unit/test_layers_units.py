@@ -50,9 +50,6 @@ EXCEPTIONS = {
     # `encoderd bench`: the CLI hands the rest of its command line to the benchmark (imported lazily:
     # test_the_frontend_loads_without_the_worker_code checks the CLI loads without it).
     ("server/ops/cli.py", "encoderd.bench.runner"),
-    # The benchmark starts `encoderd serve` as a subprocess with only the flags this checkout's parser
-    # knows, so it reads the server's own argument parser.
-    ("bench/servers.py", "encoderd.server.ops.cli"),
     # The FLOP peak is the matmul rate of the threads the started server will use: the server's own
     # layout rule for the same --serve-args (a copy would drift from it).
     ("bench/options.py", "encoderd.server.scheduling.placement"),
