@@ -5,6 +5,8 @@ CUDA cannot run here, so the backend below raises the error torch raises
 (an exception named OutOfMemoryError) above a batch size; the GPU check script
 covers the real thing."""
 
+import itertools
+
 import grpc
 import numpy as np
 import pytest
@@ -99,12 +101,17 @@ def test_sparse_ragged_outputs_keep_their_indices():
     assert [(list(i), list(v)) for i, v in joined.split()] == [([5], [1.0]), ([7], [2.0]), ([], []), ([9], [3.0])]
 
 
+# One inproc address per call: an id() is reused once its object is freed, and a just-closed socket may
+# still hold the address (zmq unbinds in its own thread), which made the second call flaky.
+_ADDRESSES = itertools.count()
+
+
 def _failed_batch_through_the_wire(device) -> tuple[protocol.ResultHeader, EncoderdError]:
     """One urgent batch through the worker's batch loop (process._compute_and_reply) onto a real ZeroMQ socket:
     the result header the frontend reads, and the error its requests fail with."""
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    address = f"inproc://oom-{id(device)}"
+    address = f"inproc://oom-{next(_ADDRESSES)}"
     pull.bind(address)
     push.connect(address)
     try:
