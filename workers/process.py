@@ -3,11 +3,15 @@
 Started by the frontend with multiprocessing's `spawn` method. Threads:
   * receiver: socket -> decode -> inbox (releases the GIL while waiting), so the
     next batch is decoded while the current one computes;
-  * main: inbox -> backend.forward -> result socket. Urgent (interactive) batches
-    go first, and run in the pauses of a bulk batch computed in steps (the torch
-    padding-free forward pauses after each layer), cut into sub-batches whose steps
-    take about twice as long as an urgent batch does here (workers/pacing.py): a live
-    query waits a bounded multiple of its own compute for bulk work, on any host;
+  * main: inbox -> backend.forward -> result socket;
+  * urgent (where the backend computes on one CPU thread, Backend.urgent_lane): urgent
+    (interactive) batches, computed beside main's bulk batch. The kernel shares the core
+    between the two, favouring the thread that just woke, so a live query takes about its own
+    time and the bulk batch loses only the cycles the query used. Elsewhere (GPU, several
+    intra-op threads: one lane) urgent batches go first, and run in the pauses of a bulk batch
+    computed in steps (the torch padding-free forward pauses after each layer), cut into
+    sub-batches whose steps take about twice as long as an urgent batch does here
+    (workers/pacing.py): a live query waits a bounded multiple of its own compute;
   * parent watch: exits the process when the frontend is gone;
   * heartbeat: tells the frontend every HEARTBEAT_INTERVAL that this process is alive, on its
     own socket (ZeroMQ sockets are not thread-safe), while main computes too. A worker that
@@ -16,10 +20,9 @@ Started by the frontend with multiprocessing's `spawn` method. Threads:
 
 from __future__ import annotations
 
-import itertools
+import collections
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -77,28 +80,42 @@ def _quiet_multiprocessing_locks() -> None:
 
 
 class Inbox:
-    """Received batches: urgent ones first, each kind in arrival order. One consumer (main)."""
+    """Received batches, urgent and bulk, each in arrival order. Taken by one lane (`get`: urgent
+    first) or by two (`get_urgent` and `get_bulk`, one thread each)."""
 
     def __init__(self):
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._arrivals = itertools.count()
+        self._urgent: collections.deque = collections.deque()
+        self._bulk: collections.deque = collections.deque()
+        self._arrived = threading.Condition()
 
     def put(self, batch) -> None:
         urgent = isinstance(batch, protocol.TokenBatch) and batch.urgent
-        self._queue.put((0 if urgent else 1, next(self._arrivals), batch))
+        with self._arrived:
+            (self._urgent if urgent else self._bulk).append(batch)
+            self._arrived.notify_all()
 
     def get(self):
-        return self._queue.get()[2]
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._urgent or self._bulk)
+            return (self._urgent or self._bulk).popleft()
+
+    def get_urgent(self):
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._urgent)
+            return self._urgent.popleft()
+
+    def get_bulk(self):
+        with self._arrived:
+            self._arrived.wait_for(lambda: self._bulk)
+            return self._bulk.popleft()
 
     def empty(self) -> bool:
-        return self._queue.empty()
+        return not (self._urgent or self._bulk)
 
     def take_urgent(self):
         """The next urgent batch, or None without waiting."""
-        with self._queue.mutex:
-            if not self._queue.queue or self._queue.queue[0][0] != 0:
-                return None
-        return self._queue.get_nowait()[2]  # still urgent: only this thread takes, arrivals queue behind
+        with self._arrived:
+            return self._urgent.popleft() if self._urgent else None
 
 
 def _receive_loop(sock: zmq.Socket, inbox: Inbox) -> None:
@@ -116,6 +133,8 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     """Process entry point (must be importable for `spawn`)."""
     configure_logging(config.log_level, config.log_format, worker=config.label)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    if config.nice:  # before any thread starts: threads inherit it
+        os.nice(config.nice)
     if config.cpu_affinity:
         os.sched_setaffinity(0, config.cpu_affinity)
     if config.options.device == "cpu":
@@ -158,6 +177,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         threading.Thread(
             target=_beat, args=(ctx, config.result_address, config.heartbeat_interval), name="heartbeat", daemon=True
         ).start()
+    lanes = config.urgent_lane and backend.urgent_lane
     results.send_multipart(
         protocol.encode_control(
             protocol.WorkerReady(
@@ -170,13 +190,31 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
                 backend.is_padded,
                 check.status,
                 check.figures,
+                lanes,
             )
         )
     )
     pacer = pacing.Pacer()
     trimmer = memory.HeapTrimmer()  # freed heap pages go back to the OS: see workers/memory.py
+    if lanes:
+        threading.Thread(
+            target=_urgent_lane,
+            args=(backend, modules, inbox, ctx.socket(zmq.PUSH), config.result_address, trimmer),
+            name="urgent",
+            daemon=True,
+        ).start()
     while True:
-        _compute_and_reply(backend, modules, inbox.get(), inbox, results, pacer)
+        _compute_and_reply(backend, modules, inbox.get_bulk() if lanes else inbox.get(), inbox, results, None if lanes else pacer)
+        trimmer.after_batch(idle=inbox.empty())
+
+
+def _urgent_lane(backend, modules, inbox: Inbox, results: zmq.Socket, address: str, trimmer) -> None:
+    """Urgent batches, computed as they arrive, beside whatever bulk batch main computes. Its own
+    result socket: ZeroMQ sockets are not thread-safe."""
+    results.setsockopt(zmq.LINGER, 2000)
+    results.connect(address)
+    while True:
+        _compute_and_reply(backend, modules, inbox.get_urgent(), inbox, results, None)
         trimmer.after_batch(idle=inbox.empty())
 
 
@@ -237,17 +275,19 @@ def forward_halving_on_oom(backend, batch: protocol.TokenBatch):
 
 
 def _compute_and_reply(
-    backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket, pacer: pacing.Pacer
+    backend, modules: SentenceModules, batch, inbox: Inbox, results: zmq.Socket, pacer: pacing.Pacer | None
 ) -> None:
     """Compute one batch and send its result (or its error: one bad batch fails its requests,
-    not the worker)."""
+    not the worker). `pacer`: bulk batches run in paced steps, urgent batches in their pauses;
+    None: each batch in one go (two lanes, or a batch run in a pause)."""
     started = time.perf_counter_ns()
     try:
         if isinstance(batch, protocol.MediaBatch):
             output = backend.forward_media(batch)
-        elif batch.urgent:
+        elif batch.urgent or pacer is None:
             output = modules(forward_halving_on_oom(backend, batch))
-            pacer.timed_urgent((time.perf_counter_ns() - started) / 1e9)
+            if pacer is not None:
+                pacer.timed_urgent((time.perf_counter_ns() - started) / 1e9)
         else:
             output = modules(_forward_yielding(backend, modules, batch, inbox, results, pacer))
     except Exception as exc:

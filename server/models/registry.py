@@ -215,6 +215,7 @@ class ModelRegistry:
                 log_format=cfg.log_format,
                 allow_low_fidelity=cfg.allow_low_fidelity,
                 heartbeat_interval=HEARTBEAT_INTERVAL if cfg.worker_stall_timeout else 0.0,
+                nice=cfg.worker_nice,
             )
 
         restarts_counted = 0

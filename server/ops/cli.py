@@ -31,7 +31,7 @@ from ..models.model_options import (
     positive_int,
 )
 from ..models.models_file import ModelsFile, ModelsFileError, load_models_file
-from .config import ModelConfig, ServerConfig
+from .config import WORKER_NICE, ModelConfig, ServerConfig
 from .tls import TlsFiles
 
 
@@ -490,6 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
         10.0,
         _stall_timeout,
     )
+    _add(
+        serve,
+        "--worker-nice",
+        "added to the workers' nice value (0-19): the frontend, at its own, keeps the CPU to tokenize, "
+        "batch and refuse a flood at once while the workers compute; 0 = the same share as the frontend",
+        WORKER_NICE,
+        _worker_nice,
+    )
     _add_switch(
         serve,
         "--no-worker-zygote",
@@ -515,6 +523,13 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by encoderd.bench itself (main() hands it the rest of the command line).
     commands.add_parser("bench", add_help=False, help="benchmark encoderd (and Infinity) [encoderd bench --help]")
     return parser
+
+
+def _worker_nice(value: str) -> int:
+    nice = int(value)
+    if not 0 <= nice <= 19:  # a worker may lower its own priority, never raise it above the frontend's
+        raise argparse.ArgumentTypeError("must be 0 to 19")
+    return nice
 
 
 def _stall_timeout(value: str) -> float:
@@ -601,6 +616,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_port=args.metrics_port,
         worker_stall_timeout=args.worker_stall_timeout,
         worker_zygote=args.worker_zygote,
+        worker_nice=args.worker_nice,
         drain_timeout=args.drain_timeout,
         drain_delay=args.drain_delay,
         log_level=args.log_level.upper(),

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field
 from ...gateway.envoy import ListenerLimits
 from .tls import TlsFiles
 
+# How much nicer than the frontend the workers run (--worker-nice). With one busy worker per core,
+# a flood of calls would leave the frontend a fraction of a core: every refusal then waits behind
+# the whole flood's backlog in its event loop (issue 16: probe refusal p50 0.2-0.4 s on 2 cores).
+# While the frontend idles the value costs the workers nothing: they get every cycle it leaves.
+WORKER_NICE = 10
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -91,6 +97,7 @@ class ServerConfig:
     media_urls: bool = True  # fetch http(s) media URLs at all
     worker_start_timeout: float = 900.0
     worker_stall_timeout: float = 10.0  # seconds without a worker heartbeat before it is killed; 0 = off
+    worker_nice: int = WORKER_NICE  # workers' nice value above the frontend's (see WORKER_NICE)
     worker_zygote: bool = True  # fork CPU workers from a pre-imported process (workers/zygote.py)
     drain_timeout: float = 30.0
     drain_delay: float = 0.0  # seconds of NOT_SERVING before refusing new calls

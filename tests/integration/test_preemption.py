@@ -1,5 +1,7 @@
-"""An interactive batch does not wait for a whole bulk batch: the worker process runs it
-in a pause between the bulk batch's layers (workers/process.py, Backend.forward_in_steps).
+"""An interactive batch does not wait for a whole bulk batch (workers/process.py): on one CPU
+thread the worker computes it on its urgent lane, beside the bulk batch; with one lane (GPUs,
+several intra-op threads; forced here with `urgent_lane=False`) it runs in a pause between the
+bulk batch's layers (Backend.forward_in_steps).
 
 A real worker process over ZeroMQ, the bundled MiniLM on one thread, so the bulk batch
 (16 x 256 tokens) computes for about a second.
@@ -27,11 +29,19 @@ def batch(sequences, urgent: bool) -> TokenBatch:
     return packed
 
 
+@pytest.fixture(params=[True, False], ids=["urgent-lane", "pause-points"])
+def lane(request) -> bool:
+    return request.param
+
+
 @pytest.fixture
-async def worker():
+async def worker(lane):
     spec = load_model_spec("minilm", default_model_path(), ModelKind.EMBEDDING)
     client = WorkerClient(
-        lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1), batches, results), "preempt"
+        lambda batches, results: WorkerConfig(
+            spec, "torch", BackendOptions(threads=1), batches, results, urgent_lane=lane
+        ),
+        "preempt",
     )
     await client.start()
     yield client
@@ -53,11 +63,13 @@ async def query_during_bulk(worker, query_urgent: bool):
     return await bulk, query, finished
 
 
-async def test_an_urgent_batch_runs_between_the_layers_of_a_bulk_batch(worker):
+async def test_an_urgent_batch_does_not_wait_for_a_bulk_batch(worker, lane):
+    assert worker.ready_info.urgent_lane == lane  # torch on one CPU thread: it runs where asked
     paused_bulk, query, finished = await query_during_bulk(worker, query_urgent=True)
     assert finished == ["query", "bulk"]
 
-    # Pausing changes nothing in either result: each equals the same batch computed alone.
+    # Computing beside it or in its pause changes nothing in either result: each equals the
+    # same batch computed alone.
     np.testing.assert_allclose(query, await worker.compute(batch(QUERY, urgent=False)), atol=1e-6)
     np.testing.assert_allclose(paused_bulk, await worker.compute(batch(BULK, urgent=False)), atol=1e-6)
 

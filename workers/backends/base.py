@@ -26,6 +26,14 @@ class Backend(abc.ABC):
     # Padded backends compute batch x longest tokens; the scheduler budgets for it.
     is_padded: bool = True
 
+    @property
+    def urgent_lane(self) -> bool:
+        """Whether a second thread may compute an urgent batch while another batch computes
+        (workers/process.py). Only where each forward runs on the calling thread alone: a CPU
+        engine with one intra-op thread (the process-wide thread count must not change under
+        the other lane's feet), thread-safe for concurrent calls."""
+        return False
+
     def __init__(self, spec: ModelSpec, options: BackendOptions):
         self.spec = spec
         self.options = options

@@ -92,6 +92,11 @@ class TorchBackend(Backend):
     def output_dim(self) -> int:
         return self._dim
 
+    @property
+    def urgent_lane(self) -> bool:
+        # torch.compile'd graphs are not re-entrant across threads; eager modules in inference mode are.
+        return self.device.type == "cpu" and self.threads == 1 and not self.options.compile
+
     def release_memory(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

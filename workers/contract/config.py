@@ -49,3 +49,5 @@ class WorkerConfig(msgspec.Struct, frozen=True):
     log_format: str = "text"  # "json": JSON lines, as the frontend's --log-format
     allow_low_fidelity: bool = False  # serve below the fidelity floors (with a warning)
     heartbeat_interval: float = HEARTBEAT_INTERVAL  # 0 = no heartbeats (stall check off)
+    urgent_lane: bool = True  # urgent batches on a thread of their own where the backend allows it
+    nice: int = 0  # added to the worker's nice value: the frontend keeps the CPU it needs to refuse at once

@@ -90,6 +90,7 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     is_padded: bool
     fidelity_status: str = ""  # passed, low (served with --allow-low-fidelity), unchecked
     fidelity: tuple[FidelityFigure, ...] = ()
+    urgent_lane: bool = False  # urgent batches computed on their own thread (workers/process.py)
 
 
 class WorkerFatal(msgspec.Struct, array_like=True, gc=False):
