@@ -203,8 +203,9 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
             name="urgent",
             daemon=True,
         ).start()
+    take, paced = (inbox.get_bulk, None) if lanes else (inbox.get, pacer)
     while True:
-        _compute_and_reply(backend, modules, inbox.get_bulk() if lanes else inbox.get(), inbox, results, None if lanes else pacer)
+        _compute_and_reply(backend, modules, take(), inbox, results, paced)
         trimmer.after_batch(idle=inbox.empty())
 
 
