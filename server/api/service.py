@@ -29,8 +29,7 @@ log = logging.getLogger("encoderd.service")
 @contextlib.asynccontextmanager
 async def _observed(service, name: str, model_name: str, context: grpc.aio.ServicerContext):
     """Around every call: request id, bulk-key priority, trace span, error -> status, metrics.
-    Yields the metadata that carries the request id back to the client. An error ends the call
-    here (see `_end_with`): the wrapped method then returns nothing, which gRPC discards."""
+    Yields the metadata that carries the request id back to the client."""
     started = time.perf_counter()
     rpc_label = f"{type(service).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
     metadata = context.invocation_metadata()
@@ -44,11 +43,11 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             yield rid_metadata
         except EncoderdError as exc:
             code = exc.code
-            _end_with(context, exc.code, str(exc), rid_metadata)
+            await context.abort(exc.code, str(exc), rid_metadata)  # errors: in the trailers
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", name)
-            _end_with(context, code, f"internal error in {name}; see the server log", rid_metadata)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log", rid_metadata)
         except BaseException:  # cancelled: the client's deadline passed, it hung up, or the server is stopping
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
@@ -68,15 +67,6 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             tracing.finish(span, code, model)
             metrics.REQUESTS.labels(model, rpc_label, code.name).inc()
             metrics.REQUEST_SECONDS.labels(model, rpc_label).observe(elapsed)
-
-
-def _end_with(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str, rid_metadata) -> None:
-    """Set the call's failing status (the request id in the trailers) instead of `context.abort`:
-    abort's exception path cost about as much as the rest of a refused call, and under a flood
-    refusals are most of the calls (issue 16: refusal latency)."""
-    context.set_code(code)
-    context.set_details(details)
-    context.set_trailing_metadata(rid_metadata)
 
 
 def rpc(method):
