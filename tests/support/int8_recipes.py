@@ -6,7 +6,10 @@ on the broad corpus (tests/support/broad_corpus.py) plus 200 mixed-length senten
 A recipe is '/'-separated: the quantized engine (x86, onednn, fbgemm), `pc` (per-channel weights),
 `smooth` (SmoothQuant: per-input-channel scales from workers/calibration.py's texts, applied as a
 Mul before each quantized linear), `aX` (its alpha), `dX` (the FFN down-projection's alpha),
-`keepdown` (the FFN down-projection stays float32, oneDNN-packed). Speed is CPU time of this
+`keepdown` (the FFN down-projection stays float32, oneDNN-packed), `pt` as the engine: every linear
+an encoderd Int8Linear (workers/backends/int8_linear.py: one dynamic scale per token, int8 x int8 in
+torch._int_mm), `ptdown` (only the FFN down-projection so), `rawdown` (no smoothing of the down-projection), `w7` (7-bit weights: what a CPU without
+VNNI needs). Speed is CPU time of this
 process (best of 4 interleaved rounds): on a machine shared with other work, wall time is not
 comparable between recipes; use THREADS 1 so CPU time is compute time.
 """
@@ -19,13 +22,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np
 import torch
 
-from encoderd.workers.backends import BackendOptions, packed_linear, torch_backend
+from encoderd.workers.backends import BackendOptions, int8_linear, packed_linear, torch_backend
 from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
 from encoderd.workers.contract.protocol import TokenBatch
 from encoderd.workers.contract.tokenizer import load_tokenizer
 from support.broad_corpus import broad_corpus
 from support.corpus import sentences
 
+int8_linear.keep_freed_memory()  # for every recipe, float32 too: the same process
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 spec = load_model_spec("m", default_model_path())
 tok = load_tokenizer(spec.path)
@@ -47,7 +51,9 @@ def build(recipe):
     packed_linear.available = real
     if recipe == "float32":
         return b
-    torch.backends.quantized.engine = recipe.split("/")[0]
+    parts = recipe.split("/")
+    if parts[0] != "pt":
+        torch.backends.quantized.engine = parts[0]
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
 
@@ -58,16 +64,22 @@ def build(recipe):
     down_alpha = next((float(p[1:]) for p in recipe.split("/") if p.startswith("d")), alpha)
     downs = {layer.output.dense for layer in b.model.encoder.layer}
 
+    bits = 7 if "w7" in parts else 8
+
+    def quantized(lin):
+        if parts[0] == "pt" or (lin in downs and "ptdown" in parts):
+            return int8_linear.Int8Linear(lin, bits)
+        lin.qconfig = qconfig
+        return QLinear.from_float(lin)
+
     def q(lin):
         a = down_alpha if lin in downs else alpha
-        if lin in ranges:
+        if lin in ranges and not (lin in downs and "rawdown" in parts):
             w = lin.weight.detach()
             sc = ranges[lin].clamp(min=1e-5) ** a / w.abs().amax(0).clamp(min=1e-5) ** (1 - a)
             lin.weight.data = w * sc[None, :]
-            lin.qconfig = qconfig
-            return Smoothed(QLinear.from_float(lin), 1 / sc)
-        lin.qconfig = qconfig
-        return QLinear.from_float(lin)
+            return Smoothed(quantized(lin), 1 / sc)
+        return quantized(lin)
 
     for layer in b.model.encoder.layer:
         layer.attention.output.dense = q(layer.attention.output.dense)
@@ -76,7 +88,7 @@ def build(recipe):
             layer.output.dense = q(layer.output.dense)
         else:
             layer.output.dense = packed_linear.PackedLinear(layer.output.dense)
-    b.packed.qkv = [q(lin) for lin in b.packed.qkv]
+    b.packed.pieces.qkv = [q(lin) for lin in b.packed.pieces.qkv]
     return b
 
 
@@ -94,7 +106,7 @@ def calibrate(b):
 
     cal = calibration.texts(tok, spec.max_length)
     cenc = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(cal)]
-    lins = list(list(b.packed.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear])
+    lins = list(list(b.packed.pieces.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear])
     ranges = {}
 
     def hook(m, args):
