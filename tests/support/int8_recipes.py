@@ -9,7 +9,8 @@ Mul before each quantized linear), `aX` (its alpha), `dX` (the FFN down-projecti
 `keepdown` (the FFN down-projection stays float32, oneDNN-packed), `pt` as the engine: every linear
 an encoderd Int8Linear (workers/backends/int8_linear.py: one dynamic scale per token, int8 x int8 in
 torch._int_mm), `ptdown` (only the FFN down-projection so), `rawdown` (no smoothing of the down-projection), `w7` (7-bit weights: what a CPU without
-VNNI needs). Speed is CPU time of this
+VNNI needs); `encoderd`: the backend `--engine torch --dtype int8` loads on this CPU
+(hardware.torch_int8_recipe). Speed is CPU time of this
 process (best of 4 interleaved rounds): on a machine shared with other work, wall time is not
 comparable between recipes; use THREADS 1 so CPU time is compute time.
 """
@@ -43,6 +44,10 @@ ntok = sum(len(i) for i in ids)
 
 
 def build(recipe):
+    if recipe == "encoderd":  # what `--engine torch --dtype int8` serves on this CPU
+        b = torch_backend.TorchBackend(spec, BackendOptions(dtype="int8", threads=threads))
+        b.load()
+        return b
     real = packed_linear.available
     if recipe != "float32":
         packed_linear.available = lambda dtype: False
@@ -66,20 +71,18 @@ def build(recipe):
 
     bits = 7 if "w7" in parts else 8
 
-    def quantized(lin):
-        if parts[0] == "pt" or (lin in downs and "ptdown" in parts):
-            return int8_linear.Int8Linear(lin, bits)
-        lin.qconfig = qconfig
-        return QLinear.from_float(lin)
-
     def q(lin):
         a = down_alpha if lin in downs else alpha
-        if lin in ranges and not (lin in downs and "rawdown" in parts):
+        smooth = lin in ranges and not (lin in downs and "rawdown" in parts)
+        if parts[0] == "pt" or (lin in downs and "ptdown" in parts):
+            return int8_linear.Int8Linear.from_linear(lin, bits, ranges[lin] if smooth else None, a)
+        lin.qconfig = qconfig
+        if smooth:
             w = lin.weight.detach()
             sc = ranges[lin].clamp(min=1e-5) ** a / w.abs().amax(0).clamp(min=1e-5) ** (1 - a)
             lin.weight.data = w * sc[None, :]
-            return Smoothed(quantized(lin), 1 / sc)
-        return quantized(lin)
+            return Smoothed(QLinear.from_float(lin), 1 / sc)
+        return QLinear.from_float(lin)
 
     for layer in b.model.encoder.layer:
         layer.attention.output.dense = q(layer.attention.output.dense)

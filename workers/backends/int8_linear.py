@@ -23,9 +23,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from ..contract.hardware import TorchInt8Recipe
+from . import packed_linear
 
 log = logging.getLogger(__name__)
 
@@ -33,29 +37,44 @@ ACTIVATION_LEVELS = 127.0
 
 
 class Int8Linear(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Module, weight_bits: int = 8):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        weight_bits: int = 8,
+        input_range: torch.Tensor | None = None,
+        alpha: float = 0.5,
+    ):
         super().__init__()
-        weight = linear.weight.detach().float()
+        weight = weight.detach().float()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.input_scale = None
+        if input_range is not None:
+            smooth = input_range.clamp(min=1e-5) ** alpha / weight.abs().amax(0).clamp(min=1e-5) ** (1 - alpha)
+            weight = weight * smooth[None, :]
+            self.input_scale = 1 / smooth
         levels = 2 ** (weight_bits - 1) - 1
         scale = weight.abs().amax(1).clamp(min=1e-12) / levels
         # (in, out) as a transposed view of the row-major (out, in) matrix: the layout oneDNN reads fastest.
         self.weight_t = torch.round(weight / scale[:, None]).to(torch.int8).t()
         self.weight_scale = scale
-        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self.bias = None if bias is None else bias.detach().float().clone()
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The dequantized weight (for code that reads `linear.weight.dtype` or shapes)."""
-        return self.weight_t.t().float() * self.weight_scale[:, None]
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Module, weight_bits: int = 8, input_range=None, alpha: float = 0.5):
+        """From an nn.Linear or a packed_linear.PackedLinear (whose oneDNN-blocked weight unpacks exactly)."""
+        weight = linear.weight.to_dense() if linear.weight.is_mkldnn else linear.weight
+        return cls(weight, linear.bias, weight_bits, input_range, alpha)
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            rows = rows * self.input_scale
         # max |x| per row from two read-only passes (x.abs() would write a copy of x)
         peak = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg_()).clamp_(min=1e-12)
         quantized = torch.mul(rows, ACTIVATION_LEVELS / peak).round_().to(torch.int8)
         out = torch._int_mm(quantized, self.weight_t).float()
-        out.mul_(peak.mul_(1 / ACTIVATION_LEVELS))
+        out.mul_(peak.mul_(1 / ACTIVATION_LEVELS))  # the token scale
         if self.bias is None:
             out.mul_(self.weight_scale)
         else:
@@ -67,15 +86,66 @@ class Int8Linear(torch.nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_linears(model: torch.nn.Module, weight_bits: int = 8) -> int:
-    """Swap every exact `nn.Linear` of a CPU float32 inference model for an Int8Linear; returns how many."""
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(module, name, Int8Linear(child, weight_bits))
-                swapped += 1
-    return swapped
+def _is_linear(module) -> bool:
+    return type(module) in (torch.nn.Linear, packed_linear.PackedLinear)
+
+
+def _slots(model: torch.nn.Module, owners: list) -> list[tuple[object, object]]:
+    """(owner, key) of every float linear: model attributes, and items of the lists of modules that
+    other objects hold (the packed forward's fused projections)."""
+    slots: list[tuple[object, object]] = [
+        (module, name) for module in model.modules() for name, child in module.named_children() if _is_linear(child)
+    ]
+    for owner in owners:
+        for value in vars(owner).values():
+            if isinstance(value, list):
+                slots += [(value, i) for i, item in enumerate(value) if _is_linear(item)]
+    return slots
+
+
+def _get(slot):
+    owner, key = slot
+    return owner[key] if isinstance(owner, list) else getattr(owner, key)
+
+
+def _set(slot, value) -> None:
+    owner, key = slot
+    if isinstance(owner, list):
+        owner[key] = value
+    else:
+        setattr(owner, key, value)
+
+
+def input_ranges(linears: list[torch.nn.Module], calibrate: Callable[[], None]) -> dict[int, torch.Tensor]:
+    """max |input| per input channel of each linear (by id) over what `calibrate` runs."""
+    ranges: dict[int, torch.Tensor] = {}
+
+    def record(module, args):
+        seen = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0)
+        key = id(module)
+        ranges[key] = torch.maximum(ranges[key], seen) if key in ranges else seen
+
+    hooks = [linear.register_forward_pre_hook(record) for linear in linears]
+    try:
+        calibrate()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ranges
+
+
+def quantize(model: torch.nn.Module, owners: list, recipe: TorchInt8Recipe, calibrate: Callable[[], None]) -> int:
+    """Swap every float linear of a CPU float32 model (and of `owners`' module lists) for an
+    Int8Linear per `recipe`, smoothing from the ranges seen while `calibrate` runs; returns how many."""
+    slots = _slots(model, owners)
+    ranges = input_ranges([_get(slot) for slot in slots], calibrate) if recipe.alpha > 0 else {}
+    for slot in slots:
+        linear = _get(slot)
+        smooth = recipe.smooth_contracting or linear.in_features <= linear.out_features
+        input_range = ranges.get(id(linear)) if smooth else None
+        _set(slot, Int8Linear.from_linear(linear, recipe.weight_bits, input_range, recipe.alpha))
+    keep_freed_memory()
+    return len(slots)
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)

@@ -153,6 +153,34 @@ def onnx_int8_recipe(info: CpuInfo | None = None) -> str:
     return ONNX_INT8_SIGNED if info.int8_exact else ONNX_INT8_UNSIGNED
 
 
+@dataclass(frozen=True)
+class TorchInt8Recipe:
+    """How the torch engine quantizes a model's linears (workers/backends/int8_linear.py): int8
+    activations with one dynamic scale per token, weights with one per output channel.
+
+    SmoothQuant: an input channel whose calibrated range is large is divided by
+    s = range**alpha / max|w column|**(1 - alpha) at run time and its weight column multiplied by
+    it, moving outliers from activations into weights. `smooth_contracting`: also the layers that
+    shrink their input (the FFN down-projections, which read the activation's output)."""
+
+    name: str
+    weight_bits: int
+    alpha: float
+    smooth_contracting: bool
+
+
+# Measured on the broad corpus (the table above INT8_NOT_AUTO): with VNNI, 8-bit weights and the
+# down-projections left unsmoothed (one pass fewer over their 4x wider input); without it, 7-bit
+# weights (the only saturation-free choice of oneDNN's u8 x s8 kernel), which need every layer smoothed.
+TORCH_INT8_EXACT = TorchInt8Recipe("s8-token-smooth0.7", 8, 0.7, smooth_contracting=False)
+TORCH_INT8_7BIT = TorchInt8Recipe("s7-token-smooth0.5", 7, 0.5, smooth_contracting=True)
+
+
+def torch_int8_recipe(info: CpuInfo | None = None) -> TorchInt8Recipe:
+    info = info or cpu()
+    return TORCH_INT8_EXACT if info.int8_exact else TORCH_INT8_7BIT
+
+
 def check_dtype(
     engine: str, dtype: str, device: str, info: CpuInfo | None = None, capability: tuple[int, int] | None = None
 ) -> None:
