@@ -12,7 +12,6 @@ corpus' outputs into OUT.npy: the subprocess half of the lowered-ISA checks.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess

@@ -40,7 +40,8 @@ def embed_broad_corpus(dtype: str = "int8") -> tuple[np.ndarray, object]:
     ids = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(broad_corpus())]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     rows = [order[i : i + 16] for i in range(0, len(order), 16)]
-    out = np.concatenate([backend.forward(TokenBatch.from_sequences(k, [ids[i] for i in r])) for k, r in enumerate(rows)])
+    batches = [TokenBatch.from_sequences(k, [ids[i] for i in r]) for k, r in enumerate(rows)]
+    out = np.concatenate([backend.forward(batch) for batch in batches])
     return out[np.argsort(order)], backend
 
 

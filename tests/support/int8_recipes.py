@@ -8,11 +8,14 @@ A recipe is '/'-separated: the quantized engine (x86, onednn, fbgemm), `pc` (per
 Mul before each quantized linear), `aX` (its alpha), `dX` (the FFN down-projection's alpha),
 `keepdown` (the FFN down-projection stays float32, oneDNN-packed), `pt` as the engine: every linear
 an encoderd Int8Linear (workers/backends/int8_linear.py: one dynamic scale per token, int8 x int8 in
-torch._int_mm), `ptdown` (only the FFN down-projection so), `rawdown` (no smoothing of the down-projection), `w7` (7-bit weights: what a CPU without
-VNNI needs); `encoderd`: the backend `--engine torch --dtype int8` loads on this CPU
-(hardware.torch_int8_recipe). Speed is CPU time of this
-process (best of 4 interleaved rounds): on a machine shared with other work, wall time is not
-comparable between recipes; use THREADS 1 so CPU time is compute time.
+torch._int_mm), `ptdown` (only the FFN down-projection so), `rawdown` (no smoothing of the
+down-projection), `w7` (7-bit weights: what a CPU without VNNI needs); `encoderd`: what the backend
+`--engine torch --dtype int8` loads on this CPU (hardware.torch_int8_recipe). Speed is CPU time of
+this process (best of 4 interleaved rounds): on a machine shared with other work, wall time is not
+comparable between recipes; use THREADS 1 so CPU time is compute time. The AVX2 estimate (emulated):
+
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+    ENCODERD_CPU_FLAGS_MASK='avx512*,avx_vnni,amx*' .venv/bin/python tests/support/int8_recipes.py 1 encoderd
 """
 
 import os

@@ -61,10 +61,17 @@ class Int8Linear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().float().clone()
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Module, weight_bits: int = 8, input_range=None, alpha: float = 0.5):
+    def from_linear(
+        cls,
+        linear: torch.nn.Linear | packed_linear.PackedLinear,
+        weight_bits: int = 8,
+        input_range: torch.Tensor | None = None,
+        alpha: float = 0.5,
+    ) -> Int8Linear:
         """From an nn.Linear or a packed_linear.PackedLinear (whose oneDNN-blocked weight unpacks exactly)."""
-        weight = linear.weight.to_dense() if linear.weight.is_mkldnn else linear.weight
-        return cls(weight, linear.bias, weight_bits, input_range, alpha)
+        weight: torch.Tensor = linear.weight
+        bias: torch.Tensor | None = linear.bias
+        return cls(weight.to_dense() if weight.is_mkldnn else weight, bias, weight_bits, input_range, alpha)
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

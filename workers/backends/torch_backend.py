@@ -9,10 +9,10 @@ import os
 import numpy as np
 import torch
 
-from ..contract.model_spec import ModelKind, Pooling, pooling_modes
-from ..contract.protocol import MediaBatch, Ragged, TokenBatch
 from .. import calibration
 from ..contract import hardware
+from ..contract.model_spec import ModelKind, Pooling, pooling_modes
+from ..contract.protocol import MediaBatch, Ragged, TokenBatch
 from . import int8_linear, packed_encoder, packed_linear, torch_heads
 from .base import Backend, from_pretrained, padded, run_to_end, token_states, wants_token_states
 
@@ -60,7 +60,7 @@ class TorchBackend(Backend):
             raise ValueError(f"the torch engine supports dtypes {sorted((*DTYPES, INT8))}, not {self.options.dtype!r}")
         self.device = torch.device(self.options.device)
         if self.options.dtype == INT8 and self.device.type != "cpu":
-            raise ValueError("the torch engine computes int8 on CPU only; on CUDA use --engine ctranslate2 --dtype int8")
+            raise ValueError("the torch engine computes int8 on CPU only; on CUDA: --engine ctranslate2 --dtype int8")
         weights = DTYPES.get(self.options.dtype, torch.float32)
         self.threads = self.options.threads or len(os.sched_getaffinity(0))
         if self.device.type == "cpu":
@@ -73,9 +73,7 @@ class TorchBackend(Backend):
             model = from_pretrained(*load, dtype=weights)
         self.model = model.to(self.device).eval()
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
-        usable = not self.options.compile and packed_encoder.usable(
-            self.model, self.spec.kind, self.device, weights
-        )
+        usable = not self.options.compile and packed_encoder.usable(self.model, self.spec.kind, self.device, weights)
         self.packed = packed_encoder.PackedEncoder(self.model, self.spec.kind) if usable else None
         if self.options.compile:
             # Inductor fuses and packs weights itself; it compiles in the warm-up forward passes.

@@ -380,8 +380,9 @@ CPU_BF16_ENGINES = ("torch", "auto")
 
 def choose_cpu_dtype(engine: str, info: CpuInfo | None = None) -> tuple[str, str]:
     """(dtype, why) for `--dtype auto` on CPU: bfloat16 where the CPU runs it natively and the
-    engine computes it, else int8 where it has int8 dot products and the engine is torch, else float32. The worker's fidelity self-check still has to pass: an
-    automatic bfloat16 that fails it falls back to float32 (workers/process.py)."""
+    engine computes it, else int8 where it has int8 dot products and the engine is torch, else
+    float32. The worker's fidelity self-check still has to pass: an automatic bfloat16 or int8
+    that fails it falls back to float32 (workers/process.py)."""
     info = info or cpu()
     if engine not in CPU_BF16_ENGINES:
         return "float32", f"--engine {engine} computes no bfloat16 on CPU; {INT8_NOT_AUTO} and --engine torch"
