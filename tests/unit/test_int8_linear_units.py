@@ -59,6 +59,7 @@ def test_gelu_and_a_packed_source():
 def test_quantize_swaps_every_linear_after_one_calibration(recipe):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16)).eval()
+    model.requires_grad_(False)
     held = type("Pieces", (), {})()
     held.fused = [torch.nn.Linear(16, 48)]  # a module list another object holds (packed fused projections)
     x = torch.randn(5, 16)
