@@ -1,7 +1,10 @@
 """Issue 19.3: torch dynamic int8 recipes against float32 on the padding-free path, same threads,
 on the broad corpus (tests/support/broad_corpus.py) plus 200 mixed-length sentences.
 
-    .venv/bin/python tests/support/int8_recipes.py THREADS RECIPE[,RECIPE...]
+    .venv/bin/python tests/support/int8_recipes.py THREADS RECIPE[,RECIPE...] [MODEL_DIR]
+
+MODEL_DIR: a BERT model other than the bundled MiniLM, e.g. the bge-base-sized one `encoderd bench`
+builds (server/bench/models.py; random weights: its speed ratios mean something, its cosines not).
 
 A recipe is '/'-separated: the quantized engine (x86, onednn, fbgemm), `pc` (per-channel weights),
 `smooth` (SmoothQuant: per-input-channel scales from workers/calibration.py's texts, applied as a
@@ -35,7 +38,7 @@ from support.corpus import sentences
 
 int8_linear.keep_freed_memory()  # for every recipe, float32 too: the same process
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-spec = load_model_spec("m", default_model_path())
+spec = load_model_spec("m", sys.argv[3] if len(sys.argv) > 3 else default_model_path())
 tok = load_tokenizer(spec.path)
 tok.no_padding()
 tok.enable_truncation(spec.max_length)
