@@ -93,6 +93,32 @@ def test_without_vnni_7bit_weights_stay_accurate_on_the_saturating_kernel():
     assert result["cosine"] >= FLOOR
 
 
+def test_auto_serves_int8_where_vnni_but_no_native_bf16(tmp_path):
+    """`encoderd serve` with default flags as a CPU with VNNI and without bf16 (Ice Lake, Alder
+    Lake): it picks torch int8, says why, quantizes in the worker, passes the fidelity gate and
+    serves vectors within the int8 floor of sentence-transformers."""
+    pytest.importorskip("zmq")
+    from sentence_transformers import SentenceTransformer
+    from support.server import ServerProcess
+
+    from encoderd.v1 import encoderd_pb2 as pb
+
+    info = hardware.read_cpu(mask="avx512_bf16,amx_bf16")
+    if hardware.choose_cpu_dtype("torch", info)[0] != "int8":
+        pytest.skip(f"no VNNI on this CPU ({info.describe()}): auto keeps float32, as tested elsewhere")
+    server = ServerProcess("--replicas", "1", env={hardware.MASK_ENV: "avx512_bf16,amx_bf16"}, log_path=tmp_path / "log")
+    server.env.pop("ENCODERD_DTYPE", None)  # tests/conftest.py pins float32
+    texts = broad_corpus()[:12]
+    with server:
+        model = server.stub().ListModels(pb.ListModelsRequest()).models[0]
+        reply = server.stub().Embed(pb.EmbedRequest(inputs=texts), timeout=60)
+    got = np.array([e.values for e in reply.embeddings])
+    assert (model.engine, model.dtype, model.fidelity_status) == ("torch", "int8", "passed")
+    assert "int8 dot products" in server.log_text() and "linear layers quantized" in server.log_text()
+    want = SentenceTransformer(default_model_path(), device="cpu").encode(texts)
+    assert fidelity.min_cosine(got, want) >= FLOOR
+
+
 def test_torch_int8_is_cpu_only():
     spec = load_model_spec("m", default_model_path())
     with pytest.raises(ValueError, match="int8 on CPU only"):
