@@ -103,10 +103,11 @@ def test_auto_serves_int8_where_vnni_but_no_native_bf16(tmp_path):
 
     from encoderd.v1 import encoderd_pb2 as pb
 
-    info = hardware.read_cpu(mask="avx512_bf16,amx_bf16")
+    no_bf16 = "avx512_bf16,amx_bf16"
+    info = hardware.read_cpu(mask=no_bf16)
     if hardware.choose_cpu_dtype("torch", info)[0] != "int8":
         pytest.skip(f"no VNNI on this CPU ({info.describe()}): auto keeps float32, as tested elsewhere")
-    server = ServerProcess("--replicas", "1", env={hardware.MASK_ENV: "avx512_bf16,amx_bf16"}, log_path=tmp_path / "log")
+    server = ServerProcess("--replicas", "1", env={hardware.MASK_ENV: no_bf16}, log_path=tmp_path / "log")
     server.env.pop("ENCODERD_DTYPE", None)  # tests/conftest.py pins float32
     texts = broad_corpus()[:12]
     with server:
