@@ -120,6 +120,18 @@ def test_auto_serves_int8_where_vnni_but_no_native_bf16(tmp_path):
     assert fidelity.min_cosine(got, want) >= FLOOR
 
 
+def test_auto_int8_stays_off_kinds_the_fidelity_check_does_not_measure(monkeypatch):
+    import msgspec
+
+    from encoderd.workers.contract.model_spec import ModelKind
+
+    monkeypatch.setattr(hardware, "choose_cpu_dtype", lambda engine, info=None: ("int8", "as a VNNI host"))
+    spec = load_model_spec("m", default_model_path())
+    assert create_backend("torch", spec, BackendOptions(dtype="auto")).options.dtype == "int8"
+    colbert = msgspec.structs.replace(spec, kind=ModelKind.COLBERT)
+    assert create_backend("torch", colbert, BackendOptions(dtype="auto")).options.dtype == "float32"
+
+
 def test_torch_int8_is_cpu_only():
     spec = load_model_spec("m", default_model_path())
     with pytest.raises(ValueError, match="int8 on CPU only"):

@@ -76,7 +76,13 @@ def resolve_options(options: BackendOptions, engine: str = "auto") -> BackendOpt
 def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
     """The backend for `engine` with `auto` engine and dtype resolved; its
     `engine` and `options` say what actually runs."""
-    options = resolve_options(options, engine)
+    resolved = resolve_options(options, engine)
+    if options.dtype == "auto" and resolved.dtype == "int8" and spec.kind.value not in TEXT_KINDS:
+        # The fidelity self-check measures embedding, reranker and classifier models only: an
+        # automatic lossy dtype elsewhere would be served unchecked.
+        log.info("--dtype auto: float32 for %s (int8 only where the fidelity check measures it)", spec.kind.value)
+        resolved = msgspec.structs.replace(resolved, dtype="float32")
+    options = resolved
     engine = resolve_engine(engine, options, spec.kind.value, spec.model_type)
     if spec.kind.value not in TEXT_ENGINE_KINDS and engine != "torch":
         # Multi-modal, multi-vector and sparse heads exist for torch only (workers/backends/torch_heads.py).
