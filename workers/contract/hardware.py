@@ -362,6 +362,8 @@ def choose_cpu_layout(usable: int, replicas: int = 0, threads: int = 0) -> Layou
 #   MKL_ENABLE_INSTRUCTIONS=AVX2; emulated on the Zen 5, float32 then ~4,900 tok/s):
 #     per-token, 8-bit weights (its int16 pair sums saturate)           1.58x           0.9866
 #     TORCH_INT8_7BIT                                                   1.54x           0.9940
+#   TORCH_INT8_EXACT with 2 threads (CPU time, both cores shared): 1.49x; bge-base-sized BERT
+#   (12 x 768, random weights), 1 thread: 1.78x; AVX-VNNI emulated (ONEDNN_MAX_CPU_ISA=AVX2_VNNI): 2.28x.
 # The FFN down-projection reads the GELU output, whose outliers move from token to token: one scale
 # per tensor cannot cover them, one per token can. ONNX Runtime int8 (ONNX_INT8_*) reaches 1.28x
 # (s8) / 1.59x (u8u8) of onnx float32, itself ~0.8x torch float32: ~1.1x the default.
