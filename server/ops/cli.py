@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "--dtype",
         "compute precision (auto: float16 on CUDA; on CPU bfloat16 where it is native and passes "
-        "the fidelity self-check, else float32; int8*: onnx on CPU, ctranslate2)",
+        "the fidelity self-check, else torch int8 where VNNI, else float32; int8: torch or onnx on CPU; "
+        "int8*: ctranslate2)",
         "auto",
         choices=DTYPES,
     )

@@ -12,7 +12,6 @@ corpus' outputs into OUT.npy: the subprocess half of the lowered-ISA checks.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -116,8 +115,7 @@ def test_auto_engine_on_cpu_keeps_bfloat16_off_onnx(minilm, cpu_mask):
     from encoderd.workers.backends import resolve_engine
 
     assert resolve_engine("auto", BackendOptions(dtype="bfloat16")) == "torch"
-    onnx_installed = importlib.util.find_spec("onnxruntime") is not None
-    assert resolve_engine("auto", BackendOptions(dtype="int8")) == ("onnx" if onnx_installed else "torch")
+    assert resolve_engine("auto", BackendOptions(dtype="int8")) == "torch"  # 1.65x float32; onnx ~1.1x
     cpu_mask(AVX2_HOST)
     with pytest.raises(hardware.UnsupportedOnHardware, match="avx512_bf16"):
         create_backend("auto", minilm, BackendOptions(dtype="bfloat16"))

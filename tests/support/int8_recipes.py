@@ -1,14 +1,24 @@
 """Issue 19.3: torch dynamic int8 recipes against float32 on the padding-free path, same threads,
 on the broad corpus (tests/support/broad_corpus.py) plus 200 mixed-length sentences.
 
-    .venv/bin/python tests/support/int8_recipes.py THREADS RECIPE[,RECIPE...]
+    .venv/bin/python tests/support/int8_recipes.py THREADS RECIPE[,RECIPE...] [MODEL_DIR]
+
+MODEL_DIR: a BERT model other than the bundled MiniLM, e.g. the bge-base-sized one `encoderd bench`
+builds (server/bench/models.py; random weights: its speed ratios mean something, its cosines not).
 
 A recipe is '/'-separated: the quantized engine (x86, onednn, fbgemm), `pc` (per-channel weights),
 `smooth` (SmoothQuant: per-input-channel scales from workers/calibration.py's texts, applied as a
 Mul before each quantized linear), `aX` (its alpha), `dX` (the FFN down-projection's alpha),
-`keepdown` (the FFN down-projection stays float32, oneDNN-packed). Speed is CPU time of this
-process (best of 4 interleaved rounds): on a machine shared with other work, wall time is not
-comparable between recipes; use THREADS 1 so CPU time is compute time.
+`keepdown` (the FFN down-projection stays float32, oneDNN-packed), `pt` as the engine: every linear
+an encoderd Int8Linear (workers/backends/int8_linear.py: one dynamic scale per token, int8 x int8 in
+torch._int_mm), `ptdown` (only the FFN down-projection so), `rawdown` (no smoothing of the
+down-projection), `w7` (7-bit weights: what a CPU without VNNI needs); `encoderd`: what the backend
+`--engine torch --dtype int8` loads on this CPU (hardware.torch_int8_recipe). Speed is CPU time of
+this process (best of 4 interleaved rounds): on a machine shared with other work, wall time is not
+comparable between recipes; use THREADS 1 so CPU time is compute time. The AVX2 estimate (emulated):
+
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+    ENCODERD_CPU_FLAGS_MASK='avx512*,avx_vnni,amx*' .venv/bin/python tests/support/int8_recipes.py 1 encoderd
 """
 
 import os
@@ -19,15 +29,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np
 import torch
 
-from encoderd.workers.backends import BackendOptions, packed_linear, torch_backend
+from encoderd.workers.backends import BackendOptions, int8_linear, packed_linear, torch_backend
 from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
 from encoderd.workers.contract.protocol import TokenBatch
 from encoderd.workers.contract.tokenizer import load_tokenizer
 from support.broad_corpus import broad_corpus
 from support.corpus import sentences
 
+int8_linear.keep_freed_memory()  # for every recipe, float32 too: the same process
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
-spec = load_model_spec("m", default_model_path())
+spec = load_model_spec("m", sys.argv[3] if len(sys.argv) > 3 else default_model_path())
 tok = load_tokenizer(spec.path)
 tok.no_padding()
 tok.enable_truncation(spec.max_length)
@@ -39,6 +50,10 @@ ntok = sum(len(i) for i in ids)
 
 
 def build(recipe):
+    if recipe == "encoderd":  # what `--engine torch --dtype int8` serves on this CPU
+        b = torch_backend.TorchBackend(spec, BackendOptions(dtype="int8", threads=threads))
+        b.load()
+        return b
     real = packed_linear.available
     if recipe != "float32":
         packed_linear.available = lambda dtype: False
@@ -47,7 +62,9 @@ def build(recipe):
     packed_linear.available = real
     if recipe == "float32":
         return b
-    torch.backends.quantized.engine = recipe.split("/")[0]
+    parts = recipe.split("/")
+    if parts[0] != "pt":
+        torch.backends.quantized.engine = parts[0]
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
 
@@ -58,15 +75,19 @@ def build(recipe):
     down_alpha = next((float(p[1:]) for p in recipe.split("/") if p.startswith("d")), alpha)
     downs = {layer.output.dense for layer in b.model.encoder.layer}
 
+    bits = 7 if "w7" in parts else 8
+
     def q(lin):
         a = down_alpha if lin in downs else alpha
-        if lin in ranges:
+        smooth = lin in ranges and not (lin in downs and "rawdown" in parts)
+        if parts[0] == "pt" or (lin in downs and "ptdown" in parts):
+            return int8_linear.Int8Linear.from_linear(lin, bits, ranges[lin] if smooth else None, a)
+        lin.qconfig = qconfig
+        if smooth:
             w = lin.weight.detach()
             sc = ranges[lin].clamp(min=1e-5) ** a / w.abs().amax(0).clamp(min=1e-5) ** (1 - a)
             lin.weight.data = w * sc[None, :]
-            lin.qconfig = qconfig
             return Smoothed(QLinear.from_float(lin), 1 / sc)
-        lin.qconfig = qconfig
         return QLinear.from_float(lin)
 
     for layer in b.model.encoder.layer:
@@ -76,7 +97,7 @@ def build(recipe):
             layer.output.dense = q(layer.output.dense)
         else:
             layer.output.dense = packed_linear.PackedLinear(layer.output.dense)
-    b.packed.qkv = [q(lin) for lin in b.packed.qkv]
+    b.packed.pieces.qkv = [q(lin) for lin in b.packed.pieces.qkv]
     return b
 
 
@@ -94,7 +115,7 @@ def calibrate(b):
 
     cal = calibration.texts(tok, spec.max_length)
     cenc = [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(cal)]
-    lins = list(list(b.packed.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear])
+    lins = list(list(b.packed.pieces.qkv) + [mod for mod in b.model.modules() if type(mod) is torch.nn.Linear])
     ranges = {}
 
     def hook(m, args):

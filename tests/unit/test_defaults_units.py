@@ -91,7 +91,9 @@ def test_plan_under_a_quota(monkeypatch):
         ("zen4", "auto", "bfloat16"),
         ("zen3", "torch", "float32"),
         ("skylake", "torch", "float32"),
-        ("alderlake", "torch", "float32"),
+        ("alderlake", "torch", "int8"),  # avx_vnni, no native bfloat16 (issue 19.3)
+        ("alderlake", "auto", "int8"),
+        ("alderlake", "onnx", "float32"),  # onnx int8 is ~1.1x torch float32
         ("zen4", "onnx", "float32"),
         ("spr", "ctranslate2", "float32"),  # engines without CPU bfloat16
     ],
@@ -103,8 +105,9 @@ def test_automatic_cpu_dtype(name, engine, dtype):
         assert "int8 not chosen" in why
 
 
-def test_masking_bf16_chooses_float32():
-    assert choose_cpu_dtype("torch", host("zen4", mask="avx512_bf16"))[0] == "float32"
+def test_masking_bf16_chooses_int8_then_float32():
+    assert choose_cpu_dtype("torch", host("zen4", mask="avx512_bf16"))[0] == "int8"  # VNNI left
+    assert choose_cpu_dtype("torch", host("zen4", mask="avx512_bf16,avx512_vnni"))[0] == "float32"
 
 
 def test_cli_defaults_are_automatic(monkeypatch):

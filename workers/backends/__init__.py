@@ -20,8 +20,9 @@ ENGINES = {
     "ctranslate2": ("ct2_backend", "CT2Backend"),
     "tensorrt": ("tensorrt_backend", "TensorRTBackend"),
 }
-# What `auto` may hand to onnxruntime on CPU (OnnxBackend.dtypes["cpu"], without importing it).
-ONNX_CPU_DTYPES = ("float32", "int8")
+# What `auto` may hand to onnxruntime on CPU: not int8, which torch computes 1.65x float32 and onnx
+# ~1.1x (hardware.py, the table above INT8_NOT_AUTO); `--engine onnx --dtype int8` still runs.
+ONNX_CPU_DTYPES = ("float32",)
 # The kinds every engine serves; the others are torch-only.
 TEXT_ENGINE_KINDS = TEXT_KINDS
 
@@ -31,9 +32,9 @@ def _on_gpu(device: str) -> bool:
 
 
 def resolve_engine(engine: str, options: BackendOptions, kind: str = "embedding", model_type: str | None = None) -> str:
-    """`auto`: torch on CUDA (ctranslate2 for int8 there), onnx on CPU for float32 and int8 when
-    onnxruntime is installed (its int8 recipe suits every CPU: hardware.onnx_int8_recipe); torch for
-    the kinds only it computes (multi-modal, multi-vector, sparse), other CPU dtypes, and model
+    """`auto`: torch on CUDA (ctranslate2 for int8 there), onnx on CPU for float32 when onnxruntime
+    is installed; torch for int8 on CPU (per-token int8 linears), for the kinds only it computes
+    (multi-modal, multi-vector, sparse), other CPU dtypes, and model
     families the other engine does not serve (base.ENGINE_FAMILIES)."""
     if engine != "auto":
         return engine
@@ -61,7 +62,7 @@ def _auto_engine(options: BackendOptions, kind: str) -> tuple[str, str]:
 
 def resolve_options(options: BackendOptions, engine: str = "auto") -> BackendOptions:
     """`--dtype auto`: float16 on CUDA; on CPU bfloat16 where the CPU runs it natively and `engine`
-    computes it, else float32 (hardware.choose_cpu_dtype)."""
+    computes it, int8 where int8 dot products are, else float32 (hardware.choose_cpu_dtype)."""
     if options.dtype != "auto":
         return options
     if _on_gpu(options.device):
@@ -75,7 +76,13 @@ def resolve_options(options: BackendOptions, engine: str = "auto") -> BackendOpt
 def create_backend(engine: str, spec, options: BackendOptions) -> Backend:
     """The backend for `engine` with `auto` engine and dtype resolved; its
     `engine` and `options` say what actually runs."""
-    options = resolve_options(options, engine)
+    resolved = resolve_options(options, engine)
+    if options.dtype == "auto" and resolved.dtype == "int8" and spec.kind.value not in TEXT_KINDS:
+        # The fidelity self-check measures embedding, reranker and classifier models only: an
+        # automatic lossy dtype elsewhere would be served unchecked.
+        log.info("--dtype auto: float32 for %s (int8 only where the fidelity check measures it)", spec.kind.value)
+        resolved = msgspec.structs.replace(resolved, dtype="float32")
+    options = resolved
     engine = resolve_engine(engine, options, spec.kind.value, spec.model_type)
     if spec.kind.value not in TEXT_ENGINE_KINDS and engine != "torch":
         # Multi-modal, multi-vector and sparse heads exist for torch only (workers/backends/torch_heads.py).

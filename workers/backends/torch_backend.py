@@ -9,14 +9,18 @@ import os
 import numpy as np
 import torch
 
+from .. import calibration
+from ..contract import hardware
 from ..contract.model_spec import ModelKind, Pooling, pooling_modes
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
-from . import packed_encoder, packed_linear, torch_heads
+from . import int8_linear, packed_encoder, packed_linear, torch_heads
 from .base import Backend, from_pretrained, padded, run_to_end, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# int8 (CPU): loaded in float32, then its linears quantized (int8_linear.py).
+INT8 = "int8"
 # Kinds computed right here (pooled hidden states, logits); the others in torch_heads.
 _POOLED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
 # CPU batches of fewer (padded) tokens run on one thread: the worker's OpenMP threads wait
@@ -52,34 +56,37 @@ class TorchBackend(Backend):
     engine = "torch"
 
     def load(self) -> None:
-        if self.options.dtype not in DTYPES:
-            raise ValueError(f"the torch engine supports dtypes {sorted(DTYPES)}, not {self.options.dtype!r}")
+        if self.options.dtype not in (*DTYPES, INT8):
+            raise ValueError(f"the torch engine supports dtypes {sorted((*DTYPES, INT8))}, not {self.options.dtype!r}")
         self.device = torch.device(self.options.device)
+        if self.options.dtype == INT8 and self.device.type != "cpu":
+            raise ValueError("the torch engine computes int8 on CPU only; on CUDA: --engine ctranslate2 --dtype int8")
+        weights = DTYPES.get(self.options.dtype, torch.float32)
         self.threads = self.options.threads or len(os.sched_getaffinity(0))
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
         model_class = torch_heads.model_class(self.spec.kind)
         load = (model_class, self.spec.path, self.options.trust_remote_code)
         try:
-            model = from_pretrained(*load, dtype=DTYPES[self.options.dtype], attn_implementation="sdpa")
+            model = from_pretrained(*load, dtype=weights, attn_implementation="sdpa")
         except ValueError:  # some towers (CLAP's audio Swin) have no SDPA path: their own attention then
-            model = from_pretrained(*load, dtype=DTYPES[self.options.dtype])
+            model = from_pretrained(*load, dtype=weights)
         self.model = model.to(self.device).eval()
         self._takes_token_types = "token_type_ids" in inspect.signature(self.model.forward).parameters
-        usable = not self.options.compile and packed_encoder.usable(
-            self.model, self.spec.kind, self.device, DTYPES[self.options.dtype]
-        )
+        usable = not self.options.compile and packed_encoder.usable(self.model, self.spec.kind, self.device, weights)
         self.packed = packed_encoder.PackedEncoder(self.model, self.spec.kind) if usable else None
         if self.options.compile:
             # Inductor fuses and packs weights itself; it compiles in the warm-up forward passes.
             log.info("torch.compile (dynamic shapes): the warm-up compiles the model, ~30 s on 2 cores")
             self.model = torch.compile(self.model, dynamic=True)
         elif self.device.type == "cpu":
-            packed_linear.prepack_for_cpu(self.model, DTYPES[self.options.dtype])
+            packed_linear.prepack_for_cpu(self.model, weights)
         self.projection = None
         if self.spec.kind == ModelKind.COLBERT:
             projection = torch_heads.load_colbert_projection(self.spec.path)
-            self.projection = projection.to(self.device, DTYPES[self.options.dtype]) if projection else None
+            self.projection = projection.to(self.device, weights) if projection else None
+        if self.options.dtype == INT8:
+            self._quantize_int8()
         self.is_padded = self.packed is None  # the scheduler then budgets real tokens, not size x longest
         log.info("%s forward", f"padding-free (packed tokens, {self.packed.family})" if self.packed else "padded")
         self._dim = (
@@ -87,6 +94,19 @@ class TorchBackend(Backend):
             if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
             else torch_heads.output_dim(self.model, self.spec.kind, self.projection)
         )
+
+    def _quantize_int8(self) -> None:
+        """Every linear to int8 per hardware.torch_int8_recipe, SmoothQuant ranges from the
+        calibration set (workers/calibration.py) run through the float32 model first."""
+        recipe = hardware.torch_int8_recipe()
+
+        def calibrate() -> None:
+            for batch in calibration.batches(self.spec):
+                self.forward(batch)
+
+        owners = [self.packed.pieces] if self.packed is not None else []
+        count = int8_linear.quantize(self.model, owners, recipe, calibrate)
+        log.info("int8: %d linear layers quantized (%s: %s)", count, recipe.name, hardware.cpu().describe())
 
     @property
     def output_dim(self) -> int:

@@ -153,6 +153,34 @@ def onnx_int8_recipe(info: CpuInfo | None = None) -> str:
     return ONNX_INT8_SIGNED if info.int8_exact else ONNX_INT8_UNSIGNED
 
 
+@dataclass(frozen=True)
+class TorchInt8Recipe:
+    """How the torch engine quantizes a model's linears (workers/backends/int8_linear.py): int8
+    activations with one dynamic scale per token, weights with one per output channel.
+
+    SmoothQuant: an input channel whose calibrated range is large is divided by
+    s = range**alpha / max|w column|**(1 - alpha) at run time and its weight column multiplied by
+    it, moving outliers from activations into weights. `smooth_contracting`: also the layers that
+    shrink their input (the FFN down-projections, which read the activation's output)."""
+
+    name: str
+    weight_bits: int
+    alpha: float
+    smooth_contracting: bool
+
+
+# Measured on the broad corpus (the table above INT8_NOT_AUTO): with VNNI, 8-bit weights and the
+# down-projections left unsmoothed (one pass fewer over their 4x wider input); without it, 7-bit
+# weights (the only saturation-free choice of oneDNN's u8 x s8 kernel), which need every layer smoothed.
+TORCH_INT8_EXACT = TorchInt8Recipe("s8-token-smooth0.7", 8, 0.7, smooth_contracting=False)
+TORCH_INT8_7BIT = TorchInt8Recipe("s7-token-smooth0.5", 7, 0.5, smooth_contracting=True)
+
+
+def torch_int8_recipe(info: CpuInfo | None = None) -> TorchInt8Recipe:
+    info = info or cpu()
+    return TORCH_INT8_EXACT if info.int8_exact else TORCH_INT8_7BIT
+
+
 def check_dtype(
     engine: str, dtype: str, device: str, info: CpuInfo | None = None, capability: tuple[int, int] | None = None
 ) -> None:
@@ -319,21 +347,34 @@ def choose_cpu_layout(usable: int, replicas: int = 0, threads: int = 0) -> Layou
     )
 
 
-# int8 under --dtype auto: never, on any CPU measured, because no recipe gives both >= 1.5x the
-# float32 default's bulk tokens/s and min cosine >= 0.99 on the broad corpus (issue 19.3). Zen 5
-# (avx512_vnni), one thread, CPU time, tests/support/int8_recipes.py, torch dynamic int8 on the
-# padding-free path vs its float32 (8,126 tok/s):
-#   every linear int8, per-channel, SmoothQuant a=0.7           1.67x   min cosine 0.976
-#   the same, FFN down-projection smoothed (a=0.5..0.95)        1.45-1.57x       0.88-0.92
-#   FFN down-projection float32, the rest smoothed (a=0.7)       1.35x           0.995
-#   no smoothing, FFN down-projection float32                    1.34x           0.954
-# The FFN down-projection reads the GELU output, whose outliers move from token to token: one
-# dynamic scale per tensor cannot cover them, and float32 there gives back most of the speed.
-# ONNX Runtime int8 (ONNX_INT8_*) reaches 1.28x (s8) / 1.59x (u8u8) of onnx float32 at min cosine
-# 0.995, but onnx float32 is itself ~0.8x torch float32 in bulk: ~1.1x the default. So `auto` keeps
-# float32 (or native bfloat16) and says so; `--dtype int8` (onnx) stays the operator's lossy opt-in,
-# checked against the int8 floor (0.99) by the fidelity self-check.
-INT8_NOT_AUTO = "int8 not chosen: no int8 recipe measured reaches 1.5x float32 at min cosine 0.99"
+# int8 under --dtype auto (issue 19.3: >= 1.5x float32 bulk tokens/s at min cosine >= 0.99 to
+# float32 sentence-transformers vectors on the broad corpus). tests/support/int8_recipes.py, Zen 5
+# (avx512_vnni), 1 thread, CPU time, padding-free MiniLM-L6 vs its float32 (oneDNN-packed, ~8,600
+# tok/s); 2-core host shared with other work, so ratios only, from one run each:
+#   torch dynamic int8 (one scale per tensor), every linear, per-channel   1.81-1.89x  min cos 0.918
+#     + SmoothQuant a=0.7                                                1.67x           0.976
+#     FFN down-projection kept float32                                   1.35x           0.995
+#   per-token int8 (int8_linear.py, torch._int_mm), every linear         1.65x           0.9900
+#     + SmoothQuant a=0.5, every linear                                  1.56x           0.9962
+#     + SmoothQuant a=0.7, down-projections unsmoothed (TORCH_INT8_EXACT) 1.65-1.69x     0.9968
+#     7-bit weights, SmoothQuant a=0.5 (TORCH_INT8_7BIT)                 1.57-1.63x      0.9941
+#   the same with oneDNN held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+#   MKL_ENABLE_INSTRUCTIONS=AVX2; emulated on the Zen 5, float32 then ~4,900 tok/s):
+#     per-token, 8-bit weights (its int16 pair sums saturate)           1.58x           0.9866
+#     TORCH_INT8_7BIT                                                   1.54x           0.9940
+#   TORCH_INT8_EXACT with 2 threads (CPU time, both cores shared): 1.49x; bge-base-sized BERT
+#   (12 x 768, random weights), 1 thread: 1.78x; AVX-VNNI emulated (ONEDNN_MAX_CPU_ISA=AVX2_VNNI): 2.28x.
+# The FFN down-projection reads the GELU output, whose outliers move from token to token: one scale
+# per tensor cannot cover them, one per token can. ONNX Runtime int8 (ONNX_INT8_*) reaches 1.28x
+# (s8) / 1.59x (u8u8) of onnx float32, itself ~0.8x torch float32: ~1.1x the default.
+# So `auto` picks torch int8 where the CPU has int8 dot products (VNNI / AMX int8) but no native
+# bfloat16 (Ice Lake, Cascade Lake, Alder Lake): there it is both goals with margin. Where bfloat16
+# is native it stays (about 2x float32 and closer to it: min cosine ~0.9999). Without VNNI the 7-bit
+# recipe passes, but only just (1.54x emulated, never measured on a real AVX2 host): `--dtype int8`
+# there is the operator's choice, float32 the default. The fidelity self-check judges int8 against
+# the int8 floor (0.99) either way, and an automatic int8 that fails it falls back to float32.
+INT8_NOT_AUTO = "int8 not chosen: measured >= 1.5x float32 at min cosine 0.99 only with VNNI / AMX int8"
+INT8_AUTO_ENGINES = ("torch", "auto")
 
 # Engines that compute bfloat16 on CPU (onnxruntime and CTranslate2 do not there).
 CPU_BF16_ENGINES = ("torch", "auto")
@@ -341,12 +382,19 @@ CPU_BF16_ENGINES = ("torch", "auto")
 
 def choose_cpu_dtype(engine: str, info: CpuInfo | None = None) -> tuple[str, str]:
     """(dtype, why) for `--dtype auto` on CPU: bfloat16 where the CPU runs it natively and the
-    engine computes it, else float32. The worker's fidelity self-check still has to pass: an
-    automatic bfloat16 that fails it falls back to float32 (workers/process.py)."""
+    engine computes it, else int8 where it has int8 dot products and the engine is torch, else
+    float32. The worker's fidelity self-check still has to pass: an automatic bfloat16 or int8
+    that fails it falls back to float32 (workers/process.py)."""
     info = info or cpu()
     if engine not in CPU_BF16_ENGINES:
-        return "float32", f"--engine {engine} computes no bfloat16 on CPU; {INT8_NOT_AUTO}"
+        return "float32", f"--engine {engine} computes no bfloat16 on CPU; {INT8_NOT_AUTO} and --engine torch"
     if not info.has_any(NATIVE_BF16):
+        if info.is_x86 and info.has_any(VNNI_INT8) and engine in INT8_AUTO_ENGINES:
+            vnni = " ".join(f for f in VNNI_INT8 if f in info.flags)
+            return "int8", (
+                f"no native bfloat16 but int8 dot products ({vnni}): torch per-token int8 measured 1.65x "
+                "float32 at min cosine 0.997, if the fidelity check passes"
+            )
         return "float32", f"no native bfloat16 ({_missing(NATIVE_BF16)}) on this CPU; {INT8_NOT_AUTO}"
     native = " ".join(f for f in NATIVE_BF16 if f in info.flags)
     return "bfloat16", f"native bfloat16 ({native}): ~2x float32 matmul throughput, if the fidelity check passes"

@@ -1,0 +1,179 @@
+"""int8 linear layers with one dynamic scale per token (CPU).
+
+torch's dynamic int8 linears scale a whole activation matrix by one number. The BERT FFN
+down-projection reads the GELU output, whose outliers move from token to token, so one scale per
+tensor leaves most tokens a few levels of int8 (min cosine 0.92 to float32 on the broad corpus).
+Here each row (token) gets its own symmetric scale, each output channel of the weight its own, and
+the int8 x int8 -> int32 product runs in `torch._int_mm` (oneDNN's s8s8 GEMM on x86, 3.8x the
+pre-packed float32 GEMM on a Zen 5 with VNNI at MiniLM shapes, one thread). The float32 result is
+then int32 x token scale x channel scale + bias. SmoothQuant (hardware.TorchInt8Recipe) moves
+the remaining per-channel outliers of LayerNorm outputs into the weights: the model then stays
+at min cosine 0.997 to float32 at 1.65x its tokens/s (the table in hardware.py). Plain torch ops,
+no compiler at run time; the quantize and rescale passes cost about a third of the int8 GEMMs.
+
+Without VNNI, oneDNN's x86 int8 kernels sum pairs of u8 x s8 products in a saturating int16
+(`vpmaddubsw`; the s8 input is shifted to u8): 2 x 255 x 127 overflows it. Weights limited to 7 bits
+(|w| <= 63) cannot: 2 x 255 x 63 = 32,130. hardware.int8_exact says which a host needs.
+
+Each int8 layer allocates a few (tokens x features) buffers per call; with glibc's default
+thresholds many of them are returned to the kernel on free and faulted back in on the next call
+(~90k page faults, a fifth of the int8 forward's CPU time on the broad corpus). keep_freed_memory()
+stops that for the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..contract.hardware import TorchInt8Recipe
+from . import packed_linear
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_LEVELS = 127.0
+
+
+class Int8Linear(torch.nn.Module):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        weight_bits: int = 8,
+        input_range: torch.Tensor | None = None,
+        alpha: float = 0.5,
+    ):
+        super().__init__()
+        weight = weight.detach().float()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.input_scale = None
+        if input_range is not None:
+            smooth = input_range.clamp(min=1e-5) ** alpha / weight.abs().amax(0).clamp(min=1e-5) ** (1 - alpha)
+            weight = weight * smooth[None, :]
+            self.input_scale = 1 / smooth
+        levels = 2 ** (weight_bits - 1) - 1
+        scale = weight.abs().amax(1).clamp(min=1e-12) / levels
+        # (in, out) as a transposed view of the row-major (out, in) matrix: the layout oneDNN reads fastest.
+        self.weight_t = torch.round(weight / scale[:, None]).to(torch.int8).t()
+        self.weight_scale = scale
+        self.bias = None if bias is None else bias.detach().float().clone()
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: torch.nn.Linear | packed_linear.PackedLinear,
+        weight_bits: int = 8,
+        input_range: torch.Tensor | None = None,
+        alpha: float = 0.5,
+    ) -> Int8Linear:
+        """From an nn.Linear or a packed_linear.PackedLinear (whose oneDNN-blocked weight unpacks exactly)."""
+        weight: torch.Tensor = linear.weight
+        bias: torch.Tensor | None = linear.bias
+        return cls(weight.to_dense() if weight.is_mkldnn else weight, bias, weight_bits, input_range, alpha)
+
+    def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            rows = rows * self.input_scale
+        # max |x| per row from two read-only passes (x.abs() would write a copy of x)
+        peak = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg_()).clamp_(min=1e-12)
+        quantized = torch.mul(rows, ACTIVATION_LEVELS / peak).round_().to(torch.int8)
+        out = torch._int_mm(quantized, self.weight_t).float()
+        out.mul_(peak.mul_(1 / ACTIVATION_LEVELS))  # the token scale
+        if self.bias is None:
+            out.mul_(self.weight_scale)
+        else:
+            torch.addcmul(self.bias, out, self.weight_scale, out=out)
+        if activation == "gelu":
+            out = F.gelu(out)
+        elif activation == "relu":
+            out.relu_()
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _is_linear(module) -> bool:
+    return type(module) in (torch.nn.Linear, packed_linear.PackedLinear)
+
+
+def _slots(model: torch.nn.Module, owners: list) -> list[tuple[object, object]]:
+    """(owner, key) of every float linear: model attributes, and items of the lists of modules that
+    other objects hold (the packed forward's fused projections)."""
+    slots: list[tuple[object, object]] = [
+        (module, name) for module in model.modules() for name, child in module.named_children() if _is_linear(child)
+    ]
+    for owner in owners:
+        for value in vars(owner).values():
+            if isinstance(value, list):
+                slots += [(value, i) for i, item in enumerate(value) if _is_linear(item)]
+    return slots
+
+
+def _get(slot):
+    owner, key = slot
+    return owner[key] if isinstance(owner, list) else getattr(owner, key)
+
+
+def _set(slot, value) -> None:
+    owner, key = slot
+    if isinstance(owner, list):
+        owner[key] = value
+    else:
+        setattr(owner, key, value)
+
+
+def input_ranges(linears: list[torch.nn.Module], calibrate: Callable[[], None]) -> dict[int, torch.Tensor]:
+    """max |input| per input channel of each linear (by id) over what `calibrate` runs."""
+    ranges: dict[int, torch.Tensor] = {}
+
+    def record(module, args):
+        seen = args[0].detach().reshape(-1, args[0].shape[-1]).abs().amax(0)
+        key = id(module)
+        ranges[key] = torch.maximum(ranges[key], seen) if key in ranges else seen
+
+    hooks = [linear.register_forward_pre_hook(record) for linear in linears]
+    try:
+        calibrate()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ranges
+
+
+def quantize(model: torch.nn.Module, owners: list, recipe: TorchInt8Recipe, calibrate: Callable[[], None]) -> int:
+    """Swap every float linear of a CPU float32 model (and of `owners`' module lists) for an
+    Int8Linear per `recipe`, smoothing from the ranges seen while `calibrate` runs; returns how many."""
+    slots = _slots(model, owners)
+    ranges = input_ranges([_get(slot) for slot in slots], calibrate) if recipe.alpha > 0 else {}
+    for slot in slots:
+        linear = _get(slot)
+        smooth = recipe.smooth_contracting or linear.in_features <= linear.out_features
+        input_range = ranges.get(id(linear)) if smooth else None
+        _set(slot, Int8Linear.from_linear(linear, recipe.weight_bits, input_range, recipe.alpha))
+    keep_freed_memory()
+    return len(slots)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+_TRIM_THRESHOLD = 1 << 30
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed blocks up to 32 MiB in the heap (no mmap/munmap per call) and not trim
+    the heap below 1 GiB of free space. Linux/glibc only; returns whether it applied."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        applied = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
+        applied = libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and applied
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    if not applied:
+        log.info("mallopt not applied: int8 layers may page-fault their buffers on each call")
+    return applied
