@@ -10,6 +10,7 @@ A real worker process over ZeroMQ, the bundled MiniLM on one thread, so the bulk
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
 from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.process import BULK_LANE_NICE
 
 BULK = [[101] + [2000 + (i * 7 + j) % 5000 for j in range(254)] + [102] for i in range(16)]
 QUERY = [[101, 2029, 3194, 4240, 102]]
@@ -78,3 +80,20 @@ async def test_without_urgency_batches_run_in_arrival_order(worker):
     """The control: the same two batches, neither urgent, finish in the order they came."""
     _, _, finished = await query_during_bulk(worker, query_urgent=False)
     assert finished == ["bulk", "query"]
+
+
+def thread_nice_values(pid: int) -> list[int]:
+    """The nice value of each thread of a process (field 19 of /proc/PID/task/TID/stat)."""
+    values = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+            values.append(int(stat.read().rsplit(")", 1)[1].split()[16]))
+    return sorted(values)
+
+
+async def test_the_bulk_lane_runs_nicer_than_the_urgent_lane(worker, lane):
+    nice = thread_nice_values(worker.ready_info.pid)
+    lowest = nice[0]
+    # Only the bulk (main) thread is lowered; the urgent lane and the rest keep the worker's own.
+    expected = [lowest] * (len(nice) - 1) + [lowest + BULK_LANE_NICE] if lane else [lowest] * len(nice)
+    assert nice == expected
