@@ -425,7 +425,7 @@ def test_both_onnxruntime_wheels_installed_is_explained():
 
 
 @pytest.mark.parametrize(
-    "engine,dtype", [("onnx", "float16"), ("onnx", "bfloat16"), ("ctranslate2", "float16"), ("torch", "int8")]
+    "engine,dtype", [("onnx", "float16"), ("onnx", "bfloat16"), ("ctranslate2", "float16"), ("torch", "int8_float16")]
 )
 def test_unsupported_dtype_fails_at_load(engine, dtype, specs, cache_dir):
     pytest.importorskip({"onnx": "onnxruntime", "ctranslate2": "ctranslate2", "torch": "torch"}[engine])
