@@ -10,10 +10,10 @@ A real worker process over ZeroMQ, the bundled MiniLM on one thread, so the bulk
 from __future__ import annotations
 
 import asyncio
-import os
 
 import numpy as np
 import pytest
+from support.nice import thread_nice_values
 
 from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
@@ -80,15 +80,6 @@ async def test_without_urgency_batches_run_in_arrival_order(worker):
     """The control: the same two batches, neither urgent, finish in the order they came."""
     _, _, finished = await query_during_bulk(worker, query_urgent=False)
     assert finished == ["bulk", "query"]
-
-
-def thread_nice_values(pid: int) -> list[int]:
-    """The nice value of each thread of a process (field 19 of /proc/PID/task/TID/stat)."""
-    values = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-            values.append(int(stat.read().rsplit(")", 1)[1].split()[16]))
-    return sorted(values)
 
 
 async def test_the_bulk_lane_runs_nicer_than_the_urgent_lane(worker, lane):

@@ -8,6 +8,7 @@ import pytest
 from test_hardware import host
 
 from encoderd.server.ops.cli import build_parser, config_from_args
+from encoderd.server.ops.config import WORKER_NICE
 from encoderd.server.scheduling import placement
 from encoderd.workers.contract.hardware import (
     CpuBudget,
@@ -117,3 +118,12 @@ def test_cli_defaults_are_automatic(monkeypatch):
     assert (config.dtype, config.replicas, config.cpu_threads) == ("auto", 0, 0)
     config = config_from_args(build_parser().parse_args(["serve", "--dtype", "float32", "--replicas", "1"]))
     assert (config.dtype, config.replicas) == ("float32", 1)
+
+
+def test_workers_run_nicer_than_the_frontend_by_default(monkeypatch):
+    monkeypatch.delenv("ENCODERD_WORKER_NICE", raising=False)
+    assert config_from_args(build_parser().parse_args(["serve"])).worker_nice == WORKER_NICE == 10
+    assert config_from_args(build_parser().parse_args(["serve", "--worker-nice", "0"])).worker_nice == 0
+    for bad in ("-1", "20"):  # a worker may only lower its priority, and 19 is the lowest
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--worker-nice", bad])
