@@ -102,19 +102,19 @@ class Inbox:
             self._arrived.notify_all()
 
     def get(self):
-        with self._arrived:
-            self._arrived.wait_for(lambda: self._urgent or self._bulk)
-            return (self._urgent or self._bulk).popleft()
+        return self._wait_and_pop(self._urgent, self._bulk)
 
     def get_urgent(self):
-        with self._arrived:
-            self._arrived.wait_for(lambda: self._urgent)
-            return self._urgent.popleft()
+        return self._wait_and_pop(self._urgent)
 
     def get_bulk(self):
+        return self._wait_and_pop(self._bulk)
+
+    def _wait_and_pop(self, *queues: collections.deque):
+        """The first batch of the first non-empty queue, waiting for one to arrive."""
         with self._arrived:
-            self._arrived.wait_for(lambda: self._bulk)
-            return self._bulk.popleft()
+            self._arrived.wait_for(lambda: any(queues))
+            return next(q for q in queues if q).popleft()
 
     def empty(self) -> bool:
         return not (self._urgent or self._bulk)
