@@ -31,7 +31,8 @@ class Backend(abc.ABC):
         """Whether a second thread may compute an urgent batch while another batch computes
         (workers/process.py). Only where each forward runs on the calling thread alone: a CPU
         engine with one intra-op thread (the process-wide thread count must not change under
-        the other lane's feet), thread-safe for concurrent calls."""
+        the other lane's feet), thread-safe for concurrent calls, and tested so
+        (tests/integration/test_preemption.py): torch."""
         return False
 
     def __init__(self, spec: ModelSpec, options: BackendOptions):

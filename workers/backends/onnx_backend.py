@@ -413,10 +413,6 @@ class OnnxBackend(Backend):
         self._dim = int(self.session.get_outputs()[0].shape[-1])
         log.info("onnx session on %s (%s)", ", ".join(self.session.get_providers()), model_file)
 
-    @property
-    def urgent_lane(self) -> bool:
-        return self._device_type() == "cpu" and cpu_threads(self.options.threads) == 1  # Run() is thread-safe
-
     def _device_type(self) -> str:
         return "cuda" if self.options.device.startswith("cuda") else self.options.device
 
