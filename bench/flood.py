@@ -1,14 +1,17 @@
 """Refusal under a flood (issue 16, finding 2): how fast a probe hears RESOURCE_EXHAUSTED while
 many clients keep a small queue bound (`--max-queued-inputs`) overflowing.
 
-    python -m encoderd.bench.flood [--clients 640] [--seconds 20] [--compare-ref REF]
+    python -m encoderd.bench.flood [--clients 640] [--seconds 20] [--own-connections] [--compare-ref REF]
 
 It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
 exported to a temporary folder) and, for each server in turn:
   idle    the probe alone: sequential one-input Embed calls, p50/p99;
   flood   C clients (in their own process, so the probe's own client loop is never the queue),
-          each sending 4-input Embed calls back to back on its own connection, while the probe
-          sends one call every 20 ms: the latency of its RESOURCE_EXHAUSTED answers, p50/p99.
+          each sending 4-input Embed calls back to back, while the probe (on a connection of its
+          own) sends one call every 20 ms: the latency of its RESOURCE_EXHAUSTED answers, p50/p99.
+          gRPC shares one TCP connection among a process's channels to the same address, so the
+          C clients are C concurrent streams on one connection; with --own-connections each
+          client opens its own (C connections, as C separate hosts would).
 Phases alternate between the servers (ref, this, ref, this), so both see the same machine load.
 A benchmark, not a test: it prints a table and asserts nothing.
 """
@@ -42,8 +45,9 @@ def _texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=60)) for _ in range(n)]
 
 
-async def _flood_client(address: str, stop_at: float, texts: list[str], counts: dict) -> None:
-    async with grpc.aio.insecure_channel(address) as channel:
+async def _flood_client(address: str, stop_at: float, texts: list[str], counts: dict, own_connection: bool) -> None:
+    options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = encoderd_pb2_grpc.EncoderStub(channel)
         while time.monotonic() < stop_at:
             counts["sent"] += 1  # distinct texts: identical ones would be computed once
@@ -55,14 +59,14 @@ async def _flood_client(address: str, stop_at: float, texts: list[str], counts: 
                 counts[exc.code().name] = counts.get(exc.code().name, 0) + 1
 
 
-def _flood_process(address: str, clients: int, seconds: float, out) -> None:
+def _flood_process(address: str, clients: int, seconds: float, own_connections: bool, out) -> None:
     """C clients on one event loop, in a process of their own; sends its counts back."""
     counts = {"sent": 0}
     stop_at = time.monotonic() + seconds
     texts = _texts(4, seed=5)
 
     async def main():
-        await asyncio.gather(*(_flood_client(address, stop_at, texts, counts) for _ in range(clients)))
+        await asyncio.gather(*(_flood_client(address, stop_at, texts, counts, own_connections) for _ in range(clients)))
 
     asyncio.run(main())
     out.put(counts)
@@ -90,13 +94,13 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q) * 1000), 1) if values else None
 
 
-def measure(address: str, clients: int, seconds: float) -> dict:
+def measure(address: str, clients: int, seconds: float, own_connections: bool = False) -> dict:
     channel = grpc.insecure_channel(address)
     stub = encoderd_pb2_grpc.EncoderStub(channel)
     _, idle = _probe(stub, 3, 0.02)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    flood = ctx.Process(target=_flood_process, args=(address, clients, seconds + 6, out), daemon=True)
+    flood = ctx.Process(target=_flood_process, args=(address, clients, seconds + 6, own_connections, out), daemon=True)
     flood.start()
     time.sleep(5)  # the flood's connections open and the queue fills
     refused, served = _probe(stub, seconds, 0.02)
@@ -166,6 +170,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=20, help="probe time per flood phase")
     parser.add_argument("--rounds", type=int, default=1, help="flood phases per server (alternating)")
     parser.add_argument("--max-queued-inputs", type=int, default=64)
+    parser.add_argument(
+        "--own-connections", action="store_true", help="one TCP connection per flood client (default: one shared)"
+    )
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
     parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
     parser.add_argument("--json", type=Path, help="write the rows here")
@@ -180,8 +187,9 @@ def main(argv=None) -> int:
         for label, path in reversed(servers):  # the reference first
             server, address = start_server(label.replace(" ", "-"), path, serve_args, logs)
             try:
-                print(f"[flood] {label}: {args.clients} clients, {args.seconds:g}s", file=sys.stderr, flush=True)
-                rows.append({"server": label, **measure(address, args.clients, args.seconds)})
+                how = "own connections" if args.own_connections else "one shared connection"
+                print(f"[flood] {label}: {args.clients} clients, {how}, {args.seconds:g}s", file=sys.stderr)
+                rows.append({"server": label, **measure(address, args.clients, args.seconds, args.own_connections)})
             finally:
                 server.stop()
     report(rows)
