@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
-from support.nice import process_nice, thread_nice_values
+from support.nice import process_nice, thread_priorities
 from support.server import ServerProcess
 
 from encoderd.server.ops.config import WORKER_NICE
@@ -26,12 +28,13 @@ def test_defaults_are_chosen_for_this_host_and_logged(tmp_path, minilm_path):
         model = server.stub().ListModels(pb.ListModelsRequest()).models[0]
         texts = ["a short query", "a somewhat longer passage about serving encoder models on any host " * 3]
         got = np.array([e.values for e in server.stub().Embed(pb.EmbedRequest(inputs=texts), timeout=60).embeddings])
-        # Workers run --worker-nice below the frontend; with one thread each, their bulk lane 5 more.
+        # Workers run --worker-nice below the frontend; with one thread each, their bulk lane 5 more, SCHED_IDLE.
         frontend = process_nice(server.proc.pid)
         for replica in model.replicas:
-            nice = thread_nice_values(replica.pid)
-            assert nice[0] == frontend + WORKER_NICE, (frontend, nice)
-            assert nice[-1] == nice[0] + (BULK_LANE_NICE if layout.threads == 1 else 0), nice
+            threads = thread_priorities(replica.pid)
+            own, bulk = (frontend + WORKER_NICE, os.SCHED_OTHER), threads[-1]
+            assert threads[0] == own, (frontend, threads)
+            assert bulk == ((own[0] + BULK_LANE_NICE, os.SCHED_IDLE) if layout.threads == 1 else own), threads
     log = server.log_text()
     [line] = [ln for ln in log.splitlines() if f"chose {DEFAULT_MODEL_NAME}:" in ln]
     # The dtype the hardware policy wants, unless the fidelity check sent it back to float32 (then it says so).

@@ -10,11 +10,13 @@ A real worker process over ZeroMQ, the bundled MiniLM on one thread, so the bulk
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
-from support.nice import thread_nice_values
+from support.nice import thread_priorities
 
+from encoderd.server.ops.config import WORKER_NICE
 from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
 from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
@@ -36,16 +38,21 @@ def lane(request) -> bool:
     return request.param
 
 
-@pytest.fixture
-async def worker(lane):
+async def start_worker(lane: bool, nice: int) -> WorkerClient:
     spec = load_model_spec("minilm", default_model_path(), ModelKind.EMBEDDING)
     client = WorkerClient(
         lambda batches, results: WorkerConfig(
-            spec, "torch", BackendOptions(threads=1), batches, results, urgent_lane=lane
+            spec, "torch", BackendOptions(threads=1), batches, results, urgent_lane=lane, nice=nice
         ),
         "preempt",
     )
     await client.start()
+    return client
+
+
+@pytest.fixture
+async def worker(lane):
+    client = await start_worker(lane, WORKER_NICE)  # as the server starts them by default
     yield client
     await client.stop()
 
@@ -83,8 +90,20 @@ async def test_without_urgency_batches_run_in_arrival_order(worker):
 
 
 async def test_the_bulk_lane_runs_nicer_than_the_urgent_lane(worker, lane):
-    nice = thread_nice_values(worker.ready_info.pid)
-    lowest = nice[0]
-    # Only the bulk (main) thread is lowered; the urgent lane and the rest keep the worker's own.
-    expected = [lowest] * (len(nice) - 1) + [lowest + BULK_LANE_NICE] if lane else [lowest] * len(nice)
-    assert nice == expected
+    threads = thread_priorities(worker.ready_info.pid)
+    own = (threads[0][0], os.SCHED_OTHER)
+    # Only the bulk (main) thread is lowered, 5 nicer and SCHED_IDLE (the workers run nicer than
+    # the frontend); the urgent lane and the rest keep the worker's own.
+    bulk = (own[0] + BULK_LANE_NICE, os.SCHED_IDLE)
+    assert threads == ([own] * (len(threads) - 1) + [bulk] if lane else [own] * len(threads))
+
+
+async def test_with_worker_nice_0_the_bulk_lane_stays_sched_other():
+    """--worker-nice 0 asks that workers do not yield to other busy processes: no SCHED_IDLE."""
+    client = await start_worker(lane=True, nice=0)
+    try:
+        threads = thread_priorities(client.ready_info.pid)
+    finally:
+        await client.stop()
+    own = (threads[0][0], os.SCHED_OTHER)
+    assert threads == [own] * (len(threads) - 1) + [(own[0] + BULK_LANE_NICE, os.SCHED_OTHER)]

@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 
 
-def _nice_of(stat_path: str) -> int:
+def _stat_fields(stat_path: str) -> list[str]:
+    """Fields 3 on of /proc/.../stat: those after "(comm)", whose name may hold spaces."""
     with open(stat_path) as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[16])  # field 19, counted after "(comm)"
+        return stat.read().rsplit(")", 1)[1].split()
+
+
+def _nice_of(stat_path: str) -> int:
+    return int(_stat_fields(stat_path)[16])  # field 19
 
 
 def process_nice(pid: int) -> int:
@@ -17,3 +22,12 @@ def process_nice(pid: int) -> int:
 def thread_nice_values(pid: int) -> list[int]:
     """The nice value of each thread of a process, sorted."""
     return sorted(_nice_of(f"/proc/{pid}/task/{tid}/stat") for tid in os.listdir(f"/proc/{pid}/task"))
+
+
+def thread_priorities(pid: int) -> list[tuple[int, int]]:
+    """(nice value, scheduling policy: os.SCHED_OTHER, os.SCHED_IDLE...) of each thread, sorted."""
+    priorities = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        priorities.append((int(fields[16]), int(fields[38])))  # fields 19 and 41
+    return sorted(priorities)
