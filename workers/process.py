@@ -223,7 +223,11 @@ def _nice_every_thread(by: int) -> None:
     # unpickling its config imported torch, which starts a thread of its own.
     for tid in map(int, os.listdir("/proc/self/task")):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+            _renice(tid, by)
+
+
+def _renice(tid: int, by: int) -> None:
+    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
 
 
 def _lower_bulk_lane(worker_nice: int) -> None:
@@ -239,8 +243,7 @@ def _lower_bulk_lane(worker_nice: int) -> None:
     without privilege it can never leave SCHED_IDLE.
     """
     # Linux nice values and policies are per thread; threads this one starts from now on inherit them.
-    me = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + BULK_LANE_NICE))
+    _renice(threading.get_native_id(), BULK_LANE_NICE)
     if worker_nice > 0:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

@@ -11,17 +11,8 @@ def _stat_fields(stat_path: str) -> list[str]:
         return stat.read().rsplit(")", 1)[1].split()
 
 
-def _nice_of(stat_path: str) -> int:
-    return int(_stat_fields(stat_path)[16])  # field 19
-
-
 def process_nice(pid: int) -> int:
-    return _nice_of(f"/proc/{pid}/stat")
-
-
-def thread_nice_values(pid: int) -> list[int]:
-    """The nice value of each thread of a process, sorted."""
-    return sorted(_nice_of(f"/proc/{pid}/task/{tid}/stat") for tid in os.listdir(f"/proc/{pid}/task"))
+    return int(_stat_fields(f"/proc/{pid}/stat")[16])  # field 19
 
 
 def thread_priorities(pid: int) -> list[tuple[int, int]]:
