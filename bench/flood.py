@@ -2,6 +2,7 @@
 many clients keep a small queue bound (`--max-queued-inputs`) overflowing.
 
     python -m encoderd.bench.flood [--clients 640] [--seconds 20] [--own-connections] [--compare-ref REF]
+                                   [--front MAX_REQUESTS] [--flood-nice N]
 
 It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
 exported to a temporary folder) and, for each server in turn:
@@ -12,6 +13,13 @@ exported to a temporary folder) and, for each server in turn:
           gRPC shares one TCP connection among a process's channels to the same address, so the
           C clients are C concurrent streams on one connection; with --own-connections each
           client opens its own (C connections, as C separate hosts would).
+With --front N, each server is measured twice: directly, then with the probe and the flood
+going through the shipped gRPC front (deploy/envoy/front.yaml, its limit of calls in flight
+set to N): Envoy refuses past N itself, and the server sees at most N calls at a time. The
+front runs one Envoy worker thread (--front-workers): on one small host it shares the cores
+with the server, the flood and the probe.
+--flood-nice N runs the flood's process N nicer, as clients on other machines would not take
+the server's cores (on one small host they do).
 Phases alternate between the servers (ref, this, ref, this), so both see the same machine load.
 A benchmark, not a test: it prints a table and asserts nothing.
 """
@@ -22,6 +30,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import shlex
 import subprocess
 import sys
@@ -32,8 +41,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from ..gateway.envoy import find_envoy
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
+from .front import front_command, front_config
 from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +70,9 @@ async def _flood_client(address: str, stop_at: float, texts: list[str], counts: 
                 counts[exc.code().name] = counts.get(exc.code().name, 0) + 1
 
 
-def _flood_process(address: str, clients: int, seconds: float, own_connections: bool, out) -> None:
+def _flood_process(address: str, clients: int, seconds: float, own_connections: bool, nice: int, out) -> None:
     """C clients on one event loop, in a process of their own; sends its counts back."""
+    os.nice(nice)
     counts = {"sent": 0}
     stop_at = time.monotonic() + seconds
     texts = _texts(4, seed=5)
@@ -72,9 +84,12 @@ def _flood_process(address: str, clients: int, seconds: float, own_connections: 
     out.put(counts)
 
 
-def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float]]:
-    """(refusal latencies, served latencies) of one-input calls sent every `pause` seconds."""
-    refused, served = [], []
+def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float], dict[str, int]]:
+    """(refusal latencies, served latencies, other answers by status) of one-input calls sent
+    every `pause` seconds."""
+    refused: list[float] = []
+    served: list[float] = []
+    other: dict[str, int] = {}
     deadline = time.monotonic() + seconds
     i = 0
     while time.monotonic() < deadline:
@@ -86,24 +101,28 @@ def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float]
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 refused.append(time.perf_counter() - started)
+            else:
+                other[exc.code().name] = other.get(exc.code().name, 0) + 1
         time.sleep(pause)
-    return refused, served
+    return refused, served, other
 
 
 def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q) * 1000), 1) if values else None
 
 
-def measure(address: str, clients: int, seconds: float, own_connections: bool = False) -> dict:
+def measure(address: str, clients: int, seconds: float, own_connections: bool = False, flood_nice: int = 0) -> dict:
     channel = grpc.insecure_channel(address)
     stub = encoderd_pb2_grpc.EncoderStub(channel)
-    _, idle = _probe(stub, 3, 0.02)
+    _, idle, _ = _probe(stub, 3, 0.02)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    flood = ctx.Process(target=_flood_process, args=(address, clients, seconds + 6, own_connections, out), daemon=True)
+    flood = ctx.Process(
+        target=_flood_process, args=(address, clients, seconds + 6, own_connections, flood_nice, out), daemon=True
+    )
     flood.start()
     time.sleep(5)  # the flood's connections open and the queue fills
-    refused, served = _probe(stub, seconds, 0.02)
+    refused, served, other = _probe(stub, seconds, 0.02)
     counts = out.get(timeout=seconds + 120)
     flood.join(30)
     channel.close()
@@ -112,6 +131,8 @@ def measure(address: str, clients: int, seconds: float, own_connections: bool = 
         "idle_p99_ms": _pct(idle, 99),
         "refused": len(refused),
         "served": len(served),
+        "served_p50_ms": _pct(served, 50),  # admitted: queued behind the flood's admitted work
+        "probe_other": other,
         "refusal_p50_ms": _pct(refused, 50),
         "refusal_p99_ms": _pct(refused, 99),
         "refusal_max_ms": _pct(refused, 100),
@@ -150,17 +171,29 @@ def start_server(label: str, pythonpath: str | None, serve_args: list[str], logs
     return server, address
 
 
+def start_front(address: str, max_requests: int, workers: int, logs: Path, label: str) -> tuple[Managed, str]:
+    """The shipped gRPC front before the server at `address`, refusing past `max_requests` calls."""
+    port = free_port()
+    config = logs / f"{label}-front.json"  # JSON is YAML too; Envoy reads it by the extension
+    server_port = int(address.rpartition(":")[2])
+    config.write_text(json.dumps(front_config([server_port], port, free_port(), max_requests)))
+    front = Managed(f"{label}-front", front_command(find_envoy(), config, workers), logs / f"{label}-front.log").start()
+    front_address = f"127.0.0.1:{port}"
+    wait_until(lambda: grpc_serving(front_address), f"{label} front", front, timeout=60)
+    return front, front_address
+
+
 def report(rows: list[dict]) -> None:
     print(
-        f"{'server':<14} {'idle p50':>8} {'idle p99':>8} {'refused':>7} {'served':>6} "
-        f"{'refusal p50':>11} {'refusal p99':>11} {'max':>7}  flood counts"
+        f"{'server':<22} {'idle p50':>8} {'idle p99':>8} {'refused':>7} {'served':>6} {'served p50':>10} "
+        f"{'refusal p50':>11} {'refusal p99':>11} {'max':>7}  probe's other answers; flood counts"
     )
     for r in rows:
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         print(
-            f"{r['server']:<14} {f(r['idle_p50_ms']):>8} {f(r['idle_p99_ms']):>8} {r['refused']:>7} "
-            f"{r['served']:>6} {f(r['refusal_p50_ms']):>11} {f(r['refusal_p99_ms']):>11} "
-            f"{f(r['refusal_max_ms']):>7}  {r['flood']}"
+            f"{r['server']:<22} {f(r['idle_p50_ms']):>8} {f(r['idle_p99_ms']):>8} {r['refused']:>7} "
+            f"{r['served']:>6} {f(r['served_p50_ms']):>10} {f(r['refusal_p50_ms']):>11} "
+            f"{f(r['refusal_p99_ms']):>11} {f(r['refusal_max_ms']):>7}  {r['probe_other'] or '-'}; {r['flood']}"
         )
 
 
@@ -172,6 +205,24 @@ def main(argv=None) -> int:
     parser.add_argument("--max-queued-inputs", type=int, default=64)
     parser.add_argument(
         "--own-connections", action="store_true", help="one TCP connection per flood client (default: one shared)"
+    )
+    parser.add_argument(
+        "--front",
+        type=int,
+        metavar="MAX_REQUESTS",
+        help="go through the shipped gRPC front (deploy/envoy/front.yaml) with this limit of calls in flight",
+    )
+    parser.add_argument(
+        "--front-workers",
+        type=int,
+        default=1,
+        help="the front's Envoy worker threads (--concurrency; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--flood-nice",
+        type=int,
+        default=0,
+        help="run the flood's process this much nicer (clients elsewhere do not take the server's cores)",
     )
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
     parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
@@ -185,12 +236,22 @@ def main(argv=None) -> int:
     rows = []
     for _ in range(args.rounds):
         for label, path in reversed(servers):  # the reference first
-            server, address = start_server(label.replace(" ", "-"), path, serve_args, logs)
+            name = label.replace(" ", "-")
+            server, address = start_server(name, path, serve_args, logs)
+            front = None
             try:
-                how = "own connections" if args.own_connections else "one shared connection"
-                print(f"[flood] {label}: {args.clients} clients, {how}, {args.seconds:g}s", file=sys.stderr)
-                rows.append({"server": label, **measure(address, args.clients, args.seconds, args.own_connections)})
+                targets = [(label, address)]
+                if args.front:  # the same server, direct and through the front
+                    front, front_address = start_front(address, args.front, args.front_workers, logs, name)
+                    targets.append((f"{label} + front", front_address))
+                for target, at in targets:
+                    how = "own connections" if args.own_connections else "one shared connection"
+                    print(f"[flood] {target}: {args.clients} clients, {how}, {args.seconds:g}s", file=sys.stderr)
+                    row = measure(at, args.clients, args.seconds, args.own_connections, args.flood_nice)
+                    rows.append({"server": target, **row})
             finally:
+                if front:
+                    front.stop()
                 server.stop()
     report(rows)
     if args.json:

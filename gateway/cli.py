@@ -68,6 +68,7 @@ def add_commands(commands) -> None:
         ("--max-connections", limits.max_connections, "open connections in all"),
         ("--buffer-kb", limits.buffer_bytes // 1024, "read/write buffer per connection in KiB"),
         ("--max-header-kb", limits.max_header_bytes // 1024, "largest request headers in KiB (431 past it)"),
+        ("--max-in-flight", limits.max_in_flight, "requests in flight to the gRPC server(s); more get 429 at once"),
     ):
         out.add_argument(flag, type=type(default), default=default, help=f"{what} [default: %(default)s]")
     out.add_argument("--tls-cert", default="", help="PEM certificate chain: serve REST over HTTPS (with --tls-key)")
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             args.max_connections,
             args.buffer_kb * 1024,
             args.max_header_kb * 1024,
+            args.max_in_flight,
         ),
     )
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):

@@ -44,6 +44,9 @@ class ListenerLimits:
     max_connections: int = 16384  # open REST connections in all; more are refused
     buffer_bytes: int = 32 * 1024  # read/write buffer per connection (flow control)
     max_header_bytes: int = 16 * 1024  # request headers in all (431 past it); gRPC allows 8-16 KiB
+    # Requests in flight to the gRPC server(s) in all; past it Envoy answers 429 / RESOURCE_EXHAUSTED
+    # itself, in microseconds, where the server's own refusal waits its turn behind a flood's backlog.
+    max_in_flight: int = 1024
 
     def check(self) -> None:
         """Refuse what Envoy would read differently (a 0 s header timeout means none) or not at all."""
@@ -53,12 +56,13 @@ class ListenerLimits:
                 "be above 0 seconds, the maximum connection duration 0 (no limit) or more"
             )
         if (
-            min(self.max_connections, self.buffer_bytes, self.max_header_bytes) < 1
+            min(self.max_connections, self.buffer_bytes, self.max_header_bytes, self.max_in_flight) < 1
             or self.max_header_bytes > 8192 * 1024
         ):
             raise GatewayError(
-                "the REST connection limit, buffer size and header size (--rest-max-connections, "
-                "--rest-buffer-kb, --rest-max-header-kb) must be at least 1, headers at most 8192 KiB"
+                "the REST connection limit, buffer size, header size and requests in flight "
+                "(--rest-max-connections, --rest-buffer-kb, --rest-max-header-kb, --rest-max-in-flight) "
+                "must be at least 1, headers at most 8192 KiB"
             )
 
 
@@ -258,6 +262,7 @@ def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
         "max_connections": limits.max_connections,
         "buffer_bytes": limits.buffer_bytes,
         "max_header_kb": max(1, limits.max_header_bytes // 1024),
+        "max_in_flight": limits.max_in_flight,
     }
 
 

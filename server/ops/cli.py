@@ -448,6 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(serve, "--rest-max-connections", "open REST connections in all; more are refused", LIMITS.max_connections, int)
     _add(
         serve,
+        "--rest-max-in-flight",
+        "REST requests in flight to the server in all; more get 429 from Envoy at once",
+        LIMITS.max_in_flight,
+        int,
+    )
+    _add(
+        serve,
         "--rest-buffer-kb",
         "read/write buffer per REST connection in KiB (flow control, not a body limit)",
         LIMITS.buffer_bytes // 1024,
@@ -637,6 +644,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             args.rest_max_connections,
             args.rest_buffer_kb * 1024,
             args.rest_max_header_kb * 1024,
+            args.rest_max_in_flight,
         ),
         tls=TlsFiles(args.tls_cert or "", args.tls_key or "", args.tls_client_ca or ""),
     )

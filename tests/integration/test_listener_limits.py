@@ -1,10 +1,12 @@
 """Issue 16, finding 8: slow and idle REST clients are cut off by Envoy's listener limits, and a
 client that vanishes mid-call leaves one WARNING line (method, request id), never an ERROR or a
-traceback. One real server (REST through its Envoy child) with small limits; raw sockets and real
-gRPC clients on loopback."""
+traceback. Finding 2 for REST: past --rest-max-in-flight, Envoy refuses (429) itself. One real
+server (REST through its Envoy child) with small limits; raw sockets and real gRPC clients on
+loopback."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import select
@@ -23,6 +25,7 @@ HEADER_TIMEOUT = 1.0
 IDLE_TIMEOUT = 2.0
 MARGIN = 2.0  # Envoy's timers fire on time; this is for a loaded 2-core host
 BODY_LIMIT = 100 * 1024
+MAX_IN_FLIGHT = 2
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,8 @@ def limited(tmp_path_factory, minilm_path):
         str(IDLE_TIMEOUT),
         "--rest-max-body-mb",
         str(BODY_LIMIT / 2**20),
+        "--rest-max-in-flight",
+        str(MAX_IN_FLIGHT),
         log_path=log,
         rest=True,
     ).start()
@@ -121,6 +126,34 @@ def test_a_body_over_the_limit_gets_413(limited):
 def test_headers_over_the_limit_get_431(limited):
     response = httpx.get(limited.rest_url + "/health", headers={"x-big": "a" * 20_000}, timeout=30)
     assert response.status_code == 431
+
+
+def test_requests_past_the_in_flight_limit_get_429_from_envoy(limited):
+    """Envoy answers past --rest-max-in-flight itself (429, the JSON error, Retry-After), where
+    the server's own refusal would wait behind every call already sent to it; the calls in flight
+    are served, and so is the next call once they are done."""
+    url = limited.rest_url + "/v1/embeddings"
+
+    def long_call(n: int) -> httpx.Response:  # seconds of compute on 2 cores
+        body = {"model": "m", "input": [f"{n} passage {i} " + "word " * 60 for i in range(200)]}
+        return httpx.post(url, json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(MAX_IN_FLIGHT) as pool:
+        in_flight = [pool.submit(long_call, n) for n in range(MAX_IN_FLIGHT)]
+        refusal = None
+        while refusal is None and not any(call.done() for call in in_flight):
+            probe = httpx.post(url, json={"model": "m", "input": ["probe"]}, timeout=30)
+            if probe.status_code != 200:  # 200: a long call was not in flight yet
+                refusal = probe
+            time.sleep(0.05)
+        assert refusal is not None, "a long call ended before a probe met the limit"
+        assert refusal.status_code == 429, refusal.text
+        assert refusal.headers["retry-after"] == "1"
+        error = refusal.json()["error"]
+        assert error["code"] == "resource_exhausted" and error["type"] == "rate_limit_error", error
+        assert f"limit of {MAX_IN_FLIGHT} requests in flight" in error["message"], error
+        assert [call.result().status_code for call in in_flight] == [200] * MAX_IN_FLIGHT
+    assert httpx.post(url, json={"model": "m", "input": ["probe"]}, timeout=30).status_code == 200
 
 
 # ---------------------------------------------------------------------- vanishing clients

@@ -22,11 +22,11 @@ import pytest
 import yaml
 from support.server import ServerProcess, free_port
 
+from encoderd.bench.front import front_command, front_config
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
 from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
-FRONT = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "front.yaml"
 CLIENTS = 6  # concurrent callers
 MAX_CALLS = 4000  # a hard bound on the load, whatever the timing
 LOAD_BEFORE_KILL = 1.0  # seconds
@@ -42,32 +42,17 @@ def envoy_binary() -> str:
         pytest.skip(f"no Envoy binary: {exc}")
 
 
-def front_config(hosts, listen_port: int, admin_port: int) -> dict:
-    """The shipped front.yaml with loopback addresses; every policy stays as shipped."""
-    config = yaml.safe_load(FRONT.read_text())
-    config["admin"]["address"]["socket_address"].update(address="127.0.0.1", port_value=admin_port)
-    (listener,) = config["static_resources"]["listeners"]
-    listener["address"]["socket_address"].update(address="127.0.0.1", port_value=listen_port)
-    (cluster,) = config["static_resources"]["clusters"]
-    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": h.grpc_port}}}}
-        for h in hosts
-    ]
-    return config
-
-
 class Front:
-    def __init__(self, hosts, workdir: Path):
+    """The shipped front.yaml with loopback addresses (and, where given, its limit of calls in flight)."""
+
+    def __init__(self, hosts, workdir: Path, max_requests: int | None = None):
         self.port, self.admin_port = free_port(), free_port()
         config = workdir / "front.yaml"
-        config.write_text(yaml.safe_dump(front_config(hosts, self.port, self.admin_port)))
+        ports = [h.grpc_port for h in hosts]
+        config.write_text(yaml.safe_dump(front_config(ports, self.port, self.admin_port, max_requests)))
         self.log = workdir / "envoy.log"
-        with open(self.log, "wb") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(
-                [envoy_binary(), "--config-path", str(config), "--disable-hot-restart", "--log-level", "warn"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(front_command(envoy_binary(), config), stdout=log, stderr=subprocess.STDOUT)
 
     def stats(self) -> dict[str, int]:
         text = (
@@ -180,6 +165,34 @@ def host_requests(front, host) -> int:
     text = urllib.request.urlopen(f"http://127.0.0.1:{front.admin_port}/clusters", timeout=2).read().decode()
     key = f"encoderd::127.0.0.1:{host.grpc_port}::rq_total::"
     return next(int(line[len(key) :]) for line in text.splitlines() if line.startswith(key))
+
+
+def test_calls_past_the_fronts_limit_are_refused_by_envoy_as_resource_exhausted(hosts, tmp_path):
+    """Issue 16, finding 2: a call past the front's limit of calls in flight (max_requests, here 2)
+    is refused by Envoy itself, as RESOURCE_EXHAUSTED with a message (never Envoy's bare 503 /
+    UNAVAILABLE, which clients retry as a dead host); the calls in flight are served."""
+    front = Front(hosts, tmp_path, max_requests=2)
+    try:
+        front.wait_healthy(2)
+        with grpc.insecure_channel(f"127.0.0.1:{front.port}") as channel:
+            stub = encoderd_pb2_grpc.EncoderStub(channel)
+            long_inputs = [f"passage {i} " + "word " * 60 for i in range(200)]  # seconds of compute on 2 cores
+            in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=[f"{n} {t}" for t in long_inputs])) for n in (1, 2)]
+            refusal = None
+            while refusal is None and not any(call.done() for call in in_flight):
+                try:
+                    stub.Embed(pb.EmbedRequest(inputs=["probe"]), timeout=30)  # one of the two not there yet
+                except grpc.RpcError as exc:
+                    refusal = exc
+                time.sleep(0.05)
+            assert refusal is not None, "a long call ended before a probe met the limit"
+            assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (refusal.code(), refusal.details())
+            assert "limit of calls in flight" in refusal.details()
+            assert all(len(call.result(timeout=120).embeddings) == len(long_inputs) for call in in_flight)
+            assert len(stub.Embed(pb.EmbedRequest(inputs=["probe"]), timeout=30).embeddings) == 1
+        assert front.stats()["cluster.encoderd.upstream_rq_pending_overflow"] >= 1  # Envoy's refusal, not a host's
+    finally:
+        front.stop()
 
 
 def test_killing_a_host_under_load_fails_no_call(front, hosts):
