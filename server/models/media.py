@@ -267,6 +267,11 @@ class AudioPreprocessor:
         except Exception as exc:  # noqa: BLE001 - e.g. a clip too short for the extractor's window
             raise InvalidInput(f"{what}: cannot extract audio features: {exc}") from None
         features = np.ascontiguousarray(out["input_features"][0], dtype=np.float32)
+        if not np.isfinite(features).all():  # finite samples far out of range (a float WAV may hold 1e37)
+            raise InvalidInput(
+                f"{what}: its samples reach {np.abs(samples).max():.3g}, so far outside [-1, 1] that its "
+                "audio features overflow; send audio at a normal level"
+            )
         is_longer = int(np.asarray(out.get("is_longer", [[False]])).reshape(-1)[0])
         return features, is_longer, int(features.shape[-2])
 

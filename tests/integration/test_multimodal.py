@@ -65,6 +65,9 @@ def sound_file(samples: np.ndarray, rate: int, fmt: str) -> bytes:
 IMAGES = [make_image(1), make_image(2, (40, 80)), make_image(3, (33, 33))]
 PNG = encoded(IMAGES[0])
 WAV = sound_file(tone(440, 0.5, CLAP_SAMPLING_RATE), CLAP_SAMPLING_RATE, "WAV")
+# A float WAV may hold any finite value: five samples, the last 1.5e37, overflowed CLAP's features
+# into NaN, and the server answered a NaN embedding (found by the fuzz test below).
+LOUD_WAV = sound_file(np.array([[-0.05], [0.03], [0.18], [0.18], [1.5e37]], np.float32), CLAP_SAMPLING_RATE, "WAV")
 STEREO_WAV = sound_file(tone(660, 0.7, CLAP_SAMPLING_RATE, channels=2), CLAP_SAMPLING_RATE, "WAV")
 FLAC_8K = sound_file(tone(300, 0.6, 8000), 8000, "FLAC")  # resampled to 16 kHz by the server
 
@@ -497,6 +500,7 @@ BAD_MEDIA = [
     ("clip", pb.Content(audio=pb.Media(data=WAV)), "is audio, but model 'clip' (clip) takes text and image"),
     ("clap", pb.Content(audio=pb.Media(data=b"RIFF....WAVEfmt garbage")), "not audio in a supported format"),
     ("clap", pb.Content(audio=pb.Media(data=PNG)), "not audio in a supported format"),
+    ("clap", pb.Content(audio=pb.Media(data=LOUD_WAV)), "samples reach 1.5e+37, so far outside [-1, 1]"),
     ("clap", image_content(PNG), "is an image, but model 'clap' (clap) takes text and audio"),
     ("clip", pb.Content(), "sets none of text, image, audio"),
 ]
