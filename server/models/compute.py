@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...workers.contract.model_spec import modalities
-from ..api.errors import InvalidInput
+from ..api.errors import BackendError, InvalidInput
 from ..scheduling.batching import MediaItem, WorkItem
 from ..scheduling.scheduler import PendingRequest, Priority
 from .media import Content, media_bytes
@@ -107,9 +107,29 @@ async def run(
             pairs_with=pairs_with,
             priority=priority,
         )
-        return await model.scheduler.run(items, request, priority), costs
+        rows = await model.scheduler.run(items, request, priority)
+        _refuse_non_finite(spec.name, rows, [f"{what}[{i}]" for i in indices])  # before the cache keeps them
+        return rows, costs
 
     return await model.results.resolve(keys, compute_some, stack=not output.ragged, remember=output.remember)
+
+
+def _refuse_non_finite(model_name: str, rows: np.ndarray | list, names: list[str]) -> None:
+    """A row holding NaN or infinity (an overflow in the model: extreme weights, inputs far out of
+    range, a reduced dtype's range) is an error, never an answer: a client would store it as a
+    vector, and REST could not even print it as JSON."""
+    bad = [name for name, row in zip(names, rows, strict=True) if not _finite(row)]
+    if bad:
+        raise BackendError(
+            f"model {model_name} computed non-finite values (NaN or infinity) for {', '.join(bad[:5])}"
+            f"{' and more' if len(bad) > 5 else ''}; refused rather than returned"
+        )
+
+
+def _finite(row) -> bool:
+    """An array, or a tuple of them (a sparse row: indices, weights), with no NaN or infinity."""
+    parts = row if isinstance(row, tuple | list) else (row,)
+    return all(np.asarray(part).dtype.kind != "f" or np.isfinite(part).all() for part in parts)
 
 
 def check_inputs(

@@ -178,19 +178,19 @@ def test_calls_past_the_fronts_limit_are_refused_by_envoy_as_resource_exhausted(
             stub = encoderd_pb2_grpc.EncoderStub(channel)
             long_inputs = [f"passage {i} " + "word " * 60 for i in range(200)]  # seconds of compute on 2 cores
             in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=[f"{n} {t}" for t in long_inputs])) for n in (1, 2)]
-            refusal = None
-            while refusal is None and not any(call.done() for call in in_flight):
-                try:
-                    stub.Embed(pb.EmbedRequest(inputs=["probe"]), timeout=30)  # one of the two not there yet
-                except grpc.RpcError as exc:
-                    refusal = exc
-                time.sleep(0.05)
-            assert refusal is not None, "a long call ended before a probe met the limit"
+            deadline = time.monotonic() + 30
+            while front.stats().get("cluster.encoderd.upstream_rq_active") != 2:  # both inside Envoy
+                assert not any(call.done() for call in in_flight), [call.exception() for call in in_flight]
+                assert time.monotonic() < deadline, front.stats()
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Embed(pb.EmbedRequest(inputs=["probe"]), timeout=30)
+            refusal = caught.value
             assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (refusal.code(), refusal.details())
             assert "limit of calls in flight" in refusal.details()
             assert all(len(call.result(timeout=120).embeddings) == len(long_inputs) for call in in_flight)
             assert len(stub.Embed(pb.EmbedRequest(inputs=["probe"]), timeout=30).embeddings) == 1
-        assert front.stats()["cluster.encoderd.upstream_rq_pending_overflow"] >= 1  # Envoy's refusal, not a host's
+        assert front.stats()["cluster.encoderd.upstream_rq_active_overflow"] >= 1  # Envoy's refusal, not a host's
     finally:
         front.stop()
 
