@@ -252,6 +252,31 @@ def _tls_socket(settings: GatewaySettings) -> str:
 {client_ca}"""
 
 
+def _overflow_reply(max_in_flight: int) -> str:
+    """An HTTP connection manager's local_reply_config: past max_in_flight requests in flight to the
+    server the router refuses at once (response flag UO, circuit breaking); this makes that refusal
+    429 for REST (errors.lua turns it into the JSON error, with Retry-After) and RESOURCE_EXHAUSTED
+    for gRPC, as the server's own queue bound answers, instead of Envoy's bare 503."""
+    message = f"encoderd is overloaded: its limit of {max_in_flight} requests in flight is reached; retry later"
+    return f"""\
+          local_reply_config:
+            mappers:
+            - filter: {{response_flag_filter: {{flags: [UO]}}}}
+              status_code: 429
+              headers_to_add:
+              - header: {{key: grpc-status, value: "8"}}
+                append_action: OVERWRITE_IF_EXISTS_OR_ADD
+              body: {{inline_string: {json.dumps(message)}}}
+"""
+
+
+def _circuit_breakers(max_in_flight: int) -> str:
+    """A cluster's limit of requests in flight (and pending, and connections): --rest-max-in-flight
+    (Envoy's own default is 1,024 of each)."""
+    limit = f"max_requests: {max_in_flight}, max_pending_requests: {max_in_flight}, max_connections: {max_in_flight}"
+    return f"    circuit_breakers:\n      thresholds:\n      - {{priority: DEFAULT, {limit}}}\n"
+
+
 def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
     duration = limits.max_connection_duration_s
     return {
@@ -262,7 +287,8 @@ def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
         "max_connections": limits.max_connections,
         "buffer_bytes": limits.buffer_bytes,
         "max_header_kb": max(1, limits.max_header_bytes // 1024),
-        "max_in_flight": limits.max_in_flight,
+        "overflow_reply": _overflow_reply(limits.max_in_flight),
+        "circuit_breakers": _circuit_breakers(limits.max_in_flight),
     }
 
 
