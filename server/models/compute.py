@@ -108,17 +108,17 @@ async def run(
             priority=priority,
         )
         rows = await model.scheduler.run(items, request, priority)
-        _refuse_non_finite(spec.name, rows, [f"{what}[{i}]" for i in indices])  # before the cache keeps them
+        _refuse_non_finite(spec.name, rows, indices, what)  # before the cache keeps them
         return rows, costs
 
     return await model.results.resolve(keys, compute_some, stack=not output.ragged, remember=output.remember)
 
 
-def _refuse_non_finite(model_name: str, rows: np.ndarray | list, names: list[str]) -> None:
+def _refuse_non_finite(model_name: str, rows: np.ndarray | list, indices: list[int], what: str) -> None:
     """A row holding NaN or infinity (an overflow in the model: extreme weights, inputs far out of
     range, a reduced dtype's range) is an error, never an answer: a client would store it as a
     vector, and REST could not even print it as JSON."""
-    bad = [name for name, row in zip(names, rows, strict=True) if not _finite(row)]
+    bad = [f"{what}[{i}]" for i, row in zip(indices, rows, strict=True) if not _finite(row)]
     if bad:
         raise BackendError(
             f"model {model_name} computed non-finite values (NaN or infinity) for {', '.join(bad[:5])}"

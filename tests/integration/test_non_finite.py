@@ -24,10 +24,7 @@ from encoderd.v1 import encoderd_pb2 as pb
 
 
 def build_overflowing_minilm(minilm: str, out: Path, word: str) -> Path:
-    out.mkdir(parents=True)
-    for item in Path(minilm).iterdir():
-        if item.name != "model.safetensors":
-            (shutil.copytree if item.is_dir() else shutil.copy)(item, out / item.name)
+    shutil.copytree(minilm, out, ignore=shutil.ignore_patterns("model.safetensors"))  # written below
     token = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(word)  # a whole word piece
     weights = load_file(str(Path(minilm) / "model.safetensors"))
     weights["embeddings.word_embeddings.weight"][token] = 1e38
