@@ -117,6 +117,34 @@ def test_openai_sdk_single_string_and_dimensions(openai_client, st_vectors):
     np.testing.assert_allclose(np.array([d.embedding for d in short.data]), want, atol=1e-5)
 
 
+def test_native_grpc_on_the_rest_port_is_passed_through_as_it_streams(rest_server, stub):
+    """A gRPC client pointed at the REST port: unary calls answer as on the gRPC port, and an
+    EmbedStream that sends each input only after the previous answer is served. Envoy's body
+    buffer used to hold such a stream until the client half-closed: it hung to its deadline."""
+    import queue
+
+    import grpc
+
+    from encoderd.v1 import encoderd_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{rest_server.rest_port}") as channel:
+        via_rest_port = encoderd_pb2_grpc.EncoderStub(channel)
+        request = pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=TEXTS[:4])
+        got = via_rest_port.Embed(request, timeout=30)
+        want = stub.Embed(request, timeout=30)
+        np.testing.assert_allclose([e.values for e in got.embeddings], [e.values for e in want.embeddings], atol=1e-6)
+
+        outbox: queue.Queue = queue.Queue()
+        outbox.put(pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="0", input=TEXTS[0]))
+        answers = []
+        for answer in via_rest_port.EmbedStream(iter(outbox.get, None), timeout=30):
+            answers.append(answer)
+            following = len(answers)
+            outbox.put(pb.EmbedStreamRequest(id=str(following), input=TEXTS[following]) if following < 4 else None)
+        assert [a.id for a in answers] == ["0", "1", "2", "3"]
+        np.testing.assert_allclose([a.embedding.values for a in answers], [e.values for e in want.embeddings], atol=1e-6)
+
+
 def test_token_id_inputs_equal_text_inputs(http, st_vectors):
     tokenized = http.post("/v1/tokenize", json={"model": DEFAULT_MODEL_NAME, "inputs": TEXTS[:3]}).json()
     ids = [r["ids"] for r in tokenized["results"]]
