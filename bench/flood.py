@@ -2,7 +2,7 @@
 many clients keep a small queue bound (`--max-queued-inputs`) overflowing.
 
     python -m encoderd.bench.flood [--clients 640] [--seconds 20] [--own-connections] [--compare-ref REF]
-                                   [--front MAX_REQUESTS] [--flood-nice N]
+                                   [--front MAX_REQUESTS] [--gateway MAX_IN_FLIGHT] [--flood-nice N]
 
 It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
 exported to a temporary folder) and, for each server in turn:
@@ -18,6 +18,9 @@ going through the shipped gRPC front (deploy/envoy/front.yaml, its limit of call
 set to N): Envoy refuses past N itself, and the server sees at most N calls at a time. The
 front runs one Envoy worker thread (--front-workers): on one small host it shares the cores
 with the server, the flood and the probe.
+With --gateway N, each server is also measured through its own REST gateway's port (the Envoy
+`encoderd serve` starts, `--rest-max-in-flight N`), which passes native gRPC through: the same
+refusal before Python, with nothing to deploy.
 --flood-nice N runs the flood's process N nicer, as clients on other machines would not take
 the server's cores (on one small host they do).
 Phases alternate between the servers (ref, this, ref, this), so both see the same machine load.
@@ -161,14 +164,22 @@ def export_ref(ref: str) -> Path:
     return root
 
 
-def start_server(label: str, pythonpath: str | None, serve_args: list[str], logs: Path) -> tuple[Managed, str]:
-    port = free_port()
-    argv = [*serve_command(pythonpath), "--no-rest", "--grpc-port", str(port), *serve_args]
+def start_server(
+    label: str, pythonpath: str | None, serve_args: list[str], logs: Path, gateway_limit: int | None = None
+) -> tuple[Managed, str, str | None]:
+    """The server, its gRPC address and, with `gateway_limit`, its REST gateway's address."""
+    port, rest_port = free_port(), free_port() if gateway_limit else 0
+    rest = ["--rest-port", str(rest_port), "--rest-max-in-flight", str(gateway_limit)] if rest_port else ["--no-rest"]
+    argv = [*serve_command(pythonpath), *rest, "--grpc-port", str(port), *serve_args]
     env = {"PYTHONPATH": pythonpath} if pythonpath else {}
     server = Managed(label, argv, logs / f"{label}.log", env=env, cwd=pythonpath or None).start()
     address = f"127.0.0.1:{port}"
     wait_until(lambda: grpc_serving(address), label, server, timeout=300)
-    return server, address
+    if not rest_port:
+        return server, address, None
+    gateway = f"127.0.0.1:{rest_port}"
+    wait_until(lambda: grpc_serving(gateway), f"{label} gateway", server, timeout=60)
+    return server, address, gateway
 
 
 def start_front(address: str, max_requests: int, workers: int, logs: Path, label: str) -> tuple[Managed, str]:
@@ -213,6 +224,12 @@ def main(argv=None) -> int:
         help="go through the shipped gRPC front (deploy/envoy/front.yaml) with this limit of calls in flight",
     )
     parser.add_argument(
+        "--gateway",
+        type=int,
+        metavar="MAX_IN_FLIGHT",
+        help="also go through the server's own REST gateway port, with --rest-max-in-flight this",
+    )
+    parser.add_argument(
         "--front-workers",
         type=int,
         default=1,
@@ -237,10 +254,12 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for label, path in reversed(servers):  # the reference first
             name = label.replace(" ", "-")
-            server, address = start_server(name, path, serve_args, logs)
+            server, address, gateway = start_server(name, path, serve_args, logs, args.gateway)
             front = None
             try:
                 targets = [(label, address)]
+                if gateway:
+                    targets.append((f"{label} + gateway", gateway))
                 if args.front:  # the same server, direct and through the front
                     front, front_address = start_front(address, args.front, args.front_workers, logs, name)
                     targets.append((f"{label} + front", front_address))

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -142,7 +143,8 @@ def test_native_grpc_on_the_rest_port_is_passed_through_as_it_streams(rest_serve
             following = len(answers)
             outbox.put(pb.EmbedStreamRequest(id=str(following), input=TEXTS[following]) if following < 4 else None)
         assert [a.id for a in answers] == ["0", "1", "2", "3"]
-        np.testing.assert_allclose([a.embedding.values for a in answers], [e.values for e in want.embeddings], atol=1e-6)
+        streamed = [a.embedding.values for a in answers]
+        np.testing.assert_allclose(streamed, [e.values for e in want.embeddings], atol=1e-6)
 
 
 def test_token_id_inputs_equal_text_inputs(http, st_vectors):
@@ -384,7 +386,21 @@ def _exe(pid: int) -> str:
         return ""
 
 
+def _envoy_workers(pid: int) -> int:
+    """Envoy's worker threads (it names them wrk:worker_N)."""
+    names = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            names.append(Path(f"/proc/{pid}/task/{task}/comm").read_text())
+        except OSError:
+            continue
+    return sum(name.startswith("wrk:worker_") for name in names)
+
+
 def test_health_is_503_while_loading_and_envoy_dies_with_a_killed_server(tmp_path):
+    from encoderd.gateway.process import envoy_workers
+    from encoderd.workers.contract.hardware import cpu_budget
+
     proc = ServerProcess(rest=True, log_path=tmp_path / "server.log").launch()
     try:
         deadline = time.monotonic() + 60
@@ -395,6 +411,8 @@ def test_health_is_503_while_loading_and_envoy_dies_with_a_killed_server(tmp_pat
         _assert_openai_error(response, 503, "unavailable")
         envoys = [p for p in _children(proc.proc.pid) if _exe(p).endswith("envoy")]
         assert len(envoys) == 1, proc.log_text()
+        # Envoy's worker threads: as many as the gateway chose for the usable cores (its own default: all)
+        assert _envoy_workers(envoys[0]) == envoy_workers(cpu_budget().usable)
         deadline = time.monotonic() + 10  # logged once the server has seen Envoy listen, a moment later
         while "REST gateway: Envoy" not in proc.log_text() and time.monotonic() < deadline:
             time.sleep(0.05)
