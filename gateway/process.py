@@ -50,8 +50,9 @@ def envoy_workers(usable_cores: int) -> int:
     Envoy's own default is one per core it may run on, blind to the cgroup quota (64 threads in a
     2-CPU container on a 64-core host), and it shares the cores with the workers, which use them
     all. On 2 cores, under a flood of 640 connections (`python -m encoderd.bench.flood --gateway 64
-    --own-connections`), one thread refused in p50 47-53 ms / p99 182-206 ms against 85-92 ms /
-    0.8-1.2 s for two; a single REST query's p50 moved by under 0.5 ms."""
+    --own-connections`, measured while gRPC calls still ran the REST filters), one thread refused
+    in p50 47-53 ms / p99 182-206 ms against 85-92 ms / 0.8-1.2 s for two; a single REST query's
+    p50 moved by under 0.5 ms."""
     return max(1, usable_cores // 2)
 
 

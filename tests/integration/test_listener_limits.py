@@ -13,6 +13,7 @@ import select
 import socket
 import time
 
+import grpc
 import httpx
 import pytest
 from support.server import ServerProcess
@@ -128,6 +129,16 @@ def test_headers_over_the_limit_get_431(limited):
     assert response.status_code == 431
 
 
+def _native_grpc_probe(rest_port: int) -> grpc.RpcError | None:
+    """A gRPC Embed sent to the REST port: its error, None if it was served."""
+    with grpc.insecure_channel(f"127.0.0.1:{rest_port}") as channel:
+        try:
+            EncoderStub(channel).Embed(pb.EmbedRequest(model="m", inputs=["grpc probe"]), timeout=30)
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
 def test_requests_past_the_in_flight_limit_get_429_from_envoy(limited):
     """Envoy answers past --rest-max-in-flight itself (429, the JSON error, Retry-After), where
     the server's own refusal would wait behind every call already sent to it; the calls in flight
@@ -140,13 +151,21 @@ def test_requests_past_the_in_flight_limit_get_429_from_envoy(limited):
 
     with concurrent.futures.ThreadPoolExecutor(MAX_IN_FLIGHT) as pool:
         long_calls = [pool.submit(long_call, n) for n in range(MAX_IN_FLIGHT)]
+        time.sleep(0.3)  # most often they are in flight by now (a probe sent first gets one refused)
         refusals = []
         while not refusals and not all(call.done() for call in long_calls):
             probe = httpx.post(url, json={"model": "m", "input": ["probe"]}, timeout=30)
             if probe.status_code != 200:  # 200: a long call was not in flight yet
                 refusals.append(probe)
             time.sleep(0.05)
+        # A refused probe saw both long calls in flight: native gRPC sent to this port meanwhile
+        # is refused by Envoy too, as RESOURCE_EXHAUSTED.
+        grpc_probe = _native_grpc_probe(limited.rest_port) if refusals else None
+        both_still_in_flight = not any(call.done() for call in long_calls)
         answers = [call.result() for call in long_calls]
+    if grpc_probe is not None and both_still_in_flight:
+        assert grpc_probe.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, grpc_probe
+        assert f"limit of {MAX_IN_FLIGHT} requests in flight" in grpc_probe.details(), grpc_probe.details()
     # A probe may reach Envoy before the last long call does: that call is then the one refused.
     refusals += [a for a in answers if a.status_code != 200]
     assert refusals, "no call was refused while the long ones were in flight"
