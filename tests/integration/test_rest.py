@@ -7,18 +7,23 @@ from __future__ import annotations
 import base64
 import concurrent.futures as cf
 import os
+import queue
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 from support.corpus import sentences
 from support.server import ServerProcess
 
+from encoderd.gateway.process import envoy_workers
 from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.v1 import encoderd_pb2_grpc
+from encoderd.workers.contract.hardware import cpu_budget
 from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 
 TEXTS = sentences(24, max_words=80, seed=3)
@@ -122,12 +127,6 @@ def test_native_grpc_on_the_rest_port_is_passed_through_as_it_streams(rest_serve
     """A gRPC client pointed at the REST port: unary calls answer as on the gRPC port, and an
     EmbedStream that sends each input only after the previous answer is served. Envoy's body
     buffer used to hold such a stream until the client half-closed: it hung to its deadline."""
-    import queue
-
-    import grpc
-
-    from encoderd.v1 import encoderd_pb2_grpc
-
     with grpc.insecure_channel(f"127.0.0.1:{rest_server.rest_port}") as channel:
         via_rest_port = encoderd_pb2_grpc.EncoderStub(channel)
         request = pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=TEXTS[:4])
@@ -398,9 +397,6 @@ def _envoy_workers(pid: int) -> int:
 
 
 def test_health_is_503_while_loading_and_envoy_dies_with_a_killed_server(tmp_path):
-    from encoderd.gateway.process import envoy_workers
-    from encoderd.workers.contract.hardware import cpu_budget
-
     proc = ServerProcess(rest=True, log_path=tmp_path / "server.log").launch()
     try:
         deadline = time.monotonic() + 60
@@ -464,7 +460,6 @@ async def test_authorization_reaches_grpc_metadata():
     a stand-in upstream echoes what it received."""
     import json
 
-    import grpc
     from google.api import httpbody_pb2
     from support.server import free_port
 
