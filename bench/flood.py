@@ -21,6 +21,8 @@ with the server, the flood and the probe.
 With --gateway N, each server is also measured through its own REST gateway's port (the Envoy
 `encoderd serve` starts, `--rest-max-in-flight N`), which passes native gRPC through: the same
 refusal before Python, with nothing to deploy.
+The report counts the probe's refusals that Envoy answered itself ("by Envoy", with their p99):
+the others passed its limit and the server refused them.
 --flood-nice N runs the flood's process N nicer, as clients on other machines would not take
 the server's cores (on one small host they do).
 Phases alternate between the servers (ref, this, ref, this), so both see the same machine load.
@@ -87,10 +89,16 @@ def _flood_process(address: str, clients: int, seconds: float, own_connections: 
     out.put(counts)
 
 
-def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float], dict[str, int]]:
-    """(refusal latencies, served latencies, other answers by status) of one-input calls sent
-    every `pause` seconds."""
+# What both Envoys say when they refuse past their limit of calls in flight (gateway/envoy.py,
+# deploy/envoy/front.yaml); the server's own refusals name its queue bound instead.
+ENVOY_REFUSAL = "in flight is reached"
+
+
+def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float], list[float], dict[str, int]]:
+    """(refusal latencies, those of the refusals Envoy answered, served latencies, other answers by
+    status) of one-input calls sent every `pause` seconds."""
     refused: list[float] = []
+    by_envoy: list[float] = []
     served: list[float] = []
     other: dict[str, int] = {}
     deadline = time.monotonic() + seconds
@@ -104,10 +112,12 @@ def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float]
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 refused.append(time.perf_counter() - started)
+                if ENVOY_REFUSAL in (exc.details() or ""):
+                    by_envoy.append(refused[-1])
             else:
                 other[exc.code().name] = other.get(exc.code().name, 0) + 1
         time.sleep(pause)
-    return refused, served, other
+    return refused, by_envoy, served, other
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -117,7 +127,7 @@ def _pct(values: list[float], q: float) -> float | None:
 def measure(address: str, clients: int, seconds: float, own_connections: bool = False, flood_nice: int = 0) -> dict:
     channel = grpc.insecure_channel(address)
     stub = encoderd_pb2_grpc.EncoderStub(channel)
-    _, idle, _ = _probe(stub, 3, 0.02)
+    _, _, idle, _ = _probe(stub, 3, 0.02)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     flood = ctx.Process(
@@ -125,7 +135,7 @@ def measure(address: str, clients: int, seconds: float, own_connections: bool = 
     )
     flood.start()
     time.sleep(5)  # the flood's connections open and the queue fills
-    refused, served, other = _probe(stub, seconds, 0.02)
+    refused, by_envoy, served, other = _probe(stub, seconds, 0.02)
     counts = out.get(timeout=seconds + 120)
     flood.join(30)
     channel.close()
@@ -139,6 +149,8 @@ def measure(address: str, clients: int, seconds: float, own_connections: bool = 
         "refusal_p50_ms": _pct(refused, 50),
         "refusal_p99_ms": _pct(refused, 99),
         "refusal_max_ms": _pct(refused, 100),
+        "by_envoy": len(by_envoy),  # the rest passed Envoy's limit and the server refused them
+        "by_envoy_p99_ms": _pct(by_envoy, 99),
         "flood": counts,
     }
 
@@ -197,14 +209,16 @@ def start_front(address: str, max_requests: int, workers: int, logs: Path, label
 def report(rows: list[dict]) -> None:
     print(
         f"{'server':<22} {'idle p50':>8} {'idle p99':>8} {'refused':>7} {'served':>6} {'served p50':>10} "
-        f"{'refusal p50':>11} {'refusal p99':>11} {'max':>7}  probe's other answers; flood counts"
+        f"{'refusal p50':>11} {'refusal p99':>11} {'max':>7} {'by Envoy':>8} {'its p99':>7}  "
+        "probe's other answers; flood counts"
     )
     for r in rows:
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         print(
             f"{r['server']:<22} {f(r['idle_p50_ms']):>8} {f(r['idle_p99_ms']):>8} {r['refused']:>7} "
             f"{r['served']:>6} {f(r['served_p50_ms']):>10} {f(r['refusal_p50_ms']):>11} "
-            f"{f(r['refusal_p99_ms']):>11} {f(r['refusal_max_ms']):>7}  {r['probe_other'] or '-'}; {r['flood']}"
+            f"{f(r['refusal_p99_ms']):>11} {f(r['refusal_max_ms']):>7} {r['by_envoy']:>8} "
+            f"{f(r['by_envoy_p99_ms']):>7}  {r['probe_other'] or '-'}; {r['flood']}"
         )
 
 
