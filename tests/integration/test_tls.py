@@ -94,6 +94,9 @@ def test_grpc_over_tls_serves_and_plaintext_is_refused(servers, pki):
     with EncoderClient(tls.address, credentials=tls_credentials(root_certs=pki.ca)) as client:
         vectors = client.embed(["over TLS"], model="m").vectors
     assert vectors.shape == (1, 384)
+    # The REST port takes native gRPC too, over its own TLS (ALPN h2), with the same answer.
+    with EncoderClient(f"127.0.0.1:{tls.rest_port}", credentials=tls_credentials(root_certs=pki.ca)) as client:
+        np.testing.assert_allclose(client.embed(["over TLS"], model="m").vectors, vectors, atol=1e-6)
     assert _refused(grpc.insecure_channel(tls.address)) == grpc.StatusCode.UNAVAILABLE
     # A client that trusts another CA does not accept this server.
     assert _refused(grpc.secure_channel(tls.address, tls_credentials(pki.other_ca))) == grpc.StatusCode.UNAVAILABLE
