@@ -18,9 +18,11 @@ going through the shipped gRPC front (deploy/envoy/front.yaml, its limit of call
 set to N): Envoy refuses past N itself, and the server sees at most N calls at a time. The
 front runs one Envoy worker thread (--front-workers): on one small host it shares the cores
 with the server, the flood and the probe.
-With --gateway N, each server is also measured through its own REST gateway's port (the Envoy
-`encoderd serve` starts, `--rest-max-in-flight N`), which passes native gRPC through: the same
-refusal before Python, with nothing to deploy.
+Without --gateway each server runs with --no-rest: its gRPC port is the Python server's own.
+With --gateway N, each server is also started as `encoderd serve` runs by default, REST on: its
+own Envoy holds the gRPC port and passes calls to the server (`--rest-max-in-flight N`), the
+same refusal before Python as the front's, with nothing to deploy (a ref from before that
+layout has its Python server on the gRPC port either way).
 The report counts the probe's refusals that Envoy answered itself ("by Envoy", with their p99):
 the others passed its limit and the server refused them.
 --flood-nice N runs the flood's process N nicer, as clients on other machines would not take
@@ -177,21 +179,18 @@ def export_ref(ref: str) -> Path:
 
 
 def start_server(
-    label: str, pythonpath: str | None, serve_args: list[str], logs: Path, gateway_limit: int | None = None
-) -> tuple[Managed, str, str | None]:
-    """The server, its gRPC address and, with `gateway_limit`, its REST gateway's address."""
-    port, rest_port = free_port(), free_port() if gateway_limit else 0
-    rest = ["--rest-port", str(rest_port), "--rest-max-in-flight", str(gateway_limit)] if rest_port else ["--no-rest"]
+    label: str, pythonpath: str | None, serve_args: list[str], logs: Path, envoy_limit: int | None = None
+) -> tuple[Managed, str]:
+    """The server and its gRPC address: with `envoy_limit`, as `encoderd serve` runs by default (its
+    Envoy on the gRPC port, --rest-max-in-flight this); without, --no-rest (the server's own port)."""
+    port = free_port()
+    rest = ["--rest-port", str(free_port()), "--rest-max-in-flight", str(envoy_limit)] if envoy_limit else ["--no-rest"]
     argv = [*serve_command(pythonpath), *rest, "--grpc-port", str(port), *serve_args]
     env = {"PYTHONPATH": pythonpath} if pythonpath else {}
     server = Managed(label, argv, logs / f"{label}.log", env=env, cwd=pythonpath or None).start()
     address = f"127.0.0.1:{port}"
     wait_until(lambda: grpc_serving(address), label, server, timeout=300)
-    if not rest_port:
-        return server, address, None
-    gateway = f"127.0.0.1:{rest_port}"
-    wait_until(lambda: grpc_serving(gateway), f"{label} gateway", server, timeout=60)
-    return server, address, gateway
+    return server, address
 
 
 def start_front(address: str, max_requests: int, workers: int, logs: Path, label: str) -> tuple[Managed, str]:
@@ -222,6 +221,29 @@ def report(rows: list[dict]) -> None:
         )
 
 
+def _flood_one_server(args, label: str, path: str | None, serve_args: list[str], logs: Path, envoy_limit) -> list[dict]:
+    """One server started, measured on each way in (its gRPC port; through the front), stopped."""
+    name = label.replace(" ", "-") + ("-envoy" if envoy_limit else "")
+    server, address = start_server(name, path, serve_args, logs, envoy_limit)
+    front = None
+    rows = []
+    try:
+        targets = [(f"{label} + Envoy" if envoy_limit else label, address)]
+        if args.front and not envoy_limit:  # the same server, direct and through the front
+            front, front_address = start_front(address, args.front, args.front_workers, logs, name)
+            targets.append((f"{label} + front", front_address))
+        for target, at in targets:
+            how = "own connections" if args.own_connections else "one shared connection"
+            print(f"[flood] {target}: {args.clients} clients, {how}, {args.seconds:g}s", file=sys.stderr)
+            row = measure(at, args.clients, args.seconds, args.own_connections, args.flood_nice)
+            rows.append({"server": target, **row})
+    finally:
+        if front:
+            front.stop()
+        server.stop()
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=640, help="flood clients (default: %(default)s)")
@@ -241,7 +263,8 @@ def main(argv=None) -> int:
         "--gateway",
         type=int,
         metavar="MAX_IN_FLIGHT",
-        help="also go through the server's own REST gateway port, with --rest-max-in-flight this",
+        help="also measure the default layout (REST on: the server's Envoy holds its gRPC port), "
+        "with --rest-max-in-flight this",
     )
     parser.add_argument(
         "--front-workers",
@@ -267,25 +290,8 @@ def main(argv=None) -> int:
     rows = []
     for _ in range(args.rounds):
         for label, path in reversed(servers):  # the reference first
-            name = label.replace(" ", "-")
-            server, address, gateway = start_server(name, path, serve_args, logs, args.gateway)
-            front = None
-            try:
-                targets = [(label, address)]
-                if gateway:
-                    targets.append((f"{label} + gateway", gateway))
-                if args.front:  # the same server, direct and through the front
-                    front, front_address = start_front(address, args.front, args.front_workers, logs, name)
-                    targets.append((f"{label} + front", front_address))
-                for target, at in targets:
-                    how = "own connections" if args.own_connections else "one shared connection"
-                    print(f"[flood] {target}: {args.clients} clients, {how}, {args.seconds:g}s", file=sys.stderr)
-                    row = measure(at, args.clients, args.seconds, args.own_connections, args.flood_nice)
-                    rows.append({"server": target, **row})
-            finally:
-                if front:
-                    front.stop()
-                server.stop()
+            for envoy_limit in (None, args.gateway) if args.gateway else (None,):
+                rows += _flood_one_server(args, label, path, serve_args, logs, envoy_limit)
     report(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

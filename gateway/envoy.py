@@ -81,6 +81,9 @@ class GatewaySettings:
     tls_cert: str = ""  # PEM certificate chain and key: REST over HTTPS; "" = plain HTTP
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    # A public gRPC listener in front of the server (`encoderd serve`'s --grpc-port); 0 = none.
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 0
 
 
 def build_descriptor(out: Path) -> Path:
@@ -305,6 +308,23 @@ def _docs_page() -> str:
     return json.dumps(render(document()))
 
 
+def _grpc_listener(settings: GatewaySettings) -> str:
+    """The public gRPC listener (gateway/grpc_listener.yaml), or "" when there is none."""
+    if not settings.grpc_port:
+        return ""
+    not_grpc = (
+        f"this is encoderd's gRPC port: it takes gRPC calls only (content-type application/grpc); "
+        f"REST is on port {settings.rest_port}\n"
+    )
+    return Template((HERE / "grpc_listener.yaml").read_text()).substitute(
+        grpc_host=settings.grpc_host,
+        grpc_port=settings.grpc_port,
+        not_grpc=json.dumps(not_grpc),
+        tls=_tls_socket(settings),
+        **_limit_fields(settings.limits),
+    )
+
+
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     settings.limits.check()
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
@@ -337,6 +357,7 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
         max_response_bytes=settings.max_response_bytes,
         timeout=f"{settings.timeout_s:g}s",
         tls=_tls_socket(settings),
+        grpc_listener=_grpc_listener(settings),
         **_limit_fields(settings.limits),
     )
 

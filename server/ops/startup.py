@@ -37,3 +37,11 @@ def _check_free(host: str, port: int, flag: str) -> None:
                 f"cannot listen on {host}:{port} ({flag}): {exc.strerror}; stop what holds the "
                 f"port or choose another with {flag}"
             ) from None
+
+
+def any_free_port(host: str) -> int:
+    """A port free on `host` now, for a listener another process binds (--grpc-port 0 behind Envoy)."""
+    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind(address)
+        return probe.getsockname()[1]

@@ -54,6 +54,7 @@ class Supervisor(Generic[T]):
         on_exit: Callable[[], Awaitable[None]] | None = None,
         exit_detail: Callable[[], str] = lambda: "",
         giving_up: str = "",
+        on_give_up: Callable[[], None] | None = None,
         logger: logging.Logger = log,
     ):
         self.name = name  # as log lines name the child: "worker a@cpu", "Envoy"
@@ -65,6 +66,7 @@ class Supervisor(Generic[T]):
         self._on_exit = on_exit  # clean-up after a death, before any restart
         self._exit_detail = exit_detail  # appended to the death line
         self._giving_up = giving_up  # what giving up leaves broken, for the last line
+        self._on_give_up = on_give_up  # what the owner does then (a server whose Envoy held gRPC stops)
         self._log = logger  # the child's own, so its lines read as before
         self.restarts = 0  # deaths seen
         self.gave_up = False
@@ -134,3 +136,5 @@ class Supervisor(Generic[T]):
             self.policy.healthy_after,
             self._giving_up or f"{self.name} stays down",
         )
+        if self._on_give_up:
+            self._on_give_up()

@@ -20,7 +20,7 @@ import pytest
 from support.corpus import sentences
 from support.server import ServerProcess
 
-from encoderd.gateway.process import envoy_workers
+from encoderd.gateway.process import envoy_workers, listens_on
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
 from encoderd.workers.contract.hardware import cpu_budget
@@ -409,10 +409,14 @@ def test_health_is_503_while_loading_and_envoy_dies_with_a_killed_server(tmp_pat
         assert len(envoys) == 1, proc.log_text()
         # Envoy's worker threads: as many as the gateway chose for the usable cores (its own default: all)
         assert _envoy_workers(envoys[0]) == envoy_workers(cpu_budget().usable)
+        # Envoy holds the gRPC port too (REST on, no --grpc-direct); the server only its private socket.
+        assert listens_on(envoys[0], proc.grpc_port) and not listens_on(proc.proc.pid, proc.grpc_port)
+        not_grpc = httpx.get(f"http://127.0.0.1:{proc.grpc_port}/v1/models")
+        assert not_grpc.status_code == 415 and f"REST is on port {proc.rest_port}" in not_grpc.text
         deadline = time.monotonic() + 10  # logged once the server has seen Envoy listen, a moment later
-        while "REST gateway: Envoy" not in proc.log_text() and time.monotonic() < deadline:
+        while "gateway: Envoy" not in proc.log_text() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert "REST gateway: Envoy" in proc.log_text()
+        assert "gateway: Envoy" in proc.log_text()
         children = _children(proc.proc.pid)
         os.kill(proc.proc.pid, signal.SIGKILL)  # no chance to clean up
         deadline = time.monotonic() + 10

@@ -1,7 +1,7 @@
-"""TLS and mutual TLS on both listeners (issue 16): gRPC (grpc.ssl_server_credentials) and REST
-(Envoy's DownstreamTlsContext). Two real servers on loopback, one with TLS, one with client
-certificates required, on certificates this module makes (support/certs.py); bad files stop the
-start in one line."""
+"""TLS and mutual TLS on both listeners (issue 16). Two real servers on loopback, on certificates
+this module makes (support/certs.py): one with TLS, its Envoy holding both ports (the default;
+Envoy's DownstreamTlsContext), one with client certificates required and --grpc-direct (gRPC
+from the server itself: grpc.ssl_server_credentials). Bad files stop the start in one line."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from support.certs import make_pki
 from support.server import ServerProcess
 
 from encoderd.clients import EncoderClient, Unavailable, tls_credentials
+from encoderd.gateway.process import listens_on
 
 HANDSHAKE_TIMEOUT = 1.0  # --rest-header-timeout bounds the TLS handshake too
 
@@ -66,6 +67,7 @@ def servers(pki, tmp_path_factory, minilm_path):
         str(pki.server_key),
         "--tls-client-ca",
         str(pki.ca),
+        "--grpc-direct",
         rest=True,
         log_path=logs / "mtls.log",
         credentials=tls_credentials(pki.ca, pki.client_cert, pki.client_key),
@@ -91,6 +93,7 @@ def _refused(channel: grpc.Channel) -> grpc.StatusCode:
 
 def test_grpc_over_tls_serves_and_plaintext_is_refused(servers, pki):
     tls, _ = servers
+    assert listens_on(tls.envoy_pid(), tls.grpc_port)  # Envoy's TLS, not the server's
     with EncoderClient(tls.address, credentials=tls_credentials(root_certs=pki.ca)) as client:
         vectors = client.embed(["over TLS"], model="m").vectors
     assert vectors.shape == (1, 384)
@@ -133,6 +136,7 @@ def test_a_stalled_tls_handshake_is_cut_off_at_the_header_timeout(servers):
 
 def test_mutual_tls_serves_a_client_certificate_and_refuses_none(servers, pki):
     _, mutual = servers
+    assert listens_on(mutual.proc.pid, mutual.grpc_port)  # --grpc-direct: the server's own TLS
     with EncoderClient(mutual.address, credentials=tls_credentials(pki.ca, pki.client_cert, pki.client_key)) as client:
         assert client.embed(["with a client certificate"], model="m").vectors.shape == (1, 384)
     with (
