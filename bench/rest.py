@@ -1,6 +1,6 @@
 """REST-through-Envoy next to direct gRPC, in one run, on loopback.
 
-    python -m encoderd.bench.rest                      # starts its own server (bundled MiniLM)
+    python -m encoderd.bench.rest                      # starts its own server (bundled MiniLM, --grpc-direct)
     python -m encoderd.bench.rest --grpc 127.0.0.1:50051 --rest http://127.0.0.1:7997
 
 For each batch size (inputs per request) it runs, one after the other, for
@@ -204,6 +204,7 @@ def _start_server(args) -> subprocess.Popen:
         str(grpc_port),
         "--rest-port",
         str(rest_port),
+        "--grpc-direct",  # the baseline is the server's own gRPC port, not gRPC through the same Envoy
         "--log-level",
         "WARNING",
         *args.serve_args,

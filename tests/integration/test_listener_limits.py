@@ -1,8 +1,9 @@
-"""Issue 16, finding 8: slow and idle REST clients are cut off by Envoy's listener limits, and a
-client that vanishes mid-call leaves one WARNING line (method, request id), never an ERROR or a
-traceback. Finding 2 for REST: past --rest-max-in-flight, Envoy refuses (429) itself. One real
-server (REST through its Envoy child) with small limits; raw sockets and real gRPC clients on
-loopback."""
+"""Issue 16, finding 8: slow and idle clients are cut off by Envoy's listener limits, on the REST
+port and on the gRPC port (Envoy holds both by default), and a client that vanishes mid-call
+leaves one WARNING line (method, request id), never an ERROR or a traceback. Finding 2: past
+--rest-max-in-flight, Envoy refuses itself (429 for REST, RESOURCE_EXHAUSTED for gRPC on either
+port). One real server (REST and gRPC through its Envoy child) with small limits; raw sockets and
+real gRPC clients on loopback."""
 
 from __future__ import annotations
 
@@ -68,18 +69,23 @@ def _closed(sock: socket.socket, wait: float) -> tuple[bool, bytes]:
     return False, received
 
 
-def _connect(server) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", server.rest_port), timeout=5)
+def _connect(server, port: str = "rest") -> socket.socket:
+    """A raw connection to the server's REST port or ("grpc") its gRPC port."""
+    return socket.create_connection(("127.0.0.1", getattr(server, f"{port}_port")), timeout=5)
 
 
-def test_headers_trickled_one_byte_at_a_time_are_cut_off_at_the_header_timeout(limited):
+PORTS = pytest.mark.parametrize("port", ["rest", "grpc"])
+
+
+@PORTS
+def test_headers_trickled_one_byte_at_a_time_are_cut_off_at_the_header_timeout(limited, port):
     request = (
         b"POST /v1/embeddings HTTP/1.1\r\nHost: encoderd\r\nContent-Type: application/json\r\n"
         + b"X-Padding: "
         + b"a" * 400
         + b"\r\n\r\n"
     )
-    with _connect(limited) as sock:
+    with _connect(limited, port) as sock:
         started = time.monotonic()
         closed, answer, sent = False, b"", 0
         while not closed and sent < len(request):
@@ -96,8 +102,9 @@ def test_headers_trickled_one_byte_at_a_time_are_cut_off_at_the_header_timeout(l
     assert not answer or answer.startswith(b"HTTP/1.1 408"), answer[:200]
 
 
-def test_a_connection_that_sends_nothing_is_closed_at_the_idle_timeout(limited):
-    with _connect(limited) as sock:
+@PORTS
+def test_a_connection_that_sends_nothing_is_closed_at_the_idle_timeout(limited, port):
+    with _connect(limited, port) as sock:
         started = time.monotonic()
         closed, _ = _closed(sock, IDLE_TIMEOUT + MARGIN)
         elapsed = time.monotonic() - started
@@ -129,9 +136,9 @@ def test_headers_over_the_limit_get_431(limited):
     assert response.status_code == 431
 
 
-def _native_grpc_probe(rest_port: int) -> grpc.RpcError | None:
-    """A gRPC Embed sent to the REST port: its error, None if it was served."""
-    with grpc.insecure_channel(f"127.0.0.1:{rest_port}") as channel:
+def _native_grpc_probe(port: int) -> grpc.RpcError | None:
+    """A gRPC Embed sent to `port`: its error, None if it was served."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         try:
             EncoderStub(channel).Embed(pb.EmbedRequest(model="m", inputs=["grpc probe"]), timeout=30)
         except grpc.RpcError as exc:
@@ -158,14 +165,15 @@ def test_requests_past_the_in_flight_limit_get_429_from_envoy(limited):
             if probe.status_code != 200:  # 200: a long call was not in flight yet
                 refusals.append(probe)
             time.sleep(0.05)
-        # A refused probe saw both long calls in flight: native gRPC sent to this port meanwhile
-        # is refused by Envoy too, as RESOURCE_EXHAUSTED.
-        grpc_probe = _native_grpc_probe(limited.rest_port) if refusals else None
+        # A refused probe saw both long calls in flight: gRPC sent meanwhile, to the gRPC port or
+        # to this one, is refused by Envoy too, as RESOURCE_EXHAUSTED.
+        grpc_probes = [_native_grpc_probe(port) for port in (limited.grpc_port, limited.rest_port)] if refusals else []
         both_still_in_flight = not any(call.done() for call in long_calls)
         answers = [call.result() for call in long_calls]
-    if grpc_probe is not None and both_still_in_flight:
-        assert grpc_probe.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, grpc_probe
-        assert f"limit of {MAX_IN_FLIGHT} requests in flight" in grpc_probe.details(), grpc_probe.details()
+    if grpc_probes and both_still_in_flight:
+        for grpc_probe in grpc_probes:
+            assert grpc_probe is not None and grpc_probe.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, grpc_probe
+            assert f"limit of {MAX_IN_FLIGHT} requests in flight" in grpc_probe.details(), grpc_probe.details()
     # A probe may reach Envoy before the last long call does: that call is then the one refused.
     refusals += [a for a in answers if a.status_code != 200]
     assert refusals, "no call was refused while the long ones were in flight"
