@@ -1,0 +1,47 @@
+"""The Envoy config encoderd renders (gateway/envoy.py), read back as data: what each listener
+does with gRPC. Envoy itself runs in the integration tests; these pin what a run cannot show in
+reasonable time."""
+
+from __future__ import annotations
+
+import yaml
+
+from encoderd.gateway.envoy import GatewaySettings, render
+
+
+def _listeners(tmp_path, **settings) -> dict[str, dict]:
+    config = yaml.safe_load(render(tmp_path, GatewaySettings(**settings)).read_text())
+    return {listener["name"]: listener for listener in config["static_resources"]["listeners"]}
+
+
+def _routes(listener: dict) -> list[dict]:
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return [route for host in manager["route_config"]["virtual_hosts"] for route in host["routes"]]
+
+
+def test_grpc_routes_have_neither_a_timeout_nor_a_stream_idle_timeout(tmp_path):
+    """A gRPC call runs to its own deadline: Envoy's default stream idle timeout would cut a big
+    unary call that computes silently for 5 minutes (UNAVAILABLE "stream timeout"; reproduced with
+    the timeout set to 2 s and a 6 s call before the fix)."""
+    listeners = _listeners(tmp_path, rest_port=7997, grpc_port=50051)
+    grpc_routes = [
+        route
+        for name in ("encoderd_rest", "encoderd_grpc_public")
+        for route in _routes(listeners[name])
+        if route["match"].get("grpc") is not None
+    ]
+    assert len(grpc_routes) == 2  # the REST port's passthrough and the gRPC port's
+    for route in grpc_routes:
+        assert route["route"]["cluster"] == "encoderd_grpc"
+        assert route["route"]["timeout"] == "0s" and route["route"]["idle_timeout"] == "0s", route
+
+
+def test_the_grpc_listener_is_there_only_when_asked_for(tmp_path):
+    assert "encoderd_grpc_public" not in _listeners(tmp_path / "a", rest_port=7997)
+    listener = _listeners(tmp_path / "b", rest_port=7997, grpc_host="0.0.0.0", grpc_port=50051)["encoderd_grpc_public"]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 50051}
+    assert not listener["enable_reuse_port"]  # a taken port fails Envoy's start
+    # Anything but gRPC: a 415 that names the REST port.
+    fallback = _routes(listener)[-1]
+    assert fallback["direct_response"]["status"] == 415
+    assert "REST is on port 7997" in fallback["direct_response"]["body"]["inline_string"]
