@@ -53,7 +53,7 @@ class Server:
         )
         self._stop = asyncio.Event()
         self.bound_port: int | None = None
-        self.gateway = None  # the Envoy child serving REST, when on
+        self.gateway = None  # the Envoy child serving REST (and, unless --grpc-direct, the gRPC port), when on
         self._serving = False  # READY=1 sent: later model state changes update systemd's STATUS
         self.failure: Exception | None = None  # why the server stopped itself, raised once it has drained
 

@@ -231,8 +231,13 @@ def sockets():
     shutil.rmtree(path)
 
 
-def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets):  # sockets: as the default temp dir
-    server = ServerProcess("--drain-timeout", "20", env={"TMPDIR": str(sockets)}, log_path=tmp_path / "s.log").start()
+@pytest.mark.parametrize("rest", [False, True], ids=["own-grpc-port", "grpc-through-envoy"])
+def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest):  # sockets: as the default temp dir
+    """With REST on, the calls in flight come through Envoy (it holds the gRPC port): they finish
+    too, as Envoy is stopped only after the server's drain."""
+    server = ServerProcess(
+        "--drain-timeout", "20", env={"TMPDIR": str(sockets)}, rest=rest, log_path=tmp_path / "s.log"
+    ).start()
     stub = server.stub()
     worker_pids = list(_pids(stub).values())
     children = _children(server.proc.pid)
