@@ -281,8 +281,10 @@ def _circuit_breakers(max_in_flight: int) -> str:
 
 
 def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
+    """The limits as template fields; `client_limits` is the connection manager's block of them
+    (gateway/client_limits.yaml), one for both public listeners."""
     duration = limits.max_connection_duration_s
-    return {
+    fields: dict[str, str | int] = {
         "header_timeout": f"{limits.header_timeout_s:g}s",
         "idle_timeout": f"{limits.idle_timeout_s:g}s",
         "max_connection_duration": f"            max_connection_duration: {duration:g}s\n" if duration else "",
@@ -293,6 +295,8 @@ def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
         "overflow_reply": _overflow_reply(limits.max_in_flight),
         "circuit_breakers": _circuit_breakers(limits.max_in_flight),
     }
+    fields["client_limits"] = Template((HERE / "client_limits.yaml").read_text()).substitute(fields)
+    return fields
 
 
 def _lua_source(name: str) -> str:

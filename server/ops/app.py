@@ -89,11 +89,10 @@ class Server:
             ),
             self.grpc,
         )
-        credentials = tls.server_credentials(cfg.tls) if cfg.tls else None  # a bad file: one line, now
         check_ports(
             cfg.host, {"--grpc-port": cfg.grpc_port, "--rest-port": cfg.rest_port, "--metrics-port": cfg.metrics_port}
         )
-        self.bound_port, upstream = self._listen_grpc(credentials)
+        self.bound_port, upstream = self._listen_grpc()
         # Listen first so health checks answer NOT_SERVING while models load.
         await self.grpc.start()
         if cfg.rest_port:  # before the models load, so REST /health answers 503 meanwhile
@@ -126,16 +125,18 @@ class Server:
             ", ".join(self.registry.models),
         )
 
-    def _listen_grpc(self, credentials: grpc.ServerCredentials | None) -> tuple[int, str]:
+    def _listen_grpc(self) -> tuple[int, str]:
         """Bind the gRPC server. Returns the public gRPC port and where Envoy reaches the server.
 
         Behind Envoy (REST on, no --grpc-direct) the server listens only on its private socket and
-        Envoy holds --grpc-port: a flood's calls are admitted or refused there, before Python."""
+        Envoy holds --grpc-port, TLS included: a flood's calls are admitted or refused there, before
+        Python. (serve() has checked the TLS files already.)"""
         cfg = self.config
         private = "unix:" + frontend_grpc_socket()  # a socket only this user can reach
         if cfg.grpc_behind_envoy:
             self.grpc.add_insecure_port(private)
             return cfg.grpc_port or any_free_port(cfg.host), private
+        credentials = tls.server_credentials(cfg.tls) if cfg.tls else None
         address = f"{cfg.host}:{cfg.grpc_port}"
         try:
             port = (

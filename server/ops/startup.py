@@ -22,12 +22,18 @@ def check_ports(host: str, ports: dict[str, int]) -> None:
         _check_free(host, port, flag)
 
 
-def _check_free(host: str, port: int, flag: str) -> None:
+def _listen_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The family and address a listener on host:port binds, as the real listeners resolve it."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
         raise StartupError(f"--host {host!r} does not resolve ({exc}); give an address to listen on") from None
     family, _, _, _, address = infos[0]
+    return family, address
+
+
+def _check_free(host: str, port: int, flag: str) -> None:
+    family, address = _listen_address(host, port)
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the real listeners do
         try:
@@ -41,7 +47,7 @@ def _check_free(host: str, port: int, flag: str) -> None:
 
 def any_free_port(host: str) -> int:
     """A port free on `host` now, for a listener another process binds (--grpc-port 0 behind Envoy)."""
-    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    family, address = _listen_address(host, 0)
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.bind(address)
         return probe.getsockname()[1]
