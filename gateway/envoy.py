@@ -22,6 +22,8 @@ HERE = Path(__file__).resolve().parent
 SERVICES = ("encoderd.v1.Encoder", "encoderd.v1.Compat")
 DESCRIPTOR_NAME = "encoderd.pb"
 CONFIG_NAME = "envoy.yaml"
+# Both public route configs: Envoy returns the request id (gateway/request_id.yaml).
+REQUEST_ID_HEADERS = (HERE / "request_id.yaml").read_text()
 
 
 class GatewayError(Exception):
@@ -325,6 +327,7 @@ def _grpc_listener(settings: GatewaySettings) -> str:
         grpc_port=settings.grpc_port,
         not_grpc=json.dumps(not_grpc),
         tls=_tls_socket(settings),
+        request_id=REQUEST_ID_HEADERS,
         **_limit_fields(settings.limits),
     )
 
@@ -362,6 +365,7 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
         timeout=f"{settings.timeout_s:g}s",
         tls=_tls_socket(settings),
         grpc_listener=_grpc_listener(settings),
+        request_id=REQUEST_ID_HEADERS,
         **_limit_fields(settings.limits),
     )
 

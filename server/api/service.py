@@ -25,11 +25,16 @@ from .streaming import embed_stream
 
 log = logging.getLogger("encoderd.service")
 
+# Set by every Envoy config of encoderd's (gateway/request_id.yaml, deploy/envoy/front.yaml) on the
+# calls it forwards: "I return your x-request-id to the caller myself".
+PROXY_RETURNS_ID_KEY = "x-encoderd-proxy-returns-id"
+
 
 @contextlib.asynccontextmanager
 async def _observed(service, name: str, model_name: str, context: grpc.aio.ServicerContext):
     """Around every call: request id, bulk-key priority, trace span, error -> status, metrics.
-    Yields the metadata that carries the request id back to the client."""
+    Yields the metadata that carries the request id back to the client, and whether the proxy in
+    front returns it for us (`_proxy_returns_id`)."""
     started = time.perf_counter()
     rpc_label = f"{type(service).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
     metadata = context.invocation_metadata()
@@ -40,7 +45,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
     code = grpc.StatusCode.OK
     with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
         try:
-            yield rid_metadata
+            yield rid_metadata, _proxy_returns_id(metadata, rid)
         except EncoderdError as exc:
             code = exc.code
             await context.abort(exc.code, str(exc), rid_metadata)  # errors: in the trailers
@@ -69,18 +74,32 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             metrics.REQUEST_SECONDS.labels(model, rpc_label).observe(elapsed)
 
 
+def _proxy_returns_id(metadata, rid: str) -> bool:
+    """Whether the Envoy in front puts `rid` on the response itself. encoderd's Envoy configs mark
+    each call they forward (PROXY_RETURNS_ID_KEY) and add the forwarded x-request-id to a response
+    that has none; that is `rid` unless the caller's id was refused (logs.bind_request_id)."""
+    marked = forwarded = False
+    for key, value in metadata or ():
+        marked = marked or key == PROXY_RETURNS_ID_KEY
+        forwarded = forwarded or (key == logs.REQUEST_ID_KEY and value == rid)
+    return marked and forwarded
+
+
 def rpc(method):
     """A unary RPC, observed (see `_observed`)."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        async with _observed(self, method.__name__, getattr(request, "model", ""), context) as rid_metadata:
+        async with _observed(self, method.__name__, getattr(request, "model", ""), context) as (rid_metadata, proxied):
             if isinstance(request, MalformedRequest):
                 raise InvalidInput(request.reason)
             response = await method(self, request, context)
-            # The id goes out in the response headers, but only now: while no header has left, a
-            # proxy (Envoy) may still retry the call elsewhere if this host dies mid-call.
-            await context.send_initial_metadata(rid_metadata)
+            # gRPC-Python sends our own headers in a batch of their own, ahead of the message: a
+            # host that dies between the two leaves a proxy holding headers it has passed on, and
+            # it can no longer retry the call elsewhere. Behind encoderd's Envoy the headers go out
+            # with the message (Envoy adds the id); otherwise only now, once the answer is ready.
+            if not proxied:
+                await context.send_initial_metadata(rid_metadata)
             return response
 
     return wrapper
@@ -96,8 +115,8 @@ def stream_rpc(method):
         first = await anext(requests, None)
         if first is None:  # the client closed without sending anything: nothing to answer
             return
-        async with _observed(self, method.__name__, getattr(first, "model", ""), context) as rid_metadata:
-            await context.send_initial_metadata(rid_metadata)
+        async with _observed(self, method.__name__, getattr(first, "model", ""), context) as (rid_metadata, _):
+            await context.send_initial_metadata(rid_metadata)  # a stream is never retried: the id at once
             async for response in method(self, first, requests, context):
                 yield response
 

@@ -143,6 +143,13 @@ def test_request_id_is_echoed_or_made(operated):
     assert re.fullmatch(r"[0-9a-f]{32}", metadata["x-request-id"])
     metadata, code = embed_with(server, [("x-request-id", "ops-test-2")], model="nope")
     assert code == grpc.StatusCode.NOT_FOUND and metadata["x-request-id"] == "ops-test-2"  # errors carry it too
+    # A call marked by encoderd's Envoy (which then adds the id to the response itself): the server's
+    # headers go out with the answer, without the id; one it refused and replaced, it sends itself.
+    proxied = ("x-encoderd-proxy-returns-id", "1")
+    metadata, code = embed_with(server, [("x-request-id", "ops-test-6"), proxied])
+    assert code == grpc.StatusCode.OK and "x-request-id" not in metadata
+    metadata, code = embed_with(server, [("x-request-id", "x" * 200), proxied])
+    assert code == grpc.StatusCode.OK and re.fullmatch(r"[0-9a-f]{32}", metadata["x-request-id"])
 
 
 def test_logs_are_json_lines_with_request_ids_from_frontend_and_workers(operated):

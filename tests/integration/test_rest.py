@@ -8,6 +8,7 @@ import base64
 import concurrent.futures as cf
 import os
 import queue
+import re
 import signal
 import subprocess
 import time
@@ -394,6 +395,24 @@ def _envoy_workers(pid: int) -> int:
         except OSError:
             continue
     return sum(name.startswith("wrk:worker_") for name in names)
+
+
+def test_envoy_returns_the_request_id_on_both_ports(rest_server, stub, http):
+    """Behind Envoy the server leaves x-request-id to Envoy and sends its headers with the answer
+    (a front can then retry a call whose host died mid-call); the caller still gets its id back,
+    once, on gRPC and REST, and Envoy's own id where it sent none."""
+    _, call = stub.Embed.with_call(pb.EmbedRequest(inputs=["hello"]), metadata=(("x-request-id", "envoy-id-1"),))
+    assert dict(call.initial_metadata())["x-request-id"] == "envoy-id-1"
+    _, call = stub.Embed.with_call(pb.EmbedRequest(inputs=["hello"]))
+    made = [value for key, value in call.initial_metadata() if key == "x-request-id"]
+    assert len(made) == 1 and re.fullmatch(r"[0-9a-f-]{36}", made[0]), made  # Envoy's UUID
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(pb.EmbedRequest(model="nope", inputs=["hello"]), metadata=(("x-request-id", "envoy-id-2"),))
+    assert dict(err.value.trailing_metadata())["x-request-id"] == "envoy-id-2"  # errors: in the trailers
+    for body, status in (({"inputs": "hi"}, 200), ({"model": "nope", "inputs": "hi"}, 404)):
+        response = http.post("/embed", json=body, headers={"x-request-id": f"envoy-rest-{status}"})
+        assert response.status_code == status, response.text
+        assert response.headers.get_list("x-request-id") == [f"envoy-rest-{status}"]
 
 
 def test_health_is_503_while_loading_and_envoy_dies_with_a_killed_server(tmp_path):

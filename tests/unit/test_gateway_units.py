@@ -4,9 +4,13 @@ reasonable time."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import yaml
 
 from encoderd.gateway.envoy import GatewaySettings, render
+
+PUBLIC = ("encoderd_rest", "encoderd_grpc_public")
 
 
 def _listeners(tmp_path, **settings) -> dict[str, dict]:
@@ -45,3 +49,22 @@ def test_the_grpc_listener_is_there_only_when_asked_for(tmp_path):
     fallback = _routes(listener)[-1]
     assert fallback["direct_response"]["status"] == 415
     assert "REST is on port 7997" in fallback["direct_response"]["body"]["inline_string"]
+
+
+def test_both_public_ports_and_the_front_return_the_request_id(tmp_path):
+    """Every Envoy config marks the calls it forwards and adds the forwarded x-request-id to a
+    response without one (server/api/service.py then leaves the id to it)."""
+    listeners = _listeners(tmp_path, rest_port=7997, grpc_port=50051)
+    front = yaml.safe_load((Path(__file__).parents[2] / "deploy/envoy/front.yaml").read_text())
+    route_configs = [
+        *(listeners[name]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"] for name in PUBLIC),
+        front["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"],
+    ]
+    for config in route_configs:
+        (marker,) = config["request_headers_to_add"]
+        assert marker["header"] == {"key": "x-encoderd-proxy-returns-id", "value": "1"}
+        (returned,) = config["response_headers_to_add"]
+        assert returned == {
+            "header": {"key": "x-request-id", "value": "%REQ(x-request-id)%"},
+            "append_action": "ADD_IF_ABSENT",
+        }
