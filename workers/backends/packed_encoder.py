@@ -18,6 +18,7 @@ pieces (embeddings and positions, one layer, the classification head):
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -159,8 +160,8 @@ def attend(
 ) -> torch.Tensor:
     """Attention within each sequence: q (tokens, heads, d), k and v (tokens, kv_heads, d), kv_heads
     dividing heads (grouped-query). `window`: FULL, CAUSAL, or (before, after) tokens each query sees."""
-    kernel = varlen_kernel()
-    if kernel is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+    kernel = varlen_kernel() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    if kernel is not None:
         return kernel(q, k, v, batch.cu_seqlens, batch.longest, window, scale)
     out = torch.empty_like(q)
     grouped = k.shape[1] != q.shape[1]
@@ -187,6 +188,7 @@ def _band(length: int, window: tuple[int, int], device: torch.device) -> torch.T
     return visible
 
 
+@functools.cache  # a failed import is not remembered: each attempt searches sys.path again
 def varlen_kernel():
     """Variable-length FlashAttention (CUDA): flash-attn when installed, else PyTorch's own; None if
     neither. Either is called as kernel(q, k, v, cu_seqlens, longest, window, scale)."""
