@@ -77,6 +77,7 @@ class GatewaySettings:
     max_response_bytes: int = 256 * 1024 * 1024
     timeout_s: float = 300.0  # per request; 0 = none
     admin_port: int = 0  # Envoy's admin interface on 127.0.0.1 (0 = none)
+    admin_path: str = ""  # or on this unix socket (encoderd serve's own Envoy: its private directory)
     cors_allow_origins: tuple[str, ...] = ()  # browser origins allowed ("*": any); () = no CORS
     url_prefix: str = ""  # REST routes under this path ("/api": /api/v1/embeddings); /health stays
     limits: ListenerLimits = ListenerLimits()
@@ -335,11 +336,11 @@ def _grpc_listener(settings: GatewaySettings) -> str:
 def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     settings.limits.check()
     endpoints, cluster_type = _endpoints(settings.grpc_addresses)
-    admin = (
-        ""
-        if not settings.admin_port
-        else f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n"
-    )
+    admin = ""
+    if settings.admin_path:
+        admin = f"admin:\n  address:\n    pipe: {{path: {json.dumps(settings.admin_path)}}}\n"
+    elif settings.admin_port:
+        admin = f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n"
     transcoder = Template((HERE / "transcoder.yaml").read_text()).substitute(
         descriptor=str(descriptor.resolve()), max_response_bytes=settings.max_response_bytes
     )

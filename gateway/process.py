@@ -15,14 +15,18 @@ Envoy last; the death signal covers every way the server can die.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,9 +68,12 @@ class EnvoyProcess:
         envoy_bin: str = "",
         log_level: str = "INFO",
         on_give_up: Callable[[], None] | None = None,
+        drain_s: float = 30.0,
     ):
-        """on_give_up: called once if the supervisor gives up restarting Envoy (after its line)."""
+        """on_give_up: called once if the supervisor gives up restarting Envoy (after its line).
+        drain_s: the longest drain (`drain`), which Envoy must not cut short by closing its listeners."""
         self.settings = settings
+        self.drain_s = drain_s
         self.binary = find_envoy(envoy_bin)
         self.log_level = _ENVOY_LOG_LEVELS.get(log_level.upper(), "warning")
         self._proc: subprocess.Popen | None = None
@@ -141,6 +148,12 @@ class EnvoyProcess:
             self.log_level,
             "--log-format",
             "%Y-%m-%d %T,%e %l envoy: %v",
+            # A drain (`drain`) tells every client at once (HTTP/2 GOAWAY, HTTP/1 connection: close),
+            # and keeps the listeners open longer than the server's own drain lasts.
+            "--drain-strategy",
+            "immediate",
+            "--drain-time-s",
+            str(math.ceil(self.drain_s) + 1),
         ]
         return subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *args],
@@ -156,6 +169,9 @@ class EnvoyProcess:
         Its files live only until then (Envoy reads them once at start), so even a
         SIGKILLed server leaves nothing in /tmp; a restart renders them again."""
         workdir = Path(tempfile.mkdtemp(prefix="encoderd-envoy-"))
+        if self.settings.admin_path:  # a killed Envoy's socket file would fail the new one's bind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.settings.admin_path)
         try:
             config = await asyncio.get_running_loop().run_in_executor(None, render, workdir, self.settings)
             self._proc = self._spawn(config)
@@ -208,6 +224,28 @@ class EnvoyProcess:
         """From now on a dead Envoy stays dead (the server is shutting down)."""
         self._supervisor.stop()
 
+    async def drain(self, timeout: float) -> None:
+        """Take no new calls and wait, up to `timeout`, until the calls Envoy has taken are answered:
+        clients are told to go (GOAWAY, connection: close) while the server still serves whatever
+        Envoy forwards, so a call a client sent just before the drain is not reset on its way.
+        Needs the admin socket (settings.admin_path); without one, or with Envoy down, returns at once."""
+        if not self.settings.admin_path or not self._proc or self._proc.poll() is not None:
+            return
+        deadline = time.monotonic() + timeout
+        try:
+            await _admin(self.settings.admin_path, "POST", "/drain_listeners?graceful&skip_exit")
+            while time.monotonic() < deadline:  # Envoy's stats can only be polled
+                if not await self._calls_in_flight():
+                    return
+                await asyncio.sleep(0.05)
+        except (OSError, ValueError) as exc:  # Envoy died or answered oddly: the server's drain goes on
+            log.warning("could not drain Envoy through its admin socket (%s); stopping it as it is", exc)
+
+    async def _calls_in_flight(self) -> int:
+        """Requests in flight on the public listeners (the admin interface's own are not counted)."""
+        text = await _admin(self.settings.admin_path, "GET", "/stats?filter=" + _IN_FLIGHT_STATS)
+        return sum(int(value) for value in re.findall(r"downstream_rq_active: (\d+)", text))
+
     async def stop(self, timeout: float = 5.0) -> None:
         self.stop_supervising()
         if self._proc and self._proc.poll() is None:
@@ -216,6 +254,40 @@ class EnvoyProcess:
                 await asyncio.wait_for(self._wait_exit(), timeout)
             except asyncio.TimeoutError:
                 self._kill()
+
+
+# The public listeners' connection managers (stat_prefix in envoy.yaml, grpc_listener.yaml).
+_IN_FLIGHT_STATS = urllib.parse.quote(r"^http\.(encoderd_rest|encoderd_grpc_public)\.downstream_rq_active$")
+
+
+async def _admin(path: str, method: str, target: str, timeout: float = 5.0) -> str:
+    """One request to Envoy's admin interface on the unix socket `path`: the body of a 200 answer."""
+    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
+    try:
+        writer.write(f"{method} {target} HTTP/1.1\r\nHost: envoy\r\nConnection: close\r\n\r\n".encode())
+        answer = await asyncio.wait_for(reader.read(), timeout)  # Envoy closes after it
+    finally:
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = head.split(b"\r\n", 1)[0].decode(errors="replace")
+    if not status.startswith("HTTP/1.1 200"):
+        raise ValueError(f"{method} {target}: {status or 'no answer'}")
+    if b"transfer-encoding: chunked" in head.lower():
+        body = _unchunked(body)
+    return body.decode(errors="replace")
+
+
+def _unchunked(body: bytes) -> bytes:
+    """An HTTP/1.1 chunked body, joined (chunk size in hex, CRLF, data, CRLF; size 0 ends it)."""
+    out, rest = [], body
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out.append(rest[:size])
+        rest = rest[size + 2 :]
+    return b"".join(out)
 
 
 def listens_on(pid: int, port: int) -> bool:

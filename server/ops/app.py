@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import signal
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -14,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ...gateway.envoy import GatewayError, local_address
 from ...v1 import compat_pb2, encoderd_pb2
-from ...workers.contract.protocol import frontend_grpc_socket
+from ...workers.contract.protocol import envoy_admin_socket, frontend_grpc_socket
 from ..api import reflection_v1
 from ..api.auth import ApiKeyInterceptor, load_keys
 from ..api.compat import CompatService
@@ -168,7 +169,10 @@ class Server:
             self.gateway.stop_supervising()
         if self.config.drain_delay:  # keep serving until load balancers have seen NOT_SERVING
             await asyncio.sleep(self.config.drain_delay)
-        await self.grpc.stop(self.config.drain_timeout)
+        deadline = time.monotonic() + self.config.drain_timeout
+        if self.gateway:  # Envoy first: what it has taken still reaches a server that serves it
+            await self.gateway.drain(self.config.drain_timeout)
+        await self.grpc.stop(max(0.0, deadline - time.monotonic()))
         if self.gateway:  # after the drain: in-flight REST calls finish through it
             await self.gateway.stop()
         await self.registry.stop()
@@ -225,8 +229,9 @@ async def start_gateway(cfg: ServerConfig, upstream: str, grpc_port: int, on_giv
         tls_client_ca=cfg.tls.client_ca,
         grpc_host=cfg.host,
         grpc_port=grpc_port,
+        admin_path=envoy_admin_socket(),
     )
-    envoy = EnvoyProcess(settings, cfg.envoy_bin, cfg.log_level, on_give_up)
+    envoy = EnvoyProcess(settings, cfg.envoy_bin, cfg.log_level, on_give_up, drain_s=cfg.drain_timeout)
     await envoy.start()
     also = f" and gRPC on port {grpc_port}" if grpc_port else ""
     log.info("gateway: Envoy %s (pid %d), REST on %s%s -> %s", envoy.binary, envoy.pid, envoy.url, also, upstream)

@@ -234,7 +234,9 @@ def sockets():
 @pytest.mark.parametrize("rest", [False, True], ids=["own-grpc-port", "grpc-through-envoy"])
 def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest):  # sockets: as the default temp dir
     """With REST on, the calls in flight come through Envoy (it holds the gRPC port): they finish
-    too, as Envoy is stopped only after the server's drain."""
+    too. Envoy drains first (through its admin socket) while the server still serves what it
+    forwards, then the server, then Envoy stops: before, a call still on its way through Envoy when
+    the server stopped taking calls was reset (INTERNAL, in about half the runs on a Zen 4 host)."""
     server = ServerProcess(
         "--drain-timeout", "20", env={"TMPDIR": str(sockets)}, rest=rest, log_path=tmp_path / "s.log"
     ).start()
@@ -254,6 +256,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest): 
     assert _ours(sockets) == []  # no socket file, no directory
     log = server.log_path.read_text()
     assert "leaked semaphore" not in log and "resource_tracker" not in log, log
+    assert "could not drain Envoy" not in log, log
 
 
 def test_sigkill_of_the_frontend_leaves_no_worker_and_no_socket(tmp_path, sockets):  # as ENCODERD_RPC_DIR

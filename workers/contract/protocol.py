@@ -345,18 +345,28 @@ def new_ipc_address(tag: str) -> str:
 # The frontend's gRPC socket for its own Envoy when TLS is on (server/ops/app.py): in the same private
 # directory, under a fixed name, so that workers outliving a SIGKILLed frontend remove it too.
 FRONTEND_GRPC_SOCKET = "frontend-grpc.sock"
+# Its Envoy's admin interface (gateway/process.py drains Envoy through it), beside it for the same reasons.
+ENVOY_ADMIN_SOCKET = "envoy-admin.sock"
 
 
 def frontend_grpc_socket() -> str:
     return os.path.join(_ipc_directory(), FRONTEND_GRPC_SOCKET)
 
 
+def envoy_admin_socket() -> str:
+    return os.path.join(_ipc_directory(), ENVOY_ADMIN_SOCKET)
+
+
 def remove_ipc_files(*addresses: str, with_directory: bool = False) -> None:
-    """Unlink these ipc:// sockets and, with_directory, the frontend's gRPC socket and their directory
-    once it is empty."""
+    """Unlink these ipc:// sockets and, with_directory, the frontend's gRPC and Envoy admin sockets and
+    their directory once it is empty."""
     paths = [address.removeprefix("ipc://") for address in addresses if address]
     if with_directory:
-        paths += [os.path.join(directory, FRONTEND_GRPC_SOCKET) for directory in {os.path.dirname(p) for p in paths}]
+        paths += [
+            os.path.join(directory, name)
+            for directory in {os.path.dirname(p) for p in paths}
+            for name in (FRONTEND_GRPC_SOCKET, ENVOY_ADMIN_SOCKET)
+        ]
     for path in paths:
         with contextlib.suppress(OSError):  # gone already
             os.unlink(path)
