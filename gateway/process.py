@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import logging
 import math
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -238,7 +240,7 @@ class EnvoyProcess:
                 if not await self._calls_in_flight():
                     return
                 await asyncio.sleep(0.05)
-        except (OSError, ValueError) as exc:  # Envoy died or answered oddly: the server's drain goes on
+        except (OSError, ValueError, http.client.HTTPException) as exc:  # Envoy died or answered oddly
             log.warning("could not drain Envoy through its admin socket (%s); stopping it as it is", exc)
 
     async def _calls_in_flight(self) -> int:
@@ -260,34 +262,35 @@ class EnvoyProcess:
 _IN_FLIGHT_STATS = urllib.parse.quote(r"^http\.(encoderd_rest|encoderd_grpc_public)\.downstream_rq_active$")
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a unix socket: Envoy's admin interface (settings.admin_path)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("envoy", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def _admin_request(path: str, method: str, target: str, timeout: float) -> str:
+    connection = _UnixHTTPConnection(path, timeout)
+    try:
+        connection.request(method, target)
+        response = connection.getresponse()
+        body = response.read().decode(errors="replace")
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise ValueError(f"{method} {target}: HTTP {response.status}")
+    return body
+
+
 async def _admin(path: str, method: str, target: str, timeout: float = 5.0) -> str:
     """One request to Envoy's admin interface on the unix socket `path`: the body of a 200 answer."""
-    reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), timeout)
-    try:
-        writer.write(f"{method} {target} HTTP/1.1\r\nHost: envoy\r\nConnection: close\r\n\r\n".encode())
-        answer = await asyncio.wait_for(reader.read(), timeout)  # Envoy closes after it
-    finally:
-        writer.close()
-    head, _, body = answer.partition(b"\r\n\r\n")
-    status = head.split(b"\r\n", 1)[0].decode(errors="replace")
-    if not status.startswith("HTTP/1.1 200"):
-        raise ValueError(f"{method} {target}: {status or 'no answer'}")
-    if b"transfer-encoding: chunked" in head.lower():
-        body = _unchunked(body)
-    return body.decode(errors="replace")
-
-
-def _unchunked(body: bytes) -> bytes:
-    """An HTTP/1.1 chunked body, joined (chunk size in hex, CRLF, data, CRLF; size 0 ends it)."""
-    out, rest = [], body
-    while rest:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            break
-        out.append(rest[:size])
-        rest = rest[size + 2 :]
-    return b"".join(out)
+    return await asyncio.to_thread(_admin_request, path, method, target, timeout)
 
 
 def listens_on(pid: int, port: int) -> bool:

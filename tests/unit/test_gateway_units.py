@@ -18,9 +18,13 @@ def _listeners(tmp_path, **settings) -> dict[str, dict]:
     return {listener["name"]: listener for listener in config["static_resources"]["listeners"]}
 
 
+def _route_config(listener: dict) -> dict:
+    """The route config of a listener's (first) HTTP connection manager."""
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+
+
 def _routes(listener: dict) -> list[dict]:
-    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    return [route for host in manager["route_config"]["virtual_hosts"] for route in host["routes"]]
+    return [route for host in _route_config(listener)["virtual_hosts"] for route in host["routes"]]
 
 
 def test_grpc_routes_have_neither_a_timeout_nor_a_stream_idle_timeout(tmp_path):
@@ -29,10 +33,7 @@ def test_grpc_routes_have_neither_a_timeout_nor_a_stream_idle_timeout(tmp_path):
     the timeout set to 2 s and a 6 s call before the fix)."""
     listeners = _listeners(tmp_path, rest_port=7997, grpc_port=50051)
     grpc_routes = [
-        route
-        for name in ("encoderd_rest", "encoderd_grpc_public")
-        for route in _routes(listeners[name])
-        if route["match"].get("grpc") is not None
+        route for name in PUBLIC for route in _routes(listeners[name]) if route["match"].get("grpc") is not None
     ]
     assert len(grpc_routes) == 2  # the REST port's passthrough and the gRPC port's
     for route in grpc_routes:
@@ -57,8 +58,8 @@ def test_both_public_ports_and_the_front_return_the_request_id(tmp_path):
     listeners = _listeners(tmp_path, rest_port=7997, grpc_port=50051)
     front = yaml.safe_load((Path(__file__).parents[2] / "deploy/envoy/front.yaml").read_text())
     route_configs = [
-        *(listeners[name]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"] for name in PUBLIC),
-        front["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]["route_config"],
+        *(_route_config(listeners[name]) for name in PUBLIC),
+        _route_config(front["static_resources"]["listeners"][0]),
     ]
     for config in route_configs:
         (marker,) = config["request_headers_to_add"]
