@@ -428,6 +428,10 @@ def test_health_is_503_while_loading_and_envoy_dies_with_a_killed_server(tmp_pat
         assert len(envoys) == 1, proc.log_text()
         # Envoy's worker threads: as many as the gateway chose for the usable cores (its own default: all)
         assert _envoy_workers(envoys[0]) == envoy_workers(cpu_budget().usable)
+        # Out of the server's process group (Ctrl-C reaches the frontend alone, which drains it), but in
+        # its session: under autogroup scheduling a session of its own is a CPU group of its own.
+        assert os.getpgid(envoys[0]) != os.getpgid(proc.proc.pid)
+        assert os.getsid(envoys[0]) == os.getsid(proc.proc.pid)
         # Envoy holds the gRPC port too (REST on, no --grpc-direct); the server only its private socket.
         assert listens_on(envoys[0], proc.grpc_port) and not listens_on(proc.proc.pid, proc.grpc_port)
         not_grpc = httpx.get(f"http://127.0.0.1:{proc.grpc_port}/v1/models")
