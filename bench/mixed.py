@@ -10,7 +10,13 @@ phase after the other on the same server:
   bulk solo again  the stream alone once more: bulk/solo is against the mean of both solo runs;
   mixed-fifo   the same, with the stream sent at interactive priority: what a one-queue
                engine (Infinity, TEI) does to live queries.
-A benchmark, not a test: it prints a table and asserts nothing.
+For a server it starts, a second table says where the cores went in each phase (from /proc): the
+frontend, the workers' bulk lanes (their SCHED_IDLE threads, under the default --worker-nice), the
+workers' other threads (urgent lanes, receivers), this benchmark's own clients, and anything else
+("foreign"). "bulk CPU/solo" next to "bulk/solo": when the two match, the stream lost the cycles
+the queries took (their compute, the frontend, their client), not throughput per cycle. On one
+2-core host the queries' cost comes out of the stream's, so its share is bounded by what they use.
+A benchmark, not a test: it prints its tables and asserts nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +37,16 @@ from ..clients.bulk import embed_iterable
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from ..workers.contract.corpus import chunk_corpus
-from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
+from .processes import (
+    CpuProbe,
+    Managed,
+    free_port,
+    grpc_serving,
+    process_tree,
+    serve_command,
+    thread_stats,
+    wait_until,
+)
 
 QUERIES = [
     "what is a cross encoder",
@@ -87,11 +102,25 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1000) if values else float("nan")
 
 
-def run_phases(address: str, seconds: float) -> dict:
+def server_cpu(server_pid: int) -> CpuProbe:
+    """CPU groups of a server we started: frontend, workers' bulk lanes, workers' other threads."""
+    workers = [p for p in process_tree(server_pid) if p != server_pid]
+    groups: dict[str, list[int | str]] = {
+        "frontend": [server_pid],
+        "bulk lanes": list(thread_stats(workers, idle=True)),
+        "workers, rest": list(thread_stats(workers, idle=False)),
+    }
+    return CpuProbe(groups)
+
+
+def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None) -> dict:
     stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
     chunks = chunk_corpus(2000)
     query_latencies(stub, 2)  # warm up
-    results: dict[str, dict[str, list[float] | float]] = {"idle": {"query_ms": query_latencies(stub, seconds)}}
+    cpu = cpu or CpuProbe({})
+    before = cpu.snapshot()
+    results: dict[str, dict] = {"idle": {"query_ms": query_latencies(stub, seconds)}}
+    results["idle"]["cpu"] = CpuProbe.cores(before, cpu.snapshot())
     # Solo before and after mixed: a host whose speed drifts (shared CPUs, clocks) or a server still
     # warming up would otherwise bias the stream's share toward one side; its solo is their mean.
     for phase, priority in (
@@ -103,16 +132,20 @@ def run_phases(address: str, seconds: float) -> dict:
         stream = BulkStream(address, chunks, priority)
         stream.start()
         time.sleep(3)  # reach steady state
-        start = time.perf_counter()
+        start, before = time.perf_counter(), cpu.snapshot()
         if phase.startswith("mixed"):
             latencies = query_latencies(stub, seconds)
         else:
             time.sleep(seconds)
             latencies = []
-        end = time.perf_counter()
+        end, after = time.perf_counter(), cpu.snapshot()
         stream.stop.set()
         stream.join(timeout=60)
-        results[phase] = {"query_ms": latencies, "bulk_inputs_per_s": stream.rate(start, end)}
+        results[phase] = {
+            "query_ms": latencies,
+            "bulk_inputs_per_s": stream.rate(start, end),
+            "cpu": CpuProbe.cores(before, after),
+        }
         time.sleep(1)
     return results
 
@@ -145,7 +178,25 @@ def report(results: dict) -> list[dict]:
             f"{fmt(row['p95_vs_idle'], '%9.2f'):>9} {fmt(row['bulk_inputs_per_s'], '%10.1f'):>10} "
             f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9}"
         )
+    report_cpu(results, rows)
     return rows
+
+
+CPU_GROUPS = ("frontend", "bulk lanes", "workers, rest", "client", "foreign")
+
+
+def report_cpu(results: dict, rows: list[dict]) -> None:
+    """Cores per group and phase (a server this bench started only); adds them to `rows`."""
+    if "bulk lanes" not in results["idle"]["cpu"]:
+        return
+    solo = np.mean([r["cpu"]["bulk lanes"] for phase, r in results.items() if phase.startswith("bulk solo")])
+    print(f"\ncores used       {' '.join(f'{g:>13}' for g in CPU_GROUPS)} {'bulk CPU/solo':>13}")
+    for row, r in zip(rows, results.values(), strict=True):
+        row["cpu_cores"] = r["cpu"]
+        row["bulk_cpu_vs_solo"] = r["cpu"]["bulk lanes"] / solo if solo else None
+        share = f"{row['bulk_cpu_vs_solo']:13.2f}" if r.get("bulk_inputs_per_s") is not None else f"{'-':>13}"
+        cores = " ".join(f"{r['cpu'][g]:13.2f}" for g in CPU_GROUPS)
+        print(f"{row['phase']:<16} {cores} {share}")
 
 
 def main(argv=None) -> int:
@@ -169,7 +220,7 @@ def main(argv=None) -> int:
     try:
         if server:
             wait_until(lambda: grpc_serving(address), "encoderd", server, timeout=300)
-        rows = report(run_phases(address, args.seconds))
+        rows = report(run_phases(address, args.seconds, server_cpu(server.pid) if server else None))
     finally:
         if server:
             server.stop()

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 _GIVEN: set[int] = set()  # ports handed out in this process
@@ -123,14 +124,42 @@ def grpc_serving(address: str) -> bool:
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _proc_stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of a live process."""
+SCHED_IDLE = 5  # a thread's scheduling policy, field 41 of its stat
+
+
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc stat file after "(comm)" (which may hold spaces); None once it is gone."""
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
+        raw = Path(path).read_text()
     except OSError:
         return None
-    fields = raw[raw.rfind(")") + 2 :].split()  # the command name may contain spaces
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def _proc_stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of a live process."""
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    return None if fields is None else (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK)
+
+
+def thread_stats(pids: list[int], idle: bool) -> list[str]:
+    """The stat files of these processes' threads that run under SCHED_IDLE (idle) or not (not idle):
+    a CpuProbe group of threads, e.g. the workers' bulk lanes (workers/process.py)."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                path = f"/proc/{pid}/task/{tid}/stat"
+                fields = _stat_fields(path)
+                if fields is not None and (int(fields[38]) == SCHED_IDLE) == idle:
+                    out.append(path)
+    return out
+
+
+def _cpu_seconds(member: int | str) -> float:
+    """CPU seconds of a process (a pid: all its threads) or of one thread (its stat file)."""
+    fields = _stat_fields(member if isinstance(member, str) else f"/proc/{member}/stat")
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def process_tree(root: int) -> list[int]:
@@ -154,15 +183,16 @@ def system_busy_seconds() -> float:
 
 
 class CpuProbe:
-    """Snapshots of CPU seconds per named group of processes; groups are pid lists fixed at creation."""
+    """Snapshots of CPU seconds per named group of processes (pids) or threads (stat files, from
+    thread_stats); groups are fixed at creation."""
 
-    def __init__(self, groups: dict[str, list[int]]):
+    def __init__(self, groups: Mapping[str, Sequence[int | str]]):
         self.groups = groups
 
     def snapshot(self) -> dict:
         snap = {"t": time.monotonic(), "system": system_busy_seconds(), "client": time.process_time()}
-        for name, pids in self.groups.items():
-            snap[name] = sum((_proc_stat(p) or (0, 0.0))[1] for p in pids)
+        for name, members in self.groups.items():
+            snap[name] = sum(_cpu_seconds(m) for m in members)
         return snap
 
     @staticmethod
