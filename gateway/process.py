@@ -166,8 +166,8 @@ class EnvoyProcess:
             # kernel's autogroup scheduling, a new session is a CPU group of its own, which then
             # competes with the frontend's group as an equal, and the workers' nice no longer
             # ranks them below Envoy. Under `python -m encoderd.bench.flood --gateway 16
-            # --own-connections` (2-core Zen 4) the probe's refusal p99 went from 138-198 ms
-            # (5 runs) to 103-135 ms (5 runs).
+            # --own-connections` (2-core Zen 4) the probe's refusal p99 went from 138-196 ms
+            # (10 runs) to 103-135 ms (5 runs).
         )
 
     async def _spawn_and_wait(self, timeout: float) -> None:
