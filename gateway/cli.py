@@ -59,6 +59,11 @@ def add_commands(commands) -> None:
     limits = ListenerLimits()
     for flag, default, what in (
         ("--header-timeout", limits.header_timeout_s, "seconds to send all request headers (and finish TLS)"),
+        (
+            "--request-timeout",
+            limits.request_timeout_s,
+            "seconds to send a whole request, body too (408 past it; 0 = no limit)",
+        ),
         ("--idle-timeout", limits.idle_timeout_s, "seconds a connection may stay open with nothing in flight"),
         (
             "--max-connection-duration",
@@ -99,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             args.buffer_kb * 1024,
             args.max_header_kb * 1024,
             args.max_in_flight,
+            args.request_timeout,
         ),
     )
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):

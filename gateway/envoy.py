@@ -49,13 +49,23 @@ class ListenerLimits:
     # Requests in flight to the gRPC server(s) in all; past it Envoy answers 429 / RESOURCE_EXHAUSTED
     # itself, in microseconds, where the server's own refusal waits its turn behind a flood's backlog.
     max_in_flight: int = 1024
+    # REST port only: a whole request, headers and body, within this of its first byte (408), so a
+    # body sent a byte at a time does not hold a connection for an hour; 0 = no limit. Not on the gRPC
+    # port, where a bulk EmbedStream may send for hours.
+    request_timeout_s: float = 60.0
 
     def check(self) -> None:
         """Refuse what Envoy would read differently (a 0 s header timeout means none) or not at all."""
-        if not (self.header_timeout_s > 0 and self.idle_timeout_s > 0 and self.max_connection_duration_s >= 0):
+        if not (
+            self.header_timeout_s > 0
+            and self.idle_timeout_s > 0
+            and self.max_connection_duration_s >= 0
+            and self.request_timeout_s >= 0
+        ):
             raise GatewayError(
                 "the REST header and idle timeouts (--rest-header-timeout, --rest-idle-timeout) must "
-                "be above 0 seconds, the maximum connection duration 0 (no limit) or more"
+                "be above 0 seconds, the request timeout and maximum connection duration "
+                "(--rest-request-timeout, --rest-max-connection-duration) 0 (no limit) or more"
             )
         if (
             min(self.max_connections, self.buffer_bytes, self.max_header_bytes, self.max_in_flight) < 1
@@ -291,6 +301,7 @@ def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:
         "header_timeout": f"{limits.header_timeout_s:g}s",
         "idle_timeout": f"{limits.idle_timeout_s:g}s",
         "max_connection_duration": f"            max_connection_duration: {duration:g}s\n" if duration else "",
+        "request_timeout": f"{limits.request_timeout_s:g}s",
         "drain": f"{DRAIN_S:g}",
         "max_connections": limits.max_connections,
         "buffer_bytes": limits.buffer_bytes,

@@ -17,7 +17,8 @@ local GRPC_CODES = {
 -- For errors Envoy makes itself, which carry no gRPC code.
 local HTTP_CODES = {
   [400] = "invalid_argument", [401] = "unauthenticated", [403] = "permission_denied",
-  [404] = "not_found", [405] = "method_not_allowed", [413] = "payload_too_large", [415] = "unsupported_media_type",
+  [404] = "not_found", [405] = "method_not_allowed", [408] = "request_timeout", [413] = "payload_too_large",
+  [415] = "unsupported_media_type",
   [429] = "resource_exhausted", [431] = "headers_too_large", [500] = "internal",
   [501] = "unimplemented", [502] = "unavailable", [503] = "unavailable", [504] = "deadline_exceeded",
 }

@@ -445,6 +445,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         serve,
+        "--rest-request-timeout",
+        "seconds a REST client has to send a whole request, headers and body, from its first byte "
+        "(408 past it; native gRPC on the REST port too, not on the gRPC port; 0 = no limit)",
+        LIMITS.request_timeout_s,
+        float,
+    )
+    _add(
+        serve,
         "--rest-idle-timeout",
         "seconds a REST connection may stay open with no request in flight",
         LIMITS.idle_timeout_s,
@@ -660,6 +668,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             args.rest_buffer_kb * 1024,
             args.rest_max_header_kb * 1024,
             args.rest_max_in_flight,
+            args.rest_request_timeout,
         ),
         tls=TlsFiles(args.tls_cert or "", args.tls_key or "", args.tls_client_ca or ""),
     )

@@ -25,6 +25,7 @@ from encoderd.v1.encoderd_pb2_grpc import EncoderStub
 
 HEADER_TIMEOUT = 1.0
 IDLE_TIMEOUT = 2.0
+REQUEST_TIMEOUT = 3.0
 MARGIN = 2.0  # Envoy's timers fire on time; this is for a loaded 2-core host
 BODY_LIMIT = 100 * 1024
 MAX_IN_FLIGHT = 2
@@ -40,6 +41,8 @@ def limited(tmp_path_factory, minilm_path):
         str(HEADER_TIMEOUT),
         "--rest-idle-timeout",
         str(IDLE_TIMEOUT),
+        "--rest-request-timeout",
+        str(REQUEST_TIMEOUT),
         "--rest-max-body-mb",
         str(BODY_LIMIT / 2**20),
         "--rest-max-in-flight",
@@ -100,6 +103,41 @@ def test_headers_trickled_one_byte_at_a_time_are_cut_off_at_the_header_timeout(l
     assert closed and sent < len(request), f"still open after {elapsed:.1f}s, {sent} bytes"
     assert HEADER_TIMEOUT - 0.2 < elapsed < HEADER_TIMEOUT + MARGIN
     assert not answer or answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_a_body_trickled_one_byte_at_a_time_gets_408_at_the_request_timeout(limited):
+    body = json.dumps({"model": "m", "input": ["a trickled body " * 20]}).encode()
+    head = (
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: encoderd\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+    )
+    with _connect(limited) as sock:
+        started = time.monotonic()
+        sock.sendall(head)  # the headers in time: only the body is slow
+        closed, answer, sent = False, b"", 0
+        while not closed and sent < len(body):
+            try:
+                sock.send(body[sent : sent + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+                break
+            sent += 1
+            closed, more = _closed(sock, 0.1)  # a byte every 0.1 s: 35 s for the whole body
+            answer += more
+        elapsed = time.monotonic() - started
+    assert closed and sent < len(body), f"still open after {elapsed:.1f}s, {sent} bytes"
+    assert REQUEST_TIMEOUT - 0.2 < elapsed < REQUEST_TIMEOUT + MARGIN
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    head, _, error = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), answer[:300]  # the usual JSON error
+    assert json.loads(error)["error"]["code"] == "request_timeout", error
+
+
+def test_a_slow_request_that_is_sent_in_time_is_served(limited):
+    """The request timeout bounds sending, not computing: a whole body sent in time is answered."""
+    with httpx.Client(base_url=limited.rest_url, timeout=30) as http:
+        response = http.post("/v1/embeddings", json={"model": "m", "input": ["x " * 200] * 64})
+    assert response.status_code == 200 and len(response.json()["data"]) == 64
 
 
 @PORTS

@@ -18,9 +18,14 @@ def _listeners(tmp_path, **settings) -> dict[str, dict]:
     return {listener["name"]: listener for listener in config["static_resources"]["listeners"]}
 
 
+def _manager(listener: dict) -> dict:
+    """A listener's (first) HTTP connection manager."""
+    return listener["filter_chains"][0]["filters"][0]["typed_config"]
+
+
 def _route_config(listener: dict) -> dict:
     """The route config of a listener's (first) HTTP connection manager."""
-    return listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+    return _manager(listener)["route_config"]
 
 
 def _routes(listener: dict) -> list[dict]:
@@ -39,6 +44,18 @@ def test_grpc_routes_have_neither_a_timeout_nor_a_stream_idle_timeout(tmp_path):
     for route in grpc_routes:
         assert route["route"]["cluster"] == "encoderd_grpc"
         assert route["route"]["timeout"] == "0s" and route["route"]["idle_timeout"] == "0s", route
+
+
+def test_only_the_rest_port_bounds_the_time_to_send_a_request(tmp_path):
+    """A body trickled to the REST port gets 408 (the integration test runs it); the gRPC port takes
+    bulk streams that send for hours, so it has no request timeout. 0 turns it off."""
+    from encoderd.gateway.envoy import ListenerLimits
+
+    listeners = _listeners(tmp_path / "a", rest_port=7997, grpc_port=50051)
+    assert _manager(listeners["encoderd_rest"])["request_timeout"] == "60s"
+    assert "request_timeout" not in _manager(listeners["encoderd_grpc_public"])
+    off = _listeners(tmp_path / "b", rest_port=7997, limits=ListenerLimits(request_timeout_s=0))
+    assert _manager(off["encoderd_rest"])["request_timeout"] == "0s"  # Envoy: 0 = no timeout
 
 
 def test_the_grpc_listener_is_there_only_when_asked_for(tmp_path):
