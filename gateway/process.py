@@ -42,6 +42,7 @@ log = logging.getLogger("encoderd.gateway")
 _LAUNCHER = (
     "import ctypes, os, signal, sys\n"
     "os.setpgid(0, 0)  # out of the terminal's process group: Ctrl-C reaches the frontend alone\n"
+    "signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # so it may log to the terminal under `stty tostop`\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG\n"
     "if os.getppid() != int(sys.argv[1]): os._exit(1)  # the parent died before prctl\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
