@@ -7,7 +7,8 @@ phase after the other on the same server:
   idle         sequential single short queries, nothing else running: p50/p95;
   bulk solo    one EmbedStream of mixed-length chunks (priority bulk): inputs/s, tokens/s;
   mixed        both at once: the queries' p50/p95 and the stream's throughput;
-  bulk solo again  the stream alone once more: bulk/solo is against the mean of both solo runs;
+  bulk solo again  the stream alone once more: bulk/solo is against the mean of both solo runs
+               (in inputs/s, and in words/s, which does not depend on which chunks a window held);
   mixed-fifo   the same, with the stream sent at interactive priority: what a one-queue
                engine (Infinity, TEI) does to live queries.
 For a server it starts, a second table says where the cores went in each phase (from /proc): the
@@ -68,6 +69,7 @@ class BulkStream(threading.Thread):
         self.address, self.chunks, self.priority = address, chunks, priority
         self.stop = threading.Event()
         self.done_at: list[float] = []
+        self.words: list[int] = []  # per result: its input's length (the chunks' lengths vary widely)
 
     def _items(self):
         i = 0
@@ -77,13 +79,18 @@ class BulkStream(threading.Thread):
 
     def run(self) -> None:
         with grpc.insecure_channel(self.address) as channel:
-            for _ in embed_iterable(channel, self._items(), progress=False, priority=self.priority):
+            for result in embed_iterable(channel, self._items(), progress=False, priority=self.priority):
                 self.done_at.append(time.perf_counter())
+                self.words.append(1 + len(self.chunks[int(result.id) % len(self.chunks)].split()))
                 if self.stop.is_set():
                     break
 
     def rate(self, start: float, end: float) -> float:
         return sum(start <= t < end for t in self.done_at) / (end - start)
+
+    def word_rate(self, start: float, end: float) -> float:
+        """Words of the inputs done per second: unlike inputs/s, blind to which chunks a window held."""
+        return sum(w for t, w in zip(self.done_at, self.words, strict=True) if start <= t < end) / (end - start)
 
 
 def query_latencies(stub, seconds: float) -> list[float]:
@@ -144,6 +151,7 @@ def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None) -> dic
         results[phase] = {
             "query_ms": latencies,
             "bulk_inputs_per_s": stream.rate(start, end),
+            "bulk_words_per_s": stream.word_rate(start, end),
             "cpu": CpuProbe.cores(before, after),
         }
         time.sleep(1)
@@ -152,11 +160,13 @@ def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None) -> dic
 
 def report(results: dict) -> list[dict]:
     rows = []
-    solo = np.mean([r["bulk_inputs_per_s"] for phase, r in results.items() if phase.startswith("bulk solo")])
+    solos = [r for phase, r in results.items() if phase.startswith("bulk solo")]
+    solo = np.mean([r["bulk_inputs_per_s"] for r in solos])
+    solo_words = np.mean([r["bulk_words_per_s"] for r in solos])
     idle_p95 = pct(results["idle"]["query_ms"], 95)
     for phase, r in results.items():
         q = r["query_ms"]
-        bulk = r.get("bulk_inputs_per_s")
+        bulk, words = r.get("bulk_inputs_per_s"), r.get("bulk_words_per_s")
         rows.append(
             {
                 "phase": phase,
@@ -166,17 +176,19 @@ def report(results: dict) -> list[dict]:
                 "p95_vs_idle": pct(q, 95) / idle_p95 if q else None,
                 "bulk_inputs_per_s": bulk,
                 "bulk_vs_solo": bulk / solo if bulk is not None and solo else None,
+                "bulk_words_vs_solo": words / solo_words if words is not None and solo_words else None,
             }
         )
     print(
         f"{'phase':<16} {'queries':>7} {'p50 ms':>8} {'p95 ms':>8} {'p95/idle':>9} {'bulk in/s':>10} {'bulk/solo':>9}"
+        f" {'words/solo':>10}"
     )
     for row in rows:
         fmt = lambda v, f: (f % v) if isinstance(v, float) else "-"  # noqa: E731
         print(
             f"{row['phase']:<16} {row['queries']:>7} {fmt(row['p50_ms'], '%8.1f'):>8} {fmt(row['p95_ms'], '%8.1f'):>8} "
             f"{fmt(row['p95_vs_idle'], '%9.2f'):>9} {fmt(row['bulk_inputs_per_s'], '%10.1f'):>10} "
-            f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9}"
+            f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9} {fmt(row['bulk_words_vs_solo'], '%10.2f'):>10}"
         )
     report_cpu(results, rows)
     return rows
@@ -193,8 +205,10 @@ def report_cpu(results: dict, rows: list[dict]) -> None:
     print(f"\ncores used       {' '.join(f'{g:>13}' for g in CPU_GROUPS)} {'bulk CPU/solo':>13}")
     for row, r in zip(rows, results.values(), strict=True):
         row["cpu_cores"] = r["cpu"]
+        # No SCHED_IDLE threads (--worker-nice 0): the bulk lanes count under "workers, rest", no share.
         row["bulk_cpu_vs_solo"] = r["cpu"]["bulk lanes"] / solo if solo else None
-        share = f"{row['bulk_cpu_vs_solo']:13.2f}" if r.get("bulk_inputs_per_s") is not None else f"{'-':>13}"
+        streamed = r.get("bulk_inputs_per_s") is not None and row["bulk_cpu_vs_solo"] is not None
+        share = f"{row['bulk_cpu_vs_solo']:13.2f}" if streamed else f"{'-':>13}"
         cores = " ".join(f"{r['cpu'][g]:13.2f}" for g in CPU_GROUPS)
         print(f"{row['phase']:<16} {cores} {share}")
 

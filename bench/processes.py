@@ -136,10 +136,14 @@ def _stat_fields(path: str) -> list[str] | None:
     return raw[raw.rfind(")") + 2 :].split()
 
 
+def _cpu(fields: list[str]) -> float:
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+
+
 def _proc_stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, CPU seconds) of a live process."""
     fields = _stat_fields(f"/proc/{pid}/stat")
-    return None if fields is None else (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK)
+    return None if fields is None else (int(fields[1]), _cpu(fields))
 
 
 def thread_stats(pids: list[int], idle: bool) -> list[str]:
@@ -159,7 +163,7 @@ def thread_stats(pids: list[int], idle: bool) -> list[str]:
 def _cpu_seconds(member: int | str) -> float:
     """CPU seconds of a process (a pid: all its threads) or of one thread (its stat file)."""
     fields = _stat_fields(member if isinstance(member, str) else f"/proc/{member}/stat")
-    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return 0.0 if fields is None else _cpu(fields)
 
 
 def process_tree(root: int) -> list[int]:
