@@ -77,6 +77,20 @@ def _connect(server, port: str = "rest") -> socket.socket:
     return socket.create_connection(("127.0.0.1", getattr(server, f"{port}_port")), timeout=5)
 
 
+def _trickle(sock: socket.socket, data: bytes) -> tuple[bool, bytes, int]:
+    """Sends `data` a byte every 0.1 s until the peer closes: (closed, all it sent back, bytes sent)."""
+    closed, answer, sent = False, b"", 0
+    while not closed and sent < len(data):
+        try:
+            sock.send(data[sent : sent + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            return True, answer, sent
+        sent += 1
+        closed, more = _closed(sock, 0.1)
+        answer += more
+    return closed, answer, sent
+
+
 PORTS = pytest.mark.parametrize("port", ["rest", "grpc"])
 
 
@@ -90,15 +104,7 @@ def test_headers_trickled_one_byte_at_a_time_are_cut_off_at_the_header_timeout(l
     )
     with _connect(limited, port) as sock:
         started = time.monotonic()
-        closed, answer, sent = False, b"", 0
-        while not closed and sent < len(request):
-            try:
-                sock.send(request[sent : sent + 1])
-            except (BrokenPipeError, ConnectionResetError):
-                closed = True
-                break
-            sent += 1
-            closed, answer = _closed(sock, 0.1)  # a byte every 0.1 s: 50 s for the whole header
+        closed, answer, sent = _trickle(sock, request)  # 50 s for the whole header
         elapsed = time.monotonic() - started
     assert closed and sent < len(request), f"still open after {elapsed:.1f}s, {sent} bytes"
     assert HEADER_TIMEOUT - 0.2 < elapsed < HEADER_TIMEOUT + MARGIN
@@ -114,16 +120,7 @@ def test_a_body_trickled_one_byte_at_a_time_gets_408_at_the_request_timeout(limi
     with _connect(limited) as sock:
         started = time.monotonic()
         sock.sendall(head)  # the headers in time: only the body is slow
-        closed, answer, sent = False, b"", 0
-        while not closed and sent < len(body):
-            try:
-                sock.send(body[sent : sent + 1])
-            except (BrokenPipeError, ConnectionResetError):
-                closed = True
-                break
-            sent += 1
-            closed, more = _closed(sock, 0.1)  # a byte every 0.1 s: 35 s for the whole body
-            answer += more
+        closed, answer, sent = _trickle(sock, body)  # 35 s for the whole body
         elapsed = time.monotonic() - started
     assert closed and sent < len(body), f"still open after {elapsed:.1f}s, {sent} bytes"
     assert REQUEST_TIMEOUT - 0.2 < elapsed < REQUEST_TIMEOUT + MARGIN
