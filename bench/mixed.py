@@ -1,6 +1,6 @@
 """Interactive queries while bulk ingestion saturates the server (issue #9's benchmark).
 
-    python -m encoderd.bench.mixed [--seconds 15] [--serve-args "--dtype bfloat16"]
+    python -m encoderd.bench.mixed [--seconds 15] [--rounds 3] [--serve-args "--dtype bfloat16"]
 
 It starts its own `encoderd serve` (or uses --target HOST:PORT) and measures, one
 phase after the other on the same server:
@@ -11,6 +11,9 @@ phase after the other on the same server:
                (in inputs/s, and in words/s, which does not depend on which chunks a window held);
   mixed-fifo   the same, with the stream sent at interactive priority: what a one-queue
                engine (Infinity, TEI) does to live queries.
+With --rounds N, N pairs of bulk solo and mixed run before the last solo, each mixed round is
+compared with the solo runs on either side of it, and a summary gives the median and range of
+each goal's figure over the rounds: one window moves by several percent on a shared host.
 For a server it starts, a second table says where the cores went in each phase (from /proc): the
 frontend, the workers' bulk lanes (their SCHED_IDLE threads, under the default --worker-nice), the
 workers' other threads (urgent lanes, receivers), this benchmark's own clients, and anything else
@@ -120,22 +123,26 @@ def server_cpu(server_pid: int) -> CpuProbe:
     return CpuProbe(groups)
 
 
-def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None) -> dict:
+def phase_names(rounds: int) -> list[str]:
+    """The phases in the order they run: idle, then `rounds` pairs of a solo and a mixed phase,
+    one more solo (every mixed phase has a solo on each side), and mixed-fifo."""
+    if rounds == 1:
+        return ["idle", "bulk solo", "mixed", "bulk solo again", "mixed-fifo"]
+    pairs = [name for r in range(1, rounds + 1) for name in (f"bulk solo {r}", f"mixed {r}")]
+    return ["idle", *pairs, f"bulk solo {rounds + 1}", "mixed-fifo"]
+
+
+def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None, rounds: int = 1) -> list[dict]:
+    """Each phase's results, in the order of phase_names(rounds)."""
     stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
     chunks = chunk_corpus(2000)
     query_latencies(stub, 2)  # warm up
     cpu = cpu or CpuProbe({})
     before = cpu.snapshot()
-    results: dict[str, dict] = {"idle": {"query_ms": query_latencies(stub, seconds)}}
-    results["idle"]["cpu"] = CpuProbe.cores(before, cpu.snapshot())
-    # Solo before and after mixed: a host whose speed drifts (shared CPUs, clocks) or a server still
-    # warming up would otherwise bias the stream's share toward one side; its solo is their mean.
-    for phase, priority in (
-        ("bulk solo", pb.PRIORITY_BULK),
-        ("mixed", pb.PRIORITY_BULK),
-        ("bulk solo again", pb.PRIORITY_BULK),
-        ("mixed-fifo", pb.PRIORITY_INTERACTIVE),
-    ):
+    latencies = query_latencies(stub, seconds)
+    phases: list[dict] = [{"phase": "idle", "query_ms": latencies, "cpu": CpuProbe.cores(before, cpu.snapshot())}]
+    for phase in phase_names(rounds)[1:]:
+        priority = pb.PRIORITY_INTERACTIVE if phase == "mixed-fifo" else pb.PRIORITY_BULK
         stream = BulkStream(address, chunks, priority)
         stream.start()
         time.sleep(3)  # reach steady state
@@ -148,35 +155,52 @@ def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None) -> dic
         end, after = time.perf_counter(), cpu.snapshot()
         stream.stop.set()
         stream.join(timeout=60)
-        results[phase] = {
-            "query_ms": latencies,
-            "bulk_inputs_per_s": stream.rate(start, end),
-            "bulk_words_per_s": stream.word_rate(start, end),
-            "cpu": CpuProbe.cores(before, after),
-        }
-        time.sleep(1)
-    return results
-
-
-def report(results: dict) -> list[dict]:
-    rows = []
-    solos = [r for phase, r in results.items() if phase.startswith("bulk solo")]
-    solo = np.mean([r["bulk_inputs_per_s"] for r in solos])
-    solo_words = np.mean([r["bulk_words_per_s"] for r in solos])
-    idle_p95 = pct(results["idle"]["query_ms"], 95)
-    for phase, r in results.items():
-        q = r["query_ms"]
-        bulk, words = r.get("bulk_inputs_per_s"), r.get("bulk_words_per_s")
-        rows.append(
+        phases.append(
             {
                 "phase": phase,
+                "query_ms": latencies,
+                "bulk_inputs_per_s": stream.rate(start, end),
+                "bulk_words_per_s": stream.word_rate(start, end),
+                "cpu": CpuProbe.cores(before, after),
+            }
+        )
+        time.sleep(1)
+    return phases
+
+
+def solo_reference(phases: list[dict], index: int, value) -> float | None:
+    """What phases[index] is compared with: for a mixed round, the mean of `value` over the solo runs
+    just before and after it (a host whose speed drifts, or a server still warming up, then biases
+    neither side); for any other phase, the mean over every solo run. None without a solo run."""
+    solos = [i for i, p in enumerate(phases) if p["phase"].startswith("bulk solo")]
+    if phases[index]["phase"].startswith("mixed") and phases[index]["phase"] != "mixed-fifo":
+        solos = [i for i in solos if abs(i - index) == 1] or solos
+    values = [value(phases[i]) for i in solos]
+    return float(np.mean(values)) if values and all(v is not None for v in values) else None
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    return value / reference if value is not None and reference else None
+
+
+def report(phases: list[dict]) -> list[dict]:
+    rows = []
+    idle_p95 = pct(phases[0]["query_ms"], 95)
+    for i, r in enumerate(phases):
+        q = r["query_ms"]
+        bulk = r.get("bulk_inputs_per_s")
+        rows.append(
+            {
+                "phase": r["phase"],
                 "queries": len(q),
                 "p50_ms": pct(q, 50),
                 "p95_ms": pct(q, 95),
                 "p95_vs_idle": pct(q, 95) / idle_p95 if q else None,
                 "bulk_inputs_per_s": bulk,
-                "bulk_vs_solo": bulk / solo if bulk is not None and solo else None,
-                "bulk_words_vs_solo": words / solo_words if words is not None and solo_words else None,
+                "bulk_vs_solo": _ratio(bulk, solo_reference(phases, i, lambda p: p.get("bulk_inputs_per_s"))),
+                "bulk_words_vs_solo": _ratio(
+                    r.get("bulk_words_per_s"), solo_reference(phases, i, lambda p: p.get("bulk_words_per_s"))
+                ),
             }
         )
     print(
@@ -190,27 +214,49 @@ def report(results: dict) -> list[dict]:
             f"{fmt(row['p95_vs_idle'], '%9.2f'):>9} {fmt(row['bulk_inputs_per_s'], '%10.1f'):>10} "
             f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9} {fmt(row['bulk_words_vs_solo'], '%10.2f'):>10}"
         )
-    report_cpu(results, rows)
+    report_cpu(phases, rows)
+    summarize_rounds(rows)
     return rows
 
 
 CPU_GROUPS = ("frontend", "bulk lanes", "workers, rest", "client", "foreign")
 
 
-def report_cpu(results: dict, rows: list[dict]) -> None:
+def report_cpu(phases: list[dict], rows: list[dict]) -> None:
     """Cores per group and phase (a server this bench started only); adds them to `rows`."""
-    if "bulk lanes" not in results["idle"]["cpu"]:
+    if "bulk lanes" not in phases[0]["cpu"]:
         return
-    solo = np.mean([r["cpu"]["bulk lanes"] for phase, r in results.items() if phase.startswith("bulk solo")])
     print(f"\ncores used       {' '.join(f'{g:>13}' for g in CPU_GROUPS)} {'bulk CPU/solo':>13}")
-    for row, r in zip(rows, results.values(), strict=True):
+    for i, (row, r) in enumerate(zip(rows, phases, strict=True)):
         row["cpu_cores"] = r["cpu"]
         # No SCHED_IDLE threads (--worker-nice 0): the bulk lanes count under "workers, rest", no share.
-        row["bulk_cpu_vs_solo"] = r["cpu"]["bulk lanes"] / solo if solo else None
+        lanes = solo_reference(phases, i, lambda p: p["cpu"]["bulk lanes"])
+        row["bulk_cpu_vs_solo"] = _ratio(r["cpu"]["bulk lanes"], lanes)
         streamed = r.get("bulk_inputs_per_s") is not None and row["bulk_cpu_vs_solo"] is not None
         share = f"{row['bulk_cpu_vs_solo']:13.2f}" if streamed else f"{'-':>13}"
         cores = " ".join(f"{r['cpu'][g]:13.2f}" for g in CPU_GROUPS)
         print(f"{row['phase']:<16} {cores} {share}")
+
+
+def summarize_rounds(rows: list[dict]) -> dict | None:
+    """With several mixed rounds: the median and range of each goal's figure over them (one
+    10-second window moves by several percent on a shared host; a median of rounds much less)."""
+    mixed = [row for row in rows if row["phase"].startswith("mixed ")]
+    if len(mixed) < 2:
+        return None
+    summary = {}
+    print(f"\nover {len(mixed)} mixed rounds: median (min-max)")
+    for key, label in (
+        ("p95_vs_idle", "query p95 / idle p95"),
+        ("bulk_vs_solo", "stream vs solo, inputs/s"),
+        ("bulk_words_vs_solo", "stream vs solo, words/s"),
+        ("bulk_cpu_vs_solo", "bulk-lane CPU vs solo"),
+    ):
+        values = [row[key] for row in mixed if row.get(key) is not None]
+        if values:
+            summary[key] = float(np.median(values))
+            print(f"  {label:<26} {summary[key]:.2f} ({min(values):.2f}-{max(values):.2f})")
+    return summary
 
 
 def main(argv=None) -> int:
@@ -218,8 +264,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seconds", type=float, default=15, help="length of each measured phase")
     parser.add_argument("--target", help="HOST:PORT of a running encoderd (default: start one)")
     parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for the server it starts")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="solo / mixed pairs, each mixed round against the solo runs beside it"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     server, address = None, args.target
     if not address:
         address = f"127.0.0.1:{free_port()}"
@@ -234,7 +285,7 @@ def main(argv=None) -> int:
     try:
         if server:
             wait_until(lambda: grpc_serving(address), "encoderd", server, timeout=300)
-        rows = report(run_phases(address, args.seconds, server_cpu(server.pid) if server else None))
+        rows = report(run_phases(address, args.seconds, server_cpu(server.pid) if server else None, args.rounds))
     finally:
         if server:
             server.stop()

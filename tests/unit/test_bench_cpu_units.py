@@ -39,3 +39,33 @@ def test_an_idle_policy_thread_is_counted_in_its_own_group():
     finally:
         stop.set()
         spinner.join(5)
+
+
+def _phase(name: str, inputs: float | None = None, lanes: float = 0.0, queries: int = 0) -> dict:
+    stream = {} if inputs is None else {"bulk_inputs_per_s": inputs, "bulk_words_per_s": 10 * inputs}
+    return {"phase": name, "query_ms": [0.01] * queries, "cpu": {"bulk lanes": lanes}, **stream}
+
+
+def test_each_mixed_round_is_compared_with_the_solo_runs_beside_it():
+    from encoderd.bench.mixed import phase_names, solo_reference, summarize_rounds
+
+    names = phase_names(2)
+    assert names == ["idle", "bulk solo 1", "mixed 1", "bulk solo 2", "mixed 2", "bulk solo 3", "mixed-fifo"]
+    assert phase_names(1) == ["idle", "bulk solo", "mixed", "bulk solo again", "mixed-fifo"]
+    # A host that slows down through the run: solo 100, 80, 60 inputs/s.
+    streams = {"bulk solo 1": 100, "mixed 1": 81, "bulk solo 2": 80, "mixed 2": 63, "bulk solo 3": 60, "mixed-fifo": 50}
+    phases = [_phase(n, streams.get(n), queries=5 if n.startswith("mixed") or n == "idle" else 0) for n in names]
+    inputs = lambda p: p.get("bulk_inputs_per_s")  # noqa: E731
+    assert solo_reference(phases, names.index("mixed 1"), inputs) == 90  # (100 + 80) / 2
+    assert solo_reference(phases, names.index("mixed 2"), inputs) == 70  # (80 + 60) / 2
+    assert solo_reference(phases, names.index("mixed-fifo"), inputs) == 80  # every solo run
+    assert solo_reference(phases, names.index("bulk solo 2"), inputs) == 80
+
+    rows = [
+        {"phase": "mixed 1", "bulk_vs_solo": 0.9},
+        {"phase": "mixed 2", "bulk_vs_solo": 0.84},
+        {"phase": "mixed 3", "bulk_vs_solo": 0.95},
+        {"phase": "mixed-fifo", "bulk_vs_solo": 0.1},
+    ]
+    assert summarize_rounds(rows) == {"bulk_vs_solo": 0.9}  # the median of the three rounds; not fifo
+    assert summarize_rounds(rows[:1]) is None  # one round: nothing to summarize
