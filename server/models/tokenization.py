@@ -1,7 +1,8 @@
 """Tokenization with Hugging Face `tokenizers`, off the event loop.
 
 `encode_batch` runs in Rust and releases the GIL, so a small thread pool
-keeps the event loop free while batches are tokenized.
+keeps the event loop free while batches are tokenized. The smallest
+requests (INLINE_CHARS) are tokenized on the loop: the hand-off costs more.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class ModelTokenizer:
         """encode_batch over the batch in pieces of bounded size: a cancelled or expired request
         stops between pieces (a running Rust call cannot be interrupted), and a huge request
         shares the pool with others instead of holding a thread for seconds."""
+        if not bulk and len(batch) <= INLINE_INPUTS and sum(map(_size, batch)) <= INLINE_CHARS:
+            return encode_batch(batch, **kwargs)  # a live query: on the loop itself (see INLINE_CHARS)
         loop = asyncio.get_running_loop()
         executor = self._bulk_executor if bulk else self._executor
         out: list[Encoding] = []
@@ -168,12 +171,22 @@ class ModelTokenizer:
 
 CHUNK_INPUTS = 64  # inputs per tokenizer call ...
 CHUNK_CHARS = 256 * 1024  # ... and characters (a few tens of ms of one core)
+# A request this small (a live query or two) is tokenized on the event loop: encoding it takes
+# less CPU than handing it to the pool and waking the loop again, and blocks the loop for
+# microseconds. A 6-word query on Zen 5: 34 us of CPU inline, 122 us through the pool; the
+# server's frontend CPU per sequential short query went from 3.9-4.5 to 3.7 ms.
+INLINE_INPUTS = 4
+INLINE_CHARS = 1024
+
+
+def _size(item: str | tuple[str | None, str]) -> int:
+    return sum(len(t) for t in item if t) if isinstance(item, tuple) else len(item)
 
 
 def _chunks(batch: list):
     start, chars = 0, 0
     for i, item in enumerate(batch):
-        size = sum(len(t) for t in item if t) if isinstance(item, tuple) else len(item)
+        size = _size(item)
         if i > start and (i - start >= CHUNK_INPUTS or chars + size > CHUNK_CHARS):
             yield batch[start:i]
             start, chars = i, 0
