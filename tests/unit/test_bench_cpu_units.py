@@ -41,9 +41,9 @@ def test_an_idle_policy_thread_is_counted_in_its_own_group():
         spinner.join(5)
 
 
-def _phase(name: str, inputs: float | None = None, lanes: float = 0.0, queries: int = 0) -> dict:
+def _phase(name: str, inputs: float | None = None, queries: int = 0) -> dict:
     stream = {} if inputs is None else {"bulk_inputs_per_s": inputs, "bulk_words_per_s": 10 * inputs}
-    return {"phase": name, "query_ms": [0.01] * queries, "cpu": {"bulk lanes": lanes}, **stream}
+    return {"phase": name, "query_ms": [0.01] * queries, "cpu": {"bulk lanes": 0.0}, **stream}
 
 
 def test_each_mixed_round_is_compared_with_the_solo_runs_beside_it():
