@@ -99,3 +99,14 @@ def print_floors(items: dict, out=sys.stdout) -> None:
             f"encoderd p50 / that: {over}",
             file=out,
         )
+
+
+def print_served(models: list[dict], out=sys.stdout) -> None:
+    """What encoderd actually served: `--dtype auto` resolves per host, and a model whose automatic
+    bfloat16 fails its fidelity self-check is served float32, so a row's dtype is not the flag's."""
+    if models:
+        served = "; ".join(
+            f"{m['id']} ({m['kind']}): {m['engine']} {m['dtype']} x{m['replicas']}, fidelity {m['fidelity_status']}"
+            for m in models
+        )
+        print(f"encoderd served: {served}", file=out)

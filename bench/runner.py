@@ -22,7 +22,7 @@ from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
 from .options import build_parser, log, resolve_options, serving_threads, worker_threads
 from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
 from .recovery import run_recovery
-from .report import floors, print_floors, print_ratios, print_table, ratios
+from .report import floors, print_floors, print_ratios, print_served, print_table, ratios
 from .servers import (
     RERANKER_NAME,
     build_reranker,
@@ -133,7 +133,8 @@ class Bench:
             wait_until(lambda: http_ok(base + "/health"), "encoderd REST", server, 300)
         models = list_models(address)
         embed = next(m for m in models if m.kind == "embedding")
-        rerank = next((m.id for m in models if m.kind == "reranker"), None)
+        reranker = next((m for m in models if m.kind == "reranker"), None)
+        rerank = reranker.id if reranker else None
         self.info["encoderd_models"] = [
             {
                 "id": m.id,
@@ -142,6 +143,7 @@ class Bench:
                 "device": m.device,
                 "dtype": m.dtype,
                 "replicas": len(m.replicas),
+                "fidelity_status": m.fidelity_status,
             }
             for m in models
         ]
@@ -156,6 +158,9 @@ class Bench:
                 "probe": probe,
                 "metrics": metrics,
                 "dtype": embed.dtype,
+                # An automatic bfloat16 that fails a model's fidelity check is served float32: the
+                # reranker's utilisation is measured against the peak of its own dtype.
+                "rerank_dtype": reranker.dtype if reranker else embed.dtype,
                 "model": embed.id,
             }
         ]
@@ -202,8 +207,9 @@ class Bench:
         if "rerank" in args.modes and work.rerank_sets:
             for t in targets:
                 self.quiet()
+                dtype = t.get("rerank_dtype", t["dtype"])
                 self.rows.append(
-                    run_rerank(t["name"], t["client"], work, args, t["probe"], flops, peak.get(t["dtype"]), threads)
+                    run_rerank(t["name"], t["client"], work, args, t["probe"], flops, peak.get(dtype), threads)
                 )
         if "bulk" in args.modes:
             for t in targets:
@@ -284,6 +290,7 @@ class Bench:
         print_table(self.rows)
         print_ratios(result["ratios"])
         print_floors(result["floors"])
+        print_served(self.info.get("encoderd_models", []))
         print(f"\nconditions: {json.dumps(result['conditions'])}")
         if "corpus" in self.info:  # a recovery-only run has none
             print(f"corpus tokens: {json.dumps(self.info['corpus'])}")

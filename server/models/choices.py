@@ -27,8 +27,9 @@ def explain(name: str, cfg: ServerConfig, placements: list[Placement], engine: s
 
 def _dtype_reason(cfg: ServerConfig, placements: list[Placement], engine: str, dtype: str) -> str:
     if cfg.dtype != "auto":
-        return f"dtype {dtype} (--dtype {cfg.dtype})"
-    if any(p.device != "cpu" for p in placements):
+        note = hardware.explicit_dtype_note(engine, dtype) if cpu_only(placements) else None
+        return f"dtype {dtype} (--dtype {cfg.dtype}" + (f"; {note})" if note else ")")
+    if not cpu_only(placements):
         return f"dtype {dtype} (--dtype auto: float16 on CUDA)"
     wanted, why = hardware.choose_cpu_dtype(engine)
     if wanted != dtype:
@@ -37,3 +38,7 @@ def _dtype_reason(cfg: ServerConfig, placements: list[Placement], engine: str, d
             f"so {dtype} (worker log has the figures))"
         )
     return f"dtype {dtype} (--dtype auto: {why})"
+
+
+def cpu_only(placements: list[Placement]) -> bool:
+    return all(p.device == "cpu" for p in placements)

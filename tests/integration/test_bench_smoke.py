@@ -71,6 +71,12 @@ def test_bench_quick_writes_report(tmp_path, reranker_path):
     bulk = rows[("bulk", "grpc")]
     assert bulk["padding_ratio"] >= 1 and bulk["worker_busy"] is not None and "worker" in bulk["cpu_cores"]
     assert "mode" in done.stdout and "bulk" in done.stdout  # the table was printed
+    # What each model was served as is printed: an automatic dtype can differ from model to model
+    # (a bfloat16 that fails its fidelity check is served float32).
+    served = report["encoderd_models"]
+    assert {m["kind"] for m in served} == {"embedding", "reranker"}
+    assert all(m["fidelity_status"] == "passed" for m in served), served
+    assert all(f"({m['kind']}): {m['engine']} {m['dtype']} x{m['replicas']}" in done.stdout for m in served)
 
     # Everything the benchmark started is gone.
     assert not [pid for pid in report["pids"]["encoderd"] if _alive(pid)]

@@ -13,7 +13,8 @@ Mul before each quantized linear), `aX` (its alpha), `dX` (the FFN down-projecti
 an encoderd Int8Linear (workers/backends/int8_linear.py: one dynamic scale per token, int8 x int8 in
 torch._int_mm), `ptdown` (only the FFN down-projection so), `rawdown` (no smoothing of the
 down-projection), `w7` (7-bit weights: what a CPU without VNNI needs); `encoderd`: what the backend
-`--engine torch --dtype int8` loads on this CPU (hardware.torch_int8_recipe). Speed is CPU time of
+`--engine torch --dtype int8` loads on this CPU (hardware.torch_int8_recipe); `bfloat16`: the
+bfloat16 model, for comparison where the CPU computes it natively. Speed is CPU time of
 this process (best of 4 interleaved rounds): on a machine shared with other work, wall time is not
 comparable between recipes; use THREADS 1 so CPU time is compute time. The AVX2 estimate (emulated):
 
@@ -50,8 +51,9 @@ ntok = sum(len(i) for i in ids)
 
 
 def build(recipe):
-    if recipe == "encoderd":  # what `--engine torch --dtype int8` serves on this CPU
-        b = torch_backend.TorchBackend(spec, BackendOptions(dtype="int8", threads=threads))
+    if recipe in ("encoderd", "bfloat16"):  # what `--engine torch --dtype int8` (or bfloat16) serves on this CPU
+        dtype = "int8" if recipe == "encoderd" else recipe
+        b = torch_backend.TorchBackend(spec, BackendOptions(dtype=dtype, threads=threads))
         b.load()
         return b
     real = packed_linear.available

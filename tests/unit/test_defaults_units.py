@@ -14,6 +14,7 @@ from encoderd.workers.contract.hardware import (
     CpuBudget,
     choose_cpu_dtype,
     choose_cpu_layout,
+    explicit_dtype_note,
     parse_cgroup_v1,
     parse_cgroup_v2,
 )
@@ -109,6 +110,17 @@ def test_automatic_cpu_dtype(name, engine, dtype):
 def test_masking_bf16_chooses_int8_then_float32():
     assert choose_cpu_dtype("torch", host("zen4", mask="avx512_bf16"))[0] == "int8"  # VNNI left
     assert choose_cpu_dtype("torch", host("zen4", mask="avx512_bf16,avx512_vnni"))[0] == "float32"
+
+
+def test_explicit_int8_where_bfloat16_is_native_is_served_with_a_note():
+    """Issue 19.3: where the host cannot give int8 both goals but has a better dtype, the server says so
+    (the start-up line) and serves what it was asked for."""
+    note = explicit_dtype_note("torch", "int8", host("spr"))
+    assert note and "amx_bf16" in note and "--dtype auto picks it" in note
+    assert "avx512_bf16" in explicit_dtype_note("torch", "int8", host("zen4"))
+    assert explicit_dtype_note("torch", "int8", host("zen4", mask="avx512_bf16")) is None  # int8 is auto there
+    assert explicit_dtype_note("onnx", "int8", host("spr")) is None  # onnx computes no bfloat16 on CPU
+    assert explicit_dtype_note("torch", "float32", host("spr")) is None
 
 
 def test_cli_defaults_are_automatic(monkeypatch):
