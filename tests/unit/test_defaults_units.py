@@ -112,7 +112,7 @@ def test_masking_bf16_chooses_int8_then_float32():
     assert choose_cpu_dtype("torch", host("zen4", mask="avx512_bf16,avx512_vnni"))[0] == "float32"
 
 
-def test_explicit_int8_where_bfloat16_is_native_is_served_with_a_note():
+def test_explicit_int8_or_float16_where_bfloat16_is_native_is_served_with_a_note():
     """Issue 19.3: where the host cannot give int8 both goals but has a better dtype, the server says so
     (the start-up line) and serves what it was asked for."""
     note = explicit_dtype_note("torch", "int8", host("spr"))
@@ -121,6 +121,9 @@ def test_explicit_int8_where_bfloat16_is_native_is_served_with_a_note():
     assert explicit_dtype_note("torch", "int8", host("zen4", mask="avx512_bf16")) is None  # int8 is auto there
     assert explicit_dtype_note("onnx", "int8", host("spr")) is None  # onnx computes no bfloat16 on CPU
     assert explicit_dtype_note("torch", "float32", host("spr")) is None
+    # float16 where its matrix products are no faster than float32's (avx512_fp16, no amx_fp16)
+    assert "amx_fp16" in explicit_dtype_note("torch", "float16", host("spr"))
+    assert explicit_dtype_note("torch", "bfloat16", host("spr")) is None
 
 
 def test_cli_defaults_are_automatic(monkeypatch):
