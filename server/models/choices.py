@@ -27,9 +27,9 @@ def explain(name: str, cfg: ServerConfig, placements: list[Placement], engine: s
 
 def _dtype_reason(cfg: ServerConfig, placements: list[Placement], engine: str, dtype: str) -> str:
     if cfg.dtype != "auto":
-        note = hardware.explicit_dtype_note(engine, dtype) if cpu_only(placements) else None
+        note = hardware.explicit_dtype_note(engine, dtype) if _cpu_only(placements) else None
         return f"dtype {dtype} (--dtype {cfg.dtype}" + (f"; {note})" if note else ")")
-    if not cpu_only(placements):
+    if not _cpu_only(placements):
         return f"dtype {dtype} (--dtype auto: float16 on CUDA)"
     wanted, why = hardware.choose_cpu_dtype(engine)
     if wanted != dtype:
@@ -40,5 +40,5 @@ def _dtype_reason(cfg: ServerConfig, placements: list[Placement], engine: str, d
     return f"dtype {dtype} (--dtype auto: {why})"
 
 
-def cpu_only(placements: list[Placement]) -> bool:
+def _cpu_only(placements: list[Placement]) -> bool:
     return all(p.device == "cpu" for p in placements)

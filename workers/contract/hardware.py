@@ -381,14 +381,15 @@ INT8_AUTO_ENGINES = ("torch", "auto")
 # Engines that compute bfloat16 on CPU (onnxruntime and CTranslate2 do not there).
 CPU_BF16_ENGINES = ("torch", "auto")
 
-# Where bfloat16 is native it beats torch int8 on both counts. Through the server (`encoderd bench
-# --modes bulk --no-st --corpus-size 2048 --serve-args "--dtype X"`, MiniLM, 2 workers x 1 thread,
-# float32 / int8 / bfloat16 alternated, two rounds): Xeon with AMX (amx_bf16, amx_int8) 10,058-10,315
-# / 13,008-13,795 / 26,676-27,050 tokens/s, int8 1.31x float32 and bfloat16 2.6x; Zen 5 (avx512_bf16,
-# VNNI) int8 1.50x, bfloat16 ~2x. Min cosine to float32: int8 0.997, bfloat16 0.9997.
+# Where bfloat16 is native it is closer to float32 than torch int8 (min cosine 0.9997 vs 0.997) and
+# faster where both were measured: through the server (`encoderd bench --modes bulk --no-st
+# --corpus-size 2048 --serve-args "--dtype X"`, MiniLM, 2 workers x 1 thread, float32 / int8 /
+# bfloat16 alternated, two rounds) on a Xeon with AMX (amx_bf16, amx_int8): 10,058-10,315 /
+# 13,008-13,795 / 26,676-27,050 tokens/s, int8 1.31x float32 and bfloat16 2.6x; in-process on a Zen 5
+# (avx512_bf16, VNNI; the table above): int8 1.65x, bfloat16 about 2x.
 _BF16_OVER_INT8 = (
-    "measured faster than torch int8 and closer to float32 (Xeon with AMX: bfloat16 2.6x float32 "
-    "tokens/s, int8 1.3x); --dtype auto picks it"
+    "closer to float32 than int8 and measured faster (Xeon with AMX: bfloat16 2.6x float32 tokens/s, "
+    "int8 1.3x); --dtype auto picks it"
 )
 # avx512_fp16 without amx_fp16 (Sapphire Rapids): torch's float16 matrix products run at float32 speed
 # (2048x768x3072, one thread, two runs: float16 160-164, float32 168-179, bfloat16 1,235-1,319 GFLOP/s);
