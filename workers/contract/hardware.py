@@ -69,6 +69,10 @@ class CpuInfo:
     def has_any(self, flags: tuple[str, ...]) -> bool:
         return any(flag in self.flags for flag in flags)
 
+    def present(self, flags: tuple[str, ...]) -> str:
+        """Those of `flags` this CPU has, space-separated (for the reasons the policy logs)."""
+        return " ".join(flag for flag in flags if flag in self.flags)
+
     @property
     def int8_exact(self) -> bool:
         """Whether u8 x s8 int8 GEMMs accumulate in int32 (VNNI / AMX) rather than saturating
@@ -410,13 +414,13 @@ def choose_cpu_dtype(engine: str, info: CpuInfo | None = None) -> tuple[str, str
         return "float32", f"--engine {engine} computes no bfloat16 on CPU; {INT8_NOT_AUTO} and --engine torch"
     if not info.has_any(NATIVE_BF16):
         if info.is_x86 and info.has_any(VNNI_INT8) and engine in INT8_AUTO_ENGINES:
-            vnni = " ".join(f for f in VNNI_INT8 if f in info.flags)
+            vnni = info.present(VNNI_INT8)
             return "int8", (
                 f"no native bfloat16 but int8 dot products ({vnni}): torch per-token int8 measured 1.65x "
                 "float32 at min cosine 0.997, if the fidelity check passes"
             )
         return "float32", f"no native bfloat16 ({_missing(NATIVE_BF16)}) on this CPU; {INT8_NOT_AUTO}"
-    native = " ".join(f for f in NATIVE_BF16 if f in info.flags)
+    native = info.present(NATIVE_BF16)
     return "bfloat16", f"native bfloat16 ({native}): ~2x float32 matmul throughput, if the fidelity check passes"
 
 
@@ -426,7 +430,7 @@ def explicit_dtype_note(engine: str, dtype: str, info: CpuInfo | None = None) ->
     info = info or cpu()
     if engine not in CPU_BF16_ENGINES or not info.has_any(NATIVE_BF16):
         return None
-    native = " ".join(f for f in NATIVE_BF16 if f in info.flags)
+    native = info.present(NATIVE_BF16)
     if dtype.startswith("int8"):
         return f"this CPU computes bfloat16 natively ({native}): {_BF16_OVER_INT8}"
     if dtype == "float16" and "amx_fp16" not in info.flags:
