@@ -306,6 +306,10 @@ class ModelScheduler:
         except Unavailable as exc:
             self._retry_or_fail(batch, priority, exc)
             return
+        except asyncio.CancelledError:  # the scheduler stops: its requests must not wait forever
+            for item in batch:
+                item.request.fail(Unavailable(f"model {self.model} is shutting down"))
+            raise
         except Exception as exc:  # noqa: BLE001 - not swallowed: each request of the batch fails with it
             for item in batch:
                 item.request.fail(exc)

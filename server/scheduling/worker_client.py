@@ -267,10 +267,18 @@ class WorkerClient:
         future = asyncio.get_running_loop().create_future()
         self._pending[batch.batch_id] = future
         assert self._batches is not None  # ready: its sockets are open
+        sending = asyncio.ensure_future(self._batches.send_multipart(protocol.encode_batch(batch), copy=False))
         try:
-            await self._batches.send_multipart(protocol.encode_batch(batch), copy=False)
+            if not sending.done():
+                # No peer to take it: the worker may have died unseen. Its death fails `future` (and
+                # closing the socket cancels the send), so wait on both: the caller hears Unavailable,
+                # never a bare cancellation that would leave its requests waiting forever.
+                await asyncio.wait((sending, future), return_when=asyncio.FIRST_COMPLETED)
+            if sending.done() and not sending.cancelled():
+                sending.result()  # raises the send's own error, if it failed
             return await future
         finally:
+            sending.cancel()  # no-op once sent
             self._pending.pop(batch.batch_id, None)
 
     async def _read_results(self, ready: asyncio.Future) -> None:

@@ -10,11 +10,16 @@ and wire instead.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
+
 import grpc
 import numpy as np
 import pytest
 
-from encoderd.server.api.errors import EncoderdError
+from encoderd.server.api.errors import EncoderdError, Unavailable
 from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
 from encoderd.workers.contract.model_spec import ModelKind, load_model_spec
@@ -62,3 +67,43 @@ async def test_anything_else_is_internal_with_the_message(worker):
     error = await failure(worker, out_of_vocabulary)
     assert error.code == grpc.StatusCode.INTERNAL
     assert str(error).startswith("model errors: IndexError: ")  # the exception's type and message
+
+
+# ------------------------------------------------------------ a batch sent as its worker dies
+def _has_exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"  # exited: its sockets are closed
+    except OSError:
+        return True
+
+
+def _block_until_exited(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while not _has_exited(pid):
+        assert time.monotonic() < deadline, "the killed worker did not exit"
+        time.sleep(0.01)
+    time.sleep(0.2)  # ZeroMQ's I/O thread drops the dead peer meanwhile
+
+
+async def test_a_batch_sent_after_the_worker_died_unseen_fails_unavailable(reranker_path):
+    """Issue 16 (CI, session 16): a call arriving after kill -9 of the worker but before the event
+    loop had seen the death hung. ZeroMQ had already dropped the dead peer, so the send waited for
+    one; the death's teardown then closed the socket, which cancelled the send, and the bare
+    cancellation left the request waiting forever. Here the event loop is held while the worker
+    dies, so the batch is sent exactly in that window."""
+    spec = load_model_spec("reranker", reranker_path, ModelKind.RERANKER)
+    client = WorkerClient(
+        lambda batches, results: WorkerConfig(spec, "torch", BackendOptions(threads=1), batches, results), "dying"
+    )
+    await client.start()
+    try:
+        pid = client.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        _block_until_exited(pid)  # the event loop is held: it must not see the death yet
+        assert client.ready  # the frontend has not noticed: this is the window
+        with pytest.raises(Unavailable, match="dying"):
+            await asyncio.wait_for(client.compute(TokenBatch.from_sequences(0, QUERY_AND_PASSAGE)), 10)
+    finally:
+        await client.stop()
