@@ -1,6 +1,6 @@
 """Interactive queries while bulk ingestion saturates the server (issue #9's benchmark).
 
-    python -m encoderd.bench.mixed [--seconds 15] [--rounds 3] [--serve-args "--dtype bfloat16"]
+    python -m encoderd.bench.mixed [--seconds 15] [--rounds 3] [--query-gap 0.02] [--serve-args "--dtype bfloat16"]
 
 It starts its own `encoderd serve` (or uses --target HOST:PORT) and measures, one
 phase after the other on the same server:
@@ -96,7 +96,9 @@ class BulkStream(threading.Thread):
         return sum(w for t, w in zip(self.done_at, self.words, strict=True) if start <= t < end) / (end - start)
 
 
-def query_latencies(stub, seconds: float) -> list[float]:
+def query_latencies(stub, seconds: float, gap: float = 0.02) -> list[float]:
+    """One short query after another, `gap` seconds after each answer (a closed loop: its rate is
+    1 / (gap + latency), ~33/s at the default 20 ms and a 10 ms answer)."""
     latencies, i = [], 0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -104,7 +106,7 @@ def query_latencies(stub, seconds: float) -> list[float]:
         stub.Embed(pb.EmbedRequest(inputs=[f"{QUERIES[i % len(QUERIES)]} {i}"]))
         latencies.append(time.perf_counter() - started)
         i += 1
-        time.sleep(0.02)  # a user, not a load generator
+        time.sleep(gap)  # users, not a load generator
     return latencies
 
 
@@ -132,15 +134,19 @@ def phase_names(rounds: int) -> list[str]:
     return ["idle", *pairs, f"bulk solo {rounds + 1}", "mixed-fifo"]
 
 
-def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None, rounds: int = 1) -> list[dict]:
+def run_phases(
+    address: str, seconds: float, cpu: CpuProbe | None = None, rounds: int = 1, gap: float = 0.02
+) -> list[dict]:
     """Each phase's results, in the order of phase_names(rounds)."""
     stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
     chunks = chunk_corpus(2000)
     query_latencies(stub, 2)  # warm up
     cpu = cpu or CpuProbe({})
     before = cpu.snapshot()
-    latencies = query_latencies(stub, seconds)
-    phases: list[dict] = [{"phase": "idle", "query_ms": latencies, "cpu": CpuProbe.cores(before, cpu.snapshot())}]
+    latencies = query_latencies(stub, seconds, gap)
+    phases: list[dict] = [
+        {"phase": "idle", "query_ms": latencies, "seconds": seconds, "cpu": CpuProbe.cores(before, cpu.snapshot())}
+    ]
     for phase in phase_names(rounds)[1:]:
         priority = pb.PRIORITY_INTERACTIVE if phase == "mixed-fifo" else pb.PRIORITY_BULK
         stream = BulkStream(address, chunks, priority)
@@ -148,7 +154,7 @@ def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None, rounds
         time.sleep(3)  # reach steady state
         start, before = time.perf_counter(), cpu.snapshot()
         if phase.startswith("mixed"):
-            latencies = query_latencies(stub, seconds)
+            latencies = query_latencies(stub, seconds, gap)
         else:
             time.sleep(seconds)
             latencies = []
@@ -159,6 +165,7 @@ def run_phases(address: str, seconds: float, cpu: CpuProbe | None = None, rounds
             {
                 "phase": phase,
                 "query_ms": latencies,
+                "seconds": end - start,
                 "bulk_inputs_per_s": stream.rate(start, end),
                 "bulk_words_per_s": stream.word_rate(start, end),
                 "cpu": CpuProbe.cores(before, after),
@@ -193,6 +200,7 @@ def report(phases: list[dict]) -> list[dict]:
             {
                 "phase": r["phase"],
                 "queries": len(q),
+                "queries_per_s": len(q) / r["seconds"],
                 "p50_ms": pct(q, 50),
                 "p95_ms": pct(q, 95),
                 "p95_vs_idle": pct(q, 95) / idle_p95 if q else None,
@@ -204,13 +212,14 @@ def report(phases: list[dict]) -> list[dict]:
             }
         )
     print(
-        f"{'phase':<16} {'queries':>7} {'p50 ms':>8} {'p95 ms':>8} {'p95/idle':>9} {'bulk in/s':>10} {'bulk/solo':>9}"
-        f" {'words/solo':>10}"
+        f"{'phase':<16} {'queries':>7} {'q/s':>5} {'p50 ms':>8} {'p95 ms':>8} {'p95/idle':>9} {'bulk in/s':>10}"
+        f" {'bulk/solo':>9} {'words/solo':>10}"
     )
     for row in rows:
         fmt = lambda v, f: (f % v) if isinstance(v, float) else "-"  # noqa: E731
         print(
-            f"{row['phase']:<16} {row['queries']:>7} {fmt(row['p50_ms'], '%8.1f'):>8} {fmt(row['p95_ms'], '%8.1f'):>8} "
+            f"{row['phase']:<16} {row['queries']:>7} {row['queries_per_s']:5.1f} "
+            f"{fmt(row['p50_ms'], '%8.1f'):>8} {fmt(row['p95_ms'], '%8.1f'):>8} "
             f"{fmt(row['p95_vs_idle'], '%9.2f'):>9} {fmt(row['bulk_inputs_per_s'], '%10.1f'):>10} "
             f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9} {fmt(row['bulk_words_vs_solo'], '%10.2f'):>10}"
         )
@@ -267,10 +276,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="solo / mixed pairs, each mixed round against the solo runs beside it"
     )
+    parser.add_argument(
+        "--query-gap",
+        type=float,
+        default=0.02,
+        help="seconds from one query's answer to the next (sets the query rate; their CPU is the stream's loss)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.query_gap < 0:
+        parser.error("--query-gap must be at least 0")
     server, address = None, args.target
     if not address:
         address = f"127.0.0.1:{free_port()}"
@@ -285,7 +302,9 @@ def main(argv=None) -> int:
     try:
         if server:
             wait_until(lambda: grpc_serving(address), "encoderd", server, timeout=300)
-        rows = report(run_phases(address, args.seconds, server_cpu(server.pid) if server else None, args.rounds))
+        rows = report(
+            run_phases(address, args.seconds, server_cpu(server.pid) if server else None, args.rounds, args.query_gap)
+        )
     finally:
         if server:
             server.stop()
