@@ -52,6 +52,7 @@ from .processes import (
     wait_until,
 )
 
+QUERY_GAP_S = 0.02  # from one query's answer to the next: ~33 queries/s at a 10 ms answer
 QUERIES = [
     "what is a cross encoder",
     "best laptop for travel",
@@ -96,9 +97,9 @@ class BulkStream(threading.Thread):
         return sum(w for t, w in zip(self.done_at, self.words, strict=True) if start <= t < end) / (end - start)
 
 
-def query_latencies(stub, seconds: float, gap: float = 0.02) -> list[float]:
+def query_latencies(stub, seconds: float, gap: float = QUERY_GAP_S) -> list[float]:
     """One short query after another, `gap` seconds after each answer (a closed loop: its rate is
-    1 / (gap + latency), ~33/s at the default 20 ms and a 10 ms answer)."""
+    1 / (gap + latency))."""
     latencies, i = [], 0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -135,7 +136,7 @@ def phase_names(rounds: int) -> list[str]:
 
 
 def run_phases(
-    address: str, seconds: float, cpu: CpuProbe | None = None, rounds: int = 1, gap: float = 0.02
+    address: str, seconds: float, cpu: CpuProbe | None = None, rounds: int = 1, gap: float = QUERY_GAP_S
 ) -> list[dict]:
     """Each phase's results, in the order of phase_names(rounds)."""
     stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--query-gap",
         type=float,
-        default=0.02,
+        default=QUERY_GAP_S,
         help="seconds from one query's answer to the next (sets the query rate; their CPU is the stream's loss)",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
