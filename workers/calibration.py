@@ -4,7 +4,9 @@ Texts of the shapes real traffic has, each chosen because engines tend to fail o
 short queries (a handful of tokens, where the special tokens dominate), prose, passages longer
 than the model's maximum length (cut at spec.max_length: the longest attention and the largest
 activations), source code and markup (unusual token statistics), several scripts (CJK, Arabic,
-Cyrillic, Devanagari, Greek, Hangul, Thai: rare and byte-fallback tokens) and emoji. Rerankers
+Cyrillic, Devanagari, Greek, Hangul, Thai: rare and byte-fallback tokens), emoji, and repetitive
+text (markdown rules, repeated words: many alike token states, where a reduced-precision sum or
+norm drifts most). Rerankers
 score (query, passage) pairs of the same material.
 
 Inputs are tokenized here, in the worker, from the model's own tokenizer with truncation to
@@ -23,7 +25,7 @@ from tokenizers import Tokenizer
 from .contract.model_spec import ModelKind, ModelSpec
 from .contract.protocol import TokenBatch
 
-VERSION = 1
+VERSION = 2
 BATCH_SIZE = 8  # most inputs per batch
 BATCH_TOKENS = 1024  # most padded tokens (size x longest) per batch, unless one input is longer
 
@@ -82,6 +84,14 @@ EMOJI = (
     "🌧️☔️ → 🌈",
 )
 
+# Low-entropy inputs that real document chunks hold (table rules, separators, repeated words).
+REPEATED = (
+    "-" * 600,
+    "! " * 200,
+    "word " * 600,
+    "=" * 300 + " title " + "=" * 300,
+)
+
 # Rerank queries; every query is paired with every passage of PAIR_PASSAGES, relevant or not.
 PAIR_QUERIES = (
     "how does photosynthesis work",
@@ -113,7 +123,7 @@ def long_passages(tokenizer, max_length: int, count: int = 2) -> list[str]:
 
 def texts(tokenizer, max_length: int) -> list[str]:
     """The single-text inputs (embedding and classifier models)."""
-    return [*QUERIES, *PROSE, *CODE, *MULTILINGUAL, *EMOJI, *long_passages(tokenizer, max_length)]
+    return [*QUERIES, *PROSE, *CODE, *MULTILINGUAL, *EMOJI, *REPEATED, *long_passages(tokenizer, max_length)]
 
 
 def pairs(tokenizer, max_length: int) -> list[tuple[str, str]]:

@@ -171,7 +171,8 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         if isinstance(exc, UnsupportedOnHardware):  # a refusal, not a bug: its message is the whole story
             log.error("model load refused: %s", exc)
         elif not isinstance(exc, fidelity.LowFidelity):  # that one has logged its one clear line
-            log.exception("model load failed")
+            # One line, as every start-up failure; the traceback at --log-level debug only.
+            log.error("model load failed: %s: %s", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
         results.send_multipart(
             protocol.encode_control(protocol.WorkerFatal(os.getpid(), f"{type(exc).__name__}: {exc}"))
         )

@@ -110,6 +110,19 @@ def rerank_documents(value: struct_pb2.Value, rank_fields=()) -> tuple[list[str]
     return texts, originals
 
 
+def _check_document_limits(request: cpb.CohereRerankRequest, model_max: int) -> None:
+    """Cohere's `max_tokens_per_doc` (v2) and `max_chunks_per_doc` (v1), honoured or refused, never
+    ignored: each (query, document) pair is cut at the model's maximum length, one chunk a document."""
+    for field in ("max_tokens_per_doc", "max_chunks_per_doc"):
+        if getattr(request, field) < 0:
+            raise InvalidInput(f"`{field}` must be a positive integer, not {getattr(request, field)}")
+    if 0 < request.max_tokens_per_doc < model_max:
+        raise InvalidInput(
+            f"`max_tokens_per_doc` below the model's maximum ({model_max}) is not supported; "
+            f"each (query, document) pair is cut at {model_max} tokens"
+        )
+
+
 def _document_text(document: struct_pb2.Struct, rank_fields, index: int) -> str:
     fields = document.fields
     for key in rank_fields or ("text",):
@@ -318,6 +331,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             raw_scores=request.raw_scores, top_n=positive(request, "top_n"), return_documents=request.return_documents
         )
         texts, documents = rerank_documents(request.documents, tuple(request.rank_fields))
+        _check_document_limits(request, self.registry.get(request.model, ModelKind.RERANKER).spec.max_length)
         model, scores, tokens = await self.rerank_scores(request.model, request.query, texts, options)
         results = []
         for i in postprocess.rank(scores, options.top_n).tolist():

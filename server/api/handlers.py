@@ -11,13 +11,34 @@ enum field holding a number its enum does not define (proto3 enums are open:
 from __future__ import annotations
 
 import grpc
-from google.protobuf import message_factory
+from google.protobuf import empty_pb2, message_factory
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 
 class MalformedRequest:
-    def __init__(self, reason: str):
+    """What the servicer answers instead of the request; `id`: the request's own `id` field where
+    it has one that could be read (EmbedStream answers each message by it)."""
+
+    def __init__(self, reason: str, id: str = ""):
         self.reason = reason
+        self.id = id
+
+
+def _id_of(message_class, data: bytes) -> str:
+    """The `id` string field of a refused payload, read from the wire format as unknown fields of an
+    Empty, which checks no UTF-8 (one bad UTF-8 string fails the whole message's parse)."""
+    field = message_class.DESCRIPTOR.fields_by_name.get("id")
+    if field is None or field.type != field.TYPE_STRING:
+        return ""
+    found = ""
+    try:
+        for unknown in UnknownFieldSet(empty_pb2.Empty.FromString(data)):
+            if unknown.field_number == field.number and isinstance(unknown.data, bytes):
+                found = unknown.data.decode("utf-8", "replace")  # the last one wins, as in a parse
+    except DecodeError:
+        return ""
+    return found
 
 
 def unknown_enum_value(message, path: str = "") -> str | None:
@@ -57,9 +78,9 @@ def _safe(message_class):
         try:
             message = message_class.FromString(data)
         except (DecodeError, UnicodeDecodeError, ValueError) as exc:
-            return MalformedRequest(f"malformed {message_class.DESCRIPTOR.name}: {exc}")
+            return MalformedRequest(f"malformed {message_class.DESCRIPTOR.name}: {exc}", _id_of(message_class, data))
         if bad := unknown_enum_value(message):
-            return MalformedRequest(f"{bad} is not a valid value of that field's enum")
+            return MalformedRequest(f"{bad} is not a valid value of that field's enum", _id_of(message_class, data))
         return message
 
     return deserialize

@@ -60,7 +60,7 @@ class _Stream:
         self.held += 1
         metrics.STREAM_INPUTS_IN_FLIGHT.inc()
         if isinstance(message, MalformedRequest):  # answered at once; the stream goes on
-            await self.results.put(_error("", InvalidInput(message.reason)))
+            await self.results.put(_error(message.id, InvalidInput(message.reason)))
         else:
             await self.incoming.put(message)
 

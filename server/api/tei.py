@@ -255,6 +255,9 @@ async def similarity(service, request) -> httpbody_pb2.HttpBody:
     if not source or not sentences:
         raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/similarity")
+    # Checked here, named as the caller sent them: past this point they are one list, source first.
+    service.registry.check_text(source, "inputs.source_sentence")
+    service.registry.check_inputs(sentences, "inputs.sentences")
     _, pooled, _ = await service.registry.embed(name, [source, *sentences], opts)
     vectors = postprocess.finish_embeddings(pooled, normalize=True)
     return _json([float(s) for s in vectors[1:] @ vectors[0]])

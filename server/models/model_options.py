@@ -141,14 +141,21 @@ class NameableValue(argparse.Action):
             )
 
 
+# Nameable number flags whose bare 0 leaves the value to the host (cli.py's help says so for each).
+ZERO_MEANS_CHOSEN = ("--replicas", "--cpu-threads", "--batch-size")
+
+
 def nameable_value(flag: str, type, choices) -> Callable[[str], tuple[str | None, object]]:
     named = parse_per_model(flag, MODEL_OPTIONS[flag.lstrip("-")].parse)
+
+    # A bare number is the server-wide value, where 0 means "chosen for this host"; never negative.
+    bare = (whole_number if flag in ZERO_MEANS_CHOSEN else positive_int) if type is int else type
 
     def parse(text: str) -> tuple[str | None, object]:
         if "=" in text:
             return named(text)
         try:
-            value = type(text)
+            value = bare(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad {flag} {text!r}") from None
         if choices and value not in choices:

@@ -37,6 +37,12 @@ OVERALL_ALIASES = (
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+def metadata_limit(max_header_bytes: int) -> int:
+    """The request metadata this server takes: whatever Envoy admits (--rest-max-header-kb) with what
+    it adds, the original path again after a REST route's rewrite and its forwarding headers."""
+    return 2 * max_header_bytes + 16 * 1024
+
+
 class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
@@ -44,11 +50,16 @@ class Server:
         self.registry = ModelRegistry(config, on_model_state=self._on_model_state)
         keys = load_keys(config.api_keys + config.bulk_api_keys, config.api_key_file)
         interceptors = [ApiKeyInterceptor(keys, open_health=config.open_health)] if keys else []
+        metadata_bytes = metadata_limit(config.rest_limits.max_header_bytes)
         self.grpc = grpc.aio.server(
             interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # One limit, not gRPC's soft 8 KiB and hard 16 KiB: between those two it refuses a
+                # random share of calls (RESOURCE_EXHAUSTED, a 429 through the gateway).
+                ("grpc.max_metadata_size", metadata_bytes),
+                ("grpc.absolute_max_metadata_size", metadata_bytes),
                 ("grpc.so_reuseport", 0),
             ],
         )
@@ -182,10 +193,15 @@ class Server:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def _on_stop_signal(self, sig: signal.Signals) -> None:
+        if sig == signal.SIGHUP:  # a closed terminal, or a reload: there is nothing to reload
+            log.info("[shutdown] SIGHUP: encoderd reloads nothing; draining and stopping as on SIGTERM")
+        self.request_stop()
+
     async def run_until_stopped(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
         try:
             await self._start_unless_stopped()
             await self._stop.wait()

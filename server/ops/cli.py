@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any, cast
@@ -54,7 +55,10 @@ def _add(parser: argparse.ArgumentParser, flag: str, help: str, default=None, ty
         return
     env = _env_name(flag)
     if env in os.environ:
-        default = type(os.environ[env])
+        try:
+            default = type(os.environ[env])
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise SystemExit(f"encoderd: {env}={os.environ[env]!r}: {exc}") from None
     parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}; default: %(default)s]", **kwargs)
 
 
@@ -315,14 +319,26 @@ def build_parser() -> argparse.ArgumentParser:
         int,
     )
     _add(serve, "--max-batch-tokens", "most tokens in one batch (padding counted for padded engines)", 8192, int)
-    _add(serve, "--batch-delay-ms", "how long a batch may wait to fill while the worker is busy", 5.0, float)
-    _add(serve, "--max-queued-inputs", "inputs queued per model before new work gets RESOURCE_EXHAUSTED", 16384, int)
+    _add(
+        serve,
+        "--batch-delay-ms",
+        "how long a batch may wait to fill while the worker is busy",
+        5.0,
+        _at_least(0, float),
+    )
+    _add(
+        serve,
+        "--max-queued-inputs",
+        "inputs queued per model before new work gets RESOURCE_EXHAUSTED",
+        16384,
+        _at_least(1),
+    )
     _add(
         serve,
         "--max-queued-tokens",
         "tokens queued per model before new work gets RESOURCE_EXHAUSTED (0 = no bound)",
         0,
-        int,
+        _at_least(0),
     )
     _add(
         serve,
@@ -331,19 +347,31 @@ def build_parser() -> argparse.ArgumentParser:
         "arriving (0 = full batches: the worker cuts bulk work into steps timed against its interactive "
         "batches, workers/pacing.py)",
         0,
-        int,
+        _at_least(0),
     )
-    _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, int)
+    _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, _at_least(1))
     _add(
         serve,
         "--max-request-tokens",
         "most tokens one request may compute or tokenize (after truncation; "
         "a cheap estimate refuses bigger ones before any work; 0 = no bound)",
         262144,
-        int,
+        _at_least(0),
     )
-    _add(serve, "--media-max-mb", "largest image / audio input in MiB (encoded bytes, sent or fetched)", 20.0, float)
-    _add(serve, "--media-fetch-timeout", "seconds an http(s) image / audio URL may take to fetch", 10.0, float)
+    _add(
+        serve,
+        "--media-max-mb",
+        "largest image / audio input in MiB (encoded bytes, sent or fetched)",
+        20.0,
+        _at_least(0, float),
+    )
+    _add(
+        serve,
+        "--media-fetch-timeout",
+        "seconds an http(s) image / audio URL may take to fetch",
+        10.0,
+        _at_least(0, float),
+    )
     _add_switch(
         serve,
         "--no-media-urls",
@@ -351,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         "servers that must not make outbound requests",
         dest="media_urls",
     )
-    _add(serve, "--cache-size", "recent results kept per model for repeated inputs (0 = off)", 0, int)
+    _add(serve, "--cache-size", "recent results kept per model for repeated inputs (0 = off)", 0, _at_least(0))
     serve.add_argument(
         "--prompt",
         action="append",
@@ -388,15 +416,15 @@ def build_parser() -> argparse.ArgumentParser:
         "gRPC port (0 = any free port); with REST on, the server's Envoy holds it and passes calls on "
         "(see --grpc-direct)",
         50051,
-        int,
+        _port,
     )
-    _add(serve, "--metrics-port", "Prometheus metrics port (0 = off)", 0, int)
+    _add(serve, "--metrics-port", "Prometheus metrics port (0 = off)", 0, _port)
     _add(
         serve,
         "--rest-port",
         "REST port, served by an Envoy child transcoding OpenAI / Cohere / encoderd JSON to gRPC (0 = off)",
         7997,
-        int,
+        _port,
     )
     _add_switch(
         serve,
@@ -432,8 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
         "serve the REST routes under this path (/api: /api/v1/embeddings); /health answers with and without it",
         "",
     )
-    _add(serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, float)
-    _add(serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, float)
+    _add(
+        serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, _at_least(0, float)
+    )
+    _add(
+        serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, _at_least(0, float)
+    )
     LIMITS = ListenerLimits()  # one REST client's share of Envoy: the defaults live there
     _add(
         serve,
@@ -508,9 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
         "load balancers stop sending before calls are refused (their health-check window)",
         0.0,
-        float,
+        _at_least(0, float),
     )
-    _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, float)
+    _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, _at_least(0, float))
     _add(
         serve,
         "--worker-stall-timeout",
@@ -553,6 +585,29 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by encoderd.bench itself (main() hands it the rest of the command line).
     commands.add_parser("bench", add_help=False, help="benchmark encoderd (and Infinity) [encoderd bench --help]")
     return parser
+
+
+def _at_least(minimum: float, kind: type = int) -> Callable[[str], Any]:
+    """A number flag's parser that refuses what is below `minimum` (argparse names the flag)."""
+
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except ValueError:
+            what = "whole number" if kind is int else "number"
+            raise argparse.ArgumentTypeError(f"{value!r} is not a {what}") from None
+        if not number >= minimum:  # nan too
+            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, not {value}")
+        return number
+
+    return parse
+
+
+def _port(value: str) -> int:
+    port = _at_least(0)(value)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {value}")
+    return port
 
 
 def _worker_nice(value: str) -> int:
@@ -691,6 +746,17 @@ def _startup_errors() -> tuple[type[Exception], ...]:
     return StartupError, ModelLoadError, WorkerStartError, GatewayError, PlacementError
 
 
+def _exit_cleanly_on_early_stop_signals() -> None:
+    """SIGTERM or SIGHUP before the event loop takes them over (app.py, which drains): nothing is
+    served yet, so exit 0 at once, as a stop while models load does, not die by the signal (143)."""
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -699,8 +765,15 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:], prog="encoderd bench")
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        config = config_from_args(args)
+        try:
+            config = config_from_args(args)
+        except SystemExit as refused:  # a configuration refused in words: exit 2, as argparse's own refusals
+            if not isinstance(refused.code, str):
+                raise
+            print(refused.code, file=sys.stderr)
+            return 2
         configure_logging(config.log_level, config.log_format)
+        _exit_cleanly_on_early_stop_signals()
         from ..scheduling.zygote_client import shared_zygote
 
         if zygote := shared_zygote(config):
@@ -716,7 +789,8 @@ def main(argv: list[str] | None = None) -> int:
             if config.log_level == "DEBUG":
                 raise
             what = "cannot start " if type(exc).__name__ == "WorkerStartError" else ""  # it names the worker
-            print(f"encoderd: {what}{exc}", file=sys.stderr)
+            one_line = " ".join(str(exc).split())  # a library's message may run over several lines
+            print(f"encoderd: {what}{one_line}", file=sys.stderr)
             return 2
     elif args.command == "gateway":
         return run_gateway_command(args)

@@ -244,6 +244,46 @@ def test_a_garbage_tokenizer_json_is_one_line_naming_the_file(tmp_path):
     assert line.startswith("encoderd: ") and f"{model}/tokenizer.json" in line, line
 
 
+def test_a_models_file_error_is_one_line_and_status_2(tmp_path):
+    models = tmp_path / "models.toml"
+    models.write_text('[models.a]\nmax_lenght = 10\npath = "x"\n')
+    proc = ServerProcess("--config", str(models), log_path=tmp_path / "server.log").launch()
+    try:
+        code = proc.proc.wait(timeout=60)
+    finally:
+        proc.stop()
+    output = (tmp_path / "server.log").read_text()
+    assert code == 2 and "Traceback" not in output, output
+    assert output.strip() == f"encoderd: {models}:2: model 'a': unknown key 'max_lenght' (did you mean 'max-length'?)"
+
+
+def test_weights_that_fail_to_load_in_the_worker_are_one_line(tmp_path):
+    """A failure inside the worker (here a truncated safetensors file) is logged in one line too;
+    its traceback only at --log-level debug."""
+    model = tmp_path / "model"
+    shutil.copytree(_minilm(), model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    line = _failed_start(tmp_path, "--model", f"x={model}", "--replicas", "1")
+    assert line.startswith("encoderd: cannot start x@cpu") and "\n" not in line, line
+
+
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        (("--grpc-port", "70000"), "--grpc-port"),
+        (("--rest-port", "-1"), "--rest-port"),
+        (("--max-queued-inputs", "0"), "--max-queued-inputs"),
+        (("--drain-timeout", "-5"), "--drain-timeout"),
+        (("--batch-size", "-5"), "--batch-size"),
+        (("--batch-delay-ms", "-1"), "--batch-delay-ms"),
+    ],
+)
+def test_out_of_range_numbers_are_refused_before_anything_starts(tmp_path, args, names):
+    line = _failed_start(tmp_path, *args)
+    assert names in line, line
+
+
 def test_listens_on_tells_which_process_holds_the_port():
     from encoderd.gateway.process import listens_on
 

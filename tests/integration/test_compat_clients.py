@@ -186,10 +186,13 @@ def test_tei_inference_client_feature_extraction(inference_client, st_vectors):
     assert raw.shape == (1, 64) and abs(np.linalg.norm(raw[0]) - 1) > 1e-3
 
 
-def test_tei_inference_client_similarity_and_classification(inference_client, st_model, stub):
+def test_tei_inference_client_similarity_and_classification(inference_client, st_model, stub, http):
     similarity = inference_client("/similarity").sentence_similarity(TEXTS[0], other_sentences=TEXTS[1:4])
     vectors = st_model.encode(TEXTS[:4], normalize_embeddings=True)
     np.testing.assert_allclose(similarity, vectors[1:] @ vectors[0], atol=1e-5)
+    empty = {"model": M, "inputs": {"source_sentence": "hello", "sentences": ["hi", ""]}}
+    refused = http.post("/similarity", json=empty)  # named by the caller's own list and index
+    assert refused.status_code == 400 and "inputs.sentences[1] is an empty string" in refused.text, refused.text
     best = inference_client("/predict").text_classification(TEXTS[0])
     label, score = _grpc_classes(stub, TEXTS[:1])[0][0]
     # TEI answers a single input with a flat list, of which the client keeps the first (best) label.
@@ -524,6 +527,9 @@ def test_cohere_v2_defaults_to_float_and_reads_inputs(compat_server, http, refer
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "input_type": "query"}), 400, "input_type")
     _error(http.post("/v1/embed", json={"model": M, "texts": ["word " * 600], "truncate": "NONE"}), 400, "longer")
     _error(http.post("/v2/embed", json={"model": M, "texts": ["x"], "max_tokens": 16}), 400, "max_tokens")
+    _error(
+        http.post("/v2/embed", json={"model": M, "texts": ["x"], "output_dimension": 1000}), 400, "`output_dimension`"
+    )
     _error(
         http.post("/v2/embed", json={"model": M, "texts": ["x"], "images": ["data:image/png;base64,AA=="]}),
         400,
@@ -911,6 +917,9 @@ def test_http_1_0_and_head(compat_server, http):
         == http.get("/v1/models", headers=identity).headers["content-length"]
     )
     assert http.get("/health").status_code == 200  # the connection is still in step
+    for path in ("/", "/ping"):  # where TEI answers health probes (Inference API, SageMaker)
+        probe = http.get(path)
+        assert probe.status_code == 200 and probe.json()["status"] == "serving", (path, probe.text)
 
 
 def test_wrong_method_is_405_with_allow(http):
@@ -919,7 +928,7 @@ def test_wrong_method_is_405_with_allow(http):
         ("POST", "/health", "GET, HEAD"),
         ("DELETE", "/v1/models/x/y", "GET, HEAD"),
         ("HEAD", "/embed", "POST"),
-        ("GET", "/", "POST"),
+        ("PUT", "/", "GET, HEAD, POST"),  # GET: health, as TEI answers it; POST: TEI's dispatching route
     ]:
         response = http.request(method, path)
         assert response.status_code == 405, (method, path, response.text)
@@ -1005,7 +1014,9 @@ def test_docs_page_shows_every_route_without_scripts(http):
     for path, operations in document["paths"].items():
         assert path in text and all(verb.upper() in text for verb in operations), path
     assert set(document["components"]["schemas"]) - {"Error"} <= parsed.ids
-    assert http.head("/docs").status_code == 200
+    head = http.head("/docs", headers={"accept-encoding": "identity"})  # Envoy's own reply, not the server's
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) == len(page.content), head.headers
     response = http.post("/docs", json={})
     assert response.status_code == 405 and response.headers["allow"] == "GET, HEAD"
 

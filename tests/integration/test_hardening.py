@@ -156,6 +156,22 @@ def test_out_of_range_enum_values_in_a_stream(stub):
     ]
     responses = {r.id: r for r in stub.EmbedStream(iter(messages), timeout=30)}
     assert responses["0"].embedding.values and not responses["0"].HasField("error")
-    bad = [r for r in responses.values() if r.HasField("error")]  # later messages: that one only
-    assert len(bad) == 1 and bad[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert "output_dtype" in bad[0].error.message
+    bad = responses["1"]  # later messages: that one only, answered under its own id
+    assert bad.HasField("error") and bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "output_dtype" in bad.error.message
+
+
+def test_a_stream_message_that_does_not_parse_is_answered_under_its_id(server):
+    """Invalid UTF-8 fails the whole message's parse; its id is still read from the wire."""
+    fine = pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="a", input="fine").SerializeToString()
+    broken = pb.EmbedStreamRequest(id="b", input="y").SerializeToString().replace(b"y", b"\xff")
+    with grpc.insecure_channel(server.address) as channel:
+        call = channel.stream_stream(
+            "/encoderd.v1.Encoder/EmbedStream",
+            request_serializer=lambda raw: raw,
+            response_deserializer=pb.EmbedStreamResponse.FromString,
+        )
+        responses = {r.id: r for r in call(iter([fine, broken]), timeout=30)}
+    assert set(responses) == {"a", "b"} and not responses["a"].HasField("error")
+    assert responses["b"].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "UTF-8" in responses["b"].error.message, responses["b"].error.message

@@ -171,6 +171,24 @@ def test_headers_over_the_limit_get_431(limited):
     assert response.status_code == 431
 
 
+def test_headers_under_the_limit_are_always_served(limited):
+    """Envoy passes a REST request's headers on to the gRPC server as metadata, the path twice after
+    its rewrite: near --rest-max-header-kb (16) they once went past gRPC's own soft limit (8 KiB),
+    and a random share of the calls got 429 with Retry-After."""
+    with httpx.Client(base_url=limited.rest_url, timeout=30) as client:
+        for size in (9_000, 12_000, 15_000):
+            for _ in range(4):
+                response = client.post(
+                    "/v1/embeddings", json={"model": "m", "input": "x"}, headers={"x-trace": "a" * size}
+                )
+                assert response.status_code == 200, (size, response.text)
+        long_path = client.get("/health", params={"q": "a" * 7_000})  # the path counts twice
+        assert long_path.status_code == 200, long_path.text
+    with grpc.insecure_channel(limited.address) as channel:  # the gRPC port: Envoy's too, by default
+        stub = EncoderStub(channel)
+        stub.Embed(pb.EmbedRequest(model="m", inputs=["metadata"]), metadata=[("x-trace", "a" * 15_000)], timeout=30)
+
+
 def _native_grpc_probe(port: int) -> grpc.RpcError | None:
     """A gRPC Embed sent to `port`: its error, None if it was served."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -231,12 +231,17 @@ def sockets():
     shutil.rmtree(path)
 
 
-@pytest.mark.parametrize("rest", [False, True], ids=["own-grpc-port", "grpc-through-envoy"])
-def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest):  # sockets: as the default temp dir
+@pytest.mark.parametrize(
+    "rest,stop",
+    [(False, signal.SIGTERM), (True, signal.SIGTERM), (False, signal.SIGHUP)],
+    ids=["own-grpc-port", "grpc-through-envoy", "sighup"],
+)
+def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest, stop):  # sockets: the default temp dir
     """With REST on, the calls in flight come through Envoy (it holds the gRPC port): they finish
     too. Envoy drains first (through its admin socket) while the server still serves what it
     forwards, then the server, then Envoy stops: before, a call still on its way through Envoy when
-    the server stopped taking calls was reset (INTERNAL, in about half the runs on a Zen 4 host)."""
+    the server stopped taking calls was reset (INTERNAL, in about half the runs on a Zen 4 host).
+    SIGHUP (a closed terminal) drains the same way: it once killed the server mid-call."""
     server = ServerProcess(
         "--drain-timeout", "20", env={"TMPDIR": str(sockets)}, rest=rest, log_path=tmp_path / "s.log"
     ).start()
@@ -248,7 +253,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest): 
     inputs = [" ".join([t] * 3) for t in TEXTS[:32]]
     in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=inputs), timeout=60) for _ in range(6)]
     time.sleep(0.2)
-    server.proc.send_signal(signal.SIGTERM)
+    server.proc.send_signal(stop)
     assert server.proc.wait(60) == 0
     for future in in_flight:
         assert len(future.result().embeddings) == 32  # accepted before SIGTERM: finished, not dropped
@@ -257,6 +262,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest): 
     log = server.log_path.read_text()
     assert "leaked semaphore" not in log and "resource_tracker" not in log, log
     assert "could not drain Envoy" not in log, log
+    assert ("SIGHUP: encoderd reloads nothing" in log) == (stop == signal.SIGHUP), log
 
 
 def test_sigkill_of_the_frontend_leaves_no_worker_and_no_socket(tmp_path, sockets):  # as ENCODERD_RPC_DIR

@@ -218,6 +218,13 @@ def test_cohere_v1_sdk_and_raw_rerank_shapes(rest_server, http, cross_encoder_sc
     logits = np.log(cross_encoder_scores[:3] / (1 - cross_encoder_scores[:3]))
     got = sorted(body["results"], key=lambda r: r["index"])
     np.testing.assert_allclose([r["relevance_score"] for r in got], logits, atol=1e-4)
+    # Cohere's document limits are honoured or refused, never ignored: pairs are cut at the model's
+    # maximum, one chunk a document.
+    request = {"model": "reranker", "query": QUERY, "documents": DOCS[:2]}
+    assert http.post("/v1/rerank", json={**request, "max_chunks_per_doc": 3}).status_code == 200
+    short = http.post("/v2/rerank", json={**request, "max_tokens_per_doc": 8})
+    assert short.status_code == 400 and "`max_tokens_per_doc` below the model's maximum" in short.text, short.text
+    assert http.post("/v2/rerank", json={**request, "max_chunks_per_doc": -1}).status_code == 400
 
 
 # ------------------------------------------- classify, tokenize, models, health

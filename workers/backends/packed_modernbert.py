@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..contract.model_spec import ModelKind
-from .packed_encoder import FULL, HFModule, PackedBatch, attend, rotate
+from .packed_encoder import FULL, HFModule, PackedBatch, attend, mean_tokens, rotate
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -75,5 +75,5 @@ class ModernBertPieces:
         if self.head.config.classifier_pooling == "cls":
             pooled = hidden[batch.firsts]
         else:
-            pooled = torch.segment_reduce(hidden, "mean", lengths=batch.cu_seqlens.diff(), axis=0)
+            pooled = mean_tokens(hidden, batch.cu_seqlens)
         return self.head.classifier(self.head.head(pooled))

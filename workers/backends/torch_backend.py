@@ -32,7 +32,9 @@ SINGLE_THREAD_TOKENS = 32
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling | tuple[Pooling, ...]) -> torch.Tensor:
-    """sentence-transformers Pooling semantics over a padded (n, L, d) batch; several modes concatenated."""
+    """sentence-transformers Pooling semantics over a padded (n, L, d) batch, in float32 (as
+    packed_encoder.mean_tokens: sums in bfloat16 drift); several modes concatenated."""
+    hidden = hidden.float()
     return torch.cat([_pool_one(hidden, mask, mode) for mode in pooling_modes(pooling)], dim=1)
 
 
@@ -46,8 +48,7 @@ def _pool_one(hidden: torch.Tensor, mask: torch.Tensor, mode: Pooling) -> torch.
     if mode == Pooling.MAX:
         return hidden.masked_fill(m == 0, torch.finfo(hidden.dtype).min).max(dim=1).values
     if mode == Pooling.WEIGHTED_MEAN:  # position weights 1, 2, 3... (right padding: from the first token)
-        # float32 weights (and so sums): bfloat16 has no exact integers above 256.
-        m = m * torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=torch.float32)[None, :, None]
+        m = m * torch.arange(1, hidden.shape[1] + 1, device=hidden.device, dtype=hidden.dtype)[None, :, None]
     count = m.sum(dim=1).clamp(min=1e-9)
     return (hidden * m).sum(dim=1) / (count.sqrt() if mode == Pooling.MEAN_SQRT_LEN else count)
 

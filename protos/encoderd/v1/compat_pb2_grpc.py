@@ -339,6 +339,8 @@ class CompatServicer:
 
     def Health(self, request, context):
         """`GET /health`: 200 while the server is SERVING, 503 (UNAVAILABLE) otherwise.
+        Also where TEI answers health probes: `GET /` (Inference API) and
+        `GET /ping` (SageMaker).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
