@@ -19,7 +19,6 @@ from pathlib import Path
 from string import Template
 
 HERE = Path(__file__).resolve().parent
-SERVICES = ("encoderd.v1.Encoder", "encoderd.v1.Compat")
 DESCRIPTOR_NAME = "encoderd.pb"
 CONFIG_NAME = "envoy.yaml"
 # Both public route configs: Envoy returns the request id (gateway/request_id.yaml).

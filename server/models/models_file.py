@@ -161,9 +161,18 @@ def _top(file: ModelsFile, key: str) -> str:
     return f"{file.path}:{file.lines[(key,)]}" if (key,) in file.lines else file.path
 
 
+# What `--FLAG NAME=VALUE`, `--model NAME=PATH@DEVICES` and ENCODERD_MODEL split on: not in a name.
+NAME_SEPARATORS = "=@;,"
+
+
 def _model(name: str, table, file: ModelsFile) -> ModelConfig:
     if not name:
         raise ModelsFileError(f"{file.where(name)}: a model's name is empty")
+    if held := [c for c in NAME_SEPARATORS if c in name]:
+        raise ModelsFileError(
+            f"{file.where(name)}: model name {name!r} holds {' '.join(held)}, which the NAME=VALUE flags and "
+            "ENCODERD_MODEL split on: choose a name without it"
+        )
     if not isinstance(table, dict):
         raise ModelsFileError(
             f"{file.where(name)}: model {name!r} must be a table of settings, "

@@ -88,10 +88,6 @@ class WorkerClient:
         return self.ready_info is not None and not self._stopping
 
     @property
-    def in_flight(self) -> int:
-        return len(self._pending)
-
-    @property
     def restarts(self) -> int:
         return self._supervisor.restarts
 

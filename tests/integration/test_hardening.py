@@ -104,6 +104,30 @@ def _requests(server, code: str) -> float:
     return total(scrape(server), "encoderd_requests_total", model=DEFAULT_MODEL_NAME, rpc="Encoder/Embed", code=code)
 
 
+def test_a_stream_whose_deadline_passes_while_it_waits_for_the_client_counts_as_expired(server, stub):
+    """The client cancels at its own deadline, which the server hears just before its own: it was
+    counted (and logged) as a client that left."""
+
+    def expired() -> float:
+        return total(
+            scrape(server),
+            "encoderd_requests_total",
+            model=DEFAULT_MODEL_NAME,
+            rpc="Encoder/EmbedStream",
+            code="DEADLINE_EXCEEDED",
+        )
+
+    def messages():
+        yield pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="0", input="one input, then nothing")
+        time.sleep(3)  # neither another message nor the end of the stream: the server waits on the client
+
+    before = expired()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.EmbedStream(messages(), timeout=1.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _until(lambda: expired() == before + 1, 10, "the expired stream was not counted as DEADLINE_EXCEEDED")
+
+
 def test_expired_deadlines_are_counted_as_such_and_hang_ups_as_cancelled(server, stub):
     # Inputs unseen by the other tests (no cache hit), each call enough work for ~1 s on 2 cores.
     texts = iter(sentences(512, max_words=60, seed=1616))

@@ -146,6 +146,7 @@ def test_the_same_name_in_the_file_and_a_flag_is_refused(tmp_path):
         ('[models.m]\nsource = "/m"\n\n[server]\nport = 1\n', 4, "unknown top-level key 'server'"),
         ('[models.m]\nsource = "/m"\nengine = onnx\n', 3, "not valid TOML: Invalid value"),
         ("[models]\n", 1, "`models` must hold one table per served model"),
+        ('[models."a=b"]\nsource = "/m"\n', 1, "model name 'a=b' holds =, which the NAME=VALUE flags"),
     ],
 )
 def test_errors_name_the_file_and_line(tmp_path, text, line, message):
