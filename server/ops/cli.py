@@ -30,6 +30,7 @@ from ..models.model_options import (
     parse_per_model,
     pooling_mode,
     positive_int,
+    whole_number,
 )
 from ..models.models_file import ModelsFile, ModelsFileError, load_models_file
 from .config import WORKER_NICE, ModelConfig, ServerConfig
@@ -324,21 +325,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch-delay-ms",
         "how long a batch may wait to fill while the worker is busy",
         5.0,
-        _at_least(0, float),
+        _non_negative_float,
     )
     _add(
         serve,
         "--max-queued-inputs",
         "inputs queued per model before new work gets RESOURCE_EXHAUSTED",
         16384,
-        _at_least(1),
+        positive_int,
     )
     _add(
         serve,
         "--max-queued-tokens",
         "tokens queued per model before new work gets RESOURCE_EXHAUSTED (0 = no bound)",
         0,
-        _at_least(0),
+        whole_number,
     )
     _add(
         serve,
@@ -347,30 +348,30 @@ def build_parser() -> argparse.ArgumentParser:
         "arriving (0 = full batches: the worker cuts bulk work into steps timed against its interactive "
         "batches, workers/pacing.py)",
         0,
-        _at_least(0),
+        whole_number,
     )
-    _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, _at_least(1))
+    _add(serve, "--max-inputs-per-request", "most inputs (or documents) in one request", 2048, positive_int)
     _add(
         serve,
         "--max-request-tokens",
         "most tokens one request may compute or tokenize (after truncation; "
         "a cheap estimate refuses bigger ones before any work; 0 = no bound)",
         262144,
-        _at_least(0),
+        whole_number,
     )
     _add(
         serve,
         "--media-max-mb",
         "largest image / audio input in MiB (encoded bytes, sent or fetched)",
         20.0,
-        _at_least(0, float),
+        _non_negative_float,
     )
     _add(
         serve,
         "--media-fetch-timeout",
         "seconds an http(s) image / audio URL may take to fetch",
         10.0,
-        _at_least(0, float),
+        _non_negative_float,
     )
     _add_switch(
         serve,
@@ -379,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         "servers that must not make outbound requests",
         dest="media_urls",
     )
-    _add(serve, "--cache-size", "recent results kept per model for repeated inputs (0 = off)", 0, _at_least(0))
+    _add(serve, "--cache-size", "recent results kept per model for repeated inputs (0 = off)", 0, whole_number)
     serve.add_argument(
         "--prompt",
         action="append",
@@ -461,10 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
         "",
     )
     _add(
-        serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, _at_least(0, float)
+        serve, "--rest-max-body-mb", "largest REST request body in MiB; bigger ones get 413", 32.0, _non_negative_float
     )
     _add(
-        serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, _at_least(0, float)
+        serve, "--rest-timeout", "seconds a REST request may take before 504 (0 = no limit)", 300.0, _non_negative_float
     )
     LIMITS = ListenerLimits()  # one REST client's share of Envoy: the defaults live there
     _add(
@@ -540,9 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds to keep accepting calls after SIGTERM while health says NOT_SERVING, so "
         "load balancers stop sending before calls are refused (their health-check window)",
         0.0,
-        _at_least(0, float),
+        _non_negative_float,
     )
-    _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, _at_least(0, float))
+    _add(serve, "--drain-timeout", "seconds to finish in-flight work on SIGTERM", 30.0, _non_negative_float)
     _add(
         serve,
         "--worker-stall-timeout",
@@ -587,24 +588,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _at_least(minimum: float, kind: type = int) -> Callable[[str], Any]:
-    """A number flag's parser that refuses what is below `minimum` (argparse names the flag)."""
-
-    def parse(value: str):
-        try:
-            number = kind(value)
-        except ValueError:
-            what = "whole number" if kind is int else "number"
-            raise argparse.ArgumentTypeError(f"{value!r} is not a {what}") from None
-        if not number >= minimum:  # nan too
-            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, not {value}")
-        return number
-
-    return parse
+def _non_negative_float(value: str) -> float:
+    """Seconds, MiB and the like: 0 or more (whole numbers: model_options' positive_int, whole_number)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+    if not number >= 0:  # nan too
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return number
 
 
 def _port(value: str) -> int:
-    port = _at_least(0)(value)
+    port = whole_number(value)
     if port > 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535, not {value}")
     return port
