@@ -54,27 +54,24 @@ class ListenerLimits:
     request_timeout_s: float = 60.0
 
     def check(self) -> None:
-        """Refuse what Envoy would read differently (a 0 s header timeout means none) or not at all."""
-        if not (
-            self.header_timeout_s > 0
-            and self.idle_timeout_s > 0
-            and self.max_connection_duration_s >= 0
-            and self.request_timeout_s >= 0
-        ):
-            raise GatewayError(
-                "the REST header and idle timeouts (--rest-header-timeout, --rest-idle-timeout) must "
-                "be above 0 seconds, the request timeout and maximum connection duration "
-                "(--rest-request-timeout, --rest-max-connection-duration) 0 (no limit) or more"
+        """Refuse what Envoy would read differently (a 0 s header timeout means none) or not at all,
+        naming each flag that is out of range."""
+        wrong = [
+            f"{flag} {requirement}"
+            for flag, ok, requirement in (
+                ("--rest-header-timeout", self.header_timeout_s > 0, "must be above 0 seconds"),
+                ("--rest-idle-timeout", self.idle_timeout_s > 0, "must be above 0 seconds"),
+                ("--rest-max-connection-duration", self.max_connection_duration_s >= 0, "must be 0 (none) or more"),
+                ("--rest-request-timeout", self.request_timeout_s >= 0, "must be 0 (none) or more"),
+                ("--rest-max-connections", self.max_connections >= 1, "must be at least 1"),
+                ("--rest-buffer-kb", self.buffer_bytes >= 1, "must be at least 1"),
+                ("--rest-max-header-kb", 1 <= self.max_header_bytes <= 8192 * 1024, "must be 1 to 8192 (KiB)"),
+                ("--rest-max-in-flight", self.max_in_flight >= 1, "must be at least 1"),
             )
-        if (
-            min(self.max_connections, self.buffer_bytes, self.max_header_bytes, self.max_in_flight) < 1
-            or self.max_header_bytes > 8192 * 1024
-        ):
-            raise GatewayError(
-                "the REST connection limit, buffer size, header size and requests in flight "
-                "(--rest-max-connections, --rest-buffer-kb, --rest-max-header-kb, --rest-max-in-flight) "
-                "must be at least 1, headers at most 8192 KiB"
-            )
+            if not ok
+        ]
+        if wrong:
+            raise GatewayError("; ".join(wrong))
 
 
 @dataclass(frozen=True)

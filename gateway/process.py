@@ -301,9 +301,10 @@ async def _admin(path: str, method: str, target: str, timeout: float = 5.0) -> s
 
 def listens_on(pid: int, port: int) -> bool:
     """Whether process `pid` holds a TCP socket listening on `port` (Linux /proc): its listener,
-    not whatever else answers there."""
+    not whatever else answers there. The tables are read from the process's own entry: a
+    systemd unit with ProcSubset=pid hides /proc/net, not /proc/PID/net."""
     inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
         try:
             with open(table) as rows:
                 next(rows)

@@ -40,13 +40,13 @@ def pooling_mode(value: str) -> str:
 
 def positive_int(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number")
+        raise argparse.ArgumentTypeError(f"{value!r} is not a positive whole number (1 or more)")
     return int(value)
 
 
 def whole_number(value: str) -> int:
     if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number")
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number (0 or more)")
     return int(value)
 
 

@@ -30,7 +30,8 @@ def configure(endpoint: str, service_name: str = "encoderd") -> bool:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError:
         log.warning(
-            "--otel-endpoint is set but OpenTelemetry is not installed (pip install 'encoderd[otel]'); tracing is off"
+            "--otel-endpoint is set but OpenTelemetry is not installed "
+            "(pip install '<encoderd checkout>[otel]'); tracing is off"
         )
         return False
     insecure = not endpoint.startswith("https://")

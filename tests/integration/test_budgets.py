@@ -9,6 +9,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -294,6 +296,34 @@ def test_listens_on_tells_which_process_holds_the_port():
         holder.listen()
         assert listens_on(os.getpid(), port)
         assert not listens_on(os.getppid(), port)  # someone else's listener is not ours
+
+
+_LISTEN_AND_CHECK = """
+import os, socket
+from encoderd.gateway.process import listens_on
+with socket.socket() as holder:
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    print(listens_on(os.getpid(), holder.getsockname()[1]))
+"""
+
+
+def test_listens_on_works_where_proc_shows_only_processes():
+    """The systemd units' sandbox (ProcSubset=pid) hides /proc/net: the server's check that its
+    Envoy listens, reading it, timed out and the server exited 2 under the shipped unit."""
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare")
+    sandboxed = 'mount -t proc -o subset=pid proc /proc && test ! -e /proc/net && exec "$0" -c "$1"'  # the unit's /proc
+    probe = subprocess.run(
+        ["unshare", "-mpf", "sh", "-c", sandboxed, sys.executable, _LISTEN_AND_CHECK],
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=60,
+    )
+    if probe.returncode and not probe.stdout:
+        pytest.skip(f"cannot mount a subset=pid /proc here: {probe.stderr.strip()[-200:]}")
+    assert probe.stdout.strip() == "True", probe.stderr
 
 
 def test_envoy_supervisor_gives_up_when_its_port_is_taken(server):

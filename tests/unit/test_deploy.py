@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,24 @@ def test_units_are_hardened(systemd_root, unit):
     match = re.search(r"Overall exposure level for \S+: ([\d.]+)", result.stdout)
     assert match, result.stdout[-2000:] + result.stderr
     assert float(match.group(1)) <= 2.5, result.stdout  # systemd calls < 3 "OK"; the GPU drop-in included
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [({"ENCODERD_TLS_CERT": "/certs/server.pem"}, "TLS is on"), ({"ENCODERD_NO_OPEN_HEALTH": "1"}, "API key")],
+)
+def test_container_healthcheck_says_when_it_cannot_reach_the_server(env, reason):
+    """The image's plaintext, keyless HEALTHCHECK against a TLS or closed-health server would only
+    ever say UNAVAILABLE: it names the setting and the way out instead."""
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "deploy" / "container" / "healthcheck.py")],
+        env={**os.environ, "ENCODERD_GRPC_PORT": "9", **env},
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=30,
+    )
+    assert check.returncode == 1 and reason in check.stderr and "--no-healthcheck" in check.stderr
 
 
 def test_units_keep_drain_inside_the_stop_timeout():

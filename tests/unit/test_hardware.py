@@ -125,6 +125,8 @@ def test_no_cpuinfo_is_unknown_and_conservative(monkeypatch, tmp_path):
     assert onnx_int8_recipe(info) == hardware.ONNX_INT8_UNSIGNED  # exact on every x86
     with pytest.raises(UnsupportedOnHardware):
         check_dtype("torch", "bfloat16", "cpu", info)
+    dtype, why = hardware.choose_cpu_dtype("torch", info)
+    assert dtype == "float32" and "unknown" in why and "no native" not in why  # the CPU is not blamed
 
 
 # ------------------------------------------------------------------ the mask

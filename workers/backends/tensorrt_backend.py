@@ -115,7 +115,7 @@ class TensorRTBackend(OnnxBackend):
             )
         self._check_dtype()
         check_onnxruntime_install()
-        require_provider(PROVIDER, "Install onnxruntime-gpu (`pip install 'encoderd[onnx-gpu]'`).")
+        require_provider(PROVIDER, "Install onnxruntime-gpu (`pip install '<encoderd checkout>[onnx-gpu]'`).")
         index = device_index(self.options.device)
         key = {"gpu": gpu_name(index), "tensorrt": tensorrt_version()}
         # TensorRT compiles float16 itself from the float32 graph (trt_fp16_enable).

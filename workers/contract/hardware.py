@@ -114,7 +114,7 @@ def read_cpu(cpuinfo_text: str | None = None, mask: str | None = None, arch: str
         try:
             with open(CPUINFO, encoding="utf-8", errors="replace") as f:
                 cpuinfo_text = f.read()
-        except OSError:  # not Linux: nothing to read; the policy then assumes the least
+        except OSError:  # not Linux, or hidden (systemd's ProcSubset=pid): the policy assumes the least
             cpuinfo_text, known = "", False
     model, flags = parse_cpuinfo(cpuinfo_text)
     flags, masked = apply_mask(flags, os.environ.get(MASK_ENV, "") if mask is None else mask)
@@ -417,6 +417,8 @@ def choose_cpu_dtype(engine: str, info: CpuInfo | None = None) -> tuple[str, str
     info = info or cpu()
     if engine not in CPU_BF16_ENGINES:
         return "float32", f"--engine {engine} computes no bfloat16 on CPU; {INT8_NOT_AUTO} and --engine torch"
+    if not info.known:  # e.g. a sandbox that hides /proc/cpuinfo: say so rather than blame the CPU
+        return "float32", f"instruction sets unknown ({CPUINFO} unreadable): float32, which every CPU computes"
     if not info.has_any(NATIVE_BF16):
         if info.is_x86 and info.has_any(VNNI_INT8) and engine in INT8_AUTO_ENGINES:
             vnni = info.present(VNNI_INT8)

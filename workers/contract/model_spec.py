@@ -152,6 +152,12 @@ def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:
         return os.path.abspath(path_or_hub_id)
     if path_or_hub_id.startswith((".", "/", "~")):
         raise ModelLoadError(f"model directory {path_or_hub_id!r} does not exist")
+    if path_or_hub_id == DEFAULT_MODEL_NAME and revision is None:
+        from .bundled_model import installed_model_dir
+
+        bundled = installed_model_dir()  # the same model, read offline: as served with no --model
+        if bundled:
+            return bundled
     try:
         from huggingface_hub import snapshot_download
 
