@@ -29,6 +29,7 @@ the torch engine is the only one computing them, and the report says "unchecked"
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -155,6 +156,8 @@ def reference(
         "pooling": msgspec.json.encode(spec.pooling).decode(),
         "max_length": spec.max_length,
         "calibration": calibration.VERSION,
+        # The very tokens: a reference of other ids (another tokenizer build) compares nothing.
+        "tokens": _tokens_digest(batches),
         "versions": library_versions("torch", "transformers", "tokenizers"),
     }
     entry = cached_build(
@@ -165,6 +168,14 @@ def reference(
         lambda out: np.save(out / REFERENCE_FILE, _compute_reference(spec, batches, trust_remote_code)),
     )
     return np.load(entry.path / REFERENCE_FILE), entry.hit
+
+
+def _tokens_digest(batches: list[TokenBatch]) -> str:
+    digest = hashlib.sha256()
+    for batch in batches:
+        for part in (batch.input_ids, batch.cu_seqlens, batch.token_type_ids):
+            digest.update(b"-" if part is None else np.ascontiguousarray(part, dtype=np.int32).tobytes())
+    return digest.hexdigest()
 
 
 def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_code: bool) -> np.ndarray:
@@ -217,7 +228,7 @@ def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") ->
         )
         return Report(UNCHECKED, ())
     started = time.perf_counter()
-    batches = calibration.batches(spec, backend.options.max_batch_size)
+    batches = calibration.batches(spec, backend.options.max_batch_size, backend.options.trust_remote_code)
     want, cached = reference(spec, batches, backend.options.cache_dir, backend.options.trust_remote_code)
     got = np.concatenate([backend.forward(batch) for batch in batches])
     figures = judge(measure(spec.kind, got, want), backend.options.dtype)

@@ -40,6 +40,7 @@ from .contract.config import WorkerConfig
 from .contract.errors import ErrorCode, WorkerError
 from .contract.hardware import UnsupportedOnHardware
 from .contract.logs import configure_logging
+from .contract.tokenizer import tokenizer_json
 from .st_modules import SentenceModules
 
 log = logging.getLogger("encoderd.worker")
@@ -167,6 +168,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
     try:
         backend, check = _load(config)
         modules = SentenceModules(config.spec)  # Dense layers after pooling, for every engine
+        tokenizer = tokenizer_json(config.spec.path, config.spec.lowercase, backend.options.trust_remote_code)
     except Exception as exc:
         if isinstance(exc, UnsupportedOnHardware):  # a refusal, not a bug: its message is the whole story
             log.error("model load refused: %s", exc)
@@ -210,6 +212,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
                 check.status,
                 check.figures,
                 lanes,
+                tokenizer,
             )
         )
     )

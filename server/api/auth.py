@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from ...workers.contract import logs
 from ..ops import metrics
 
 log = logging.getLogger("encoderd.auth")
@@ -55,6 +56,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         # An unknown method stays UNIMPLEMENTED; its name is client text, never a label.
         route = details.method if handler is not None else "(unknown)"
         presented = "a wrong key" if presented_key(details.invocation_metadata) else "no key"
+        logs.bind_request_id(details.invocation_metadata)  # the line carries the caller's x-request-id
         log.warning("authentication failed on %s: %s", route, presented)  # never the key itself
         metrics.AUTH_FAILURES.labels(route).inc()
         return _refusing(handler, "missing or wrong API key: send `authorization: Bearer <key>`")

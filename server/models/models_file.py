@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...workers.contract.model_spec import revision_misplaced
 from ..ops.config import ModelConfig
 from .model_options import MODEL_OPTIONS
 
@@ -194,6 +195,8 @@ def _model(name: str, table, file: ModelsFile) -> ModelConfig:
         for key, option in MODEL_OPTIONS.items()
         if key in table
     }
+    if misplaced := revision_misplaced(source, values.get("revision")):
+        raise ModelsFileError(f"{file.where(name, 'revision')}: model {name!r}: {misplaced}")
     return ModelConfig(name=name, source=source, prompts=_prompts(name, table.get("prompts", {}), file), **values)
 
 

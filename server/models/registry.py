@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ...workers.contract.config import BackendOptions, WorkerConfig
 from ...workers.contract.model_spec import (
@@ -128,14 +129,6 @@ class ModelRegistry:
         )
         prompts = {**spec.prompts, **dict(cfg.prompts)}
         check_prompts(spec, prompts)
-        tokenizer = ModelTokenizer(
-            path,
-            spec.max_length,
-            self._tokenizer_pool,
-            self._bulk_tokenizer_pool,
-            lowercase=spec.lowercase,
-            trust_remote_code=cfg.trust_remote_code,
-        )
         # Image processors / feature extractors import transformers (seconds): off the loop, while workers start.
         media = loop.run_in_executor(None, load_preprocessors, spec, self.media_limits)
         placements = plan_replicas(cfg.device, cfg.replicas, cfg.cpu_threads)
@@ -154,6 +147,13 @@ class ModelRegistry:
             "".join(f", {f.metric} {f.value:.5f}" for f in infos[0].fidelity),
         )
         log.info("chose %s", explain(spec.name, cfg, placements, infos[0].engine, infos[0].dtype))
+        # The worker's tokenizer (transformers builds it, as for sentence-transformers), not one read here.
+        tokenizer = ModelTokenizer(
+            Tokenizer.from_str(infos[0].tokenizer_json),
+            spec.max_length,
+            self._tokenizer_pool,
+            self._bulk_tokenizer_pool,
+        )
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
         scheduler = self._scheduler(spec, replicas, cfg, padded=any(i.is_padded for i in infos))

@@ -17,7 +17,6 @@ from typing import cast
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from ...workers.contract.tokenizer import load_tokenizer
 from ..api.errors import InvalidInput
 
 
@@ -35,19 +34,18 @@ class Tokenized:
 class ModelTokenizer:
     def __init__(
         self,
-        model_dir: str,
+        base: Tokenizer,
         max_length: int,
         executor: ThreadPoolExecutor,
         bulk_executor: ThreadPoolExecutor | None = None,
-        lowercase: bool = False,
-        trust_remote_code: bool = False,
     ):
+        """`base`: the model's tokenizer as its worker built it (workers/contract/tokenizer.py); this
+        object takes it over."""
         self.max_length = max_length
         self._executor = executor
         # Bulk work tokenizes on its own thread, so a live query never queues behind
         # a stream's chunks in the tokenizer pool.
         self._bulk_executor = bulk_executor or executor
-        base = load_tokenizer(model_dir, lowercase, trust_remote_code)
         base.no_padding()
         base.no_truncation()
         self.untruncated = base

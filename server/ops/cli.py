@@ -528,7 +528,11 @@ def build_parser() -> argparse.ArgumentParser:
         "PEM certificate chain: serve gRPC and REST over TLS (with --tls-key; the metrics port stays plain HTTP)",
         None,
     )
-    _add(serve, "--tls-key", "PEM private key of --tls-cert (unencrypted; readable by this user only)", None)
+    _add(
+        serve,
+        "--tls-key",
+        "PEM private key of --tls-cert (unencrypted; keep it readable by this user only: not checked)",
+    )
     _add(
         serve,
         "--tls-client-ca",

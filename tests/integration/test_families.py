@@ -32,7 +32,11 @@ from encoderd.workers.contract.protocol import TokenBatch
 
 _SHORT = sentences(22, max_words=300, seed=11)  # 5 to ~380 tokens
 _LONG = sentences(2, min_words=600, max_words=700, seed=5)  # past every family's 512 tokens: truncated
-TEXTS = _SHORT[:3] + _LONG[:1] + _SHORT[3:12] + _LONG[1:] + _SHORT[12:]  # each batch of 8 mixes lengths
+# Whitespace some tokenizer classes drop where their raw tokenizer.json keeps it (XLM-R, CamemBERT,
+# DeBERTa-v2 in transformers 5): a trailing space or newline, a tab, doubled spaces.
+WHITESPACE = ["a document about cats ", "it ends with a newline\n", "a\ttab and  two  spaces", "  both ends  "]
+# Each batch of 8 mixes lengths; the last is the whitespace texts.
+TEXTS = _SHORT[:3] + _LONG[:1] + _SHORT[3:12] + _LONG[1:] + _SHORT[12:] + WHITESPACE
 QUERY = "how do search engines rank documents"
 BATCH = 8
 CONVERTING_ENGINES = [("onnx", "onnxruntime"), ("ctranslate2", "ctranslate2")]
@@ -98,11 +102,11 @@ def reference(spec) -> np.ndarray:
 
 
 def token_batches(spec) -> list[TokenBatch]:
-    """What the frontend sends: tokenizer.json ids (pairs for rerankers, with type ids), truncated to
-    the spec's maximum, in batches of mixed lengths."""
-    from tokenizers import Tokenizer
+    """What the frontend sends: the ids of the tokenizer its worker built (pairs for rerankers, with
+    type ids), truncated to the spec's maximum, in batches of mixed lengths."""
+    from encoderd.workers.contract.tokenizer import load_tokenizer
 
-    tokenizer = Tokenizer.from_file(str(Path(spec.path) / "tokenizer.json"))
+    tokenizer = load_tokenizer(spec.path)
     tokenizer.enable_truncation(spec.max_length)
     tokenizer.no_padding()
     pairs = spec.kind == ModelKind.RERANKER
@@ -170,8 +174,9 @@ def test_torch_padded_path_of_packed_families(family, kind, references, models_d
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_frontend_tokenizer_gives_the_reference_ids(family, references, models_dir):
-    """The frontend encodes with the raw tokenizer.json; the references with AutoTokenizer (the family's
-    tokenizer class), which may rebuild parts of it. Same ids, singles and pairs, or the vectors differ."""
+    """The frontend encodes with the tokenizer its worker built (load_tokenizer); the references with
+    AutoTokenizer (the family's tokenizer class), which may rebuild parts of tokenizer.json. Same ids,
+    singles and pairs, or the vectors differ."""
     from transformers import AutoTokenizer
 
     from encoderd.workers.contract.tokenizer import load_tokenizer
@@ -184,6 +189,25 @@ def test_frontend_tokenizer_gives_the_reference_ids(family, references, models_d
     assert [e.ids for e in raw.encode_batch([(QUERY, t) for t in TEXTS])] == auto([QUERY] * len(TEXTS), TEXTS)[
         "input_ids"
     ]
+
+
+@pytest.mark.parametrize("family", ["xlm-roberta", "deberta-v2"])
+def test_a_served_model_tokenizes_whitespace_as_its_reference(family, references, models_dir, tmp_path):
+    """End to end through the real server: the frontend tokenized with the raw tokenizer.json, which
+    kept a trailing space, newline or tab as tokens these families' transformers tokenizers drop
+    (served cosine 0.58-0.93 to sentence-transformers), and the self-check, tokenizing the same way,
+    saw nothing."""
+    from support.server import ServerProcess
+
+    from encoderd.clients import EncoderClient
+
+    spec, want = case(references, models_dir, family, "embedding")
+    served = ServerProcess("--model", f"m={spec.path}", "--dtype", "float32", log_path=tmp_path / "server.log")
+    with served.start(), EncoderClient(served.address) as client:
+        got = client.embed(WHITESPACE, "m").vectors
+    want = want[-len(WHITESPACE) :]
+    cosines = np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosines.min() > 0.9999, dict(zip(WHITESPACE, cosines.round(5), strict=True))
 
 
 # ------------------------------------------------------------------ other engines: match or refuse

@@ -297,7 +297,8 @@ def test_api_keys_over_grpc_and_rest(tmp_path, models_dir):
     try:
         stub = server.stub()
         request = pb.EmbedRequest(inputs=["secret"])
-        for metadata in (None, (("authorization", "Bearer wrong"),), (("authorization", "flag-key"),)):
+        wrong = (("authorization", "Bearer wrong"), ("x-request-id", "auth-probe-7"))
+        for metadata in (None, wrong, (("authorization", "flag-key"),)):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Embed(request, metadata=metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -339,7 +340,8 @@ def test_api_keys_over_grpc_and_rest(tmp_path, models_dir):
             assert http.get("/health").status_code == 200
         log = server.log_path.read_text()
         assert "flag-key" not in log and "file-key" not in log and "nope" not in log
-        failures = re.findall(r"WARNING encoderd.auth: authentication failed on (\S+): (.*)", log)
+        failures = re.findall(r"WARNING encoderd.auth: authentication failed on (\S+): (no key|a wrong key)", log)
+        assert "a wrong key [request_id=auth-probe-7]" in log  # the caller's id, to find the call by
         embed, rest = "/encoderd.v1.Encoder/Embed", "/encoderd.v1.Compat/CreateEmbeddings"
         assert failures == [
             (embed, "no key"),

@@ -109,7 +109,7 @@ def references(embedders) -> dict[str, np.ndarray]:
 def frontend_tokens(spec, texts: list[str], pairs_with: str | None = None):
     """Token ids as the frontend makes them (server/models/tokenization.py, lower-casing included)."""
     with ThreadPoolExecutor(1) as pool:
-        tokenizer = ModelTokenizer(spec.path, spec.max_length, pool, lowercase=spec.lowercase)
+        tokenizer = ModelTokenizer(load_tokenizer(spec.path, spec.lowercase), spec.max_length, pool)
         return asyncio.run(tokenizer.encode(texts, pairs_with=pairs_with))
 
 

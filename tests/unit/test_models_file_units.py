@@ -147,6 +147,8 @@ def test_the_same_name_in_the_file_and_a_flag_is_refused(tmp_path):
         ('[models.m]\nsource = "/m"\nengine = onnx\n', 3, "not valid TOML: Invalid value"),
         ("[models]\n", 1, "`models` must hold one table per served model"),
         ('[models."a=b"]\nsource = "/m"\n', 1, "model name 'a=b' holds =, which the NAME=VALUE flags"),
+        # a local directory (this one exists everywhere) takes no revision: said before anything starts
+        ('[models.m]\nsource = "/"\nrevision = "main"\n', 3, "revision 'main' is for hub models, but '/' is a local"),
     ],
 )
 def test_errors_name_the_file_and_line(tmp_path, text, line, message):

@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from encoderd.server.api.errors import InvalidInput
 from encoderd.server.models.tokenization import ModelTokenizer, pair_lengths
 from encoderd.workers.contract.model_spec import default_model_path
+from encoderd.workers.contract.tokenizer import load_tokenizer
 
 WORDS = (
     "the cat sat on a mat while quantum chromodynamics unbelievably reorganised ĉƒ 東京 "
@@ -34,7 +35,7 @@ def pool():
 @pytest.mark.parametrize("which", ["minilm", "reranker"])
 def test_pairs_match_the_tokenizers_pair_encoding(which, max_length, pool, reranker_path):
     path = default_model_path() if which == "minilm" else reranker_path
-    tokenizer = ModelTokenizer(path, max_length, pool)
+    tokenizer = ModelTokenizer(load_tokenizer(path), max_length, pool)
     assert tokenizer.pair_template is not None  # else the old path ran and this test proves nothing
     rnd = random.Random(max_length)
     for side in ("right", "left"):
@@ -51,7 +52,7 @@ def test_pairs_match_the_tokenizers_pair_encoding(which, max_length, pool, reran
 
 
 def test_over_long_pairs_without_truncation_are_refused(pool):
-    tokenizer = ModelTokenizer(default_model_path(), 32, pool)
+    tokenizer = ModelTokenizer(load_tokenizer(default_model_path()), 32, pool)
     with pytest.raises(InvalidInput, match="truncation is off"):
         asyncio.run(tokenizer.encode(["short", "a b " * 40], truncate=False, pairs_with="query"))
     fits = asyncio.run(tokenizer.encode(["short"], truncate=False, pairs_with="query"))
@@ -80,7 +81,7 @@ def test_a_live_query_is_tokenized_on_the_loop_and_the_rest_in_the_pool():
     """The pool hand-off costs more CPU than a short query's encoding; larger or bulk requests
     still go to the pool (the loop stays free, cancellation stops between chunks)."""
     with _CountingPool() as counting:
-        tokenizer = ModelTokenizer(default_model_path(), 256, counting)
+        tokenizer = ModelTokenizer(load_tokenizer(default_model_path()), 256, counting)
         reference = Tokenizer.from_file(f"{default_model_path()}/tokenizer.json")
         reference.no_padding()
         reference.no_truncation()

@@ -13,13 +13,12 @@ from encoderd.server.models.tokenization import ModelTokenizer
 VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4, "c": 5}
 
 
-def _tokenizer_dir(tmp_path, post_processor) -> str:
+def _tokenizer(post_processor) -> Tokenizer:
     tokenizer = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     if post_processor is not None:
         tokenizer.post_processor = post_processor
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    return str(tmp_path)
+    return tokenizer
 
 
 LAYOUTS = {
@@ -30,9 +29,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_special_tokens_are_added_once_and_kept_when_cut(tmp_path, layout):
+def test_special_tokens_are_added_once_and_kept_when_cut(layout):
     post_processor, prefix, suffix = LAYOUTS[layout]
-    tokenizer = ModelTokenizer(_tokenizer_dir(tmp_path, post_processor), 6, ThreadPoolExecutor(1))
+    tokenizer = ModelTokenizer(_tokenizer(post_processor), 6, ThreadPoolExecutor(1))
     assert tokenizer.special_affixes == (prefix, suffix)
     assert tokenizer.with_special_tokens([3, 4]) == [*prefix, 3, 4, *suffix]
     assert tokenizer.with_special_tokens([*prefix, 3, 4, *suffix]) == [*prefix, 3, 4, *suffix]  # carried already

@@ -102,7 +102,7 @@ class TorchBackend(Backend):
         recipe = hardware.torch_int8_recipe()
 
         def calibrate() -> None:
-            for batch in calibration.batches(self.spec):
+            for batch in calibration.batches(self.spec, trust_remote_code=self.options.trust_remote_code):
                 self.forward(batch)
 
         owners = [self.packed.pieces] if self.packed is not None else []

@@ -140,15 +140,22 @@ def default_model_path(cache_dir: str | None = None) -> str:
         raise ModelLoadError(str(exc)) from None
 
 
+def revision_misplaced(source: str, revision: str | None) -> str:
+    """Why `revision` cannot apply to `source` (a local directory), or "" where it can."""
+    if not revision or not os.path.isdir(source):
+        return ""
+    return (
+        f"revision {revision!r} is for hub models, but {source!r} is a local directory: check out that "
+        "revision there, or drop the revision for this model"
+    )
+
+
 def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:
     """A local directory as is; otherwise a Hugging Face hub id, via the normal cache, at
     `revision` (branch, tag or commit; None = the default branch)."""
     if os.path.isdir(path_or_hub_id):
-        if revision:
-            raise ModelLoadError(
-                f"--revision {revision!r} is for hub models, but {path_or_hub_id!r} is a local "
-                "directory: check out that revision there, or drop --revision for this model"
-            )
+        if misplaced := revision_misplaced(path_or_hub_id, revision):
+            raise ModelLoadError(f"--{misplaced}")
         return os.path.abspath(path_or_hub_id)
     if path_or_hub_id.startswith((".", "/", "~")):
         raise ModelLoadError(f"model directory {path_or_hub_id!r} does not exist")

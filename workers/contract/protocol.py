@@ -91,6 +91,8 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     fidelity_status: str = ""  # passed, low (served with --allow-low-fidelity), unchecked
     fidelity: tuple[FidelityFigure, ...] = ()
     urgent_lane: bool = False  # urgent batches computed on their own thread (workers/process.py)
+    # The tokenizer every request is tokenized with, as the worker built it (workers/contract/tokenizer.py).
+    tokenizer_json: str = ""
 
 
 class WorkerFatal(msgspec.Struct, array_like=True, gc=False):
