@@ -391,10 +391,14 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         )
 
     async def classifications(
-        self, name: str, texts: list[str], options: ClassifyOptions
+        self,
+        name: str,
+        texts: list[str],
+        options: ClassifyOptions,
+        kinds: tuple[ModelKind, ...] = (ModelKind.CLASSIFIER,),
     ) -> tuple[ServedModel, list[list[dict]], int]:
         """Per input, every label with its score ({"score", "label"}), best first."""
-        model, logits, tokens = await self.registry.classify(name, texts, options)
+        model, logits, tokens = await self.registry.classify(name, texts, options, kinds)
         scores = postprocess.scores(logits, model.spec.score_activation, options.raw_scores)
         labels = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
         return (

@@ -232,12 +232,17 @@ def predict_inputs(value) -> tuple[list[str | tuple[str, str]], bool]:
     return batch, True
 
 
+# As TEI: a cross-encoder (one label) predicts too, its sigmoid score under its one label.
+PREDICT_KINDS = (ModelKind.CLASSIFIER, ModelKind.RERANKER)
+
+
 async def predict(service, request) -> httpbody_pb2.HttpBody:
     options, function_to_apply, top_k = predict_options(request)
     texts, batched = predict_inputs(request.inputs)
-    name = pick_model(service, request.model, (ModelKind.CLASSIFIER,), "/predict")
+    # No model named: the one classifier, else the one reranker (a classifier of one label).
+    name = service.registry.get(request.model, PREDICT_KINDS, prefer=(ModelKind.CLASSIFIER,), call="/predict").spec.name
     activation = ACTIVATIONS[function_to_apply]
-    _, results, _ = await service.classifications(name, texts, options)
+    _, results, _ = await service.classifications(name, texts, options, PREDICT_KINDS)
     if activation:  # monotonic within a row: the best-first order of the logits holds
         results = [_activated(row, activation) for row in results]
     results = [row[: top_k or None] for row in results]

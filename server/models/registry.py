@@ -375,10 +375,13 @@ class ModelRegistry:
         )
         return model, cast("np.ndarray", logits)[:, 0], n_tokens
 
-    async def classify(self, name: str, texts, options: ClassifyOptions) -> tuple[ServedModel, np.ndarray, int]:
+    async def classify(
+        self, name: str, texts, options: ClassifyOptions, kinds: tuple[ModelKind, ...] = (ModelKind.CLASSIFIER,)
+    ) -> tuple[ServedModel, np.ndarray, int]:
         """Classifier logits (n, labels) and the token count. An input is a text or a (text,
-        text_pair) pair (TEI's /predict), which the model reads as its tokenizer pairs them."""
-        model = self.get(name, ModelKind.CLASSIFIER)
+        text_pair) pair (TEI's /predict), which the model reads as its tokenizer pairs them; TEI's
+        /predict also takes a reranker (`kinds`): a classifier of one label."""
+        model = self.get(name, kinds)
         logits, n_tokens = await compute.run(
             self,
             model,

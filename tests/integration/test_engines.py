@@ -419,7 +419,7 @@ def test_both_onnxruntime_wheels_installed_is_explained():
 
     with pytest.raises(RuntimeError, match="overwrite each other"):
         check_onnxruntime_install({"onnxruntime", "onnxruntime-gpu"})
-    with pytest.raises(RuntimeError, match=r"encoderd\[onnx\]"):
+    with pytest.raises(RuntimeError, match=r"checkout>\[onnx\]"):
         check_onnxruntime_install(set())
     check_onnxruntime_install({"onnxruntime"})
 

@@ -194,6 +194,18 @@ def test_cohere_v2_sdk_rerank_equals_cross_encoder_and_grpc(rest_server, stub, c
     assert response.meta.billed_units.search_units == 1 and response.id
 
 
+def test_tei_predict_scores_pairs_on_a_reranker_as_tei_does(http, cross_encoder_scores):
+    """TEI's /predict takes a one-label cross-encoder too: the sigmoid score under its label (it was
+    a 400 "needs a classifier model" here)."""
+    one = http.post("/predict", json={"model": "reranker", "inputs": [QUERY, DOCS[0]]})
+    assert one.status_code == 200, one.text
+    [only] = one.json()
+    assert set(only) == {"score", "label"}
+    np.testing.assert_allclose(only["score"], cross_encoder_scores[0], atol=1e-5)
+    batch = http.post("/predict", json={"model": "reranker", "inputs": [[QUERY, d] for d in DOCS[:3]]}).json()
+    np.testing.assert_allclose([row[0]["score"] for row in batch], cross_encoder_scores[:3], atol=1e-5)
+
+
 def test_cohere_v1_sdk_and_raw_rerank_shapes(rest_server, http, cross_encoder_scores):
     import cohere
 
