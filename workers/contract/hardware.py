@@ -176,9 +176,10 @@ class TorchInt8Recipe:
 
 # With VNNI, 8-bit weights; without it, 7-bit weights (the only saturation-free choice of oneDNN's
 # u8 x s8 kernel). Both smooth every layer at alpha 0.5: leaving the FFN down-projections unsmoothed
-# (alpha 0.7, the former VNNI recipe: 2.06x float32 against 1.92x now, one thread, Zen 4) served
+# (alpha 0.7, the former VNNI recipe: 2.06x float32 against 1.98x now, one thread, Zen 4) served
 # repetitive text ("}} " * 60, "." * 240) at cosine 0.985-0.989 to sentence-transformers, under the
-# int8 floor; now 0.993 at worst over 140 such texts, 0.9955 on the broad corpus (session 20).
+# int8 floor; now 0.993 at worst over 140 such texts, 0.9962 on the broad corpus (session 20,
+# tests/support/int8_recipes.py 1 float32,encoderd, with calibration VERSION 3).
 TORCH_INT8_EXACT = TorchInt8Recipe("s8-token-smooth0.5", 8, 0.5, smooth_contracting=True)
 TORCH_INT8_7BIT = TorchInt8Recipe("s7-token-smooth0.5", 7, 0.5, smooth_contracting=True)
 
