@@ -17,6 +17,7 @@ import multiprocessing
 import os
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
@@ -96,7 +97,9 @@ class WorkerClient:
         return self._process.pid if self._process else None
 
     def _set_ready(self, info: protocol.WorkerReady | None) -> None:
-        self.ready_info = info
+        # Kept for the worker's life without its tokenizer (up to ~17 MB for XLM-R): the registry builds
+        # the model's tokenizer once from what `start` returns.
+        self.ready_info = msgspec.structs.replace(info, tokenizer_json="") if info else None
         self._on_state(info is not None)
         self.state_changed.set()
 
