@@ -38,7 +38,7 @@ def test_output_dtypes_tokenize_and_typed_errors(server):
         np.testing.assert_array_equal(half, ref.astype(np.float16))
         int8 = client.embed(texts, model=DEFAULT_MODEL_NAME, output_dtype="int8").vectors
         assert int8.dtype == np.int8
-        np.testing.assert_array_equal(int8, np.round(np.clip(ref, -1, 1) * 127).astype(np.int8))
+        np.testing.assert_array_equal(int8, np.round(np.clip(ref.astype(np.float64), -1, 1) * 127).astype(np.int8))
         ubinary = client.embed(texts, model=DEFAULT_MODEL_NAME, output_dtype="ubinary").vectors
         np.testing.assert_array_equal(ubinary, np.packbits(ref > 0, axis=-1))
         tokens = client.tokenize(["hello world"], model=DEFAULT_MODEL_NAME)[0]

@@ -498,8 +498,8 @@ def test_cohere_embedding_types_v1_and_v2(compat_server, reference):
     for response in (v1, v2):
         e = response.embeddings
         np.testing.assert_allclose(e.float_, floats, atol=1e-5)
-        np.testing.assert_array_equal(e.int8, np.round(np.clip(floats, -1, 1) * 127))
-        np.testing.assert_array_equal(e.uint8, np.round((np.clip(floats, -1, 1) + 1) * 127.5))
+        np.testing.assert_array_equal(e.int8, np.round(np.clip(floats.astype(np.float64), -1, 1) * 127))
+        np.testing.assert_array_equal(e.uint8, np.round((np.clip(floats.astype(np.float64), -1, 1) + 1) * 127.5))
         np.testing.assert_array_equal(e.binary, quantize_embeddings(floats, precision="binary"))
         np.testing.assert_array_equal(e.ubinary, quantize_embeddings(floats, precision="ubinary"))
         np.testing.assert_array_equal(
