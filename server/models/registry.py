@@ -48,6 +48,32 @@ from .tokenization import ModelTokenizer
 
 log = logging.getLogger("encoderd.engine")
 
+PROGRESS_EVERY_S = 10.0  # between "still loading" lines while a model's workers start
+
+
+async def _start_reporting_progress(name: str, replicas: Sequence[WorkerClient]) -> list:
+    """Start a model's workers, saying every PROGRESS_EVERY_S that they are still at it: a load, an
+    export or a warm-up can take minutes, and a log file or a journal shows no progress bar."""
+    task = asyncio.ensure_future(asyncio.gather(*(replica.start() for replica in replicas)))
+    began = time.perf_counter()
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=PROGRESS_EVERY_S)
+            if done:
+                return task.result()
+            waiting = sum(not r.ready for r in replicas)
+            log.info(
+                "model %s: %d of %d worker(s) still loading after %.0fs (their lines say which step)",
+                name,
+                waiting,
+                len(replicas),
+                time.perf_counter() - began,
+            )
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+
 
 @dataclass
 class ServedModel:
@@ -135,7 +161,7 @@ class ModelRegistry:
         replicas = [self._replica(spec, placement, cfg) for placement in placements]
         started = time.perf_counter()
         log.info("starting %d worker(s) for %s (%s, kind=%s)", len(replicas), spec.name, path, spec.kind.value)
-        infos = await asyncio.gather(*(replica.start() for replica in replicas))
+        infos = await _start_reporting_progress(spec.name, replicas)
         log.info(
             "model %s ready in %.1fs (pids %s, %s/%s; fidelity %s%s)",
             spec.name,

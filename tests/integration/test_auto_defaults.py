@@ -36,6 +36,8 @@ def test_defaults_are_chosen_for_this_host_and_logged(tmp_path, minilm_path):
             assert threads[0] == own, (frontend, threads)
             assert bulk == ((own[0] + BULK_LANE_NICE, os.SCHED_IDLE) if layout.threads == 1 else own), threads
     log = server.log_text()
+    # A log file is not a terminal: no progress bars redrawn with carriage returns (transformers' loading bar).
+    assert "\r" not in log and "Loading weights" not in log, log
     [line] = [ln for ln in log.splitlines() if f"chose {DEFAULT_MODEL_NAME}:" in ln]
     # The dtype the hardware policy wants, unless the fidelity check sent it back to float32 (then it says so).
     assert model.dtype in (dtype, "float32") and f"dtype {model.dtype}" in line

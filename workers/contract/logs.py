@@ -81,10 +81,13 @@ def configure_logging(level: str, fmt: str = "text", *, worker: str = "") -> Non
     if fmt not in FORMATS:
         raise ValueError(f"unknown log format {fmt!r}; choose one of {', '.join(FORMATS)}")
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        # Progress bars (model downloads and loading) would break the one-object-a-line stream.
-        # Set before any Hugging Face library is imported; spawned workers inherit it.
+    if fmt == "json" or not sys.stderr.isatty():
+        # Progress bars (model downloads and loading) redraw with carriage returns: on a terminal that is
+        # progress, in a file or a journal a line without a timestamp (or one breaking the one-object-a-line
+        # stream). There the frontend's "still loading" lines say it. Set before any Hugging Face library
+        # is imported; workers inherit it.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if fmt == "json":
         static: dict[str, int | str] = {"pid": os.getpid()}
         if worker:
             static["worker"] = worker
