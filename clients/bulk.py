@@ -32,6 +32,7 @@ class StreamResult:
     id: str
     vector: np.ndarray | None  # float32, or None when the input failed
     error: str | None = None
+    tokens: int = 0  # the input's token count, its prompt included (0 when it failed)
 
 
 class Progress:
@@ -72,7 +73,7 @@ def _requests(items: Iterable[tuple[str, str]], model: str, skip: set[str], opti
 def _result(response: pb.EmbedStreamResponse, dtype: int) -> StreamResult:
     if response.HasField("error"):
         return StreamResult(response.id, None, response.error.message)
-    return StreamResult(response.id, vectors.decode(response.embedding, dtype))
+    return StreamResult(response.id, vectors.decode(response.embedding, dtype), tokens=response.prompt_tokens)
 
 
 def _prepare(options: dict) -> tuple[int, tuple | None]:

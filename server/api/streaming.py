@@ -98,13 +98,16 @@ class _Stream:
         try:
             while True:
                 try:
-                    model, pooled, _ = await self.registry.embed(self.model.spec.name, [m.input for m in good], o)
+                    model, pooled, tokens = await self.registry.embed(self.model.spec.name, [m.input for m in good], o)
                     break
                 except Overloaded:
                     await asyncio.sleep(0.05)  # bulk work waits for room instead of failing
             vectors = postprocess.finish_requested(pooled, model.spec.normalize, o)
-            for message, embedding in zip(good, embeddings_message(vectors, o.output_dtype), strict=True):
-                await self.results.put(pb.EmbedStreamResponse(id=message.id, embedding=embedding))
+            answers = zip(good, embeddings_message(vectors, o.output_dtype), tokens.per_input, strict=True)
+            for message, embedding, n_tokens in answers:
+                await self.results.put(
+                    pb.EmbedStreamResponse(id=message.id, embedding=embedding, prompt_tokens=n_tokens)
+                )
         except Exception as exc:  # noqa: BLE001 - not swallowed: each message of the group is answered with it
             for message in good:
                 await self.results.put(_error(message.id, exc))

@@ -23,7 +23,7 @@ from ..api.errors import BackendError, InvalidInput
 from ..scheduling.batching import MediaItem, WorkItem
 from ..scheduling.scheduler import PendingRequest, Priority
 from .media import Content, media_bytes
-from .result_cache import result_key
+from .result_cache import TokenCount, result_key
 
 if TYPE_CHECKING:  # registry.py calls this module: its types only
     from ..ops.config import ServerConfig
@@ -82,10 +82,11 @@ async def run(
     pairs_with: str | None = None,
     priority: Priority = Priority.INTERACTIVE,
     what: str = "inputs",
-) -> tuple[np.ndarray | list, int]:
+) -> tuple[np.ndarray | list, TokenCount]:
     """Rows for every input, in order (stacked, or a list when `output.ragged`), and the token
-    count. `prefix` (a prompt) goes before every text; `pairs_with`: each input is a document
-    paired with this query. Identical inputs in flight are computed once."""
+    count (the total; each input's in `.per_input`). `prefix` (a prompt) goes before every text;
+    `pairs_with`: each input is a document paired with this query. Identical inputs in flight are
+    computed once."""
     inputs = list(inputs)
     model.scheduler.refuse_if_full(len(inputs))  # a flood is refused before any other work
     spec = model.spec

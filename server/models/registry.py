@@ -43,7 +43,7 @@ from . import compute
 from .choices import explain
 from .media import MediaLimits, load_preprocessors
 from .model_resolver import resolve
-from .result_cache import ResultCache
+from .result_cache import ResultCache, TokenCount
 from .tokenization import ModelTokenizer
 
 log = logging.getLogger("encoderd.engine")
@@ -338,8 +338,9 @@ class ModelRegistry:
             )
         return text
 
-    async def embed(self, name: str, texts, options: EmbedOptions) -> tuple[ServedModel, np.ndarray, int]:
-        """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's).
+    async def embed(self, name: str, texts, options: EmbedOptions) -> tuple[ServedModel, np.ndarray, TokenCount]:
+        """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's;
+        each text's in `.per_input`).
         Post-processing (normalize, dimensions, output dtype) is the caller's, from the same options."""
         # Named none: the embedding model, not a clip or clap served beside it.
         model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), prefer=(ModelKind.EMBEDDING,))

@@ -23,6 +23,18 @@ from ..ops import metrics
 ComputeFn = Callable[[list[int]], Awaitable[tuple[np.ndarray, np.ndarray]]]
 
 
+class TokenCount(int):
+    """A request's token total (what usage reports) that keeps each input's own count, for answers
+    given per input (EmbedStream's `prompt_tokens`)."""
+
+    per_input: tuple[int, ...]
+
+    def __new__(cls, per_input):
+        total = super().__new__(cls, sum(per_input))
+        total.per_input = tuple(int(n) for n in per_input)
+        return total
+
+
 class _OwnerGone(Exception):
     """The request computing a shared input went away; waiters compute it themselves."""
 
@@ -46,17 +58,17 @@ class ResultCache:
     @overload
     async def resolve(
         self, keys: list[bytes], compute: ComputeFn, stack: Literal[True] = True, remember: bool = True
-    ) -> tuple[np.ndarray, int]: ...
+    ) -> tuple[np.ndarray, TokenCount]: ...
 
     @overload
     async def resolve(
         self, keys: list[bytes], compute: ComputeFn, stack: bool, remember: bool = True
-    ) -> tuple[np.ndarray | list, int]: ...
+    ) -> tuple[np.ndarray | list, TokenCount]: ...
 
     async def resolve(
         self, keys: list[bytes], compute: ComputeFn, stack: bool = True, remember: bool = True
-    ) -> tuple[np.ndarray | list, int]:
-        """Rows for every key, in order, and the total token count; `stack=False`
+    ) -> tuple[np.ndarray | list, TokenCount]:
+        """Rows for every key, in order, and their token counts; `stack=False`
         leaves ragged rows (multi-vector, sparse) as a list. `remember=False`: shared while in
         flight, never kept in the LRU (outputs too large for an LRU sized in entries)."""
         rows: list = [None] * len(keys)
@@ -64,7 +76,7 @@ class ResultCache:
         unresolved = list(range(len(keys)))
         while unresolved:
             unresolved = await self._resolve_round(keys, unresolved, rows, tokens, compute, remember)
-        return (np.stack(rows) if stack else rows), int(sum(tokens))
+        return (np.stack(rows) if stack else rows), TokenCount(tokens)
 
     async def _resolve_round(self, keys, indices, rows, tokens, compute, remember: bool) -> list[int]:
         owned: dict[bytes, list[int]] = {}

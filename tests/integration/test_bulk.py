@@ -79,16 +79,18 @@ def test_stream_of_10k_with_a_slow_reader_stays_within_the_window(server, stub):
         np.testing.assert_allclose(seen[f"id-{i}"], embedding.values, atol=1e-6)
 
 
-def test_stream_reports_bad_inputs_and_goes_on(server):
-    results = list(
-        embed_iterable(
-            server.address, [("a", "fine"), ("b", ""), ("c", "also fine")], model=DEFAULT_MODEL_NAME, progress=False
-        )
-    )
+def test_stream_reports_bad_inputs_and_goes_on(server, stub):
+    items = [("a", "fine"), ("b", ""), ("c", "also fine, and a few more words"), ("d", "fine")]
+    results = list(embed_iterable(server.address, items, model=DEFAULT_MODEL_NAME, progress=False))
     by_id = {r.id: r for r in results}
-    assert set(by_id) == {"a", "b", "c"}
-    assert by_id["b"].vector is None and "empty" in by_id["b"].error
+    assert set(by_id) == {"a", "b", "c", "d"}
+    assert by_id["b"].vector is None and "empty" in by_id["b"].error and by_id["b"].tokens == 0
     assert by_id["a"].vector.shape == (384,)
+    # Each answer counts its own input's tokens (prompt_tokens was always 0), as a unary call's usage does.
+    for item_id, text in items[::2]:
+        usage = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[text])).usage
+        assert by_id[item_id].tokens == usage.prompt_tokens > 2, item_id
+    assert by_id["d"].tokens == by_id["a"].tokens
 
 
 def test_stream_to_unknown_model_fails_the_stream(server):
