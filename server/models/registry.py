@@ -29,7 +29,7 @@ from ...workers.contract.model_spec import (
     modalities,
     resolve_model_path,
 )
-from ...workers.contract.protocol import HEARTBEAT_INTERVAL
+from ...workers.contract.protocol import HEARTBEAT_INTERVAL, WorkerReady
 from ..api.errors import InvalidInput
 from ..api.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..ops import metrics
@@ -51,7 +51,7 @@ log = logging.getLogger("encoderd.engine")
 PROGRESS_EVERY_S = 10.0  # between "still loading" lines while a model's workers start
 
 
-async def _start_reporting_progress(name: str, replicas: Sequence[WorkerClient]) -> list:
+async def _start_reporting_progress(name: str, replicas: Sequence[WorkerClient]) -> list[WorkerReady]:
     """Start a model's workers, saying every PROGRESS_EVERY_S that they are still at it: a load, an
     export or a warm-up can take minutes, and a log file or a journal shows no progress bar."""
     task = asyncio.ensure_future(asyncio.gather(*(replica.start() for replica in replicas)))
