@@ -17,6 +17,7 @@ from typing import Literal, overload
 
 import numpy as np
 
+from ..api.errors import Unavailable
 from ..ops import metrics
 
 # (rows, token counts) for the given input indices
@@ -36,7 +37,7 @@ class TokenCount(int):
 
 
 class _OwnerGone(Exception):
-    """The request computing a shared input went away; waiters compute it themselves."""
+    """The request computing a shared input went away or failed; waiters compute it themselves."""
 
 
 def result_key(*parts: str) -> bytes:
@@ -121,7 +122,9 @@ class ResultCache:
         try:
             out, counts = await compute(first)
         except BaseException as exc:
-            error = _OwnerGone() if isinstance(exc, asyncio.CancelledError) else exc
+            # The owner's failure is its own (its request's limits, its admission, its other inputs),
+            # except a worker's death, which would fail the waiters too: they compute theirs themselves.
+            error = exc if isinstance(exc, Unavailable) else _OwnerGone()
             for future in futures.values():
                 future.set_exception(error)
             raise

@@ -1,0 +1,57 @@
+"""In-flight sharing in the result cache (server/models/result_cache.py): a waiter gets the owner's
+result, never the owner's own request error; a dead worker fails both."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from encoderd.server.api.errors import InvalidInput, Overloaded, Unavailable
+from encoderd.server.models.result_cache import ResultCache
+
+
+def _rows(indices: list[int]):
+    return np.ones((len(indices), 2), np.float32), np.full(len(indices), 7)
+
+
+async def _owner_fails_while_a_waiter_waits(error: Exception):
+    """The owner holds keys a, b and fails with `error`; a waiter asks for b meanwhile."""
+    cache, waiter_computed = ResultCache("m"), []
+    owner_started, release = asyncio.Event(), asyncio.Event()
+
+    async def owner_compute(indices):
+        owner_started.set()
+        await release.wait()
+        raise error
+
+    async def waiter_compute(indices):
+        waiter_computed.append(len(indices))
+        return _rows(indices)
+
+    owner = asyncio.create_task(cache.resolve([b"a", b"b"], owner_compute))
+    await owner_started.wait()
+    waiter = asyncio.create_task(cache.resolve([b"b"], waiter_compute))
+    await asyncio.sleep(0.01)  # the waiter found b in flight
+    release.set()
+    with pytest.raises(type(error)):
+        await owner
+    return waiter, waiter_computed
+
+
+@pytest.mark.parametrize(
+    "error",
+    [InvalidInput("the request holds 524288 tokens; the limit is 262144 per request"), Overloaded("queue full")],
+)
+async def test_a_waiter_computes_its_input_itself_when_the_owners_request_fails(error):
+    waiter, computed = await _owner_fails_while_a_waiter_waits(error)
+    rows, tokens = await waiter
+    assert computed == [1] and rows.shape == (1, 2) and tokens == 7 and tokens.per_input == (7,)
+
+
+async def test_a_dead_worker_fails_the_waiters_too():
+    waiter, computed = await _owner_fails_while_a_waiter_waits(Unavailable("the worker died"))
+    with pytest.raises(Unavailable):
+        await waiter
+    assert computed == []
