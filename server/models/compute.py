@@ -24,6 +24,7 @@ from ..scheduling.batching import MediaItem, WorkItem
 from ..scheduling.scheduler import PendingRequest, Priority
 from .media import Content, media_bytes
 from .result_cache import TokenCount, result_key
+from .tokenization import InputTooLong
 
 if TYPE_CHECKING:  # registry.py calls this module: its types only
     from ..ops.config import ServerConfig
@@ -215,9 +216,12 @@ async def _work_items(
         batch: list = [inputs[j][0] for j in texts]
         estimated = ["".join(t) if isinstance(t, tuple) else t for t in batch]
         with registry.admit(model, estimated, truncate=truncate, pairs_with=pairs_with or ""):
-            tokens = await model.tokenizer.encode(
-                batch, truncate=truncate, side=side, pairs_with=pairs_with, bulk=priority == Priority.BULK
-            )
+            try:
+                tokens = await model.tokenizer.encode(
+                    batch, truncate=truncate, side=side, pairs_with=pairs_with, bulk=priority == Priority.BULK
+                )
+            except InputTooLong as too_long:  # named as the request names it, not by its place in this batch
+                raise InvalidInput(too_long.named([inputs[j][1] for j in texts])) from None
         n_tokens += tokens.total_tokens
         no_types: list[np.ndarray | None] = [None] * len(texts)
         types: Sequence[np.ndarray | None] = tokens.type_ids or no_types

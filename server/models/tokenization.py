@@ -20,6 +20,22 @@ from tokenizers import Encoding, Tokenizer
 from ..api.errors import InvalidInput
 
 
+class InputTooLong(InvalidInput):
+    """Inputs over the model's maximum with truncation off. `positions` are in the batch tokenized;
+    the caller, who knows what each input is called, names the first (`named`)."""
+
+    def __init__(self, positions: list[int], max_length: int):
+        self.positions, self.max_length = positions, max_length
+        super().__init__(self.named([f"input {i}" for i in range(positions[0] + 1)]))
+
+    def named(self, names: Sequence[str]) -> str:
+        more = f" ({len(self.positions)} inputs too long)" if len(self.positions) > 1 else ""
+        return (
+            f"{names[self.positions[0]]} is longer than the model's maximum of {self.max_length} tokens"
+            f" and truncation is off{more}"
+        )
+
+
 @dataclass(slots=True)
 class Tokenized:
     ids: list[np.ndarray]  # int32 per input
@@ -119,12 +135,12 @@ class ModelTokenizer:
         doc_ids = [e.ids for e in await self._in_chunks(plain, documents, bulk)]
         budget = self.max_length - template.added
         ids, types = [], []
-        for i, doc in enumerate(doc_ids):
+        if not truncate:
+            too_long = [i for i, doc in enumerate(doc_ids) if len(query_ids) + len(doc) > budget]
+            if too_long:
+                raise InputTooLong(too_long, self.max_length)
+        for doc in doc_ids:
             n_query, n_doc = pair_lengths(len(query_ids), len(doc), budget)
-            if not truncate and (n_query, n_doc) != (len(query_ids), len(doc)):
-                raise InvalidInput(
-                    f"input {i} is longer than the model's maximum of {self.max_length} tokens and truncation is off"
-                )
             pair_ids, pair_types = template.assemble(_cut(query_ids, n_query, side), _cut(doc, n_doc, side))
             ids.append(pair_ids)
             types.append(pair_types)
@@ -155,10 +171,7 @@ class ModelTokenizer:
         if not truncate:
             too_long = [i for i, e in enumerate(encodings) if e.overflowing]
             if too_long:
-                raise InvalidInput(
-                    f"input {too_long[0]} is longer than the model's maximum of {self.max_length} "
-                    f"tokens and truncation is off ({len(too_long)} inputs too long)"
-                )
+                raise InputTooLong(too_long, self.max_length)
         ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
         types = [np.asarray(e.type_ids, dtype=np.int32) for e in encodings] if pairs else None
         return Tokenized(ids, types, sum(len(i) for i in ids))

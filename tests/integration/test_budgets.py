@@ -96,6 +96,24 @@ def test_token_budget_refuses_on_the_estimate_and_on_the_exact_count(stub, serve
     assert len(stub.Embed(pb.EmbedRequest(model="embedder", inputs=dense[:10]), timeout=60).embeddings) == 10
 
 
+def test_an_input_too_long_with_truncation_off_is_named_by_its_place_in_the_request(stub):
+    """The error named the input's place among the ones left to tokenize (repeats and cached
+    inputs are not): "input 2" for inputs[3] here."""
+    long_text = "word " * 400
+    inputs = ["seen twice", "seen twice", "once", long_text]
+    code, details = _code(
+        lambda: stub.Embed(pb.EmbedRequest(model="embedder", inputs=inputs, truncate=False), timeout=30)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("inputs[3] is longer than"), details
+    documents = ["a", "a", "word " * 1200]  # over the test reranker's 512 tokens
+    code, details = _code(
+        lambda: stub.Rerank(
+            pb.RerankRequest(model="reranker", query="q", documents=documents, truncate=False), timeout=30
+        )
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("documents[2] is longer than"), details
+
+
 def test_long_rerank_query_is_tokenized_once_and_truncated_like_the_tokenizer(stub):
     """The issue's amplification: a 200,000-character query against 8 documents (51 s before)."""
     documents = sentences(8, max_words=30, seed=3)
