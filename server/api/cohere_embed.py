@@ -136,13 +136,17 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
             f"model {model.spec.name!r} has no prompt named {request.input_type!r}: the texts were embedded without one"
         )
     options = EmbedOptions.for_call(
-        truncate=truncate, side=side, prompt_name=prompt_name, dimensions=positive(request, "output_dimension")
+        truncate=truncate,
+        side=side,
+        prompt_name=prompt_name,
+        dimensions=positive(request, "output_dimension"),
+        dimensions_field="output_dimension",
     )
     if n_images:
         model, pooled, tokens = await _embed_media(service, model, contents, options)
     else:
         model, pooled, tokens = await service.registry.embed(model.spec.name, texts, options)
-    vectors = postprocess.finish_requested(pooled, model.spec.normalize, options, field="output_dimension")
+    vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
     billed = {"input_tokens": tokens, **({"images": n_images} if n_images else {})}
     meta: dict[str, Any] = {"api_version": {"version": version}, "billed_units": billed}
     if warnings:

@@ -12,13 +12,17 @@ if TYPE_CHECKING:
     from .request_options import EmbedOptions
 
 
+def check_dimensions(dimensions: int, width: int, field: str = "dimensions") -> None:
+    """`dimensions` (0: all) within the model's `width`; `field`: what the caller's API calls it."""
+    if dimensions < 0 or dimensions > width:
+        raise InvalidInput(f"`{field}` must be between 1 and {width} for this model, not {dimensions}")
+
+
 def finish_embeddings(
     pooled: np.ndarray, *, normalize: bool, dimensions: int = 0, field: str = "dimensions"
 ) -> np.ndarray:
-    """Truncate to `dimensions` first, then L2-normalize (so truncated vectors stay unit length).
-    `field`: the request field that asked for `dimensions`, as the caller's API names it."""
-    if dimensions < 0 or dimensions > pooled.shape[1]:
-        raise InvalidInput(f"`{field}` must be between 1 and {pooled.shape[1]} for this model, not {dimensions}")
+    """Truncate to `dimensions` first, then L2-normalize (so truncated vectors stay unit length)."""
+    check_dimensions(dimensions, pooled.shape[1], field)
     out = pooled[:, :dimensions] if dimensions else pooled
     if normalize:
         norms = np.linalg.norm(out, axis=1, keepdims=True)
@@ -26,12 +30,13 @@ def finish_embeddings(
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
-def finish_requested(
-    pooled: np.ndarray, default_normalize: bool, options: EmbedOptions, field: str = "dimensions"
-) -> np.ndarray:
+def finish_requested(pooled: np.ndarray, default_normalize: bool, options: EmbedOptions) -> np.ndarray:
     """finish_embeddings as a request's EmbedOptions ask (server/api/request_options.py)."""
     return finish_embeddings(
-        pooled, normalize=options.normalizes(default_normalize), dimensions=options.dimensions, field=field
+        pooled,
+        normalize=options.normalizes(default_normalize),
+        dimensions=options.dimensions,
+        field=options.dimensions_field,
     )
 
 

@@ -73,6 +73,7 @@ class EmbedOptions(InputOptions):
     prompt_name: str = ""
     normalize: bool | None = None  # None: the model's own default
     dimensions: int = 0  # 0: the model's full size
+    dimensions_field: str = "dimensions"  # what the caller's API calls it, for errors
     output_dtype: str = "float32"
 
     def normalizes(self, model_default: bool) -> bool:

@@ -19,6 +19,7 @@ from google.rpc import status_pb2
 
 from ...v1 import encoderd_pb2 as pb
 from ...workers.contract.model_spec import ModelKind
+from ..models.registry import check_width
 from ..ops import metrics
 from ..scheduling.scheduler import Priority
 from . import postprocess, request_options
@@ -43,6 +44,7 @@ class _Stream:
         self.options = request_options.from_embed(first, default_priority=Priority.BULK)
         self.model = registry.get(first.model, ModelKind.EMBEDDING)
         registry.prompt_text(self.model, self.options.prompt, self.options.prompt_name)
+        check_width(self.model, self.options)
         self.slots = asyncio.Semaphore(window)
         self.incoming: asyncio.Queue = asyncio.Queue()
         self.results: asyncio.Queue = asyncio.Queue()

@@ -25,7 +25,7 @@ from ..api.request_options import EmbedOptions, RerankOptions
 from ..scheduling.scheduler import Priority
 from . import compute
 from .media import Content
-from .registry import ModelRegistry, ServedModel
+from .registry import ModelRegistry, ServedModel, check_width
 
 SINGLE_VECTOR_KINDS = (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP)
 
@@ -39,6 +39,7 @@ async def embed_contents(
 ) -> tuple[ServedModel, np.ndarray, int]:
     """One vector (n, dim) per input, as the model computes it (normalizing is the caller's), and the usage."""
     model = registry.get(name, SINGLE_VECTOR_KINDS)
+    check_width(model, options)
     rows, usage = await compute.run(
         registry,
         model,

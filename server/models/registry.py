@@ -31,6 +31,7 @@ from ...workers.contract.model_spec import (
 )
 from ...workers.contract.protocol import HEARTBEAT_INTERVAL, WorkerReady
 from ..api.errors import InvalidInput
+from ..api.postprocess import check_dimensions
 from ..api.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..ops import metrics
 from ..ops.config import ModelConfig, ServerConfig
@@ -103,6 +104,11 @@ class ServedModel:
             if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
             else self.spec.hidden_size
         )
+
+
+def check_width(model: ServedModel, options: EmbedOptions) -> None:
+    """`dimensions` within the model's width, before any work (the vectors would be refused after)."""
+    check_dimensions(options.dimensions, model.output_dim, options.dimensions_field)
 
 
 class ModelRegistry:
@@ -344,6 +350,7 @@ class ModelRegistry:
         Post-processing (normalize, dimensions, output dtype) is the caller's, from the same options."""
         # Named none: the embedding model, not a clip or clap served beside it.
         model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), prefer=(ModelKind.EMBEDDING,))
+        check_width(model, options)
         prefix = self.prompt_text(model, options.prompt, options.prompt_name)
         rows, n_tokens = await compute.run(
             self,
@@ -363,6 +370,7 @@ class ModelRegistry:
         already carry them, and over-long ids are cut between them, as texts are (the ids are used
         as given: of the options, only the priority applies)."""
         model = self.get(name, ModelKind.EMBEDDING)
+        check_width(model, options)
         id_lists = self.check_inputs(id_lists)
         vocab = model.tokenizer.untruncated.get_vocab_size(with_added_tokens=True)
         ids = []

@@ -196,3 +196,22 @@ def test_named_prompt_and_normalize_override(cached_server, minilm_path):
     raw = np.array(stub.Embed(pb.EmbedRequest(inputs=["what is a kernel"], normalize=False)).embeddings[0].values)
     assert abs(np.linalg.norm(raw) - 1) > 1e-3  # the model's Normalize step was skipped
     np.testing.assert_allclose(raw / np.linalg.norm(raw), st.encode(["what is a kernel"])[0], atol=1e-5)
+
+
+def test_dimensions_wider_than_the_model_are_refused_before_any_work(server, stub):
+    """They were refused only once the vectors were computed (19 s for 512 long inputs); a stream
+    computed and failed every item instead of failing at once."""
+    texts = _texts(64)
+    queued = f'{{model="{DEFAULT_MODEL_NAME}",priority="interactive"}}'
+    before = _metric(server, "encoderd_queued_inputs_total", queued)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts, dimensions=385), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "`dimensions` must be between 1 and 384 for this model, not 385"
+    assert _metric(server, "encoderd_queued_inputs_total", queued) == before  # nothing was queued
+    first = pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="0", input=texts[0], dimensions=385)
+    with pytest.raises(grpc.RpcError) as failed:
+        list(stub.EmbedStream(iter([first, pb.EmbedStreamRequest(id="1", input=texts[1])]), timeout=30))
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "385" in failed.value.details()
+    full = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts[:1], dimensions=384), timeout=30)
+    assert len(full.embeddings[0].values) == 384
