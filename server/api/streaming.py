@@ -19,6 +19,7 @@ from google.rpc import status_pb2
 
 from ...v1 import encoderd_pb2 as pb
 from ...workers.contract.model_spec import ModelKind
+from ..models.compute import check_text
 from ..models.registry import check_width
 from ..ops import metrics
 from ..scheduling.scheduler import Priority
@@ -30,6 +31,10 @@ from .messages import embeddings_message
 WINDOW = 1024  # inputs of one stream inside the server at once
 GROUP = 64  # inputs sent to the scheduler together
 _END = object()
+
+
+def _name(message: pb.EmbedStreamRequest) -> str:
+    return f"item {message.id!r}"
 
 
 def _error(item_id: str, exc: Exception) -> pb.EmbedStreamResponse:
@@ -90,20 +95,33 @@ class _Stream:
     async def _embed(self, batch: list[pb.EmbedStreamRequest]) -> None:
         good = []
         for message in batch:
-            if not message.input:
-                await self.results.put(_error(message.id, InvalidInput("empty input")))
+            try:
+                if not message.input:
+                    raise InvalidInput("empty input")
+                check_text(self.registry.config, message.input, _name(message))
+            except InvalidInput as exc:
+                await self.results.put(_error(message.id, exc))
             else:
                 good.append(message)
-        if not good:
-            return
+        if good:
+            await self._embed_group(good)
+
+    async def _embed_group(self, good: list[pb.EmbedStreamRequest]) -> None:
         o = self.options
+        texts, names = [m.input for m in good], [_name(m) for m in good]
         try:
             while True:
                 try:
-                    model, pooled, tokens = await self.registry.embed(self.model.spec.name, [m.input for m in good], o)
+                    model, pooled, tokens = await self.registry.embed(self.model.spec.name, texts, o, names=names)
                     break
                 except Overloaded:
                     await asyncio.sleep(0.05)  # bulk work waits for room instead of failing
+                except InvalidInput:
+                    if len(good) == 1:
+                        raise
+                    for message in good:  # one item's fault (too long, say): each alone, so it fails alone
+                        await self._embed_group([message])
+                    return
             vectors = postprocess.finish_requested(pooled, model.spec.normalize, o)
             answers = zip(good, embeddings_message(vectors, o.output_dtype), tokens.per_input, strict=True)
             for message, embedding, n_tokens in answers:

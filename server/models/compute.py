@@ -83,21 +83,23 @@ async def run(
     pairs_with: str | None = None,
     priority: Priority = Priority.INTERACTIVE,
     what: str = "inputs",
+    names: Sequence[str] = (),
 ) -> tuple[np.ndarray | list, TokenCount]:
     """Rows for every input, in order (stacked, or a list when `output.ragged`), and the token
     count (the total; each input's in `.per_input`). `prefix` (a prompt) goes before every text;
-    `pairs_with`: each input is a document paired with this query. Identical inputs in flight are
-    computed once."""
+    `pairs_with`: each input is a document paired with this query. Errors name input i `what[i]`, or
+    `names[i]` when given. Identical inputs in flight are computed once."""
     inputs = list(inputs)
     model.scheduler.refuse_if_full(len(inputs))  # a flood is refused before any other work
     spec = model.spec
     check_inputs(registry.config, inputs, what, modalities(spec.kind), f"{spec.name!r} ({spec.kind.value})")
     payloads = await _payloads(registry, inputs, prefix, what)
+    names = names or [f"{what}[{i}]" for i in range(len(inputs))]
     keys = [_key(output, p, truncate, side, pairs_with) for p in payloads]
 
     async def compute_some(indices: list[int]) -> tuple[np.ndarray, np.ndarray]:  # ragged: a list of rows
         request = PendingRequest(len(indices), output.ragged)
-        chosen = [(payloads[i], f"{what}[{i}]") for i in indices]
+        chosen = [(payloads[i], names[i]) for i in indices]
         items, costs = await _work_items(
             registry,
             model,
@@ -110,17 +112,17 @@ async def run(
             priority=priority,
         )
         rows = await model.scheduler.run(items, request, priority)
-        _refuse_non_finite(spec.name, rows, indices, what)  # before the cache keeps them
+        _refuse_non_finite(spec.name, rows, [names[i] for i in indices])  # before the cache keeps them
         return rows, costs
 
     return await model.results.resolve(keys, compute_some, stack=not output.ragged, remember=output.remember)
 
 
-def _refuse_non_finite(model_name: str, rows: np.ndarray | list, indices: list[int], what: str) -> None:
+def _refuse_non_finite(model_name: str, rows: np.ndarray | list, names: list[str]) -> None:
     """A row holding NaN or infinity (an overflow in the model: extreme weights, inputs far out of
     range, a reduced dtype's range) is an error, never an answer: a client would store it as a
     vector, and REST could not even print it as JSON."""
-    bad = [f"{what}[{i}]" for i, row in zip(indices, rows, strict=True) if not _finite(row)]
+    bad = [name for name, row in zip(names, rows, strict=True) if not _finite(row)]
     if bad:
         raise BackendError(
             f"model {model_name} computed non-finite values (NaN or infinity) for {', '.join(bad[:5])}"

@@ -344,9 +344,11 @@ class ModelRegistry:
             )
         return text
 
-    async def embed(self, name: str, texts, options: EmbedOptions) -> tuple[ServedModel, np.ndarray, TokenCount]:
+    async def embed(
+        self, name: str, texts, options: EmbedOptions, names: Sequence[str] = ()
+    ) -> tuple[ServedModel, np.ndarray, TokenCount]:
         """Pooled, unnormalized embeddings (n, dim) and the token count (clip / clap: their text tower's;
-        each text's in `.per_input`).
+        each text's in `.per_input`). `names`: what errors call each text (default inputs[i]).
         Post-processing (normalize, dimensions, output dtype) is the caller's, from the same options."""
         # Named none: the embedding model, not a clip or clap served beside it.
         model = self.get(name, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), prefer=(ModelKind.EMBEDDING,))
@@ -361,6 +363,7 @@ class ModelRegistry:
             side=options.side,
             prefix=prefix,
             priority=options.priority,
+            names=names,
         )
         return model, cast("np.ndarray", rows), n_tokens
 

@@ -215,3 +215,23 @@ def test_dimensions_wider_than_the_model_are_refused_before_any_work(server, stu
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "385" in failed.value.details()
     full = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts[:1], dimensions=384), timeout=30)
     assert len(full.embeddings[0].values) == 384
+
+
+def test_a_bad_item_fails_alone_and_is_named_by_its_id(server, stub):
+    """An item over a limit was named inputs[0], and failed the whole group it travelled in (groups
+    form under backlog: tests/unit/test_stream_units.py makes one)."""
+    fine = [pb.EmbedStreamRequest(id=f"fine{i}", input=text) for i, text in enumerate(_texts(40))]
+    items = [
+        pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id="first", input="fine", truncate=False),
+        *fine[:20],
+        pb.EmbedStreamRequest(id="huge", input="x" * 1_000_001),
+        pb.EmbedStreamRequest(id="long", input="word " * 400),  # over 256 tokens, truncation off
+        *fine[20:],
+    ]
+    answers = {a.id: a for a in stub.EmbedStream(iter(items), timeout=60)}
+    assert sorted(answers) == sorted(item.id for item in items)
+    for item_id in ["first", *(item.id for item in fine)]:
+        assert not answers[item_id].HasField("error") and len(answers[item_id].embedding.values) == 384, item_id
+    assert answers["huge"].error.message.startswith("item 'huge' has 1000001 characters"), answers["huge"]
+    assert answers["long"].error.message.startswith("item 'long' is longer than"), answers["long"]
+    assert {answers[i].error.code for i in ("huge", "long")} == {grpc.StatusCode.INVALID_ARGUMENT.value[0]}
