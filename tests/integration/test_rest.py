@@ -531,3 +531,38 @@ async def test_authorization_reaches_grpc_metadata():
     finally:
         await envoy.stop()
         await upstream.stop(0)
+
+
+def test_a_client_cancelling_many_calls_keeps_its_connection(rest_server):
+    """Envoy's rapid-reset guard aborted a connection once 250 of its calls had been cancelled young
+    (a client cancelling queries as a user types, or tight deadlines under load), failing the stream
+    and the calls that connection still carried. Through the server's Envoy on the gRPC port."""
+    import asyncio
+
+    async def main() -> tuple[int, int]:
+        async with grpc.aio.insecure_channel(rest_server.address) as channel:
+            stub = encoderd_pb2_grpc.EncoderStub(channel)
+            cancelling = True
+
+            async def items():
+                i = 0
+                while cancelling:
+                    yield pb.EmbedStreamRequest(model=DEFAULT_MODEL_NAME, id=str(i), input=f"streamed item {i}")
+                    i += 1
+                    await asyncio.sleep(0.02)
+
+            async def read_stream() -> int:
+                return len([answer async for answer in stub.EmbedStream(items(), timeout=120)])
+
+            stream = asyncio.create_task(read_stream())
+            for i in range(300):
+                call = stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[f"typed {i}"]), timeout=30)
+                await asyncio.sleep(0.003)
+                call.cancel()
+            cancelling = False
+            answered = await stream  # raised UNAVAILABLE ("Socket closed") when Envoy aborted the connection
+            after = await stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=["still here"]), timeout=30)
+            return answered, len(after.embeddings)
+
+    answered, after = asyncio.run(main())
+    assert answered > 10 and after == 1

@@ -86,3 +86,13 @@ def test_both_public_ports_and_the_front_return_the_request_id(tmp_path):
             "header": {"key": "x-request-id", "value": "%REQ(x-request-id)%"},
             "append_action": "ADD_IF_ABSENT",
         }
+
+
+def test_the_rapid_reset_guard_is_relaxed_alike_in_every_envoy(tmp_path):
+    """Envoy's default (500 streams) aborted connections of clients that cancel many young calls
+    (tests/integration/test_rest.py reproduces it); the shipped front says the same as the render."""
+    rendered = yaml.safe_load(render(tmp_path, GatewaySettings(rest_port=7997)).read_text())
+    front = yaml.safe_load((Path(__file__).parents[2] / "deploy/envoy/front.yaml").read_text())
+    for config in (rendered, front):
+        (layer,) = config["layered_runtime"]["layers"]
+        assert layer["static_layer"] == {"overload.premature_reset_total_stream_count": 10000}
