@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -148,8 +149,9 @@ def contents(messages, what: str = "inputs") -> list[Content]:
 
 
 class EncoderService(encoderd_pb2_grpc.EncoderServicer):
-    def __init__(self, registry: ModelRegistry):
+    def __init__(self, registry: ModelRegistry, draining: asyncio.Event | None = None):
         self.registry = registry
+        self.draining = draining or asyncio.Event()  # set when the server stops taking calls
 
     @rpc
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
@@ -163,7 +165,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     @stream_rpc
     async def EmbedStream(self, first, requests, context):
         """Bulk embedding over a bidirectional stream; see streaming.py."""
-        async for response in embed_stream(self.registry, first, requests):
+        async for response in embed_stream(self.registry, first, requests, self.draining):
             yield response
 
     @rpc

@@ -24,10 +24,14 @@ from ..models.registry import check_width
 from ..ops import metrics
 from ..scheduling.scheduler import Priority
 from . import postprocess, request_options
-from .errors import EncoderdError, InvalidInput, Overloaded
+from .errors import EncoderdError, InvalidInput, Overloaded, Unavailable
 from .handlers import MalformedRequest
 from .messages import embeddings_message
 
+STOPPING = (
+    "encoderd is stopping: the items answered on this stream are done; send the unanswered ones again "
+    "(to another server)"
+)
 WINDOW = 1024  # inputs of one stream inside the server at once
 GROUP = 64  # inputs sent to the scheduler together
 _END = object()
@@ -43,8 +47,10 @@ def _error(item_id: str, exc: Exception) -> pb.EmbedStreamResponse:
 
 
 class _Stream:
-    def __init__(self, registry, first: pb.EmbedStreamRequest, window: int):
+    def __init__(self, registry, first: pb.EmbedStreamRequest, window: int, draining: asyncio.Event):
         self.registry = registry
+        self.draining = draining
+        self.cut_short = False  # the server began to stop: no more items were read
         # Bad options, model or prompt name: the whole stream fails. A stream is bulk unless it says otherwise.
         self.options = request_options.from_embed(first, default_priority=Priority.BULK)
         self.model = registry.get(first.model, ModelKind.EMBEDDING)
@@ -58,9 +64,23 @@ class _Stream:
 
     async def read(self, first, requests) -> None:
         await self._admit(first)
-        async for message in requests:
+        source = aiter(requests)
+        while (message := await self._next(source)) is not _END:
             await self._admit(message)
         await self.incoming.put(_END)
+
+    async def _next(self, source):
+        """The client's next item, or _END at its end or once the server stops taking work (the
+        items read by then are answered, then the stream ends UNAVAILABLE)."""
+        item = asyncio.ensure_future(anext(source, _END))
+        stopping = asyncio.ensure_future(self.draining.wait())
+        await asyncio.wait((item, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if item.done():
+            return item.result()
+        item.cancel()
+        self.cut_short = True
+        return _END
 
     async def _admit(self, message) -> None:
         await self.slots.acquire()
@@ -138,12 +158,13 @@ class _Stream:
         metrics.STREAM_INPUTS_IN_FLIGHT.dec()
 
 
-async def embed_stream(registry, first, requests, window: int = WINDOW):
+async def embed_stream(registry, first, requests, draining: asyncio.Event, window: int = WINDOW):
     """The EmbedStream servicer body: an async generator of responses. A bad first message
-    (malformed, unknown model, bad prompt name) fails the whole stream with its status."""
+    (malformed, unknown model, bad prompt name) fails the whole stream with its status; a server
+    that starts to stop ends it UNAVAILABLE once the items it read are answered."""
     if isinstance(first, MalformedRequest):
         raise InvalidInput(first.reason)
-    stream = _Stream(registry, first, window)
+    stream = _Stream(registry, first, window, draining)
     tasks = [asyncio.create_task(stream.read(first, requests)), asyncio.create_task(stream.group())]
     try:
         while True:
@@ -153,6 +174,8 @@ async def embed_stream(registry, first, requests, window: int = WINDOW):
             yield response
             stream.release()
         await tasks[0]  # surface a broken client stream
+        if stream.cut_short:
+            raise Unavailable(STOPPING)
     finally:
         for task in (*tasks, *stream.groups):
             task.cancel()

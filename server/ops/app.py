@@ -64,6 +64,8 @@ class Server:
             ],
         )
         self._stop = asyncio.Event()
+        self._hurry = asyncio.Event()  # a second stop signal: cut the drain short
+        self.draining = asyncio.Event()  # set when calls are no longer taken (EmbedStreams end)
         self.bound_port: int | None = None
         self.gateway = None  # the Envoy child serving REST (and, unless --grpc-direct, the gRPC port), when on
         self._serving = False  # READY=1 sent: later model state changes update systemd's STATUS
@@ -88,7 +90,9 @@ class Server:
         cfg = self.config
         tracing.configure(cfg.otel_endpoint)
         await self._set_overall(health_pb2.HealthCheckResponse.NOT_SERVING)
-        add_servicer(self.grpc, EncoderService(self.registry), encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"])
+        add_servicer(
+            self.grpc, EncoderService(self.registry, self.draining), encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"]
+        )
         add_servicer(
             self.grpc, CompatService(self.registry, self.health), compat_pb2.DESCRIPTOR.services_by_name["Compat"]
         )
@@ -179,21 +183,41 @@ class Server:
         if self.gateway:  # keeps serving REST during the drain, but is not restarted any more
             self.gateway.stop_supervising()
         if self.config.drain_delay:  # keep serving until load balancers have seen NOT_SERVING
-            await asyncio.sleep(self.config.drain_delay)
+            await self._unless_hurried(asyncio.sleep(self.config.drain_delay))
+        self.draining.set()
         deadline = time.monotonic() + self.config.drain_timeout
         if self.gateway:  # Envoy first: what it has taken still reaches a server that serves it
-            await self.gateway.drain(self.config.drain_timeout)
-        await self.grpc.stop(max(0.0, deadline - time.monotonic()))
+            await self._unless_hurried(self.gateway.drain(self.config.drain_timeout))
+        stopping = asyncio.ensure_future(self.grpc.stop(max(0.0, deadline - time.monotonic())))
+        await self._unless_hurried(asyncio.shield(stopping))
+        if not stopping.done():
+            await self.grpc.stop(None)  # the smaller grace wins: calls in flight are cancelled now
+            await stopping
         if self.gateway:  # after the drain: in-flight REST calls finish through it
             await self.gateway.stop()
         await self.registry.stop()
         tracing.shutdown()  # flush the last spans
         log.info("[shutdown] done")
 
+    async def _unless_hurried(self, step) -> None:
+        """Await a drain step, unless a second stop signal comes first (then the step is dropped)."""
+        task = asyncio.ensure_future(step)
+        hurry = asyncio.ensure_future(self._hurry.wait())
+        await asyncio.wait((task, hurry), return_when=asyncio.FIRST_COMPLETED)
+        hurry.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
     def request_stop(self) -> None:
         self._stop.set()
 
     def _on_stop_signal(self, sig: signal.Signals) -> None:
+        if self._stop.is_set():  # a second signal while draining: an operator who will not wait
+            if not self._hurry.is_set():
+                log.warning("[shutdown] %s again: stopping now; calls still in flight are cancelled", sig.name)
+                self._hurry.set()
+            return
         if sig == signal.SIGHUP:  # a closed terminal, or a reload: there is nothing to reload
             log.info("[shutdown] SIGHUP: encoderd reloads nothing; draining and stopping as on SIGTERM")
         self.request_stop()

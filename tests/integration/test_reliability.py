@@ -265,6 +265,45 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest, s
     assert ("SIGHUP: encoderd reloads nothing" in log) == (stop == signal.SIGHUP), log
 
 
+def test_a_stream_ends_at_the_drain_and_a_second_sigterm_stops_at_once(tmp_path):
+    """An open EmbedStream kept taking items for the whole drain (30 s) and then ended with gRPC's
+    "Cancelling all calls"; a second SIGTERM or Ctrl-C was ignored."""
+    from encoderd.server.api.streaming import STOPPING
+
+    server = ServerProcess("--drain-timeout", "120", log_path=tmp_path / "s.log").start()
+    stub = server.stub()
+    # Bulk, so that the stream's items (interactive) are answered while it computes.
+    inputs = [f"{i} " + "word " * 200 for i in range(1024)]
+    long_call = stub.Embed.future(pb.EmbedRequest(inputs=inputs, priority=pb.PRIORITY_BULK), timeout=120)
+    sending, answered, ended = threading.Event(), [], cf.Future()
+
+    def items():
+        i = 0
+        while not sending.wait(0.02):
+            yield pb.EmbedStreamRequest(id=str(i), input=f"streamed item {i}", priority=pb.PRIORITY_INTERACTIVE)
+            i += 1
+
+    def read():
+        try:
+            answered.extend(a.id for a in stub.EmbedStream(items(), timeout=120))
+            ended.set_result(None)
+        except grpc.RpcError as error:
+            ended.set_result(error)
+
+    threading.Thread(target=read, daemon=True).start()
+    time.sleep(1.0)  # the stream flows; the long call computes
+    server.proc.send_signal(signal.SIGTERM)
+    error = ended.result(timeout=15)  # at the drain, not at its end
+    sending.set()
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE and error.details() == STOPPING
+    assert answered and answered == [str(i) for i in range(len(answered))]  # in order, none skipped
+    assert server.proc.poll() is None and not long_call.done()  # the drain waits for the long call...
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(15) == 0  # ... unless told again
+    assert long_call.exception(timeout=5).code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+    assert "SIGTERM again: stopping now" in server.log_path.read_text()
+
+
 def test_sigkill_of_the_frontend_leaves_no_worker_and_no_socket(tmp_path, sockets):  # as ENCODERD_RPC_DIR
     server = ServerProcess(env={"ENCODERD_RPC_DIR": str(sockets)}, log_path=tmp_path / "s.log").start()
     worker_pids = list(_pids(server.stub()).values())

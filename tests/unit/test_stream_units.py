@@ -3,6 +3,7 @@ by its id, whatever group it travelled in."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import numpy as np
@@ -47,7 +48,7 @@ async def test_a_bad_item_fails_alone_and_is_named_by_its_id():
         pb.EmbedStreamRequest(id="empty", input=""),
         pb.EmbedStreamRequest(id="d", input="also fine"),
     ]
-    stream = _Stream(registry, messages[0], window=16)
+    stream = _Stream(registry, messages[0], window=16, draining=asyncio.Event())
     await stream._embed(messages)
     answers = {}
     while not stream.results.empty():
