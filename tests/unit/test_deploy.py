@@ -246,3 +246,13 @@ def test_front_envoy_config_is_valid(tmp_path):
         check=False,
     )
     assert result.returncode == 0 and "OK" in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+def test_python_dash_m_encoderd_is_the_encoderd_command():
+    import subprocess
+    import sys
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "encoderd", "serve", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert shown.returncode == 0 and "--drain-timeout" in shown.stdout, shown.stderr

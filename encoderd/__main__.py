@@ -1,0 +1,7 @@
+"""`python -m encoderd ...` runs the `encoderd` command (where its script is not on PATH)."""
+
+import sys
+
+from .server.ops.cli import main
+
+sys.exit(main())
