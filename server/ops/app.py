@@ -205,17 +205,19 @@ class Server:
         hurry = asyncio.ensure_future(self._hurry.wait())
         await asyncio.wait((task, hurry), return_when=asyncio.FIRST_COMPLETED)
         hurry.cancel()
-        if not task.done():
-            task.cancel()
+        if task.done():
+            task.result()  # a step that failed fails the drain, as it did before
+            return
+        task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def _on_stop_signal(self, sig: signal.Signals) -> None:
-        if self._stop.is_set():  # a second signal while draining: an operator who will not wait
+        if self._stop.is_set():  # a signal while draining: an operator who will not wait
             if not self._hurry.is_set():
-                log.warning("[shutdown] %s again: stopping now; calls still in flight are cancelled", sig.name)
+                log.warning("[shutdown] %s during the drain: stopping now; calls in flight are cancelled", sig.name)
                 self._hurry.set()
             return
         if sig == signal.SIGHUP:  # a closed terminal, or a reload: there is nothing to reload

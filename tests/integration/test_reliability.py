@@ -301,7 +301,7 @@ def test_a_stream_ends_at_the_drain_and_a_second_sigterm_stops_at_once(tmp_path)
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(15) == 0  # ... unless told again
     assert long_call.exception(timeout=5).code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
-    assert "SIGTERM again: stopping now" in server.log_path.read_text()
+    assert "SIGTERM during the drain: stopping now" in server.log_path.read_text()
 
 
 def test_sigkill_of_the_frontend_leaves_no_worker_and_no_socket(tmp_path, sockets):  # as ENCODERD_RPC_DIR
