@@ -44,8 +44,10 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
     rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
     model_resolver.RESOLVED.set("")  # this call's task only; set when the call resolves its model
     code = grpc.StatusCode.OK
+    in_flight = metrics.IN_FLIGHT.labels(rpc_label)
     with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
         try:
+            in_flight.inc()
             yield rid_metadata, _proxy_returns_id(metadata, rid)
         except EncoderdError as exc:
             code = exc.code
@@ -66,6 +68,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
                 )
             raise
         finally:
+            in_flight.dec()
             elapsed = time.perf_counter() - started
             model = model_resolver.metrics_label(service.registry.models, model_name)
             if log.isEnabledFor(logging.DEBUG):  # an access log, for debugging only: it costs per call

@@ -29,6 +29,7 @@ REQUEST_SECONDS = Histogram(
     ["model", "rpc"],
     buckets=_LATENCY_BUCKETS,
 )
+IN_FLIGHT = Gauge("encoderd_requests_in_flight", "RPCs accepted and not yet answered, by RPC", ["rpc"])
 AUTH_FAILURES = Counter(
     "encoderd_auth_failures",
     "Calls refused for a missing or wrong API key, by route (the gRPC method; REST routes arrive as theirs)",

@@ -160,3 +160,20 @@ def test_embed_stream_is_counted_and_carries_the_request_id(server, stub):
         )
     count = "encoderd_request_duration_seconds_count"
     assert total(after, count, model=EMBEDDER, rpc=rpc) == total(before, count, model=EMBEDDER, rpc=rpc) + 1
+
+
+def test_calls_in_flight_are_a_gauge_back_to_zero_after_cancels(server, stub):
+    """Queue depth counted inputs, not calls: nothing showed a call held (or leaked) by the server."""
+    calls = [
+        stub.Embed.future(pb.EmbedRequest(model=EMBEDDER, inputs=[f"{c} {i} " + "word " * 200 for i in range(256)]))
+        for c in range(3)
+    ]
+    time.sleep(0.5)
+    assert total(scrape(server), "encoderd_requests_in_flight", rpc="Encoder/Embed") == 3
+    for call in calls[1:]:
+        call.cancel()
+    calls[0].result()
+    deadline = time.monotonic() + 10
+    while total(scrape(server), "encoderd_requests_in_flight") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert total(scrape(server), "encoderd_requests_in_flight") == 0
