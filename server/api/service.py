@@ -57,15 +57,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             log.exception("%s failed", name)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log", rid_metadata)
         except BaseException:  # cancelled: the client's deadline passed, it hung up, or the server is stopping
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            if not expired:  # one line, no traceback: a client that leaves is not our error
-                log.warning(
-                    "%s: the call ended before its answer was sent (the client cancelled, disconnected "
-                    "or stopped reading, or the server is stopping)",
-                    rpc_label,
-                )
+            code = _why_it_ended(context, rpc_label)
             raise
         finally:
             in_flight.dec()
@@ -81,6 +73,20 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
 # A client whose deadline passes cancels the call itself, by its own clock: the server's deadline is
 # that plus the time the call took to arrive, so it hears the cancel a little before its own expiry.
 DEADLINE_SLACK_S = 0.05
+
+
+def _why_it_ended(context, rpc_label: str) -> grpc.StatusCode:
+    """A call that ended without its answer: DEADLINE_EXCEEDED when its deadline had (all but) passed,
+    else CANCELLED, logged in one line (a client that leaves is not our error: no traceback)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    log.warning(
+        "%s: the call ended before its answer was sent (the client cancelled, disconnected "
+        "or stopped reading, or the server is stopping)",
+        rpc_label,
+    )
+    return grpc.StatusCode.CANCELLED
 
 
 def _proxy_returns_id(metadata, rid: str) -> bool:
@@ -128,8 +134,17 @@ def stream_rpc(method):
             await context.send_initial_metadata(rid_metadata)  # a stream is never retried: the id at once
             async for response in method(self, first, requests, context):
                 yield response
+            if _client_left(context):  # its requests ended because it left: no answer reaches it
+                raise asyncio.CancelledError
 
     return wrapper
+
+
+def _client_left(context) -> bool:
+    """A client that cancels (at its deadline, say) ends its request stream as if it had closed
+    it, and the call may not say it is cancelled yet: a deadline all but passed tells."""
+    remaining = context.time_remaining()
+    return context.cancelled() or (remaining is not None and remaining <= DEADLINE_SLACK_S)
 
 
 def _usage(tokens: int) -> pb.Usage:

@@ -203,7 +203,7 @@ def test_a_served_model_tokenizes_whitespace_as_its_reference(family, references
 
     spec, want = case(references, models_dir, family, "embedding")
     served = ServerProcess("--model", f"m={spec.path}", "--dtype", "float32", log_path=tmp_path / "server.log")
-    with served.start(), EncoderClient(served.address) as client:
+    with served, EncoderClient(served.address) as client:  # (entering starts it; stopped on leaving)
         got = client.embed(WHITESPACE, "m").vectors
     want = want[-len(WHITESPACE) :]
     cosines = np.sum(got * want, axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
