@@ -51,6 +51,16 @@ def test_split_keeps_sequences_whole():
     assert list(rest.token_type_ids) == list(rest.input_ids)
 
 
+def test_runs_stay_within_their_padded_size_and_keep_every_sequence_in_order():
+    """The ONNX engine's CPU pieces: rows x longest row within the budget, at least one sequence each."""
+    lengths = [2, 3, 3, 5, 9, 1, 1, 1, 1]
+    runs = batch_of(lengths).runs(10)
+    assert [list(run.lengths) for run in runs] == [[2, 3, 3], [5], [9], [1, 1, 1, 1]]
+    assert np.array_equal(np.concatenate([run.input_ids for run in runs]), batch_of(lengths).input_ids)
+    assert [run.size for run in batch_of(lengths).runs(1)] == [1] * len(lengths)
+    assert batch_of([4]).runs(1)[0].size == 1
+
+
 def test_out_of_memory_halves_until_it_fits_and_keeps_order():
     device = SmallDevice(fits=2)
     out = forward_halving_on_oom(device, batch_of([3, 1, 4, 1, 5, 9, 2]))

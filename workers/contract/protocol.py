@@ -154,6 +154,19 @@ class TokenBatch(msgspec.Struct, gc=False):
         )
         return first, rest
 
+    def runs(self, max_padded_tokens: int) -> list[TokenBatch]:
+        """Consecutive sub-batches, each as large as fits in `max_padded_tokens` once padded
+        (rows x its longest row), at least one sequence each."""
+        parts, rest = [], self
+        while rest.size > 1:
+            padded_sizes = np.maximum.accumulate(rest.lengths) * np.arange(1, rest.size + 1)
+            at = max(1, int(np.searchsorted(padded_sizes, max_padded_tokens, side="right")))
+            if at >= rest.size:
+                break
+            part, rest = rest.split(at)
+            parts.append(part)
+        return [*parts, rest]
+
 
 class MediaBatch(msgspec.Struct, gc=False):
     """A batch of preprocessed media inputs of one modality and one shape."""
