@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "--dtype",
         "compute precision (auto: float16 on CUDA; on CPU bfloat16 where it is native and passes "
-        "the fidelity self-check, else torch int8 where VNNI, else float32; int8: torch or onnx on CPU; "
+        "the fidelity self-check, else torch int8 where VNNI, else float32; float32 for the kinds the "
+        "check does not measure (clip, clap, colbert, colpali, sparse); int8: torch or onnx on CPU; "
         "int8*: ctranslate2)",
         "auto",
         choices=DTYPES,

@@ -244,6 +244,23 @@ def test_kinds_outside_the_calibration_set_are_reported_unchecked(minilm_spec):
     assert report.status == fidelity.UNCHECKED and report.figures == ()
 
 
+@pytest.mark.parametrize("kind", [ModelKind.CLIP, ModelKind.SPARSE])
+@pytest.mark.parametrize("auto_pick", ["bfloat16", "int8", "float16"])
+def test_auto_keeps_float32_where_the_check_cannot_measure(monkeypatch, minilm_spec, kind, auto_pick):
+    """An automatic lower precision is served only where the self-check measures it (bfloat16 moved a
+    SPLADE model's top terms); the operator's explicit --dtype is served as asked."""
+    import msgspec
+
+    from encoderd.workers import backends
+
+    monkeypatch.setattr(backends, "resolve_options", lambda o, e="auto": msgspec.structs.replace(o, dtype=auto_pick))
+    monkeypatch.setattr(backends.hardware, "check_dtype", lambda *args: None)
+    spec = msgspec.structs.replace(minilm_spec, kind=kind)
+    assert backends.create_backend("torch", spec, BackendOptions(dtype="auto")).options.dtype == "float32"
+    text = backends.create_backend("torch", minilm_spec, BackendOptions(dtype="auto"))
+    assert text.options.dtype == auto_pick
+
+
 # --------------------------------------------------------------------- flag
 @pytest.mark.parametrize(
     "argv, env, allowed",
