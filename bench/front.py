@@ -25,8 +25,8 @@ def front_config(grpc_ports: list[int], listen_port: int, admin_port: int, max_r
         for port in grpc_ports
     ]
     if max_requests is not None:
-        (thresholds,) = cluster["circuit_breakers"]["thresholds"]
-        thresholds.update(max_requests=max_requests, max_pending_requests=max_requests)
+        (calls,) = [t for t in cluster["circuit_breakers"]["thresholds"] if t["priority"] == "DEFAULT"]
+        calls.update(max_requests=max_requests, max_pending_requests=max_requests)  # health probes keep theirs
     return config
 
 

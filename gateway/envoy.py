@@ -282,11 +282,25 @@ def _overflow_reply(max_in_flight: int) -> str:
 """
 
 
+# Health probes (the routes envoy.yaml and grpc_listener.yaml mark `priority: HIGH`) have their own
+# calls in flight, apart from --rest-max-in-flight: under a flood past that limit a probe was refused
+# like the flood (429 / RESOURCE_EXHAUSTED, 9 of 10 probes), and Kubernetes would take an overloaded
+# pod for a dead one, pull it from its Service and restart it.
+HEALTH_IN_FLIGHT = 256
+
+
 def _circuit_breakers(max_in_flight: int) -> str:
-    """A cluster's limit of requests in flight (and pending, and connections): --rest-max-in-flight
-    (Envoy's own default is 1,024 of each)."""
-    limit = f"max_requests: {max_in_flight}, max_pending_requests: {max_in_flight}, max_connections: {max_in_flight}"
-    return f"    circuit_breakers:\n      thresholds:\n      - {{priority: DEFAULT, {limit}}}\n"
+    """A cluster's limits of requests in flight (and pending, and connections): --rest-max-in-flight
+    (Envoy's own default is 1,024 of each), and HEALTH_IN_FLIGHT for health probes."""
+
+    def threshold(priority: str, n: int) -> str:
+        return f"      - {{priority: {priority}, max_requests: {n}, max_pending_requests: {n}, max_connections: {n}}}\n"
+
+    return (
+        "    circuit_breakers:\n      thresholds:\n"
+        + threshold("DEFAULT", max_in_flight)
+        + threshold("HIGH", HEALTH_IN_FLIGHT)
+    )
 
 
 def _limit_fields(limits: ListenerLimits) -> dict[str, str | int]:

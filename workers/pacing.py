@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .contract.protocol import Ragged, TokenBatch
+from .contract.protocol import TokenBatch
 
 STEP_ENV = "ENCODERD_BULK_STEP_MS"
 MIN_STEP_S = 0.002
@@ -97,10 +97,3 @@ class Pacer:
     def timed_urgent(self, seconds: float) -> None:
         self.urgent_seconds.add(seconds)
         self.urgent_at = self.clock()
-
-
-def join(outputs: list):
-    """The outputs of consecutive sub-batches as the whole batch's."""
-    if len(outputs) == 1:
-        return outputs[0]
-    return Ragged.join(outputs) if isinstance(outputs[0], Ragged) else np.concatenate(outputs)

@@ -30,7 +30,6 @@ import threading
 import time
 
 import msgspec
-import numpy as np
 import zmq
 
 from . import fidelity, memory, pacing
@@ -315,10 +314,7 @@ def forward_halving_on_oom(backend, batch: protocol.TokenBatch):
             raise
         log.warning("out of device memory on a batch of %d; computing it in halves", batch.size)
         backend.release_memory()
-        halves = [forward_halving_on_oom(backend, half) for half in batch.split(batch.size // 2)]
-        if isinstance(halves[0], protocol.Ragged):  # multi-vector / sparse outputs
-            return protocol.Ragged.join(halves)
-        return np.concatenate(halves)
+        return protocol.join_outputs([forward_halving_on_oom(backend, half) for half in batch.split(batch.size // 2)])
 
 
 def _compute_and_reply(
@@ -357,7 +353,8 @@ def _forward_yielding(
     """A bulk batch in sub-batches (pacer.cut), each in timed steps; at each pause, the urgent
     batches that arrived meanwhile run first."""
     try:
-        return pacing.join([_steps(backend, modules, part, inbox, results, pacer) for part in pacer.cut(batch)])
+        parts = pacer.cut(batch)
+        return protocol.join_outputs([_steps(backend, modules, part, inbox, results, pacer) for part in parts])
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise

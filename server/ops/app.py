@@ -277,6 +277,16 @@ async def start_gateway(cfg: ServerConfig, upstream: str, grpc_port: int, on_giv
     await envoy.start()
     also = f" and gRPC on port {grpc_port}" if grpc_port else ""
     log.info("gateway: Envoy %s (pid %d), REST on %s%s -> %s", envoy.binary, envoy.pid, envoy.url, also, upstream)
+    if cfg.rest_limits.max_in_flight > cfg.max_queued_inputs:
+        # Each call holds at least one input: Envoy then passes calls the queue bound refuses in
+        # Python, behind the backlog (README, Reliability: Envoy's limit of calls in flight).
+        log.info(
+            "gateway: Envoy passes up to %d calls in flight, more than a model's queue holds inputs (%d); "
+            "for refusals at once under a flood, set --rest-max-in-flight near the calls the queue admits "
+            "(--max-queued-inputs / inputs per call)",
+            cfg.rest_limits.max_in_flight,
+            cfg.max_queued_inputs,
+        )
     return envoy
 
 

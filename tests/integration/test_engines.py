@@ -219,13 +219,9 @@ def test_onnx_int8_vectors_do_not_depend_on_their_batch(specs, inputs, cache_dir
     longs = inputs["embedding"][0]  # 16 corpus texts, long ones among them
     short = tokenize(specs["embedding"], ["." * 300])[0]
     alone = backend.forward(short)
-    beside = backend.forward(TokenBatch.from_sequences(0, [short.input_ids, *_sequences(longs)]))
+    beside = backend.forward(TokenBatch.from_sequences(0, [short.input_ids, *(run.input_ids for run in longs.runs(1))]))
     assert np.array_equal(beside[:1], alone)
     assert np.array_equal(beside[1:], backend.forward(longs))
-
-
-def _sequences(batch: TokenBatch) -> list[np.ndarray]:
-    return [batch.input_ids[a:b] for a, b in zip(batch.cu_seqlens[:-1], batch.cu_seqlens[1:], strict=True)]
 
 
 # ------------------------------------------------------------------ CTranslate2 heads

@@ -17,6 +17,8 @@ import time
 import grpc
 import httpx
 import pytest
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 from support.server import ServerProcess
 
 from encoderd.gateway.envoy import DRAIN_S
@@ -199,6 +201,20 @@ def _native_grpc_probe(port: int) -> grpc.RpcError | None:
     return None
 
 
+def _health_probes(server) -> list:
+    """gRPC health on the gRPC and the REST port (status names), REST GET /health and /ping (codes)."""
+    answers: list = []
+    for port in (server.grpc_port, server.rest_port):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                status = HealthStub(channel).Check(HealthCheckRequest(), timeout=10).status
+                answers.append(HealthCheckResponse.ServingStatus.Name(status))
+            except grpc.RpcError as exc:
+                answers.append(exc.code().name)
+    answers += [httpx.get(server.rest_url + path, timeout=10).status_code for path in ("/health", "/ping")]
+    return answers
+
+
 def test_requests_past_the_in_flight_limit_get_429_from_envoy(limited):
     """Envoy answers past --rest-max-in-flight itself (429, the JSON error, Retry-After), where
     the server's own refusal would wait behind every call already sent to it; the calls in flight
@@ -221,9 +237,13 @@ def test_requests_past_the_in_flight_limit_get_429_from_envoy(limited):
         # A refused probe saw both long calls in flight: gRPC sent meanwhile, to the gRPC port or
         # to this one, is refused by Envoy too, as RESOURCE_EXHAUSTED.
         grpc_probes = [_native_grpc_probe(port) for port in (limited.grpc_port, limited.rest_port)] if refusals else []
+        # Health probes have calls in flight of their own: refused like the rest, Kubernetes would
+        # take an overloaded server for a dead one.
+        health = _health_probes(limited) if refusals else []
         both_still_in_flight = not any(call.done() for call in long_calls)
         answers = [call.result() for call in long_calls]
     if grpc_probes and both_still_in_flight:
+        assert health == ["SERVING", "SERVING", 200, 200], health
         for grpc_probe in grpc_probes:
             assert grpc_probe is not None and grpc_probe.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, grpc_probe
             assert f"limit of {MAX_IN_FLIGHT} requests in flight" in grpc_probe.details(), grpc_probe.details()
@@ -238,6 +258,23 @@ def test_requests_past_the_in_flight_limit_get_429_from_envoy(limited):
         assert error["code"] == "resource_exhausted" and error["type"] == "rate_limit_error", error
         assert f"limit of {MAX_IN_FLIGHT} requests in flight" in error["message"], error
     assert httpx.post(url, json={"model": "m", "input": ["probe"]}, timeout=30).status_code == 200
+
+
+def test_a_rest_call_past_the_rest_timeout_gets_504(tmp_path, minilm_path):
+    """--rest-timeout is the REST route's timeout. Envoy's transcoder matched a REST call's route
+    again on its rewritten gRPC path, so every call took the native gRPC route (no timeout): a
+    1 s limit let a call compute for as long as it took."""
+    with ServerProcess(
+        "--model", f"m={minilm_path}", "--rest-timeout", "1", log_path=tmp_path / "server.log", rest=True
+    ) as server:
+        body = {"model": "m", "input": [f"{i} passage " + "word " * 120 for i in range(2000)]}  # ~250 K tokens: seconds
+        started = time.monotonic()
+        response = httpx.post(server.rest_url + "/v1/embeddings", json=body, timeout=300)
+        took = time.monotonic() - started
+        assert response.status_code == 504, response.text[:300]
+        assert response.json()["error"]["code"] == "deadline_exceeded", response.text
+        assert took < 1 + 5 * MARGIN, took
+        assert httpx.get(server.rest_url + "/health", timeout=30).status_code == 200
 
 
 # ---------------------------------------------------------------------- vanishing clients

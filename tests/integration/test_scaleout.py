@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
 from support.server import ServerProcess, free_port
 
 from encoderd.bench.front import front_command, front_config
@@ -188,6 +190,9 @@ def test_calls_past_the_fronts_limit_are_refused_by_envoy_as_resource_exhausted(
             refusal = caught.value
             assert refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (refusal.code(), refusal.details())
             assert "limit of calls in flight" in refusal.details()
+            # Health probes have calls in flight of their own: a flood must not make a host look dead.
+            health = HealthStub(channel).Check(HealthCheckRequest(), timeout=30).status
+            assert health == HealthCheckResponse.SERVING
             assert all(len(call.result(timeout=120).embeddings) == len(long_inputs) for call in in_flight)
             assert len(stub.Embed(pb.EmbedRequest(inputs=["probe"]), timeout=30).embeddings) == 1
         assert front.stats()["cluster.encoderd.upstream_rq_active_overflow"] >= 1  # Envoy's refusal, not a host's

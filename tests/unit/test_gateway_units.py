@@ -40,7 +40,9 @@ def test_grpc_routes_have_neither_a_timeout_nor_a_stream_idle_timeout(tmp_path):
     grpc_routes = [
         route for name in PUBLIC for route in _routes(listeners[name]) if route["match"].get("grpc") is not None
     ]
-    assert len(grpc_routes) == 2  # the REST port's passthrough and the gRPC port's
+    assert len(grpc_routes) == 4  # on each port: health probes (calls in flight of their own), the rest
+    health = [r for r in grpc_routes if r["match"]["prefix"] == "/grpc.health.v1.Health/"]
+    assert len(health) == 2 and all(r["route"]["priority"] == "HIGH" for r in health)
     for route in grpc_routes:
         assert route["route"]["cluster"] == "encoderd_grpc"
         assert route["route"]["timeout"] == "0s" and route["route"]["idle_timeout"] == "0s", route

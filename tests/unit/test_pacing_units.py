@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from encoderd.workers import pacing
-from encoderd.workers.contract.protocol import Ragged, TokenBatch
+from encoderd.workers.contract.protocol import Ragged, TokenBatch, join_outputs
 
 
 class Clock:
@@ -64,7 +64,7 @@ def test_fixed_target_from_the_environment(monkeypatch):
 
 
 def test_join_puts_sub_batch_outputs_back_in_order():
-    assert pacing.join([np.ones((2, 3)), np.zeros((1, 3))]).tolist() == [[1] * 3, [1] * 3, [0] * 3]
+    assert join_outputs([np.ones((2, 3)), np.zeros((1, 3))]).tolist() == [[1] * 3, [1] * 3, [0] * 3]
     a = Ragged(np.ones((3, 2), np.float32), np.array([0, 1, 3], np.int32))
     b = Ragged(np.zeros((2, 2), np.float32), np.array([0, 2], np.int32))
-    assert pacing.join([a, b]).cu_seqlens.tolist() == [0, 1, 3, 5]
+    assert join_outputs([a, b]).cu_seqlens.tolist() == [0, 1, 3, 5]

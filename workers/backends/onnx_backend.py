@@ -31,11 +31,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from .. import pacing
 from ..contract import hardware
 from ..contract.config import default_cache_dir
 from ..contract.model_spec import ModelKind, ModelSpec
-from ..contract.protocol import Ragged, TokenBatch
+from ..contract.protocol import Ragged, TokenBatch, join_outputs
 from ..model_cache import cached_build, fingerprint_model, library_versions
 from ..pooling import pool
 from .base import Backend, from_pretrained, padded, require_family, require_text_kind, token_states, wants_token_states
@@ -467,7 +466,7 @@ class OnnxBackend(Backend):
             runs = batch.runs(CPU_RUN_TOKENS)
         else:
             runs = [batch]
-        return pacing.join([self._run(run) for run in runs])
+        return join_outputs([self._run(run) for run in runs])
 
     def _run(self, batch: TokenBatch) -> np.ndarray | Ragged:
         ids, mask, types = padded(batch, self.spec.pad_token_id)

@@ -209,6 +209,13 @@ class Ragged(msgspec.Struct, gc=False):
         return cls(np.concatenate([p.values for p in parts]), cu.astype(np.int32), indices)
 
 
+def join_outputs(outputs: list):
+    """The outputs of consecutive sub-batches (arrays, or Ragged) as the whole batch's."""
+    if len(outputs) == 1:
+        return outputs[0]
+    return Ragged.join(outputs) if isinstance(outputs[0], Ragged) else np.concatenate(outputs)
+
+
 _encoder = msgspec.msgpack.Encoder()
 _HEADER_TYPES = {
     MessageType.BATCH: BatchHeader,
