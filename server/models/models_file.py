@@ -132,11 +132,22 @@ def _parse_yaml(path: str, text: str) -> tuple[dict, dict[tuple, int]]:
     def walk(node, prefix: tuple) -> None:
         if isinstance(node, yaml.MappingNode):
             for key, value in node.value:
-                lines.setdefault((*prefix, key.value), key.start_mark.line + 1)
-                walk(value, (*prefix, key.value))
+                where = (*prefix, key.value)
+                if where in lines:  # PyYAML keeps the last silently; TOML refuses a repeated key, and so do we
+                    raise ModelsFileError(_repeated_key(path, where, key.start_mark.line + 1, lines[where]))
+                lines[where] = key.start_mark.line + 1
+                walk(value, where)
 
     walk(root, ())
     return data if data is not None else {}, lines
+
+
+def _repeated_key(path: str, where: tuple, line: int, first: int) -> str:
+    if len(where) == 2 and where[0] == "models":
+        what = f"model {where[1]!r} is defined twice"
+    else:
+        what = f"key {'.'.join(map(str, where))!r} is given twice"
+    return f"{path}:{line}: {what} (first at line {first}); one entry would silently replace the other"
 
 
 # ------------------------------------------------------------------ contents

@@ -164,6 +164,17 @@ def test_yaml_errors_name_the_line_too(tmp_path):
     assert _refused("--config", broken).startswith(f"encoderd: {broken}:3: not valid YAML")
 
 
+def test_yaml_refuses_a_repeated_name_or_key_as_toml_does(tmp_path):
+    """PyYAML keeps the last of two equal keys: the first model (or setting) vanished without a word."""
+    twice = _write(tmp_path, "models:\n  m:\n    source: /a\n  m:\n    source: /b\n", "twice.yaml")
+    assert _refused("--config", twice).startswith(f"encoderd: {twice}:4: model 'm' is defined twice (first at line 2)")
+    key = _write(tmp_path, "models:\n  m:\n    source: /a\n    dtype: int8\n    dtype: float32\n", "key.yml")
+    refused = _refused("--config", key)
+    assert refused.startswith(f"encoderd: {key}:5: key 'models.m.dtype' is given twice (first at line 4)"), refused
+    toml = _write(tmp_path, '[models.m]\nsource = "/a"\n\n[models.m]\nsource = "/b"\n')
+    assert _refused("--config", toml).startswith(f"encoderd: {toml}:4: not valid TOML")
+
+
 def test_a_missing_file_is_one_line():
     assert (
         _refused("--config", "/nonexistent/models.toml")
