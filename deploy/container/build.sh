@@ -8,6 +8,8 @@
 # Environment: CONTAINER_ENGINE (podman, else docker), DEBIAN_MIRROR, ENCODERD_WHEELS (folders of local
 # wheels to prefer, default $PIP_FIND_LINKS; a torch wheel there is used instead of torch's CPU index),
 # ENCODERD_BUILD_CA (a CA bundle pip must trust during the build, default $PIP_CERT; not in the image).
+# podman on a host that refuses its defaults (no systemd, no CAP_SYS_RESOURCE, hybrid cgroups): the script
+# writes a containers.conf that works there and prints `export CONTAINERS_CONF=...` for `podman run`.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 VERSION=0.1.0
@@ -19,7 +21,7 @@ while (($#)); do
     --rebuild-base) rebuild_base=1 ;;
     --base-only) base_only=1 ;;
     --tag) tag=$2; shift ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -40,6 +42,37 @@ build_base() {
 }
 if ((rebuild_base)) || ! "$engine" image inspect "$BASE" >/dev/null 2>&1; then
   build_base
+fi
+
+# podman's defaults fail on some hosts: crun refuses hybrid cgroups ("cgroups in hybrid mode not supported"),
+# a sandbox without CAP_SYS_RESOURCE refuses its rlimits ("setrlimit RLIMIT_NOFILE: Operation not
+# permitted"), and without systemd there is no systemd cgroup manager or journal. Probe with a throwaway
+# container; where it fails, write a containers.conf that fits this host and use it from here on.
+podman_conf() {
+  local conf=${XDG_CONFIG_HOME:-$HOME/.config}/encoderd/containers.conf hard_nofile hard_nproc
+  hard_nofile=$(ulimit -Hn); [[ $hard_nofile == unlimited ]] && hard_nofile=1048576
+  hard_nproc=$(ulimit -Hu); [[ $hard_nproc == unlimited || $hard_nproc -gt 4096 ]] && hard_nproc=4096
+  mkdir -p "$(dirname "$conf")"
+  {
+    echo "# written by encoderd's deploy/container/build.sh for this host: podman's defaults fail here"
+    echo "[containers]"
+    echo "default_ulimits = [\"nofile=$hard_nofile:$hard_nofile\", \"nproc=$hard_nproc:$hard_nproc\"]"
+    echo "[engine]"
+    if command -v runc >/dev/null; then echo 'runtime = "runc"'; fi
+    if [[ ! -d /run/systemd/system ]]; then printf 'cgroup_manager = "cgroupfs"\nevents_logger = "file"\n'; fi
+  } >"$conf"
+  echo "$conf"
+}
+probe() { "$engine" run --rm --network host "$BASE" true 2>&1 >/dev/null; }
+if [[ $(basename "$engine") == podman && -z ${CONTAINERS_CONF:-} ]] && ! why=$(probe); then
+  CONTAINERS_CONF=$(podman_conf); export CONTAINERS_CONF
+  if ! second=$(probe); then
+    echo "podman cannot run a container here: $why" >&2
+    echo "with $CONTAINERS_CONF: $second" >&2
+    exit 1
+  fi
+  echo "==> podman's defaults fail here (${why##*$'\n'}); $CONTAINERS_CONF works. Before podman run:"
+  echo "export CONTAINERS_CONF=$CONTAINERS_CONF"
 fi
 ((base_only)) && exit 0
 
@@ -70,4 +103,6 @@ revision=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
   --build-arg BASE="$BASE" --build-arg VARIANT="$variant" --build-arg DEVICE="$variant" \
   --build-arg TORCH_INDEX_URL="$torch_index" --build-arg VERSION="$VERSION" --build-arg REVISION="$revision" \
   "$context"
+# The build stage's image is no use once the runtime stage has copied the venv out of it.
+"$engine" image prune -f --filter label=io.encoderd.stage=build >/dev/null
 echo "==> built $tag"
