@@ -279,7 +279,7 @@ async def start_gateway(cfg: ServerConfig, upstream: str, grpc_port: int, on_giv
     log.info("gateway: Envoy %s (pid %d), REST on %s%s -> %s", envoy.binary, envoy.pid, envoy.url, also, upstream)
     if cfg.rest_limits.max_in_flight > cfg.max_queued_inputs:
         # Each call holds at least one input: Envoy then passes calls the queue bound refuses in
-        # Python, behind the backlog (README, Reliability: Envoy's limit of calls in flight).
+        # Python, behind the backlog (docs/reliability.md, Overload: refusal before Python).
         log.info(
             "gateway: Envoy passes up to %d calls in flight, more than a model's queue holds inputs (%d); "
             "for refusals at once under a flood, set --rest-max-in-flight near the calls the queue admits "

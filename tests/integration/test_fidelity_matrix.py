@@ -3,7 +3,7 @@ floors on the built-in calibration set (short queries, passages cut at the maxim
 licences, eight scripts, emoji), for every text kind; what this CPU refuses is skipped with the
 refusal. The same matrix runs again in a subprocess as an AVX2-only host would choose and compute
 (ENCODERD_CPU_FLAGS_MASK for the recipes, ONEDNN_MAX_CPU_ISA=AVX2 for torch's and CTranslate2's
-oneDNN kernels; ONNX Runtime's own kernels take no such cap, see the README's numerics section).
+oneDNN kernels; ONNX Runtime's own kernels take no such cap, see docs/models/fidelity.md).
 
 In-process backends, as a worker loads them: create_backend -> load -> fidelity.self_check, which
 raises LowFidelity below a floor.

@@ -1,5 +1,5 @@
 """Generated stubs in another language: Go stubs that protoc-gen-go and protoc-gen-go-grpc make from
-protos/encoderd/v1 (the README's protoc command), a client on them (tests/support/go/client), against
+protos/encoderd/v1 (the protoc command of docs/api/grpc.md), a client on them (tests/support/go/client), against
 the live server. Its answers must be the Python client's, to the bit where the computation is the same.
 
 Built offline from Debian's packages (.ci/run installs them; GOPATH mode, no Go module proxy)."""

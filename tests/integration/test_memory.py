@@ -4,7 +4,7 @@ Two real servers side by side, the same distinct-shape batches sent to each: one
 (kernel caches bounded, heap trimmed: workers/memory.py), one with the oneDNN caches back at
 their 1,024-entry defaults (the operator's environment wins), which reproduces the cause.
 The shipped worker stays within a bound of its post-warm-up RSS; the other grows well past it.
-The 10-minute soak is `python -m encoderd.bench.soak`; figures are in the README.
+The 10-minute soak is `python -m encoderd.bench.soak`; figures are in docs/performance.md.
 """
 
 from __future__ import annotations

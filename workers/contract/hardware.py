@@ -249,7 +249,7 @@ CGROUP_V1_DIRS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct")
 # Up to this many usable cores, one single-thread worker per core: a worker then never waits in an
 # OpenMP barrier for a thread that the frontend or another process preempted. On the 2-core Zen 5
 # development host, 2 workers x 1 thread against 1 worker x 2 threads: bulk +13% float32, +17%
-# bfloat16, single-query and rerank no slower (README "Benchmarks"; bench/: `encoderd bench`).
+# bfloat16, single-query and rerank no slower (docs/performance.md; bench/: `encoderd bench`).
 SMALL_HOST_CORES = 4
 # Beyond it, workers of several threads, so that one long input still gets several cores, and at
 # most this many copies of the model in memory.
