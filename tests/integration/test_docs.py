@@ -90,6 +90,13 @@ def test_every_code_block_is_run_or_marked_illustrative():
     assert RUN_BLOCKS, "no block is run: the marker convention is not being followed"
 
 
+def test_the_readme_stays_an_introduction():
+    """What it is, the two commands, one client example, links: the rest belongs on the site's pages."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move the detail into docs/"
+    assert "docs/index.md" in "\n".join(lines)
+
+
 def test_a_marker_always_sits_on_a_code_block():
     """A marker whose block moved away would leave a block unrun while the test still passed."""
     for page in [*PAGES, ROOT / "README.md"]:
