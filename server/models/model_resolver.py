@@ -9,7 +9,7 @@ import contextvars
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ...workers.contract.model_spec import ModelKind
+from ...workers.contract.model_spec import ModelKind, indefinite_article
 from ..api.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def resolve(
     RESOLVED.set(model.spec.name)
     if kinds is not None and model.spec.kind not in kinds:
         raise WrongModelKind(
-            f"model {model.spec.name!r} is a {model.spec.kind.value} model; {call} needs {_kinds(kinds)} model"
+            f"model {model.spec.name!r} is {model.spec.kind.a_model}; {call} needs {_kinds(kinds)} model"
         )
     return model
 
@@ -83,6 +83,5 @@ def _default(
 
 
 def _kinds(kinds: Sequence[ModelKind]) -> str:
-    names = [k.value for k in kinds]
-    article = "an" if names and names[0][0] in "aeiou" else "a"
-    return f"{article} {' or '.join(names)}"
+    names = " or ".join(k.value for k in kinds)
+    return f"{indefinite_article(names)} {names}"

@@ -294,3 +294,21 @@ def test_the_default_models_hub_id_reads_the_copy_a_first_start_fetched(hub_cach
     assert resolve_model_path(DEFAULT_MODEL_NAME) == str(tmp_path / "encoderd" / cached.relative_to(tmp_path / "cache"))
     with pytest.raises(ModelLoadError, match="cannot load"):  # nothing local: the hub, as before (offline here)
         resolve_model_path(DEFAULT_MODEL_NAME, None, str(tmp_path / "empty"))
+
+
+def test_kinds_are_named_with_the_article_english_takes():
+    """Errors name a model's kind as "an embedding model" (they said "a embedding model")."""
+    from encoderd.server.models.model_resolver import _kinds
+
+    assert {kind.value: kind.a_model for kind in ModelKind} == {
+        "embedding": "an embedding model",
+        "reranker": "a reranker model",
+        "classifier": "a classifier model",
+        "clip": "a clip model",
+        "clap": "a clap model",
+        "colbert": "a colbert model",
+        "colpali": "a colpali model",
+        "sparse": "a sparse model",
+    }
+    assert _kinds((ModelKind.EMBEDDING, ModelKind.COLBERT)) == "an embedding or colbert"
+    assert _kinds((ModelKind.SPARSE,)) == "a sparse"

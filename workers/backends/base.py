@@ -133,8 +133,8 @@ def require_text_kind(spec: ModelSpec, engine: str) -> None:
     """Fail at load, naming the way out, for a kind this engine does not compute."""
     if spec.kind.value not in TEXT_KINDS:
         raise ValueError(
-            f"the {engine} engine serves {', '.join(TEXT_KINDS)} models; {spec.name} is a "
-            f"{spec.kind.value} model: use --engine torch (or auto)"
+            f"the {engine} engine serves {', '.join(TEXT_KINDS)} models; {spec.name} is "
+            f"{spec.kind.a_model}: use --engine torch (or auto)"
         )
 
 
@@ -142,7 +142,7 @@ def wants_token_states(spec: ModelSpec, batch: TokenBatch) -> bool:
     """Whether `batch` asks for token states; only an embedding model has them to give (the
     frontend asks no other kind: this guards the wire contract)."""
     if batch.token_states and spec.kind != ModelKind.EMBEDDING:
-        raise Unsupported(f"token states are an embedding model's output; {spec.name} is a {spec.kind.value} model")
+        raise Unsupported(f"token states are an embedding model's output; {spec.name} is {spec.kind.a_model}")
     return batch.token_states
 
 

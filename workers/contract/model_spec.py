@@ -33,6 +33,16 @@ class ModelKind(str, enum.Enum):
     COLPALI = "colpali"  # late interaction over images and text, on a CLIP model: one per patch / token
     SPARSE = "sparse"  # SPLADE over a masked-LM head: a sparse vocabulary-sized vector
 
+    @property
+    def a_model(self) -> str:
+        """The kind in a sentence, with its article: "an embedding model", "a reranker model"."""
+        return f"{indefinite_article(self.value)} {self.value} model"
+
+
+def indefinite_article(word: str) -> str:
+    """ "an" before a vowel, else "a" (every kind name: embedding, clap, colbert, ...)."""
+    return "an" if word and word[0].lower() in "aeiou" else "a"
+
 
 # What each kind takes. Text is every kind's; the media modalities need their tower.
 MODALITIES = {
@@ -559,7 +569,7 @@ def _with_overrides(spec: ModelSpec, config: dict, pooling: Pooling | None, max_
     if pooling is not None and spec.kind != ModelKind.EMBEDDING:
         raise ModelLoadError(
             f"--pooling {pooling.value} for {spec.name}: pooling applies to embedding models, "
-            f"and {spec.name} is a {spec.kind.value} model"
+            f"and {spec.name} is {spec.kind.a_model}"
         )
     if max_length is not None:
         limit = _position_limit(config)
