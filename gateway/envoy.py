@@ -196,9 +196,16 @@ def _lua_routes(indent: int) -> str:
     return "\n".join(" " * indent + row for row in rows)
 
 
-CORS_FILTER = """\
-          # CORS (--cors-allow-origin): answers preflights for the allowed origins, first so
-          # they never reach the method check; the policy is the virtual host's.
+CORS_FILTERS = """\
+          # CORS (--cors-allow-origin): the CORS filter answers preflights for the allowed origins,
+          # first so they never reach the method check; the policy is the virtual host's. Before
+          # it, the headers a preflight asks for are allowed (gateway/cors_preflight.lua).
+          - name: envoy.filters.http.lua
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+              default_source_code:
+                inline_string: |
+${cors_preflight}
           - name: envoy.filters.http.cors
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.Cors
@@ -215,12 +222,16 @@ def _cors_policy(origins: tuple[str, ...]) -> str:
             "@type": type.googleapis.com/envoy.extensions.filters.http.cors.v3.CorsPolicy
             allow_origin_string_match: [{matches}]
             allow_methods: "GET, HEAD, POST, OPTIONS"
-            allow_headers: "authorization, content-type, x-request-id"
+            allow_headers: "authorization, content-type, x-request-id"  # asked-for ones: cors_preflight.lua
             expose_headers: "x-request-id"
             max_age: "86400"
         """),
         " " * 14,
     )
+
+
+def _cors_filters() -> str:
+    return Template(CORS_FILTERS).substitute(cors_preflight=_lua_source("cors_preflight.lua"))
 
 
 URL_PREFIX = re.compile(r"(/[A-Za-z0-9._~-]+)+")
@@ -377,7 +388,7 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
         routes=_lua_routes(20),
         endpoints=endpoints,
         url_prefix=prefix,
-        cors_filter=CORS_FILTER if settings.cors_allow_origins else "",
+        cors_filter=_cors_filters() if settings.cors_allow_origins else "",
         cors_policy=_cors_policy(settings.cors_allow_origins) if settings.cors_allow_origins else "",
         cluster_type=cluster_type,
         rest_host=settings.rest_host,
