@@ -60,7 +60,10 @@ def _operation(path: str, verb: str, operation: dict) -> str:
 def render(document: dict) -> str:
     """The HTML page of an OpenAPI document as server/api/openapi.py writes it."""
     info, schemas = document["info"], document["components"]["schemas"]
-    routes = "".join(_operation(path, verb, op) for path, ops in document["paths"].items() for verb, op in ops.items())
+    prefix = document.get("servers", [{"url": ""}])[0]["url"]  # --url-prefix: the paths as called
+    routes = "".join(
+        _operation(prefix + path, verb, op) for path, ops in document["paths"].items() for verb, op in ops.items()
+    )
     types = "".join(
         f'<section id="{escape(name)}"><h3>{escape(name)}</h3>{_fields(schema.get("properties", {}))}</section>'
         for name, schema in sorted(schemas.items())

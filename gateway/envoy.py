@@ -339,12 +339,24 @@ def _lua_source(name: str) -> str:
     return textwrap.indent((HERE / name).read_text(), " " * 18).rstrip("\n")
 
 
-def _docs_page() -> str:
+def _docs_page(url_prefix: str) -> str:
     """The /docs page as a YAML (JSON) string literal."""
     from ..server.api.openapi import document
     from .api_docs import render
 
-    return json.dumps(render(document()))
+    return json.dumps(render(document(url_prefix)))
+
+
+def _openapi_json(url_prefix: str) -> str:
+    """GET /openapi.json's body as a YAML (JSON) string literal."""
+    from ..server.api.openapi import document
+
+    return json.dumps(json.dumps(document(url_prefix), separators=(",", ":")))
+
+
+def _path_regex(prefix: str, path: str) -> str:
+    """A YAML string of the regex matching `path` with and without --url-prefix."""
+    return json.dumps(f"^({re.escape(prefix)})?{re.escape(path)}$" if prefix else f"^{re.escape(path)}$")
 
 
 def _grpc_listener(settings: GatewaySettings) -> str:
@@ -378,8 +390,10 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     )
     prefix = check_url_prefix(settings.url_prefix)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(
-        docs_regex=json.dumps(f"^({re.escape(prefix)})?/docs$" if prefix else "^/docs$"),
-        docs_html=_docs_page(),
+        docs_regex=_path_regex(prefix, "/docs"),
+        docs_html=_docs_page(prefix),
+        openapi_regex=_path_regex(prefix, "/openapi.json"),
+        openapi_json=_openapi_json(prefix),
         admin=admin,
         lua=_lua_source("errors.lua"),
         gzip_trailer=_lua_source("gzip_trailer.lua"),

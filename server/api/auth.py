@@ -13,8 +13,15 @@ from ..ops import metrics
 
 log = logging.getLogger("encoderd.auth")
 
-# The REST /health route is Compat/Health behind Envoy.
-HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch", "/encoderd.v1.Compat/Health")
+# Open without a key unless --no-open-health: health checks (the REST /health route is Compat/Health
+# behind Envoy) and the REST /metrics route (Compat/GetMetrics), which Infinity and TEI serve without
+# their key too and Prometheus scrapes like a probe; --metrics-port is never behind a key either.
+OPEN_METHODS = (
+    "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/Watch",
+    "/encoderd.v1.Compat/Health",
+    "/encoderd.v1.Compat/GetMetrics",
+)
 REFLECTION_PREFIX = "/grpc.reflection."
 
 
@@ -41,7 +48,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         self._open_health = open_health
 
     def _is_open(self, method: str) -> bool:
-        return self._open_health and (method in HEALTH_METHODS or method.startswith(REFLECTION_PREFIX))
+        return self._open_health and (method in OPEN_METHODS or method.startswith(REFLECTION_PREFIX))
 
     def _authorized(self, metadata) -> bool:
         presented = presented_key(metadata).encode()

@@ -26,6 +26,7 @@ from ..models import multimodal
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
 from ..models.registry import ModelRegistry, ServedModel
+from ..ops import metrics
 from ..scheduling.scheduler import Priority
 from . import cohere_embed, openapi, postprocess, tei
 from .errors import BackendError, InvalidInput, Unavailable
@@ -110,17 +111,26 @@ def rerank_documents(value: struct_pb2.Value, rank_fields=()) -> tuple[list[str]
     return texts, originals
 
 
-def _check_document_limits(request: cpb.CohereRerankRequest, model_max: int) -> None:
-    """Cohere's `max_tokens_per_doc` (v2) and `max_chunks_per_doc` (v1), honoured or refused, never
-    ignored: each (query, document) pair is cut at the model's maximum length, one chunk a document."""
+def _check_document_limits(request: cpb.CohereRerankRequest) -> None:
+    """Cohere's `max_tokens_per_doc` (v2) and `max_chunks_per_doc` (v1): positive when given."""
     for field in ("max_tokens_per_doc", "max_chunks_per_doc"):
         if getattr(request, field) < 0:
             raise InvalidInput(f"`{field}` must be a positive integer, not {getattr(request, field)}")
-    if 0 < request.max_tokens_per_doc < model_max:
-        raise InvalidInput(
-            f"`max_tokens_per_doc` below the model's maximum ({model_max}) is not supported; "
-            f"each (query, document) pair is cut at {model_max} tokens"
-        )
+
+
+async def cut_documents(registry: ModelRegistry, model: ServedModel, texts: list[str], max_tokens: int) -> list[str]:
+    """Cohere's `max_tokens_per_doc`: each document cut to its first `max_tokens` tokens of the
+    model's tokenizer (special tokens not counted), at the end of the last one kept in the original
+    text, so the pair is scored on text the document holds (no decode round trip). A limit at or
+    above the model's maximum changes nothing: each pair is cut there anyway (one chunk a document)."""
+    if not max_tokens or max_tokens >= model.spec.max_length:
+        return texts
+    texts = registry.check_inputs(texts, "documents")  # bounded before any tokenizing
+    encodings = await model.tokenizer.tokenize(texts, add_special_tokens=False)
+    return [
+        text if len(encoding.offsets) <= max_tokens else text[: encoding.offsets[max_tokens - 1][1]]
+        for text, encoding in zip(texts, encodings, strict=True)
+    ]
 
 
 def _document_text(document: struct_pb2.Struct, rank_fields, index: int) -> str:
@@ -263,11 +273,11 @@ class CompatService(compat_pb2_grpc.CompatServicer):
 
     @rpc
     async def CreateImageEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
-        return await self._embeddings(request, "image")
+        return await self._embeddings(request, "image", zero_is_full=True)
 
     @rpc
     async def CreateAudioEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
-        return await self._embeddings(request, "audio")
+        return await self._embeddings(request, "audio", zero_is_full=True)
 
     async def _embeddings(
         self, request: cpb.OpenAIEmbeddingsRequest, modality: str, zero_is_full: bool = False
@@ -277,7 +287,8 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             raise InvalidInput(f'`encoding_format` must be "float" or "base64", not {encoding_format!r}')
         if modality not in MODALITIES:
             raise InvalidInput(f"`modality` must be one of {', '.join(MODALITIES)}, not {modality!r}")
-        # Infinity reads `dimensions: 0` as full size; OpenAI's API has no such value.
+        # Infinity reads `dimensions: 0` as full size (its client sends it on every call); OpenAI's
+        # API has no such value.
         options = EmbedOptions.for_call(
             dimensions=0 if zero_is_full and request.dimensions == 0 else positive(request, "dimensions")
         )
@@ -331,7 +342,9 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             raw_scores=request.raw_scores, top_n=positive(request, "top_n"), return_documents=request.return_documents
         )
         texts, documents = rerank_documents(request.documents, tuple(request.rank_fields))
-        _check_document_limits(request, self.registry.get(request.model, ModelKind.RERANKER).spec.max_length)
+        _check_document_limits(request)
+        served = self.registry.get(request.model, ModelKind.RERANKER)
+        texts = await cut_documents(self.registry, served, texts, request.max_tokens_per_doc)
         model, scores, tokens = await self.rerank_scores(request.model, request.query, texts, options)
         results = []
         for i in postprocess.rank(scores, options.top_n).tolist():
@@ -472,6 +485,13 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     @rpc
     async def GetOpenApi(self, request, context) -> httpbody_pb2.HttpBody:
         return _json(openapi.document())
+
+    @rpc
+    async def GetMetrics(self, request, context) -> httpbody_pb2.HttpBody:
+        """What --metrics-port serves, on the REST port (Envoy passes the scraper's Accept header on)."""
+        accept = next((value for key, value in context.invocation_metadata() or () if key == "accept"), "")
+        content_type, body = metrics.exposition(accept)
+        return httpbody_pb2.HttpBody(content_type=content_type, data=body)
 
     @rpc
     async def Health(self, request, context) -> httpbody_pb2.HttpBody:

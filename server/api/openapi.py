@@ -119,7 +119,9 @@ def _operation(service, method, verb: str, template: str, body: str, index: int,
 
 
 @functools.cache
-def document() -> dict:
+def document(url_prefix: str = "") -> dict:
+    """The document; under a REST --url-prefix its `servers` says where the paths are (a URL relative
+    to the document's own, as OpenAPI reads it), so generated clients call /api/v1/embeddings."""
     from google.api import annotations_pb2
 
     from ...v1 import compat_pb2, encoderd_pb2
@@ -138,8 +140,10 @@ def document() -> dict:
                     paths.setdefault(_path(template)[0], {})[verb] = _operation(
                         service, method, verb, template, binding.body, index, schemas
                     )
+    servers = {"servers": [{"url": url_prefix, "description": "this server's REST routes (--url-prefix)"}]}
     return {
         "openapi": "3.1.0",
+        **(servers if url_prefix else {}),
         "info": {
             "title": "encoderd REST API",
             "version": "v1",

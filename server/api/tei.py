@@ -254,12 +254,16 @@ def _activated(row: list[dict], activation) -> list[dict]:
     return [{**label, "score": float(score)} for label, score in zip(row, scores, strict=True)]
 
 
+# The models /similarity compares texts with: those /embed serves.
+SIMILARITY_KINDS = (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP)
+
+
 async def similarity(service, request) -> httpbody_pb2.HttpBody:
     opts = embed_options(request, "/similarity", embedding_options=False)
     source, sentences = request.inputs.source_sentence, list(request.inputs.sentences)
     if not source or not sentences:
         raise InvalidInput("`inputs` needs a non-empty `source_sentence` and a non-empty list of `sentences`")
-    name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/similarity")
+    name = pick_model(service, request.model, SIMILARITY_KINDS, "/similarity")
     # Checked here, named as the caller sent them: past this point they are one list, source first.
     service.registry.check_text(source, "inputs.source_sentence")
     service.registry.check_inputs(sentences, "inputs.sentences")
@@ -398,6 +402,15 @@ ROOT_ROUTES = {
 }
 
 
+def _root_route(kind: ModelKind, request: cpb.TeiRootRequest):
+    """The kind's route; for an embedding model, /similarity when `inputs` is its object
+    ({"source_sentence", "sentences"}, huggingface_hub's sentence_similarity), as TEI's root
+    answers for a sentence-similarity model."""
+    if kind in SIMILARITY_KINDS and request.inputs.WhichOneof("kind") == "struct_value":
+        return cpb.TeiSimilarityRequest, similarity, "/similarity"
+    return ROOT_ROUTES[kind]
+
+
 async def root(service, request: cpb.TeiRootRequest) -> httpbody_pb2.HttpBody:
     """TEI's POST /: the request, narrowed to the message of the model's route (a field that
     route does not take is a 400), handled by that route."""
@@ -407,7 +420,7 @@ async def root(service, request: cpb.TeiRootRequest) -> httpbody_pb2.HttpBody:
             f"{', '.join(sorted(service.registry.models))}); or post to /embed, /predict, /rerank"
         )
     model = service.registry.get(request.model)
-    message_class, handler, path = ROOT_ROUTES[model.spec.kind]
+    message_class, handler, path = _root_route(model.spec.kind, request)
     fields = json_format.MessageToDict(request, preserving_proto_field_name=True)
     fields["model"] = model.spec.name
     try:

@@ -409,7 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(serve, "--api-key-file", "file with one API key per line (kept out of argv and the environment)", None)
     _add_switch(
-        serve, "--no-open-health", "require the API key for health checks and reflection too", dest="open_health"
+        serve,
+        "--no-open-health",
+        "require the API key for health checks, REST /metrics and reflection too",
+        dest="open_health",
     )
     _add(serve, "--host", "address to listen on", "127.0.0.1")
     _add(

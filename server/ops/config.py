@@ -75,7 +75,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     api_key_file: str | None = None
     bulk_api_keys: tuple[str, ...] = ()  # keys whose requests default to bulk priority
-    open_health: bool = True  # health checks and reflection need no key
+    open_health: bool = True  # health checks, REST /metrics and reflection need no key
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     metrics_port: int = 0  # 0 = off

@@ -13,7 +13,8 @@ Latency is split the way an operator debugs it:
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -111,3 +112,10 @@ def observe_batch(model: str, replica: str, batch, padded: bool, seconds: float)
     BATCH_SECONDS.labels(model, replica).observe(seconds)
     REAL_TOKENS.labels(model).inc(real)
     COMPUTED_TOKENS.labels(model).inc(computed)
+
+
+def exposition(accept: str) -> tuple[str, bytes]:
+    """(content type, body) of a scrape: the format its Accept header asks for (OpenMetrics or
+    Prometheus text), negotiated as --metrics-port's server does, so REST /metrics answers the same."""
+    encode, content_type = choose_encoder(accept)
+    return content_type, encode(REGISTRY)

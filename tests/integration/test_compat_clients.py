@@ -6,13 +6,14 @@ Envoy, checked against sentence-transformers and the gRPC API."""
 from __future__ import annotations
 
 import base64
+import io
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from support.corpus import sentences
-from support.multimodal_models import build_clip, build_colbert, build_sparse
+from support.multimodal_models import CLAP_SAMPLING_RATE, build_clap, build_clip, build_colbert, build_sparse
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
@@ -163,6 +164,38 @@ def test_infinity_client_models_and_health(infinity):
     assert stats["queue_absolute"] == 0 and stats["batch_size"] > 0
     assert by_id[M].backend == "torch"
     assert isinstance(health.sync(client=infinity)["unix"], float)
+
+
+def test_metrics_on_the_rest_port(compat_server, infinity, http):
+    """GET /metrics on the REST port, as Infinity and TEI serve it and Infinity's client calls it (it
+    was a 404): Prometheus' text format, the metrics --metrics-port serves, counting REST calls."""
+    from infinity_client.api.default import metrics_metrics_get
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def families(text: str) -> dict:
+        return {family.name: family for family in text_string_to_metric_families(text)}
+
+    assert http.post("/embeddings", json={"model": M, "input": "counted"}).status_code == 200
+    response = metrics_metrics_get.sync_detailed(client=infinity)
+    assert response.status_code == 200, response.content
+    direct = httpx.get(f"http://127.0.0.1:{compat_server.metrics_port}/metrics", trust_env=False)
+    assert response.headers["content-type"] == direct.headers["content-type"]  # Prometheus' text format
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    rest = families(response.content.decode())
+    assert set(rest) == set(families(direct.text))
+    # Prometheus asks for OpenMetrics: negotiated as the metrics port does.
+    openmetrics = {"accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}
+    asked = http.get("/metrics", headers=openmetrics)
+    port = httpx.get(f"http://127.0.0.1:{compat_server.metrics_port}/metrics", headers=openmetrics, trust_env=False)
+    assert asked.status_code == 200 and asked.headers["content-type"] == port.headers["content-type"]
+    assert asked.headers["content-type"].startswith("application/openmetrics-text") and asked.text.endswith("# EOF\n")
+    counted = [
+        sample.value
+        for sample in rest["encoderd_requests"].samples
+        if sample.name == "encoderd_requests_total"
+        and sample.labels == {"model": M, "rpc": "Compat/CreateRootEmbeddings", "code": "OK"}
+    ]
+    assert counted and counted[0] >= 1
 
 
 # ----------------------------------------------------------------------- TEI
@@ -359,27 +392,68 @@ def test_tei_root_route_dispatches_by_model_kind(http, st_vectors, cross_encoder
     _error(http.post("/", json={"inputs": "x"}), 400, "several models")
 
 
-def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_prefix(tmp_path, monkeypatch, st_vectors):
-    """What TEI users run: InferenceClient(base_url=server) posts to "/" itself; here the server's
-    root is --url-prefix /api."""
+@pytest.fixture(scope="module")
+def prefixed_server(tmp_path_factory):
+    """One model (the default) at the REST root --url-prefix /api, no CORS."""
+    log = tmp_path_factory.mktemp("compat-prefix") / "server.log"
+    with ServerProcess("--cpu-threads", "1", "--url-prefix", "/api", rest=True, log_path=log) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prefixed_http(prefixed_server):
+    with httpx.Client(base_url=prefixed_server.rest_url, timeout=60, trust_env=False) as client:
+        yield client
+
+
+def test_tei_inference_client_at_the_root_of_a_one_model_server_under_a_url_prefix(
+    prefixed_server, prefixed_http, monkeypatch, st_vectors, st_model
+):
+    """What TEI users run: InferenceClient(base_url=server) posts to "/" itself (feature_extraction and
+    sentence_similarity, which TEI's root takes for a similarity model: it was a 400 here); here the
+    server's root is --url-prefix /api."""
     from huggingface_hub import InferenceClient, constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # see inference_client
-    with (
-        ServerProcess(
-            "--cpu-threads", "1", "--url-prefix", "/api", rest=True, log_path=tmp_path / "server.log"
-        ) as server,
-        httpx.Client(base_url=server.rest_url, trust_env=False) as http,
-    ):
-        got = InferenceClient(base_url=server.rest_url + "/api").feature_extraction(TEXTS[:2])
-        assert http.get("/api/v1/models").json()["data"][0]["id"] == M
-        _error(http.get("/v1/models"), 404, "under /api")
-        assert http.get("/api/health").status_code == http.get("/health").status_code == 200
-        assert "openapi.json" in http.get("/api/docs").text and http.get("/docs").status_code == 404
-        # No --cors-allow-origin: no CORS at all (a preflight is just a method not served).
-        preflight = http.options("/api/embed", headers={"origin": ORIGIN, "access-control-request-method": "POST"})
+    http, client = prefixed_http, InferenceClient(base_url=prefixed_server.rest_url + "/api")
+    got = client.feature_extraction(TEXTS[:2])
+    similarity = client.sentence_similarity(TEXTS[0], other_sentences=TEXTS[1:4])
+    assert http.get("/api/v1/models").json()["data"][0]["id"] == M
+    _error(http.get("/v1/models"), 404, "under /api")
+    assert http.get("/api/health").status_code == http.get("/health").status_code == 200
+    assert "openapi.json" in http.get("/api/docs").text and http.get("/docs").status_code == 404
+    # No --cors-allow-origin: no CORS at all (a preflight is just a method not served).
+    preflight = http.options("/api/embed", headers={"origin": ORIGIN, "access-control-request-method": "POST"})
     np.testing.assert_allclose(got, st_vectors[:2], atol=1e-5)
+    vectors = st_model.encode(TEXTS[:4], normalize_embeddings=True)
+    np.testing.assert_allclose(similarity, vectors[1:] @ vectors[0], atol=1e-5)
     assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
+    # The root's similarity shape is the /similarity route's: what it does not take is a 400 naming it.
+    body = {"inputs": {"source_sentence": "a", "sentences": ["b"]}, "truncate": True}
+    _error(http.post("/api/", json=body), 400, "/similarity", "truncate")
+    _error(http.post("/api/", json={"inputs": {"source_sentence": "a"}}), 400, "sentences")
+
+
+def test_openapi_and_docs_under_a_url_prefix(prefixed_http):
+    """Under --url-prefix /api the OpenAPI document names it as its server and /docs shows the paths
+    as called (both were unprefixed: generated clients called the wrong URLs); every path, called
+    where the document says, is served."""
+    from openapi_spec_validator import validate
+
+    http = prefixed_http
+    document = http.get("/api/openapi.json").json()
+    validate(document)
+    assert [server["url"] for server in document["servers"]] == ["/api"]
+    assert http.get("/openapi.json").status_code == 404
+    page = http.get("/api/docs").text
+    for path, operations in document["paths"].items():
+        assert f"<code>/api{path}</code>" in page, path
+        url = "/api" + path.replace("{id}", M)
+        for verb in operations:
+            response = http.request(verb.upper(), url, **({"json": {}} if verb == "post" else {}))
+            assert response.status_code not in (404, 405), (verb, url, response.text)
+    head = http.head("/api/openapi.json", headers={"accept-encoding": "identity"})
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-type"] == "application/json"
 
 
 def test_tei_routes_refuse_what_they_cannot_do(http):
@@ -393,6 +467,9 @@ def test_tei_routes_refuse_what_they_cannot_do(http):
     _error(http.post("/embed_all", json={"inputs": "x", "normalize": True}), 400, "normalize")
     _error(http.post("/embed", json={"inputs": "x", "truncation_direction": "middle"}), 400, "truncation_direction")
     _error(http.post("/embed", json={"inputs": "x", "dimensions": 0}), 400, "dimensions")
+    # With the article English takes (it said "is a embedding model").
+    wrong_kind = http.post("/rerank", json={"model": M, "query": "q", "texts": ["a"]})
+    _error(wrong_kind, 400, f"model {M!r} is an embedding model; /rerank needs a reranker model")
 
 
 # A text over MiniLM's 256 tokens: TEI's /embed_all cuts it, then returns every token left.
@@ -548,13 +625,24 @@ def _png_uri(seed: int, size=(48, 40)) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def _wav_uri(freq: float = 440.0, seconds: float = 0.5) -> str:
+    import soundfile
+
+    t = np.arange(int(seconds * CLAP_SAMPLING_RATE)) / CLAP_SAMPLING_RATE
+    buffer = io.BytesIO()
+    soundfile.write(buffer, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), CLAP_SAMPLING_RATE, format="WAV")
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 @pytest.fixture(scope="module")
 def clip_server(tmp_path_factory, models_dir):
-    """A clip model on its own: beside compat_server's embedder, TEI's model-less routes would
-    have two embedding models to choose from."""
+    """The media models (clip, clap) apart: beside compat_server's embedder, TEI's model-less routes
+    would have two embedding models to choose from."""
     proc = ServerProcess(
         "--model",
         f"clip={build_clip(models_dir / 'mm-clip')}",
+        "--model",
+        f"clap={build_clap(models_dir / 'mm-clap')}",
         "--cpu-threads",
         "1",
         rest=True,
@@ -614,6 +702,46 @@ def test_cohere_embed_images_equal_the_grpc_image_embedding(clip_server, http):
             "not an image",
         )
     _error(http.post("/v1/embed", json={"model": M, "images": images[:1]}), 400, "takes text")
+
+
+@pytest.mark.parametrize(
+    ("model", "modality", "uris"),
+    [("clip", "image", [_png_uri(3), _png_uri(4, (20, 30))]), ("clap", "audio", [_wav_uri(440), _wav_uri(660, 0.8)])],
+)
+def test_infinity_client_image_and_audio_embeddings(clip_server, model, modality, uris):
+    """Infinity's client on its media routes, /embeddings_image and /embeddings_audio, and on
+    /embeddings with an image or audio body, which always carries `dimensions: 0` (Infinity's "full
+    size"; it was a 400 on the media routes): the same vectors as gRPC's EmbedMultimodal."""
+    from infinity_client import Client
+    from infinity_client.api.default import embeddings, embeddings_audio, embeddings_image
+    from infinity_client.models import (
+        AudioEmbeddingInput,
+        ImageEmbeddingInput,
+        OpenAIEmbeddingInputAudio,
+        OpenAIEmbeddingInputImage,
+    )
+
+    contents = [pb.Content(**{modality: pb.Media(url=u)}) for u in uris]
+    want = [
+        e.values
+        for e in clip_server.stub().EmbedMultimodal(pb.EmbedMultimodalRequest(model=model, inputs=contents)).embeddings
+    ]
+    infinity = Client(base_url=clip_server.rest_url, raise_on_unexpected_status=True, timeout=60)
+    route, route_body, root_body = {
+        "image": (embeddings_image, ImageEmbeddingInput, OpenAIEmbeddingInputImage),
+        "audio": (embeddings_audio, AudioEmbeddingInput, OpenAIEmbeddingInputAudio),
+    }[modality]
+    on_route = route.sync(client=infinity, body=route_body(input_=uris, model=model))
+    body = root_body(input_=uris, model=model)
+    assert body.to_dict()["dimensions"] == 0 and body.to_dict()["modality"] == modality
+    at_root = embeddings.sync(client=infinity, body=body)
+    np.testing.assert_allclose([d.embedding for d in on_route.data], want, atol=1e-5)
+    np.testing.assert_allclose([d.embedding for d in at_root.data], want, atol=1e-5)
+    with httpx.Client(base_url=clip_server.rest_url, timeout=60, trust_env=False) as media_http:
+        for path in (f"/embeddings_{modality}", f"/v1/embeddings_{modality}"):  # Infinity's, with and without /v1
+            full = media_http.post(path, json={"model": model, "input": uris[:1], "dimensions": 0})
+            assert full.status_code == 200, full.text
+            np.testing.assert_allclose(full.json()["data"][0]["embedding"], want[0], atol=1e-5)
 
 
 # ---------------------------------------------------------------------- gRPC

@@ -377,6 +377,9 @@ def test_api_keys_over_grpc_and_rest(tmp_path, models_dir):
             )  # on REST too
             assert bad_enum.status_code == 400 and "priority = 99" in bad_enum.json()["error"]["message"]
             assert http.get("/health").status_code == 200
+            # /metrics is open like /health (as Infinity's and TEI's): Prometheus scrapes it like a probe.
+            metrics = http.get("/metrics")
+            assert metrics.status_code == 200 and "encoderd_requests_total" in metrics.text
         log = server.log_path.read_text()
         assert "flag-key" not in log and "file-key" not in log and "nope" not in log
         failures = re.findall(r"WARNING encoderd.auth: authentication failed on (\S+): (no key|a wrong key)", log)
@@ -436,6 +439,14 @@ def test_health_can_require_the_key(tmp_path):
                 health_pb2.HealthCheckRequest(), metadata=(("authorization", "Bearer k"),), timeout=5
             ).status
             assert status in (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
+            # REST /metrics (Compat/GetMetrics) is closed with the health checks.
+            metrics = channel.unary_unary(
+                "/encoderd.v1.Compat/GetMetrics", request_serializer=lambda b: b, response_deserializer=lambda b: b
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                metrics(b"", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert metrics(b"", metadata=(("authorization", "Bearer k"),), timeout=5)
     finally:
         server.stop()
 

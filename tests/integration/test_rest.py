@@ -231,12 +231,48 @@ def test_cohere_v1_sdk_and_raw_rerank_shapes(rest_server, http, cross_encoder_sc
     got = sorted(body["results"], key=lambda r: r["index"])
     np.testing.assert_allclose([r["relevance_score"] for r in got], logits, atol=1e-4)
     # Cohere's document limits are honoured or refused, never ignored: pairs are cut at the model's
-    # maximum, one chunk a document.
+    # maximum, one chunk a document (max_tokens_per_doc: the test below).
     request = {"model": "reranker", "query": QUERY, "documents": DOCS[:2]}
     assert http.post("/v1/rerank", json={**request, "max_chunks_per_doc": 3}).status_code == 200
-    short = http.post("/v2/rerank", json={**request, "max_tokens_per_doc": 8})
-    assert short.status_code == 400 and "`max_tokens_per_doc` below the model's maximum" in short.text, short.text
-    assert http.post("/v2/rerank", json={**request, "max_chunks_per_doc": -1}).status_code == 400
+    for field in ("max_chunks_per_doc", "max_tokens_per_doc"):
+        refused = http.post("/v2/rerank", json={**request, field: -1})
+        assert refused.status_code == 400 and f"`{field}` must be a positive integer" in refused.text, refused.text
+
+
+# Accents, CJK and punctuation: the cut falls where the tokenizer's character offsets say.
+ACCENTED = "Café déjà vu: the naïve résumé of 東京の検索エンジン ranks documents by relevance and freshness"
+
+
+def test_cohere_v2_rerank_cuts_each_document_at_max_tokens_per_doc(rest_server, reranker_path):
+    """Cohere's `max_tokens_per_doc` below the model's maximum cuts each document to its first N tokens
+    (it was a 400): the scores are CrossEncoder's of the documents cut by the model's own tokenizer
+    (transformers, its offsets), not those of the whole documents."""
+    import cohere
+    from sentence_transformers import CrossEncoder
+    from transformers import AutoTokenizer
+
+    limit = 8
+    documents = [*[d for d in DOCS if len(d.split()) > limit][:4], ACCENTED, "short one"]
+    tokenizer = AutoTokenizer.from_pretrained(reranker_path)
+
+    def cut(text: str) -> str:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return text if len(offsets) <= limit else text[: offsets[limit - 1][1]]
+
+    cut_documents = [cut(d) for d in documents]
+    assert [c != d for c, d in zip(cut_documents, documents, strict=True)] == [True] * 5 + [False]
+    cross_encoder = CrossEncoder(reranker_path, device="cpu")
+    want = cross_encoder.predict([(QUERY, d) for d in cut_documents])
+    uncut = cross_encoder.predict([(QUERY, d) for d in documents])
+    assert np.abs(want - uncut).max() > 1e-3  # the cut is what the scores show
+    client = cohere.ClientV2(base_url=rest_server.rest_url, api_key="test-key")
+    response = client.rerank(model="reranker", query=QUERY, documents=documents, max_tokens_per_doc=limit)
+    got = {r.index: r.relevance_score for r in response.results}
+    np.testing.assert_allclose([got[i] for i in range(len(documents))], want, atol=1e-5)
+    # At or above the model's maximum nothing is cut but the pair, at that maximum, as before.
+    whole = client.rerank(model="reranker", query=QUERY, documents=documents, max_tokens_per_doc=100_000)
+    got = {r.index: r.relevance_score for r in whole.results}
+    np.testing.assert_allclose([got[i] for i in range(len(documents))], uncut, atol=1e-5)
 
 
 # ------------------------------------------- classify, tokenize, models, health

@@ -151,6 +151,11 @@ class CompatStub:
                 request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
                 response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
                 _registered_method=True)
+        self.GetMetrics = channel.unary_unary(
+                '/encoderd.v1.Compat/GetMetrics',
+                request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+                response_deserializer=google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/encoderd.v1.Compat/Health',
                 request_serializer=google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
@@ -180,7 +185,8 @@ class CompatServicer:
     def CreateImageEmbeddings(self, request, context):
         """Infinity's image embeddings route: `input` is a data URI or http(s) URL
         (or a list of them); the response is OpenAI-shaped. Same as
-        /embeddings with "modality": "image".
+        /embeddings with "modality": "image", `dimensions` 0 meaning full size
+        (Infinity's client always sends it) on both paths: OpenAI has no such route.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -332,6 +338,18 @@ class CompatServicer:
     def GetOpenApi(self, request, context):
         """`GET /openapi.json`: this REST API as an OpenAPI 3.1 document, derived
         from these google.api.http rules and messages (server/api/openapi.py).
+        Through Envoy the gateway answers it itself, rendered with its
+        --url-prefix (`servers`), as it does `GET /docs`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMetrics(self, request, context):
+        """`GET /metrics`: the server's Prometheus metrics in the text exposition
+        format, as Infinity and TEI serve them on their REST port (the same as
+        --metrics-port). Open like the health checks, or behind the API key with
+        --no-open-health.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -461,6 +479,11 @@ def add_CompatServicer_to_server(servicer, server):
             ),
             'GetOpenApi': grpc.unary_unary_rpc_method_handler(
                     servicer.GetOpenApi,
+                    request_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
+                    response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
+            ),
+            'GetMetrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMetrics,
                     request_deserializer=google_dot_protobuf_dot_empty__pb2.Empty.FromString,
                     response_serializer=google_dot_api_dot_httpbody__pb2.HttpBody.SerializeToString,
             ),
@@ -1089,6 +1112,33 @@ class Compat:
             request,
             target,
             '/encoderd.v1.Compat/GetOpenApi',
+            google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
+            google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMetrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/encoderd.v1.Compat/GetMetrics',
             google_dot_protobuf_dot_empty__pb2.Empty.SerializeToString,
             google_dot_api_dot_httpbody__pb2.HttpBody.FromString,
             options,
