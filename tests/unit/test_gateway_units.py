@@ -48,6 +48,26 @@ def test_grpc_routes_have_neither_a_timeout_nor_a_stream_idle_timeout(tmp_path):
         assert route["route"]["timeout"] == "0s" and route["route"]["idle_timeout"] == "0s", route
 
 
+def test_only_probes_and_scrapes_take_the_rest_ports_high_priority(tmp_path):
+    """The REST route with the health probes' own calls in flight (priority HIGH, apart from
+    --rest-max-in-flight) matches GET and HEAD of /health, /, /ping and /metrics only: TEI's POST /
+    (embed, rerank, predict) matched it too, so a flood of it bypassed the limit and refused probes."""
+    import re
+
+    rest = [r for r in _routes(_listeners(tmp_path, rest_port=7997)["encoderd_rest"]) if "grpc" not in r["match"]]
+    [high] = [r for r in rest if r.get("route", {}).get("priority") == "HIGH"]
+    paths, [method] = high["match"]["safe_regex"]["regex"], high["match"]["headers"]
+    assert [p for p in ("/", "/health", "/ping", "/metrics", "/embed") if re.fullmatch(paths, p)] == [
+        "/",
+        "/health",
+        "/ping",
+        "/metrics",
+    ]
+    verbs = method["string_match"]["safe_regex"]["regex"]
+    assert method["name"] == ":method"
+    assert [m for m in ("GET", "HEAD", "POST", "OPTIONS") if re.fullmatch(verbs, m)] == ["GET", "HEAD"]
+
+
 def test_only_the_rest_port_bounds_the_time_to_send_a_request(tmp_path):
     """A body trickled to the REST port gets 408 (the integration test runs it); the gRPC port takes
     bulk streams that send for hours, so it has no request timeout. 0 turns it off."""
