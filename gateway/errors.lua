@@ -99,6 +99,7 @@ function envoy_on_response(handle)
   if (headers:get("content-type") or ""):sub(1, 16) == "application/grpc" then return end
   local status = tonumber(headers:get(":status")) or 500
   local grpc = { status = headers:get("grpc-status"), message = headers:get("grpc-message") }
+  local retry_after = headers:get("retry-after") -- the server's estimate, where it refused by expected wait
   headers:remove("grpc-status")
   headers:remove("grpc-message")
   headers:remove("grpc-accept-encoding")
@@ -109,7 +110,7 @@ function envoy_on_response(handle)
   body:setBytes(json)
   headers = handle:headers()
   -- Overload and loading / restarting are temporary: say when to come back (RFC 9110 Retry-After).
-  if status == 429 or status == 503 then headers:replace("retry-after", "1") end
+  if status == 429 or status == 503 then headers:replace("retry-after", retry_after or "1") end
   headers:replace("content-type", "application/json")
   headers:replace("content-length", tostring(#json))
 end

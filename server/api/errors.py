@@ -38,7 +38,14 @@ class Unsupported(EncoderdError):
 
 
 class Overloaded(EncoderdError):
+    """Temporary: the model's queue is full, or a call would wait too long in it. `retry_after`: whole
+    seconds until a retry may be served (sent as the `retry-after` trailer, REST's Retry-After)."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class OutOfMemory(EncoderdError):

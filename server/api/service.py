@@ -17,9 +17,10 @@ from ..models import model_resolver, multimodal
 from ..models.media import Content
 from ..models.registry import ModelRegistry, estimate_tokens
 from ..ops import metrics, tracing
+from ..scheduling.admission import CALL_DEADLINE
 from . import postprocess, request_options
 from .auth import presented_key
-from .errors import EncoderdError, InvalidInput
+from .errors import EncoderdError, InvalidInput, Overloaded
 from .handlers import MalformedRequest
 from .messages import embeddings_message
 from .streaming import embed_stream
@@ -41,6 +42,8 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
     metadata = context.invocation_metadata()
     rid = logs.bind_request_id(metadata)
     request_options.bind_key_priority(presented_key(metadata), service.registry.config.bulk_api_keys)
+    remaining = context.time_remaining()  # admission refuses a call its deadline cannot wait for
+    CALL_DEADLINE.set(None if remaining is None else time.monotonic() + remaining)
     rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
     model_resolver.RESOLVED.set("")  # this call's task only; set when the call resolves its model
     code = grpc.StatusCode.OK
@@ -51,7 +54,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             yield rid_metadata, _proxy_returns_id(metadata, rid)
         except EncoderdError as exc:
             code = exc.code
-            await context.abort(exc.code, str(exc), rid_metadata)  # errors: in the trailers
+            await context.abort(exc.code, str(exc), rid_metadata + _retry_after(exc))  # errors: in the trailers
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", name)
@@ -68,6 +71,12 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             tracing.finish(span, code, model)
             metrics.REQUESTS.labels(model, rpc_label, code.name).inc()
             metrics.REQUEST_SECONDS.labels(model, rpc_label).observe(elapsed)
+
+
+def _retry_after(exc: EncoderdError) -> tuple[tuple[str, str], ...]:
+    """An overload's `retry-after` trailer (whole seconds): gRPC clients read it from the trailing
+    metadata, and Envoy passes it on to REST clients as the Retry-After header (gateway/errors.lua)."""
+    return (("retry-after", str(exc.retry_after)),) if isinstance(exc, Overloaded) else ()
 
 
 # A client whose deadline passes cancels the call itself, by its own clock: the server's deadline is

@@ -90,7 +90,7 @@ async def run(
     `pairs_with`: each input is a document paired with this query. Errors name input i `what[i]`, or
     `names[i]` when given. Identical inputs in flight are computed once."""
     inputs = list(inputs)
-    model.scheduler.refuse_if_full(len(inputs))  # a flood is refused before any other work
+    model.scheduler.refuse_if_full(len(inputs), priority)  # a flood is refused before any other work
     spec = model.spec
     check_inputs(registry.config, inputs, what, modalities(spec.kind), f"{spec.name!r} ({spec.kind.value})")
     payloads = await _payloads(registry, inputs, prefix, what)
@@ -217,7 +217,7 @@ async def _work_items(
     if texts:
         batch: list = [inputs[j][0] for j in texts]
         estimated = ["".join(t) if isinstance(t, tuple) else t for t in batch]
-        with registry.admit(model, estimated, truncate=truncate, pairs_with=pairs_with or ""):
+        with registry.admit(model, estimated, truncate=truncate, pairs_with=pairs_with or "", priority=priority):
             try:
                 tokens = await model.tokenizer.encode(
                     batch, truncate=truncate, side=side, pairs_with=pairs_with, bulk=priority == Priority.BULK

@@ -37,7 +37,7 @@ from ..ops import metrics
 from ..ops.config import ModelConfig, ServerConfig
 from ..scheduling.batching import BatchLimits
 from ..scheduling.placement import Placement, plan_replicas
-from ..scheduling.scheduler import ModelScheduler
+from ..scheduling.scheduler import ModelScheduler, Priority
 from ..scheduling.worker_client import WorkerClient
 from ..scheduling.zygote_client import shared_zygote
 from . import compute
@@ -218,6 +218,8 @@ class ModelRegistry:
             batch_delay=cfg.batch_delay_ms / 1000,
             max_queued=cfg.max_queued_inputs,
             max_queued_tokens=cfg.max_queued_tokens,
+            max_queue_wait=cfg.max_queue_wait,
+            split_large=True,
         )
         scheduler.start()
         return scheduler
@@ -314,14 +316,23 @@ class ModelRegistry:
                 "(--max-request-tokens): split it".replace("  ", " ")
             )
 
-    def admit(self, model: ServedModel, texts: list[str], *, truncate: bool = True, pairs_with: str = ""):
+    def admit(
+        self,
+        model: ServedModel,
+        texts: list[str],
+        *,
+        truncate: bool = True,
+        pairs_with: str = "",
+        priority: Priority = Priority.INTERACTIVE,
+    ):
         """Budgets and queue admission before tokenization: refused at once when the request is
-        over the token budget or its model's queue bounds, else a reservation held until its
-        inputs are queued (so a flood cannot pile up unbounded in the tokenizer pool)."""
+        over the token budget, its model's queue bounds or the wait the server allows, else a
+        reservation held until its inputs are queued (so a flood cannot pile up unbounded in the
+        tokenizer pool)."""
         cap = model.spec.max_length if truncate else None
         estimate = estimate_tokens(texts, cap, len(pairs_with))
         self.check_token_budget(estimate)
-        return model.scheduler.reserve(len(texts), estimate)
+        return model.scheduler.reserve(len(texts), estimate, priority)
 
     def prompt_text(self, model: ServedModel, prompt: str = "", prompt_name: str = "") -> str:
         """The instruction prefix: explicit text, else a named prompt, else the model's default."""

@@ -344,6 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add(
         serve,
+        "--max-queue-wait",
+        "seconds a call may expect to wait for the work queued ahead of it (estimated from each worker's "
+        "measured tokens/s); a call that would wait longer, or past its own deadline, gets "
+        "RESOURCE_EXHAUSTED (REST: 429 with Retry-After) at once (0 = admitted by queue size only)",
+        ServerConfig.max_queue_wait,
+        _non_negative_float,
+    )
+    _add(
+        serve,
         "--bulk-batch-tokens",
         "token budget of bulk-priority batches while interactive requests are "
         "arriving (0 = full batches: the worker cuts bulk work into steps timed against its interactive "
@@ -683,6 +692,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         allow_low_fidelity=args.allow_low_fidelity,
         replicas=args.replicas,
         max_queued_tokens=args.max_queued_tokens,
+        max_queue_wait=args.max_queue_wait,
         bulk_batch_tokens=args.bulk_batch_tokens,
         api_keys=tuple(args.api_key or _env_list("ENCODERD_API_KEY")),
         bulk_api_keys=tuple(args.bulk_api_key or _env_list("ENCODERD_BULK_API_KEY")),

@@ -14,7 +14,13 @@ decides *when* and *where* to send:
   * each batch goes to the ready replica with the fewest tokens in flight; work
     that finds several replicas idle is cut into one piece for each, so a lone
     rerank runs on all of them at once; a batch lost with a dying replica is
-    queued again for the others.
+    queued again for the others;
+  * a call is admitted by the time it would wait (admission.py: the work ahead
+    of it at each replica's measured drain rate), not only by the queue's size;
+  * an interactive request bigger than one batch is cut (`split_large`): its
+    first batch runs as interactive work, the rest as bulk work (after every
+    interactive input, in the worker's bulk lane, which a query preempts), so
+    one maximum-size call does not hold other callers' queries behind it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import numpy as np
 
 from ..api.errors import Overloaded, Unavailable
 from ..ops import metrics
+from .admission import CALL_DEADLINE, DrainRate, admission
 from .batching import BatchLimits, WorkItem, pack, queued_cost_reaches_budget, take_batch
 from .worker_client import WorkerClient
 
@@ -87,6 +94,7 @@ class ReplicaLoad:
     batches: int = 0
     bulk_batches: int = 0
     tokens: int = 0
+    bulk_tokens: int = 0
 
 
 class ModelScheduler:
@@ -101,6 +109,8 @@ class ModelScheduler:
         max_queued: int = 16384,
         max_queued_tokens: int = 0,
         max_in_flight: int = 2,
+        max_queue_wait: float = 0.0,
+        split_large: bool = False,
     ):
         self.model = model
         self.replicas = replicas
@@ -109,9 +119,13 @@ class ModelScheduler:
         self.max_queued = max_queued
         self.max_queued_tokens = max_queued_tokens
         self.max_in_flight = max_in_flight
+        self.max_queue_wait = max_queue_wait  # seconds; 0 = admitted by the queue's size only
+        # An interactive request bigger than one batch runs as bulk work past its first batch.
+        self.split_large = split_large
         self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
         self.load = {replica: ReplicaLoad() for replica in replicas}
-        self._queued_tokens = 0
+        self.drain = {replica: DrainRate() for replica in replicas}
+        self._queued_tokens = dict.fromkeys(Priority, 0)
         self._reserved = [0, 0]  # inputs, estimated tokens of admitted requests still tokenizing
         self._interactive_seen = float("-inf")  # when interactive work last arrived
         self._wake = asyncio.Event()
@@ -135,11 +149,13 @@ class ModelScheduler:
         self._fail_queued(Unavailable(f"model {self.model} is shutting down"))
 
     @contextlib.contextmanager
-    def reserve(self, inputs: int, tokens: int):
+    def reserve(self, inputs: int, tokens: int, priority: Priority = Priority.INTERACTIVE):
         """Admission before tokenization: refuse at once when the queue bounds, counting the
-        requests still tokenizing, leave no room for `inputs` (~`tokens`, an estimate); else hold
-        their place until the block ends (the request then queues its real inputs by submit)."""
+        requests still tokenizing, leave no room for `inputs` (~`tokens`, an estimate), or when the
+        call would wait too long; else hold their place until the block ends (the request then
+        queues its real inputs by submit)."""
         self._refuse_if_full(inputs, tokens)
+        self._refuse_if_slow(tokens, self._runs_as(priority, inputs, tokens))
         self._reserved[0] += inputs
         self._reserved[1] += tokens
         try:
@@ -148,15 +164,18 @@ class ModelScheduler:
             self._reserved[0] -= inputs
             self._reserved[1] -= tokens
 
-    def refuse_if_full(self, inputs: int) -> None:
+    def refuse_if_full(self, inputs: int, priority: Priority = Priority.INTERACTIVE) -> None:
         """The earliest check, before a request is validated or keyed: a flood is refused in
         microseconds of the event loop (reserve() checks again with the token estimate)."""
         self._refuse_if_full(inputs, 0)
+        self._refuse_if_slow(0, priority)
 
     def _refuse_if_full(self, inputs: int, tokens: int) -> None:
+        """The memory bounds: inputs (and tokens) queued or tokenizing."""
         if not self.ready:
             raise Unavailable(f"model {self.model} is unavailable (its worker is restarting)")
-        queued, queued_tokens = self.queued + self._reserved[0], self._queued_tokens + self._reserved[1]
+        queued = self.queued + self._reserved[0]
+        queued_tokens = sum(self._queued_tokens.values()) + self._reserved[1]
         if queued + inputs > self.max_queued or (
             self.max_queued_tokens and queued_tokens + tokens > self.max_queued_tokens
         ):
@@ -166,20 +185,77 @@ class ModelScheduler:
                 f"queued or tokenizing); retry later"
             )
 
+    def _refuse_if_slow(self, own_tokens: int, priority: Priority) -> None:
+        """The time bound: refused when the work ahead would hold the call past --max-queue-wait or
+        its own deadline (admission.py)."""
+        deadline = CALL_DEADLINE.get()
+        refusal = admission(
+            self.tokens_ahead(priority),
+            own_tokens,
+            self.tokens_per_s,
+            self.max_queue_wait,
+            None if deadline is None else deadline - time.monotonic(),
+        )
+        if refusal:
+            metrics.REJECTED.labels(self.model, "deadline" if refusal.by_deadline else "queue_wait").inc()
+            raise Overloaded(refusal.message(self.model), retry_after=refusal.retry_after_s)
+
+    def tokens_ahead(self, priority: Priority) -> int:
+        """The work a call of this priority queues behind: queued work that goes before it, work
+        still tokenizing, and batches computing (an interactive call's batch preempts bulk ones)."""
+        queued = self._queued_tokens[Priority.INTERACTIVE]
+        computing = sum(load.tokens - load.bulk_tokens for load in self.load.values())
+        if priority == Priority.BULK:
+            queued += self._queued_tokens[Priority.BULK]
+            computing += sum(load.bulk_tokens for load in self.load.values())
+        return queued + self._reserved[1] + computing
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The model's drain rate: its ready replicas' together."""
+        return sum(self.drain[r].tokens_per_s for r in self.replicas if r.ready)
+
+    def _runs_as(self, priority: Priority, inputs: int, tokens: int) -> Priority:
+        """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits as
+        bulk work."""
+        one_batch = self.limits[Priority.INTERACTIVE]
+        bigger = inputs > one_batch.max_batch_size or tokens > one_batch.max_batch_tokens
+        return Priority.BULK if self.split_large and priority == Priority.INTERACTIVE and bigger else priority
+
     def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
-        """Queue a request's inputs, or refuse at once when over a bound."""
+        """Queue a request's inputs, or refuse at once when over a memory bound (the wait was
+        judged at admission: a request tokenized by then is not thrown away for it). A split request
+        (`split_large`) queues its first batch's inputs at its priority, the rest as bulk work."""
         tokens = sum(item.length for item in items)
         self._refuse_if_full(len(items), tokens)
         now = time.monotonic()
-        if priority == Priority.INTERACTIVE:
-            self._interactive_seen = now
         for item in items:
             item.enqueued = now
-        self.queues[priority].extend(items)
-        metrics.QUEUED_INPUTS.labels(self.model, priority.name.lower()).inc(len(items))
-        self._queued_tokens += tokens
+        if self._runs_as(priority, len(items), tokens) != priority:
+            cut = self._first_piece(items)
+            self._enqueue(items[:cut], Priority.INTERACTIVE)
+            self._enqueue(items[cut:], Priority.BULK)
+        else:
+            if priority == Priority.INTERACTIVE:
+                self._interactive_seen = now
+            self._enqueue(items, priority)
         self._queue_changed()
         self._wake.set()
+
+    def _first_piece(self, items: list[WorkItem]) -> int:
+        """How many of a split request's first inputs fit one interactive batch (at least one)."""
+        one_batch = self.limits[Priority.INTERACTIVE]
+        total = 0
+        for i, item in enumerate(items[: one_batch.max_batch_size]):
+            total += item.length
+            if total > one_batch.max_batch_tokens:
+                return max(i, 1)
+        return min(len(items), one_batch.max_batch_size)
+
+    def _enqueue(self, items: list[WorkItem], priority: Priority) -> None:
+        self.queues[priority].extend(items)
+        metrics.QUEUED_INPUTS.labels(self.model, priority.name.lower()).inc(len(items))
+        self._queued_tokens[priority] += sum(item.length for item in items)
 
     async def run(
         self, items: list[WorkItem], request: PendingRequest, priority: Priority = Priority.INTERACTIVE
@@ -206,7 +282,7 @@ class ModelScheduler:
     def _dispatch_ready_batches(self) -> None:
         for priority in Priority:
             queue, limits = self.queues[priority], self._limits(priority)
-            shared = self._share_among_idle(queue, limits)  # for this round's idle replicas
+            shared = self._share_among_idle(priority, limits)  # for this round's idle replicas
             while queue:
                 replica = self._pick_replica(priority)
                 if replica is None:
@@ -217,7 +293,7 @@ class ModelScheduler:
                 ahead = load.batches - (load.bulk_batches if priority == Priority.INTERACTIVE else 0)
                 if ahead and not self._should_close(queue, limits):
                     break
-                batch = self._take(queue, limits if load.batches else shared)
+                batch = self._take(priority, limits if load.batches else shared)
                 if batch:
                     self._send(replica, batch, priority)
             if queue:
@@ -234,18 +310,19 @@ class ModelScheduler:
             else self.limits[priority]
         )
 
-    def _share_among_idle(self, queue: deque[WorkItem], limits: BatchLimits) -> BatchLimits:
+    def _share_among_idle(self, priority: Priority, limits: BatchLimits) -> BatchLimits:
         """With k replicas idle, cut the next batches to about 1/k of the queued tokens each:
         what would go to one replica goes out as k pieces computed side by side (2 one-thread
         CPU replicas rerank 50 passages faster than one two-thread worker). The token cap has
         one input's length of slack, so k pieces hold it all. A padding-free backend's size cap
         is lifted for them (short inputs must not fill a piece by count); a padded backend keeps
         it (TensorRT profiles end there), so its pieces may come out more than k."""
+        queue = self.queues[priority]
         idle = sum(1 for r in self.replicas if r.ready and not self.load[r].batches)
         if idle < 2 or not queue:
             return limits
         longest = max(item.length for item in itertools.islice(queue, limits.window))
-        tokens = max(MIN_SHARE_TOKENS, -(-self._queued_tokens // idle) + longest)
+        tokens = max(MIN_SHARE_TOKENS, -(-self._queued_tokens[priority] // idle) + longest)
         if tokens >= limits.max_batch_tokens:
             return limits
         size = limits.max_batch_size if limits.padded else max(limits.max_batch_size, len(queue))
@@ -272,7 +349,8 @@ class ModelScheduler:
         asyncio.get_running_loop().call_later(self.batch_delay - waited, self._wake.set)
         return False
 
-    def _take(self, queue: deque[WorkItem], limits: BatchLimits) -> list[WorkItem]:
+    def _take(self, priority: Priority, limits: BatchLimits) -> list[WorkItem]:
+        queue = self.queues[priority]
         before = len(queue)
         batch = take_batch(queue, limits)
         dropped = before - len(queue) - len(batch)
@@ -281,10 +359,10 @@ class ModelScheduler:
         now = time.monotonic()
         for item in batch:
             metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
-        self._queued_tokens = (
-            sum(item.length for q in self.queues.values() for item in q)
+        self._queued_tokens[priority] = (
+            sum(item.length for item in queue)
             if dropped
-            else (self._queued_tokens - sum(item.length for item in batch))
+            else (self._queued_tokens[priority] - sum(item.length for item in batch))
         )
         self._queue_changed()
         return batch
@@ -295,12 +373,13 @@ class ModelScheduler:
         load.batches += 1
         load.tokens += tokens
         load.bulk_batches += priority == Priority.BULK
+        load.bulk_tokens += tokens if priority == Priority.BULK else 0
         task = asyncio.create_task(self._compute(replica, batch, priority, tokens))
         self._computing.add(task)
         task.add_done_callback(self._computing.discard)
 
     async def _compute(self, replica: WorkerClient, batch: list[WorkItem], priority: Priority, tokens: int) -> None:
-        started = time.perf_counter()
+        started, sent = time.perf_counter(), time.monotonic()
         try:
             rows = await replica.compute(pack(batch, 0, urgent=priority == Priority.INTERACTIVE))
         except Unavailable as exc:
@@ -319,7 +398,9 @@ class ModelScheduler:
             load.batches -= 1
             load.tokens -= tokens
             load.bulk_batches -= priority == Priority.BULK
+            load.bulk_tokens -= tokens if priority == Priority.BULK else 0
             self._wake.set()
+        self.drain[replica].observe(tokens, sent, time.monotonic())
         metrics.observe_batch(
             self.model, replica.label, batch, self.limits[priority].padded, time.perf_counter() - started
         )
@@ -336,7 +417,7 @@ class ModelScheduler:
             for item in retry:
                 item.attempts += 1
             self.queues[priority].extendleft(reversed(retry))
-            self._queued_tokens += sum(item.length for item in retry)
+            self._queued_tokens[priority] += sum(item.length for item in retry)
             self._queue_changed()
         else:
             for item in retry:
@@ -347,6 +428,7 @@ class ModelScheduler:
         while True:
             await replica.state_changed.wait()
             replica.state_changed.clear()
+            self.drain[replica].forget_backlog()  # a new process: its first batch queues behind none
             if not self.ready:
                 self._fail_queued(Unavailable(f"model {self.model} is unavailable (its worker crashed; restarting)"))
             self._wake.set()
@@ -356,7 +438,7 @@ class ModelScheduler:
             self.queues[priority] = deque()
             for item in queue:
                 item.request.fail(error)
-        self._queued_tokens = 0
+        self._queued_tokens = dict.fromkeys(Priority, 0)
         self._queue_changed()
 
     def _queue_changed(self) -> None:

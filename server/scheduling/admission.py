@@ -1,0 +1,113 @@
+"""Admission by expected wait: pure, synchronous, unit-testable.
+
+A queue bounded in inputs is bounded in memory, not in time: 16,384 short inputs are ~25 s of
+work on a 2-core host, and a caller admitted behind them times out anyway. So each replica's drain
+rate is measured (DrainRate: tokens per second of the time it was busy with a backlog), the work
+ahead of a new call is divided by the model's rate, and a call that would wait longer than
+--max-queue-wait, or than its own deadline allows, is refused at once (RESOURCE_EXHAUSTED, REST 429)
+with how long to wait before a retry. The scheduler (scheduler.py) counts the work ahead; this file
+only estimates and decides.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+from dataclasses import dataclass
+
+# A replica's drain rate until it has been measured under a backlog: a small CPU model's figure
+# (MiniLM-L6, one Zen 5 core, does 15-30k tokens/s). It counts only until the first batch that
+# queued behind another returns, a few batches into the first burst.
+COLD_TOKENS_PER_S = 10_000.0
+# How fast the estimate follows a change (another model loading the host, a longer-text workload):
+# a measurement 2 s old weighs 1/e of a new one, whatever the batch sizes.
+RATE_MEMORY_S = 2.0
+
+# The monotonic time by which the current call must be answered (its gRPC deadline), None without
+# one. Set per call by the service layer (service.py), read where the scheduler admits work.
+CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_deadline", default=None)
+
+
+class DrainRate:
+    """One replica's tokens per second while it has work queued behind the batch it computes.
+
+    A batch sent while the previous one still computes starts when that one ends, so its service
+    time is the time between the two completions: that is the replica's throughput under load,
+    which is what a long queue drains at. A batch sent to an idle replica also carries the round
+    trip and a batch's fixed cost (a lone query: ~3 ms for 10 tokens), a figure that says nothing
+    of a backlog, so it is not measured. Samples are averaged weighted by their duration
+    (exponentially, RATE_MEMORY_S): the estimate is tokens done over time busy, not the mean of
+    small and large batches' rates."""
+
+    def __init__(self, cold: float = COLD_TOKENS_PER_S, memory_s: float = RATE_MEMORY_S):
+        self.cold = cold
+        self.memory_s = memory_s
+        self.measured: float | None = None
+        self._last_done = float("-inf")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.cold if self.measured is None else self.measured
+
+    def observe(self, tokens: int, sent: float, done: float) -> None:
+        """A batch of `tokens` sent at `sent` came back at `done` (monotonic seconds)."""
+        queued_behind = sent < self._last_done
+        busy = done - self._last_done
+        self._last_done = max(self._last_done, done)
+        if not queued_behind or busy <= 0 or tokens <= 0:
+            return
+        sample = tokens / busy
+        if self.measured is None:
+            self.measured = sample
+            return
+        weight = 1.0 - math.exp(-busy / self.memory_s)
+        self.measured += weight * (sample - self.measured)
+
+    def forget_backlog(self) -> None:
+        """The replica restarted: its next batch does not queue behind one of the old process."""
+        self._last_done = float("-inf")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a call is refused, and when a retry may be served (whole seconds, for Retry-After)."""
+
+    wait_s: float
+    limit_s: float
+    by_deadline: bool
+
+    @property
+    def retry_after_s(self) -> int:
+        return max(1, math.ceil(self.wait_s - self.limit_s))
+
+    def message(self, model: str) -> str:
+        why = "its deadline leaves" if self.by_deadline else "the server's --max-queue-wait is"
+        return (
+            f"model {model} is overloaded: a call now would wait about {self.wait_s:.1f} s for the work "
+            f"queued ahead of it, and {why} {self.limit_s:.1f} s; retry in {self.retry_after_s} s"
+        )
+
+
+def expected_wait(tokens_ahead: int, tokens_per_s: float) -> float:
+    """Seconds until work queued now starts: what is ahead of it at the model's drain rate."""
+    return tokens_ahead / tokens_per_s if tokens_per_s > 0 else math.inf
+
+
+def admission(
+    tokens_ahead: int,
+    own_tokens: int,
+    tokens_per_s: float,
+    max_wait_s: float,
+    time_left_s: float | None = None,
+) -> Refusal | None:
+    """None to admit, else the Refusal. Refused: a wait longer than `max_wait_s` (0: no limit), or a
+    wait plus the call's own compute (`own_tokens`, 0 where not yet known) past its deadline. An
+    empty queue admits every call, whatever the rate says: a cold estimate never refuses the first."""
+    if tokens_ahead <= 0:
+        return None
+    wait = expected_wait(tokens_ahead, tokens_per_s)
+    if max_wait_s and wait > max_wait_s:
+        return Refusal(wait, max_wait_s, by_deadline=False)
+    if time_left_s is not None and wait + own_tokens / tokens_per_s > time_left_s:
+        return Refusal(wait, max(time_left_s, 0.0), by_deadline=True)
+    return None

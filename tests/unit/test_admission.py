@@ -1,0 +1,194 @@
+"""Admission by expected wait (issue 42, item 2) and the split of big requests (item 3).
+
+Deterministic: the drain rate is fed explicit times, the decision explicit figures, and the
+scheduler runs against a stand-in worker whose batches are held until the test releases them, so
+every order asserted here is made by the test, not by timing.
+"""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from encoderd.server.api.errors import Overloaded
+from encoderd.server.scheduling.admission import CALL_DEADLINE, DrainRate, admission, expected_wait
+from encoderd.server.scheduling.batching import BatchLimits, WorkItem
+from encoderd.server.scheduling.scheduler import ModelScheduler, PendingRequest, Priority
+
+# ------------------------------------------------------------------ the drain rate
+
+
+def test_a_cold_replica_counts_at_the_prior_until_a_backlog_is_measured():
+    rate = DrainRate(cold=5000)
+    rate.observe(1000, sent=0.0, done=0.01)  # sent to an idle replica: round trip included, not measured
+    rate.observe(1000, sent=1.0, done=1.01)
+    assert rate.tokens_per_s == 5000 and rate.measured is None
+
+
+def test_a_batch_queued_behind_another_is_measured_from_that_ones_end():
+    rate = DrainRate(cold=5000)
+    rate.observe(800, sent=0.0, done=0.1)  # idle before: not measured
+    rate.observe(2000, sent=0.05, done=0.2)  # waited behind the first: busy 0.1 s for 2000 tokens
+    assert rate.tokens_per_s == pytest.approx(20_000)
+
+
+def test_samples_are_weighted_by_their_duration():
+    """Tokens over time busy: a long batch at 10k tokens/s weighs more than a short one at 40k."""
+    rate = DrainRate(memory_s=2.0)
+    rate.observe(1, sent=-1.0, done=0.0)
+    rate.observe(10_000, sent=-0.5, done=1.0)  # first measurement: 10k tokens/s
+    rate.observe(400, sent=0.5, done=1.01)  # 10 ms at 40k tokens/s
+    short_weight = 1 - np.exp(-0.01 / 2.0)
+    assert rate.tokens_per_s == pytest.approx(10_000 + short_weight * 30_000)
+    rate.observe(40_000, sent=0.5, done=2.01)  # a whole second at 40k tokens/s
+    assert rate.tokens_per_s > 20_000
+
+
+def test_a_restarted_replica_forgets_its_old_backlog():
+    rate = DrainRate(cold=5000)
+    rate.observe(1000, sent=0.0, done=1.0)
+    rate.forget_backlog()
+    rate.observe(1000, sent=0.5, done=1.5)  # the new process's first batch queued behind nothing
+    assert rate.measured is None
+
+
+# ------------------------------------------------------------------ the decision
+
+
+def test_the_wait_is_the_work_ahead_at_the_drain_rate():
+    assert expected_wait(30_000, 10_000) == pytest.approx(3.0)
+
+
+def test_an_empty_queue_admits_whatever_the_rate():
+    assert admission(0, 10**6, tokens_per_s=1.0, max_wait_s=0.1, time_left_s=0.01) is None
+
+
+def test_a_wait_past_the_limit_is_refused_with_when_to_retry():
+    assert admission(19_000, 0, tokens_per_s=10_000, max_wait_s=2.0) is None
+    refusal = admission(51_000, 0, tokens_per_s=10_000, max_wait_s=2.0)
+    assert refusal and not refusal.by_deadline
+    assert refusal.wait_s == pytest.approx(5.1) and refusal.retry_after_s == 4  # ceil(5.1 - 2)
+    assert "5.1 s" in refusal.message("m") and "--max-queue-wait is 2.0 s" in refusal.message("m")
+    assert admission(51_000, 0, tokens_per_s=10_000, max_wait_s=0) is None  # 0: no time bound
+
+
+def test_a_call_whose_deadline_cannot_cover_wait_and_compute_is_refused():
+    # 1 s ahead + 0.5 s of its own: fits 2 s, not 1.2 s.
+    assert admission(10_000, 5_000, tokens_per_s=10_000, max_wait_s=5.0, time_left_s=2.0) is None
+    refusal = admission(10_000, 5_000, tokens_per_s=10_000, max_wait_s=5.0, time_left_s=1.2)
+    assert refusal and refusal.by_deadline and "its deadline leaves 1.2 s" in refusal.message("m")
+
+
+# ------------------------------------------------------------------ in the scheduler
+
+
+class HeldWorker:
+    """Answers each sequence's first token id; every batch waits until the test releases it."""
+
+    def __init__(self):
+        self.label = "held"
+        self.ready = True
+        self.state_changed = asyncio.Event()
+        self.batches = []
+        self.release = asyncio.Event()
+
+    async def compute(self, batch):
+        self.batches.append(batch)
+        await self.release.wait()
+        return batch.input_ids[batch.cu_seqlens[:-1]].astype(np.float32)[:, None]
+
+
+def request(first_ids, length=10):
+    pending = PendingRequest(len(first_ids))
+    return pending, [WorkItem(np.full(length, v, dtype=np.int32), None, pending, i) for i, v in enumerate(first_ids)]
+
+
+async def until(condition, what: str):
+    """Let the event loop run until `condition` holds (no wall-clock wait: a bounded number of turns)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(what)
+
+
+@pytest.fixture
+async def held():
+    worker = HeldWorker()
+    scheduler = ModelScheduler(
+        "m",
+        [worker],
+        BatchLimits(max_batch_size=4, max_batch_tokens=1000),
+        batch_delay=0,
+        max_queued=10_000,
+        max_queue_wait=2.0,
+        split_large=True,
+    )
+    scheduler.drain[worker].measured = 1000.0  # tokens/s, as if measured
+    scheduler.start()
+    yield scheduler, worker
+    worker.release.set()
+    await scheduler.stop()
+
+
+async def test_a_call_that_would_wait_too_long_is_refused_at_once(held):
+    scheduler, worker = held
+    pending, items = request(range(30), length=100)  # 3,000 tokens: 3 s at 1,000 tokens/s
+    big = asyncio.create_task(scheduler.run(items, pending, Priority.BULK))
+    await until(lambda: worker.batches, "the first batch reached the worker")
+    with pytest.raises(Overloaded) as refused:
+        scheduler.refuse_if_full(1, Priority.BULK)
+    assert refused.value.retry_after == 1  # ceil(3.0 - 2.0)
+    assert "wait about 3.0 s" in str(refused.value)
+    # Interactive work goes before queued bulk work: only the batch computing is ahead of it.
+    scheduler.refuse_if_full(1, Priority.INTERACTIVE)
+    worker.release.set()
+    assert len(await big) == 30
+
+
+async def test_a_call_is_refused_when_its_deadline_cannot_wait(held):
+    scheduler, worker = held
+    pending, items = request(range(4), length=100)  # 400 tokens ahead: 0.4 s
+    first = asyncio.create_task(scheduler.run(items, pending))
+    await until(lambda: worker.batches, "the first batch reached the worker")
+    loop_clock = asyncio.get_running_loop().time  # the scheduler's clock is time.monotonic, the same here
+    token = CALL_DEADLINE.set(loop_clock() + 0.1)
+    try:
+        with pytest.raises(Overloaded, match="its deadline leaves"):
+            scheduler.refuse_if_full(1)
+    finally:
+        CALL_DEADLINE.reset(token)
+    scheduler.refuse_if_full(1)  # no deadline: 0.4 s is within --max-queue-wait
+    worker.release.set()
+    await first
+
+
+async def test_a_small_request_goes_before_a_big_ones_remaining_pieces(held):
+    scheduler, worker = held
+    big_pending, big_items = request(range(100, 120))  # 20 inputs, batches of 4: split
+    big = asyncio.create_task(scheduler.run(big_items, big_pending))
+    await until(lambda: len(worker.batches) == 2, "the big request's first two batches were sent")
+    head, second = worker.batches
+    assert list(head.input_ids[head.cu_seqlens[:-1]]) == [100, 101, 102, 103] and head.urgent
+    assert not second.urgent  # the rest runs as bulk work, which a query's batch preempts
+    small_pending, small_items = request([7])
+    small = asyncio.create_task(scheduler.run(small_items, small_pending))
+    await until(lambda: scheduler.queues[Priority.INTERACTIVE], "the small request queued")
+    assert len(worker.batches) == 2  # the replica is full (two batches in flight): it waits
+    worker.release.set()
+    assert (await small)[0, 0] == 7
+    out = await big
+    assert list(out[:, 0]) == list(range(100, 120))  # reassembled in order from all its pieces
+    firsts = [list(b.input_ids[b.cu_seqlens[:-1]]) for b in worker.batches]
+    assert firsts[2] == [7] and worker.batches[2].urgent  # the next batch sent: before the big one's rest
+    assert sorted(v for f in firsts[3:] for v in f) == list(range(108, 120))
+
+
+async def test_a_request_that_fits_one_batch_is_not_split(held):
+    scheduler, worker = held
+    pending, items = request(range(4))
+    task = asyncio.create_task(scheduler.run(items, pending))
+    await until(lambda: worker.batches, "sent")
+    assert len(worker.batches) == 1 and worker.batches[0].urgent
+    worker.release.set()
+    await task
