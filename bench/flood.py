@@ -1,8 +1,14 @@
-"""Refusal under a flood (issue 16, finding 2): how fast a probe hears RESOURCE_EXHAUSTED while
-many clients keep a small queue bound (`--max-queued-inputs`) overflowing.
+"""Refusal under a flood (issue 16, finding 2; issue 42, item 2): how fast a probe hears
+RESOURCE_EXHAUSTED while many clients keep the server overloaded, how long the calls it accepted
+took, and whether health checks were answered meanwhile.
 
-    python -m encoderd.bench.flood [--clients 640] [--seconds 20] [--own-connections] [--compare-ref REF]
-                                   [--front MAX_REQUESTS] [--gateway MAX_IN_FLIGHT] [--flood-nice N]
+    python -m encoderd.bench.flood [--clients 640] [--inputs 4] [--seconds 20] [--own-connections]
+                                   [--compare-ref REF] [--front MAX_REQUESTS] [--gateway MAX_IN_FLIGHT]
+                                   [--flood-nice N] [--rest] [--max-queued-inputs N (0: the server's)]
+
+Issue 42's floods, with the server's default flags:
+    python -m encoderd.bench.flood --max-queued-inputs 0 --clients 600 --inputs 32
+    python -m encoderd.bench.flood --max-queued-inputs 0 --clients 500 --inputs 32 --rest
 
 It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
 exported to a temporary folder) and, for each server in turn:
@@ -27,6 +33,12 @@ The report counts the probe's refusals that Envoy answered itself ("by Envoy", w
 the others passed its limit and the server refused them.
 --flood-nice N runs the flood's process N nicer, as clients on other machines would not take
 the server's cores (on one small host they do).
+With --rest the flood (and the probe) send OpenAI `POST /v1/embeddings` calls through the server's
+Envoy, REST on with its default --rest-max-in-flight: a refusal is HTTP 429.
+Every flood call's latency is kept by its outcome: the report gives the accepted calls' p50/p99/max
+and the refused ones' p50/p99 as the flood's clients saw them (their own event loop's delay
+included), beside the probe's. A health checker (gRPC Health/Check; REST: GET /health) asks every
+100 ms during the flood: how many it asked, how many were answered SERVING / 200, their p99.
 Phases alternate between the servers (ref, this, ref, this), so both see the same machine load.
 A benchmark, not a test: it prints a table and asserts nothing.
 """
@@ -42,11 +54,13 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..gateway.envoy import find_envoy
 from ..v1 import encoderd_pb2 as pb
@@ -63,6 +77,11 @@ def _texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=60)) for _ in range(n)]
 
 
+def _count(counts: dict, outcome: str, started: float) -> None:
+    counts[outcome] = counts.get(outcome, 0) + 1
+    counts["latency"].setdefault(outcome, []).append(time.monotonic() - started)
+
+
 async def _flood_client(address: str, stop_at: float, texts: list[str], counts: dict, own_connection: bool) -> None:
     options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
     async with grpc.aio.insecure_channel(address, options=options) as channel:
@@ -70,22 +89,56 @@ async def _flood_client(address: str, stop_at: float, texts: list[str], counts: 
         while time.monotonic() < stop_at:
             counts["sent"] += 1  # distinct texts: identical ones would be computed once
             n = counts["sent"]
+            started = time.monotonic()
             try:
                 await stub.Embed(pb.EmbedRequest(inputs=[f"{n} {t}" for t in texts]), timeout=30)
-                counts["OK"] = counts.get("OK", 0) + 1
+                _count(counts, "OK", started)
             except grpc.aio.AioRpcError as exc:
-                counts[exc.code().name] = counts.get(exc.code().name, 0) + 1
+                _count(counts, exc.code().name, started)
 
 
-def _flood_process(address: str, clients: int, seconds: float, own_connections: bool, nice: int, out) -> None:
-    """C clients on one event loop, in a process of their own; sends its counts back."""
+# HTTP statuses by the gRPC code names the report uses for both.
+HTTP_OUTCOMES = {200: "OK", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+async def _rest_flood_client(client, url: str, stop_at: float, texts: list[str], counts: dict) -> None:
+    import httpx
+
+    while time.monotonic() < stop_at:
+        counts["sent"] += 1
+        n = counts["sent"]
+        started = time.monotonic()
+        try:
+            response = await client.post(url, json={"input": [f"{n} {t}" for t in texts]}, timeout=30)
+            _count(counts, HTTP_OUTCOMES.get(response.status_code, f"HTTP {response.status_code}"), started)
+        except httpx.TimeoutException:
+            _count(counts, "client timeout", started)
+        except httpx.HTTPError as exc:
+            _count(counts, type(exc).__name__, started)
+
+
+def _flood_process(
+    address: str, clients: int, seconds: float, own_connections: bool, nice: int, inputs: int, rest_url: str, out
+) -> None:
+    """C clients on one event loop, in a process of their own; sends its counts back. With
+    `rest_url`, REST clients on a connection each."""
     os.nice(nice)
-    counts = {"sent": 0}
+    counts: dict = {"sent": 0, "latency": {}}
     stop_at = time.monotonic() + seconds
-    texts = _texts(4, seed=5)
+    texts = _texts(inputs, seed=5)
 
     async def main():
-        await asyncio.gather(*(_flood_client(address, stop_at, texts, counts, own_connections) for _ in range(clients)))
+        if rest_url:
+            import httpx
+
+            limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+            async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
+                url = rest_url + "/v1/embeddings"
+                await asyncio.gather(*(_rest_flood_client(client, url, stop_at, texts, counts) for _ in range(clients)))
+        else:
+            await asyncio.gather(
+                *(_flood_client(address, stop_at, texts, counts, own_connections) for _ in range(clients))
+            )
 
     asyncio.run(main())
     out.put(counts)
@@ -96,7 +149,24 @@ def _flood_process(address: str, clients: int, seconds: float, own_connections: 
 ENVOY_REFUSAL = "in flight is reached"
 
 
-def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float], list[float], dict[str, int]]:
+def _embed_one(stub, rest_url: str, text: str) -> tuple[str, str]:
+    """(outcome, message) of a one-input call: over gRPC, or REST's POST /v1/embeddings."""
+    if rest_url:
+        import httpx
+
+        response = httpx.post(rest_url + "/v1/embeddings", json={"input": [text]}, timeout=30, trust_env=False)
+        message = response.json().get("error", {}).get("message", "") if response.status_code != 200 else ""
+        return HTTP_OUTCOMES.get(response.status_code, f"HTTP {response.status_code}"), message
+    try:
+        stub.Embed(pb.EmbedRequest(inputs=[text]), timeout=30)
+        return "OK", ""
+    except grpc.RpcError as exc:
+        return exc.code().name, exc.details() or ""
+
+
+def _probe(
+    stub, seconds: float, pause: float, rest_url: str = ""
+) -> tuple[list[float], list[float], list[float], dict[str, int]]:
     """(refusal latencies, those of the refusals Envoy answered, served latencies, other answers by
     status) of one-input calls sent every `pause` seconds."""
     refused: list[float] = []
@@ -108,39 +178,84 @@ def _probe(stub, seconds: float, pause: float) -> tuple[list[float], list[float]
     while time.monotonic() < deadline:
         i += 1
         started = time.perf_counter()
-        try:
-            stub.Embed(pb.EmbedRequest(inputs=[f"probe {i} {time.time()}"]), timeout=30)
+        outcome, message = _embed_one(stub, rest_url, f"probe {i} {time.time()}")
+        if outcome == "OK":
             served.append(time.perf_counter() - started)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                refused.append(time.perf_counter() - started)
-                if ENVOY_REFUSAL in (exc.details() or ""):
-                    by_envoy.append(refused[-1])
-            else:
-                other[exc.code().name] = other.get(exc.code().name, 0) + 1
+        elif outcome == "RESOURCE_EXHAUSTED":
+            refused.append(time.perf_counter() - started)
+            if ENVOY_REFUSAL in message:
+                by_envoy.append(refused[-1])
+        else:
+            other[outcome] = other.get(outcome, 0) + 1
         time.sleep(pause)
     return refused, by_envoy, served, other
+
+
+class HealthChecker(threading.Thread):
+    """Asks for health every `pause` seconds until stopped: gRPC Health/Check, or REST GET /health."""
+
+    def __init__(self, address: str, rest_url: str = "", pause: float = 0.1):
+        super().__init__(daemon=True)
+        self.address, self.rest_url, self.pause = address, rest_url, pause
+        self.stop = threading.Event()
+        self.answered: list[float] = []  # latencies of SERVING / 200 answers
+        self.asked = 0
+
+    def _healthy(self, health) -> bool:
+        if self.rest_url:
+            import httpx
+
+            return httpx.get(self.rest_url + "/health", timeout=5, trust_env=False).status_code == 200
+        return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while not self.stop.wait(self.pause):
+                self.asked += 1
+                started = time.perf_counter()
+                try:
+                    if self._healthy(health):
+                        self.answered.append(time.perf_counter() - started)
+                except Exception:  # noqa: BLE001 - an unanswered check is what this counts
+                    pass
 
 
 def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q) * 1000), 1) if values else None
 
 
-def measure(address: str, clients: int, seconds: float, own_connections: bool = False, flood_nice: int = 0) -> dict:
+def measure(
+    address: str,
+    clients: int,
+    seconds: float,
+    own_connections: bool = False,
+    flood_nice: int = 0,
+    inputs: int = 4,
+    rest_url: str = "",
+) -> dict:
     channel = grpc.insecure_channel(address)
     stub = encoderd_pb2_grpc.EncoderStub(channel)
-    _, _, idle, _ = _probe(stub, 3, 0.02)
+    _, _, idle, _ = _probe(stub, 3, 0.02, rest_url)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     flood = ctx.Process(
-        target=_flood_process, args=(address, clients, seconds + 6, own_connections, flood_nice, out), daemon=True
+        target=_flood_process,
+        args=(address, clients, seconds + 6, own_connections, flood_nice, inputs, rest_url, out),
+        daemon=True,
     )
+    health = HealthChecker(address, rest_url)
     flood.start()
+    health.start()
     time.sleep(5)  # the flood's connections open and the queue fills
-    refused, by_envoy, served, other = _probe(stub, seconds, 0.02)
+    refused, by_envoy, served, other = _probe(stub, seconds, 0.02, rest_url)
     counts = out.get(timeout=seconds + 120)
+    health.stop.set()
+    health.join(30)
     flood.join(30)
     channel.close()
+    latency = counts.pop("latency")
+    accepted, turned_away = latency.get("OK", []), latency.get("RESOURCE_EXHAUSTED", [])
     return {
         "idle_p50_ms": _pct(idle, 50),
         "idle_p99_ms": _pct(idle, 99),
@@ -154,6 +269,14 @@ def measure(address: str, clients: int, seconds: float, own_connections: bool = 
         "by_envoy": len(by_envoy),  # the rest passed Envoy's limit and the server refused them
         "by_envoy_p99_ms": _pct(by_envoy, 99),
         "flood": counts,
+        "flood_ok_p50_ms": _pct(accepted, 50),
+        "flood_ok_p99_ms": _pct(accepted, 99),
+        "flood_ok_max_ms": _pct(accepted, 100),
+        "flood_refused_p50_ms": _pct(turned_away, 50),
+        "flood_refused_p99_ms": _pct(turned_away, 99),
+        "health_asked": health.asked,
+        "health_answered": len(health.answered),
+        "health_p99_ms": _pct(health.answered, 99),
     }
 
 
@@ -179,18 +302,26 @@ def export_ref(ref: str) -> Path:
 
 
 def start_server(
-    label: str, pythonpath: str | None, serve_args: list[str], logs: Path, envoy_limit: int | None = None
-) -> tuple[Managed, str]:
-    """The server and its gRPC address: with `envoy_limit`, as `encoderd serve` runs by default (its
-    Envoy on the gRPC port, --rest-max-in-flight this); without, --no-rest (the server's own port)."""
-    port = free_port()
-    rest = ["--rest-port", str(free_port()), "--rest-max-in-flight", str(envoy_limit)] if envoy_limit else ["--no-rest"]
-    argv = [*serve_command(pythonpath), *rest, "--grpc-port", str(port), *serve_args]
+    label: str,
+    pythonpath: str | None,
+    serve_args: list[str],
+    logs: Path,
+    envoy_limit: int | None = None,
+    rest: bool = False,
+) -> tuple[Managed, str, str]:
+    """The server, its gRPC address and its REST URL ("" without REST): with `envoy_limit` or `rest`,
+    as `encoderd serve` runs by default (its Envoy on the gRPC port; --rest-max-in-flight
+    `envoy_limit`, else the default); otherwise --no-rest (the server's own port)."""
+    port, rest_port = free_port(), free_port()
+    rest_args = ["--rest-port", str(rest_port)] if envoy_limit or rest else ["--no-rest"]
+    if envoy_limit:
+        rest_args += ["--rest-max-in-flight", str(envoy_limit)]
+    argv = [*serve_command(pythonpath), *rest_args, "--grpc-port", str(port), *serve_args]
     env = {"PYTHONPATH": pythonpath} if pythonpath else {}
     server = Managed(label, argv, logs / f"{label}.log", env=env, cwd=pythonpath or None).start()
     address = f"127.0.0.1:{port}"
     wait_until(lambda: grpc_serving(address), label, server, timeout=300)
-    return server, address
+    return server, address, f"http://127.0.0.1:{rest_port}" if rest else ""
 
 
 def start_front(address: str, max_requests: int, workers: int, logs: Path, label: str) -> tuple[Managed, str]:
@@ -206,6 +337,23 @@ def start_front(address: str, max_requests: int, workers: int, logs: Path, label
 
 
 def report(rows: list[dict]) -> None:
+    report_probe(rows)
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    print(
+        f"\n{'server':<22} {'flood OK':>8} {'OK p50':>8} {'OK p99':>8} {'OK max':>8} {'refused':>8} "
+        f"{'ref p50':>8} {'ref p99':>8} {'health answered':>15} {'its p99':>7}"
+    )
+    for r in rows:
+        c = r["flood"]
+        health = f"{r['health_answered']}/{r['health_asked']}"
+        print(
+            f"{r['server']:<22} {c.get('OK', 0):>8} {f(r['flood_ok_p50_ms']):>8} {f(r['flood_ok_p99_ms']):>8} "
+            f"{f(r['flood_ok_max_ms']):>8} {c.get('RESOURCE_EXHAUSTED', 0):>8} {f(r['flood_refused_p50_ms']):>8} "
+            f"{f(r['flood_refused_p99_ms']):>8} {health:>15} {f(r['health_p99_ms']):>7}"
+        )
+
+
+def report_probe(rows: list[dict]) -> None:
     print(
         f"{'server':<22} {'idle p50':>8} {'idle p99':>8} {'refused':>7} {'served':>6} {'served p50':>10} "
         f"{'refusal p50':>11} {'refusal p99':>11} {'max':>7} {'by Envoy':>8} {'its p99':>7}  "
@@ -223,19 +371,22 @@ def report(rows: list[dict]) -> None:
 
 def _flood_one_server(args, label: str, path: str | None, serve_args: list[str], logs: Path, envoy_limit) -> list[dict]:
     """One server started, measured on each way in (its gRPC port; through the front), stopped."""
-    name = label.replace(" ", "-") + ("-envoy" if envoy_limit else "")
-    server, address = start_server(name, path, serve_args, logs, envoy_limit)
+    name = label.replace(" ", "-") + ("-envoy" if envoy_limit else "") + ("-rest" if args.rest else "")
+    server, address, rest_url = start_server(name, path, serve_args, logs, envoy_limit, args.rest)
     front = None
     rows = []
     try:
-        targets = [(f"{label} + Envoy" if envoy_limit else label, address)]
+        targets = [(f"{label} + Envoy" if envoy_limit else f"{label}, REST" if args.rest else label, address)]
         if args.front and not envoy_limit:  # the same server, direct and through the front
             front, front_address = start_front(address, args.front, args.front_workers, logs, name)
             targets.append((f"{label} + front", front_address))
         for target, at in targets:
-            how = "own connections" if args.own_connections else "one shared connection"
-            print(f"[flood] {target}: {args.clients} clients, {how}, {args.seconds:g}s", file=sys.stderr)
-            row = measure(at, args.clients, args.seconds, args.own_connections, args.flood_nice)
+            how = "REST" if args.rest else "own connections" if args.own_connections else "one shared connection"
+            print(
+                f"[flood] {target}: {args.clients} clients x {args.inputs} inputs, {how}, {args.seconds:g}s",
+                file=sys.stderr,
+            )
+            row = measure(at, args.clients, args.seconds, args.own_connections, args.flood_nice, args.inputs, rest_url)
             rows.append({"server": target, **row})
     finally:
         if front:
@@ -249,7 +400,15 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=640, help="flood clients (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=20, help="probe time per flood phase")
     parser.add_argument("--rounds", type=int, default=1, help="flood phases per server (alternating)")
-    parser.add_argument("--max-queued-inputs", type=int, default=64)
+    parser.add_argument("--inputs", type=int, default=4, help="inputs per flood call (default: %(default)s)")
+    parser.add_argument(
+        "--rest",
+        action="store_true",
+        help="flood and probe with REST POST /v1/embeddings through the server's Envoy (default --rest-max-in-flight)",
+    )
+    parser.add_argument(
+        "--max-queued-inputs", type=int, default=64, help="the servers' bound (0: their default; default: %(default)s)"
+    )
     parser.add_argument(
         "--own-connections", action="store_true", help="one TCP connection per flood client (default: one shared)"
     )
@@ -282,7 +441,8 @@ def main(argv=None) -> int:
     parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
-    serve_args = ["--max-queued-inputs", str(args.max_queued_inputs), *shlex.split(args.serve_args)]
+    bound = ["--max-queued-inputs", str(args.max_queued_inputs)] if args.max_queued_inputs else []
+    serve_args = [*bound, *shlex.split(args.serve_args)]
     logs = Path(tempfile.mkdtemp(prefix="encoderd-flood-"))
     servers = [("this checkout", None)] + (
         [(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))] if args.compare_ref else []

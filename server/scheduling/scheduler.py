@@ -18,9 +18,10 @@ decides *when* and *where* to send:
   * a call is admitted by the time it would wait (admission.py: the work ahead
     of it at each replica's measured drain rate), not only by the queue's size;
   * an interactive request bigger than one batch is cut (`split_large`): its
-    first batch runs as interactive work, the rest as bulk work (after every
-    interactive input, in the worker's bulk lane, which a query preempts), so
-    one maximum-size call does not hold other callers' queries behind it.
+    first batch runs as interactive work, the rest in the SPLIT queue, after
+    every interactive input and before bulk work, computed like bulk work (in
+    the worker's bulk lane, which a query preempts), so one maximum-size call
+    does not hold other callers' queries behind it.
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ MIN_SHARE_TOKENS = 64  # work is not cut for idle replicas below this: a batch's
 
 
 class Priority(enum.IntEnum):
+    """A queue of the scheduler's, in the order it serves them. Only INTERACTIVE and BULK are asked
+    for; SPLIT holds what is left of interactive requests bigger than one batch (`split_large`):
+    served before bulk work, computed like it (in the worker's bulk lane, which a query preempts)."""
+
     INTERACTIVE = 1
-    BULK = 2
+    SPLIT = 2
+    BULK = 3
 
 
 # The priority of a request that names none: interactive, unless its API key is a bulk key
@@ -114,7 +120,7 @@ class ModelScheduler:
     ):
         self.model = model
         self.replicas = replicas
-        self.limits = {Priority.INTERACTIVE: limits, Priority.BULK: bulk_limits or limits}
+        self.limits = {Priority.INTERACTIVE: limits, Priority.SPLIT: limits, Priority.BULK: bulk_limits or limits}
         self.batch_delay = batch_delay
         self.max_queued = max_queued
         self.max_queued_tokens = max_queued_tokens
@@ -168,7 +174,7 @@ class ModelScheduler:
         """The earliest check, before a request is validated or keyed: a flood is refused in
         microseconds of the event loop (reserve() checks again with the token estimate)."""
         self._refuse_if_full(inputs, 0)
-        self._refuse_if_slow(0, priority)
+        self._refuse_if_slow(0, self._runs_as(priority, inputs, 0))
 
     def _refuse_if_full(self, inputs: int, tokens: int) -> None:
         """The memory bounds: inputs (and tokens) queued or tokenizing."""
@@ -202,12 +208,10 @@ class ModelScheduler:
 
     def tokens_ahead(self, priority: Priority) -> int:
         """The work a call of this priority queues behind: queued work that goes before it, work
-        still tokenizing, and batches computing (an interactive call's batch preempts bulk ones)."""
-        queued = self._queued_tokens[Priority.INTERACTIVE]
-        computing = sum(load.tokens - load.bulk_tokens for load in self.load.values())
-        if priority == Priority.BULK:
-            queued += self._queued_tokens[Priority.BULK]
-            computing += sum(load.bulk_tokens for load in self.load.values())
+        still tokenizing, and batches computing (an interactive call's batch preempts bulk-lane ones)."""
+        queued = sum(tokens for p, tokens in self._queued_tokens.items() if p <= priority)
+        preempted = priority == Priority.INTERACTIVE
+        computing = sum(load.tokens - (load.bulk_tokens if preempted else 0) for load in self.load.values())
         return queued + self._reserved[1] + computing
 
     @property
@@ -216,16 +220,15 @@ class ModelScheduler:
         return sum(self.drain[r].tokens_per_s for r in self.replicas if r.ready)
 
     def _runs_as(self, priority: Priority, inputs: int, tokens: int) -> Priority:
-        """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits as
-        bulk work."""
+        """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits in SPLIT."""
         one_batch = self.limits[Priority.INTERACTIVE]
         bigger = inputs > one_batch.max_batch_size or tokens > one_batch.max_batch_tokens
-        return Priority.BULK if self.split_large and priority == Priority.INTERACTIVE and bigger else priority
+        return Priority.SPLIT if self.split_large and priority == Priority.INTERACTIVE and bigger else priority
 
     def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
         """Queue a request's inputs, or refuse at once when over a memory bound (the wait was
         judged at admission: a request tokenized by then is not thrown away for it). A split request
-        (`split_large`) queues its first batch's inputs at its priority, the rest as bulk work."""
+        (`split_large`) queues its first batch's inputs at its priority, the rest in SPLIT."""
         tokens = sum(item.length for item in items)
         self._refuse_if_full(len(items), tokens)
         now = time.monotonic()
@@ -234,7 +237,7 @@ class ModelScheduler:
         if self._runs_as(priority, len(items), tokens) != priority:
             cut = self._first_piece(items)
             self._enqueue(items[:cut], Priority.INTERACTIVE)
-            self._enqueue(items[cut:], Priority.BULK)
+            self._enqueue(items[cut:], Priority.SPLIT)
         else:
             if priority == Priority.INTERACTIVE:
                 self._interactive_seen = now
@@ -306,7 +309,7 @@ class ModelScheduler:
         live = time.monotonic() - self._interactive_seen < INTERACTIVE_WINDOW
         return (
             self.limits[Priority.BULK if live else Priority.INTERACTIVE]
-            if priority == Priority.BULK
+            if priority != Priority.INTERACTIVE
             else self.limits[priority]
         )
 
@@ -372,8 +375,8 @@ class ModelScheduler:
         load = self.load[replica]
         load.batches += 1
         load.tokens += tokens
-        load.bulk_batches += priority == Priority.BULK
-        load.bulk_tokens += tokens if priority == Priority.BULK else 0
+        load.bulk_batches += priority != Priority.INTERACTIVE  # a bulk-lane batch
+        load.bulk_tokens += tokens if priority != Priority.INTERACTIVE else 0
         task = asyncio.create_task(self._compute(replica, batch, priority, tokens))
         self._computing.add(task)
         task.add_done_callback(self._computing.discard)
@@ -397,8 +400,8 @@ class ModelScheduler:
             load = self.load[replica]
             load.batches -= 1
             load.tokens -= tokens
-            load.bulk_batches -= priority == Priority.BULK
-            load.bulk_tokens -= tokens if priority == Priority.BULK else 0
+            load.bulk_batches -= priority != Priority.INTERACTIVE
+            load.bulk_tokens -= tokens if priority != Priority.INTERACTIVE else 0
             self._wake.set()
         self.drain[replica].observe(tokens, sent, time.monotonic())
         metrics.observe_batch(

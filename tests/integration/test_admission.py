@@ -57,6 +57,15 @@ def test_a_call_that_would_wait_past_max_queue_wait_is_refused_with_retry_after(
     server = ServerProcess(
         "--model", minilm_path, "--worker-stall-timeout", "600", rest=True, log_path=tmp_path / "s.log"
     ).start()
+    try:
+        _refuse_while_held(server)
+    except BaseException:
+        server.stop()
+        raise
+    assert server.stop() == 0, server.log_text()
+
+
+def _refuse_while_held(server) -> None:
     stub = server.stub()
     pids = _worker_pids(stub)
     pool = cf.ThreadPoolExecutor(4)
@@ -106,4 +115,3 @@ def test_a_call_that_would_wait_past_max_queue_wait_is_refused_with_retry_after(
     # Drained: the same call is served now.
     assert len(stub.Embed(pb.EmbedRequest(inputs=["one more"], priority=pb.PRIORITY_BULK), timeout=60).embeddings) == 1
     pool.shutdown()
-    assert server.stop() == 0, server.log_text()

@@ -192,3 +192,24 @@ async def test_a_request_that_fits_one_batch_is_not_split(held):
     assert len(worker.batches) == 1 and worker.batches[0].urgent
     worker.release.set()
     await task
+
+
+async def test_the_rest_of_a_big_request_goes_before_queued_bulk_work(held):
+    scheduler, worker = held
+    blocker_pending, blocker = request([1])
+    first = asyncio.create_task(scheduler.run(blocker, blocker_pending))
+    await until(lambda: worker.batches, "the worker holds a batch")
+    bulk_pending, bulk = request(range(200, 204))
+    streamed = asyncio.create_task(scheduler.run(bulk, bulk_pending, Priority.BULK))
+    await until(lambda: len(worker.batches) == 2, "a bulk batch took the replica's bulk slot")
+    big_pending, big = request(range(100, 112))  # head 100-103, rest 104-111 in SPLIT
+    more_pending, more_bulk = request(range(300, 304))
+    big_task = asyncio.create_task(scheduler.run(big, big_pending))
+    await until(lambda: scheduler.queues[Priority.SPLIT], "the big request's rest queued")
+    more = asyncio.create_task(scheduler.run(more_bulk, more_pending, Priority.BULK))
+    await until(lambda: scheduler.queues[Priority.BULK], "the bulk request queued")
+    worker.release.set()
+    await asyncio.gather(first, streamed, big_task, more)
+    order = [v for b in worker.batches for v in b.input_ids[b.cu_seqlens[:-1]]]
+    assert max(order.index(v) for v in range(104, 112)) < min(order.index(v) for v in range(300, 304))
+    assert all(not b.urgent for b in worker.batches if 104 in b.input_ids or 300 in b.input_ids)

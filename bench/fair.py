@@ -1,0 +1,160 @@
+"""One maximum-size call beside other callers' single queries (issue 42, item 3).
+
+    python -m encoderd.bench.fair [--rounds 3] [--big-calls 2] [--compare-ref REF] [--serve-args ...]
+
+It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
+exported to a temporary folder) with its default flags, and measures on each server:
+  idle    sequential single short queries, nothing else running: p50/p99;
+  solo    --big-calls Embed calls of --max-inputs-per-request (2,048) inputs, one after the other,
+          alone: the big call's inputs/s;
+  shared  the same big calls while a client sends single queries as in `idle` (a closed loop, on
+          its own channel and thread): the queries' p50/p99 and the big calls' inputs/s.
+Each round runs solo then shared, so the two see the same machine; --rounds N gives N pairs, and
+the report puts each round's ratios side by side: query p99 shared / idle p99, big inputs/s shared
+/ solo. Every big call's texts are new (a counter in each), so no result cache or in-flight
+sharing shortens one. A benchmark, not a test: it prints a table and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from ..v1 import encoderd_pb2 as pb
+from ..v1 import encoderd_pb2_grpc
+from .flood import export_ref
+from .mixed import QUERY_GAP_S, query_latencies
+from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
+
+BIG_INPUTS = 2048  # --max-inputs-per-request's default
+WORDS = "a maximum size request must not hold the single queries of other callers behind all of its work".split()
+
+
+def big_texts(call: int, n: int = BIG_INPUTS, seed: int = 0) -> list[str]:
+    """`n` texts of 40-90 words (~100 tokens, the request well within --max-request-tokens), unique per call."""
+    rng = np.random.default_rng(seed)
+    return [f"{call} {i} " + " ".join(rng.choice(WORDS, size=int(rng.integers(40, 90)))) for i in range(n)]
+
+
+def big_calls(stub, calls: int, first: int) -> list[float]:
+    """Seconds each of `calls` big Embed calls took, one after the other."""
+    took = []
+    for k in range(calls):
+        texts = big_texts(first + k)
+        started = time.perf_counter()
+        stub.Embed(pb.EmbedRequest(inputs=texts), timeout=600)
+        took.append(time.perf_counter() - started)
+    return took
+
+
+class Queries(threading.Thread):
+    """Single queries in a closed loop until stopped (their own channel: their own connection)."""
+
+    def __init__(self, address: str):
+        super().__init__(daemon=True)
+        self.address = address
+        self.stop = threading.Event()
+        self.latencies: list[float] = []
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            stub = encoderd_pb2_grpc.EncoderStub(channel)
+            while not self.stop.is_set():
+                self.latencies += query_latencies(stub, 0.5)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q) * 1000) if values else float("nan")
+
+
+def measure(address: str, rounds: int, calls: int, idle_s: float) -> dict:
+    stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
+    query_latencies(stub, 2)  # warm up
+    big_calls(stub, 1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
+    idle = query_latencies(stub, idle_s, QUERY_GAP_S)
+    out: dict = {"idle_p50_ms": pct(idle, 50), "idle_p99_ms": pct(idle, 99), "idle_n": len(idle), "rounds": []}
+    for r in range(rounds):
+        solo = big_calls(stub, calls, first=100 * r)
+        queries = Queries(address)
+        queries.start()
+        time.sleep(0.5)  # the query loop runs before the big call starts
+        shared = big_calls(stub, calls, first=100 * r + 50)
+        queries.stop.set()
+        queries.join(60)
+        q = queries.latencies
+        row = {
+            "solo_inputs_per_s": BIG_INPUTS * calls / sum(solo),
+            "shared_inputs_per_s": BIG_INPUTS * calls / sum(shared),
+            "query_p50_ms": pct(q, 50),
+            "query_p99_ms": pct(q, 99),
+            "queries": len(q),
+        }
+        row["big_shared_vs_solo"] = row["shared_inputs_per_s"] / row["solo_inputs_per_s"]
+        row["query_p99_vs_idle"] = row["query_p99_ms"] / out["idle_p99_ms"]
+        out["rounds"].append(row)
+    return out
+
+
+def report(label: str, result: dict) -> None:
+    print(
+        f"\n{label}: idle single query p50 {result['idle_p50_ms']:.1f} ms, p99 {result['idle_p99_ms']:.1f} ms "
+        f"({result['idle_n']} queries)"
+    )
+    print(
+        f"{'round':>5} {'queries':>7} {'q p50 ms':>9} {'q p99 ms':>9} {'p99/idle':>9} "
+        f"{'big solo in/s':>13} {'big shared in/s':>15} {'shared/solo':>11}"
+    )
+    for i, row in enumerate(result["rounds"], start=1):
+        print(
+            f"{i:>5} {row['queries']:>7} {row['query_p50_ms']:9.1f} {row['query_p99_ms']:9.1f} "
+            f"{row['query_p99_vs_idle']:9.2f} {row['solo_inputs_per_s']:13.1f} {row['shared_inputs_per_s']:15.1f} "
+            f"{row['big_shared_vs_solo']:11.2f}"
+        )
+
+
+def run_server(label: str, checkout: str | None, serve_args: list[str], logs: Path, args) -> dict:
+    address = f"127.0.0.1:{free_port()}"
+    argv = [*serve_command(checkout), "--no-rest", "--grpc-port", address.rpartition(":")[2], *serve_args]
+    env = {"PYTHONPATH": checkout} if checkout else {}
+    server = Managed(label, argv, logs / f"{label.replace(' ', '-')}.log", env=env, cwd=checkout).start()
+    try:
+        wait_until(lambda: grpc_serving(address), label, server, timeout=300)
+        print(f"[fair] {label}: {args.rounds} rounds of {args.big_calls} big calls", file=sys.stderr)
+        return measure(address, args.rounds, args.big_calls, args.idle_seconds)
+    finally:
+        server.stop()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="solo / shared pairs (default: %(default)s)")
+    parser.add_argument("--big-calls", type=int, default=2, help="big calls per phase (default: %(default)s)")
+    parser.add_argument("--idle-seconds", type=float, default=10, help="length of the idle query phase")
+    parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
+    parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    logs = Path(tempfile.mkdtemp(prefix="encoderd-fair-"))
+    serve_args = shlex.split(args.serve_args)
+    servers: list[tuple[str, str | None]] = [("this checkout", None)]
+    if args.compare_ref:
+        servers.insert(0, (f"ref {args.compare_ref}", str(export_ref(args.compare_ref))))
+    results = {label: run_server(label, path, serve_args, logs, args) for label, path in servers}
+    for label, result in results.items():
+        report(label, result)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
