@@ -32,7 +32,7 @@ import numpy as np
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from .flood import export_ref
-from .mixed import QUERY_GAP_S, query_latencies
+from .mixed import QUERIES, QUERY_GAP_S, query_latencies
 from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
 
 BIG_INPUTS = 2048  # --max-inputs-per-request's default
@@ -57,19 +57,29 @@ def big_calls(stub, calls: int, first: int) -> list[float]:
 
 
 class Queries(threading.Thread):
-    """Single queries in a closed loop until stopped (their own channel: their own connection)."""
+    """Single queries in a closed loop until stopped, as mixed.query_latencies sends them (their own
+    channel: their own connection); a refused query is counted, not timed."""
 
     def __init__(self, address: str):
         super().__init__(daemon=True)
         self.address = address
         self.stop = threading.Event()
         self.latencies: list[float] = []
+        self.refused: dict[str, int] = {}
 
     def run(self) -> None:
         with grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             stub = encoderd_pb2_grpc.EncoderStub(channel)
+            i = 0
             while not self.stop.is_set():
-                self.latencies += query_latencies(stub, 0.5)
+                i += 1
+                started = time.perf_counter()
+                try:
+                    stub.Embed(pb.EmbedRequest(inputs=[f"{QUERIES[i % len(QUERIES)]} {i}"]), timeout=60)
+                    self.latencies.append(time.perf_counter() - started)
+                except grpc.RpcError as exc:
+                    self.refused[exc.code().name] = self.refused.get(exc.code().name, 0) + 1
+                time.sleep(QUERY_GAP_S)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -91,16 +101,19 @@ def measure(address: str, rounds: int, calls: int, idle_s: float) -> dict:
         queries.stop.set()
         queries.join(60)
         q = queries.latencies
-        row = {
-            "solo_inputs_per_s": BIG_INPUTS * calls / sum(solo),
-            "shared_inputs_per_s": BIG_INPUTS * calls / sum(shared),
-            "query_p50_ms": pct(q, 50),
-            "query_p99_ms": pct(q, 99),
-            "queries": len(q),
-        }
-        row["big_shared_vs_solo"] = row["shared_inputs_per_s"] / row["solo_inputs_per_s"]
-        row["query_p99_vs_idle"] = row["query_p99_ms"] / out["idle_p99_ms"]
-        out["rounds"].append(row)
+        solo_rate, shared_rate = BIG_INPUTS * calls / sum(solo), BIG_INPUTS * calls / sum(shared)
+        out["rounds"].append(
+            {
+                "solo_inputs_per_s": solo_rate,
+                "shared_inputs_per_s": shared_rate,
+                "big_shared_vs_solo": shared_rate / solo_rate,
+                "query_p50_ms": pct(q, 50),
+                "query_p99_ms": pct(q, 99),
+                "query_p99_vs_idle": pct(q, 99) / out["idle_p99_ms"],
+                "queries": len(q),
+                "queries_failed": queries.refused,
+            }
+        )
     return out
 
 
@@ -111,13 +124,13 @@ def report(label: str, result: dict) -> None:
     )
     print(
         f"{'round':>5} {'queries':>7} {'q p50 ms':>9} {'q p99 ms':>9} {'p99/idle':>9} "
-        f"{'big solo in/s':>13} {'big shared in/s':>15} {'shared/solo':>11}"
+        f"{'big solo in/s':>13} {'big shared in/s':>15} {'shared/solo':>11}  queries failed"
     )
     for i, row in enumerate(result["rounds"], start=1):
         print(
             f"{i:>5} {row['queries']:>7} {row['query_p50_ms']:9.1f} {row['query_p99_ms']:9.1f} "
             f"{row['query_p99_vs_idle']:9.2f} {row['solo_inputs_per_s']:13.1f} {row['shared_inputs_per_s']:15.1f} "
-            f"{row['big_shared_vs_solo']:11.2f}"
+            f"{row['big_shared_vs_solo']:11.2f}  {row['queries_failed'] or '-'}"
         )
 
 

@@ -132,7 +132,10 @@ class ModelScheduler:
         self.load = {replica: ReplicaLoad() for replica in replicas}
         self.drain = {replica: DrainRate() for replica in replicas}
         self._queued_tokens = dict.fromkeys(Priority, 0)
-        self._reserved = [0, 0]  # inputs, estimated tokens of admitted requests still tokenizing
+        # Admitted requests still tokenizing: their inputs, and their estimated tokens by the queue
+        # they will wait in (a maximum-size call tokenizing must not count ahead of a query).
+        self._reserved_inputs = 0
+        self._reserved_tokens = dict.fromkeys(Priority, 0)
         self._interactive_seen = float("-inf")  # when interactive work last arrived
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -161,14 +164,15 @@ class ModelScheduler:
         call would wait too long; else hold their place until the block ends (the request then
         queues its real inputs by submit)."""
         self._refuse_if_full(inputs, tokens)
-        self._refuse_if_slow(tokens, self._runs_as(priority, inputs, tokens))
-        self._reserved[0] += inputs
-        self._reserved[1] += tokens
+        waits_in = self._runs_as(priority, inputs, tokens)
+        self._refuse_if_slow(tokens, waits_in)
+        self._reserved_inputs += inputs
+        self._reserved_tokens[waits_in] += tokens
         try:
             yield
         finally:
-            self._reserved[0] -= inputs
-            self._reserved[1] -= tokens
+            self._reserved_inputs -= inputs
+            self._reserved_tokens[waits_in] -= tokens
 
     def refuse_if_full(self, inputs: int, priority: Priority = Priority.INTERACTIVE) -> None:
         """The earliest check, before a request is validated or keyed: a flood is refused in
@@ -180,8 +184,8 @@ class ModelScheduler:
         """The memory bounds: inputs (and tokens) queued or tokenizing."""
         if not self.ready:
             raise Unavailable(f"model {self.model} is unavailable (its worker is restarting)")
-        queued = self.queued + self._reserved[0]
-        queued_tokens = sum(self._queued_tokens.values()) + self._reserved[1]
+        queued = self.queued + self._reserved_inputs
+        queued_tokens = sum(self._queued_tokens.values()) + sum(self._reserved_tokens.values())
         if queued + inputs > self.max_queued or (
             self.max_queued_tokens and queued_tokens + tokens > self.max_queued_tokens
         ):
@@ -209,10 +213,10 @@ class ModelScheduler:
     def tokens_ahead(self, priority: Priority) -> int:
         """The work a call of this priority queues behind: queued work that goes before it, work
         still tokenizing, and batches computing (an interactive call's batch preempts bulk-lane ones)."""
-        queued = sum(tokens for p, tokens in self._queued_tokens.items() if p <= priority)
+        queued = sum(self._queued_tokens[p] + self._reserved_tokens[p] for p in Priority if p <= priority)
         preempted = priority == Priority.INTERACTIVE
         computing = sum(load.tokens - (load.bulk_tokens if preempted else 0) for load in self.load.values())
-        return queued + self._reserved[1] + computing
+        return queued + computing
 
     @property
     def tokens_per_s(self) -> float:

@@ -213,3 +213,12 @@ async def test_the_rest_of_a_big_request_goes_before_queued_bulk_work(held):
     order = [v for b in worker.batches for v in b.input_ids[b.cu_seqlens[:-1]]]
     assert max(order.index(v) for v in range(104, 112)) < min(order.index(v) for v in range(300, 304))
     assert all(not b.urgent for b in worker.batches if 104 in b.input_ids or 300 in b.input_ids)
+
+
+async def test_a_big_request_still_tokenizing_does_not_count_ahead_of_a_query(held):
+    scheduler, _ = held
+    with scheduler.reserve(2048, 200_000):  # 200 s at 1,000 tokens/s, all but its first batch in SPLIT
+        scheduler.refuse_if_full(1)  # a query goes before it
+        with pytest.raises(Overloaded):
+            scheduler.refuse_if_full(1, Priority.BULK)  # bulk work goes after it
+    scheduler.refuse_if_full(1, Priority.BULK)
