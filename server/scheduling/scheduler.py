@@ -17,7 +17,7 @@ decides *when* and *where* to send:
     queued again for the others;
   * a call is admitted by the time it would wait (admission.py: the work ahead
     of it at each replica's measured drain rate), not only by the queue's size;
-  * an interactive request bigger than one batch is cut (`split_large`): its
+  * an interactive request bigger than SPLIT_BATCHES batches is cut (`split_large`): its
     first batch runs as interactive work, the rest in the SPLIT queue, after
     every interactive input and before bulk work, computed like bulk work (in
     the worker's bulk lane, which a query preempts), so one maximum-size call
@@ -50,11 +50,15 @@ log = logging.getLogger("encoderd.scheduler")
 INTERACTIVE_WINDOW = 2.0  # seconds after an interactive request during which bulk batches stay small
 MAX_ATTEMPTS = 2  # an input whose batch died twice with its worker is failed, not retried forever
 MIN_SHARE_TOKENS = 64  # work is not cut for idle replicas below this: a batch's fixed cost would dominate
+# An interactive request over this many batches (by inputs or tokens) is split (`split_large`). A few
+# batches run whole: a query waits for at most that much of its work, and the request keeps its
+# priority (on a busy shared host a split flood of 32-input calls starved in the workers' bulk lanes).
+SPLIT_BATCHES = 4
 
 
 class Priority(enum.IntEnum):
     """A queue of the scheduler's, in the order it serves them. Only INTERACTIVE and BULK are asked
-    for; SPLIT holds what is left of interactive requests bigger than one batch (`split_large`):
+    for; SPLIT holds what is left of interactive requests too big to run whole (`split_large`):
     served before bulk work, computed like it (in the worker's bulk lane, which a query preempts)."""
 
     INTERACTIVE = 1
@@ -126,7 +130,7 @@ class ModelScheduler:
         self.max_queued_tokens = max_queued_tokens
         self.max_in_flight = max_in_flight
         self.max_queue_wait = max_queue_wait  # seconds; 0 = admitted by the queue's size only
-        # An interactive request bigger than one batch runs as bulk work past its first batch.
+        # An interactive request over SPLIT_BATCHES batches runs as bulk-lane work past its first batch.
         self.split_large = split_large
         self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
         self.load = {replica: ReplicaLoad() for replica in replicas}
@@ -226,7 +230,8 @@ class ModelScheduler:
     def _runs_as(self, priority: Priority, inputs: int, tokens: int) -> Priority:
         """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits in SPLIT."""
         one_batch = self.limits[Priority.INTERACTIVE]
-        bigger = inputs > one_batch.max_batch_size or tokens > one_batch.max_batch_tokens
+        most_inputs, most_tokens = SPLIT_BATCHES * one_batch.max_batch_size, SPLIT_BATCHES * one_batch.max_batch_tokens
+        bigger = inputs > most_inputs or tokens > most_tokens
         return Priority.SPLIT if self.split_large and priority == Priority.INTERACTIVE and bigger else priority
 
     def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:

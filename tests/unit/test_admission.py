@@ -165,7 +165,7 @@ async def test_a_call_is_refused_when_its_deadline_cannot_wait(held):
 
 async def test_a_small_request_goes_before_a_big_ones_remaining_pieces(held):
     scheduler, worker = held
-    big_pending, big_items = request(range(100, 120))  # 20 inputs, batches of 4: split
+    big_pending, big_items = request(range(100, 120))  # 20 inputs, over 4 batches of 4: split
     big = asyncio.create_task(scheduler.run(big_items, big_pending))
     await until(lambda: len(worker.batches) == 2, "the big request's first two batches were sent")
     head, second = worker.batches
@@ -184,14 +184,15 @@ async def test_a_small_request_goes_before_a_big_ones_remaining_pieces(held):
     assert sorted(v for f in firsts[3:] for v in f) == list(range(108, 120))
 
 
-async def test_a_request_that_fits_one_batch_is_not_split(held):
+async def test_a_request_of_a_few_batches_is_not_split(held):
     scheduler, worker = held
-    pending, items = request(range(4))
+    pending, items = request(range(16))  # 4 batches of 4
     task = asyncio.create_task(scheduler.run(items, pending))
-    await until(lambda: worker.batches, "sent")
-    assert len(worker.batches) == 1 and worker.batches[0].urgent
+    await until(lambda: len(worker.batches) == 2, "the replica's two slots taken")
+    assert not scheduler.queues[Priority.SPLIT] and len(scheduler.queues[Priority.INTERACTIVE]) == 8
     worker.release.set()
     await task
+    assert all(batch.urgent for batch in worker.batches)
 
 
 async def test_the_rest_of_a_big_request_goes_before_queued_bulk_work(held):
@@ -202,7 +203,7 @@ async def test_the_rest_of_a_big_request_goes_before_queued_bulk_work(held):
     bulk_pending, bulk = request(range(200, 204))
     streamed = asyncio.create_task(scheduler.run(bulk, bulk_pending, Priority.BULK))
     await until(lambda: len(worker.batches) == 2, "a bulk batch took the replica's bulk slot")
-    big_pending, big = request(range(100, 112))  # head 100-103, rest 104-111 in SPLIT
+    big_pending, big = request(range(100, 120))  # head 100-103, rest 104-119 in SPLIT
     more_pending, more_bulk = request(range(300, 304))
     big_task = asyncio.create_task(scheduler.run(big, big_pending))
     await until(lambda: scheduler.queues[Priority.SPLIT], "the big request's rest queued")
@@ -211,7 +212,7 @@ async def test_the_rest_of_a_big_request_goes_before_queued_bulk_work(held):
     worker.release.set()
     await asyncio.gather(first, streamed, big_task, more)
     order = [v for b in worker.batches for v in b.input_ids[b.cu_seqlens[:-1]]]
-    assert max(order.index(v) for v in range(104, 112)) < min(order.index(v) for v in range(300, 304))
+    assert max(order.index(v) for v in range(104, 120)) < min(order.index(v) for v in range(300, 304))
     assert all(not b.urgent for b in worker.batches if 104 in b.input_ids or 300 in b.input_ids)
 
 
