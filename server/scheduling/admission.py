@@ -15,9 +15,8 @@ import contextvars
 import math
 from dataclasses import dataclass
 
-# A replica's drain rate until it has been measured under a backlog: a small CPU model's figure
-# (MiniLM-L6, one Zen 5 core, does 15-30k tokens/s). It counts only until the first batch that
-# queued behind another returns, a few batches into the first burst.
+# A replica's drain rate before it has computed anything: a small CPU model's figure (MiniLM-L6, one
+# Zen 5 core, does 15-30k tokens/s). It counts only until the first batch returns.
 COLD_TOKENS_PER_S = 10_000.0
 # How fast the estimate follows a change (another model loading the host, a longer-text workload):
 # a measurement 2 s old weighs 1/e of a new one, whatever the batch sizes.
@@ -34,34 +33,41 @@ class DrainRate:
     A batch sent while the previous one still computes starts when that one ends, so its service
     time is the time between the two completions: that is the replica's throughput under load,
     which is what a long queue drains at. A batch sent to an idle replica also carries the round
-    trip and a batch's fixed cost (a lone query: ~3 ms for 10 tokens), a figure that says nothing
-    of a backlog, so it is not measured. Samples are averaged weighted by their duration
-    (exponentially, RATE_MEMORY_S): the estimate is tokens done over time busy, not the mean of
-    small and large batches' rates."""
+    trip and a batch's fixed cost (a lone query: ~3 ms for 10 tokens): an underestimate, used only
+    until a backlog has been measured (a guess would be worse: on a busy shared host the cold
+    figure admitted a flood's first calls into 15 s waits). Samples are averaged weighted by their
+    duration (exponentially, RATE_MEMORY_S): the estimate is tokens done over time busy, not the
+    mean of small and large batches' rates."""
 
     def __init__(self, cold: float = COLD_TOKENS_PER_S, memory_s: float = RATE_MEMORY_S):
         self.cold = cold
         self.memory_s = memory_s
-        self.measured: float | None = None
+        self.measured: float | None = None  # under a backlog
+        self.unloaded: float | None = None  # batches sent to an idle replica: round trips included
         self._last_done = float("-inf")
 
     @property
     def tokens_per_s(self) -> float:
-        return self.cold if self.measured is None else self.measured
+        if self.measured is not None:
+            return self.measured
+        return self.cold if self.unloaded is None else self.unloaded
 
     def observe(self, tokens: int, sent: float, done: float) -> None:
         """A batch of `tokens` sent at `sent` came back at `done` (monotonic seconds)."""
         queued_behind = sent < self._last_done
-        busy = done - self._last_done
+        busy = done - self._last_done if queued_behind else done - sent
         self._last_done = max(self._last_done, done)
-        if not queued_behind or busy <= 0 or tokens <= 0:
+        if busy <= 0 or tokens <= 0:
             return
-        sample = tokens / busy
-        if self.measured is None:
-            self.measured = sample
-            return
-        weight = 1.0 - math.exp(-busy / self.memory_s)
-        self.measured += weight * (sample - self.measured)
+        if queued_behind:
+            self.measured = self._average(self.measured, tokens / busy, busy)
+        else:
+            self.unloaded = self._average(self.unloaded, tokens / busy, busy)
+
+    def _average(self, estimate: float | None, sample: float, busy: float) -> float:
+        if estimate is None:
+            return sample
+        return estimate + (1.0 - math.exp(-busy / self.memory_s)) * (sample - estimate)
 
     def forget_backlog(self) -> None:
         """The replica restarted: its next batch does not queue behind one of the old process."""

@@ -18,11 +18,15 @@ from encoderd.server.scheduling.scheduler import ModelScheduler, PendingRequest,
 # ------------------------------------------------------------------ the drain rate
 
 
-def test_a_cold_replica_counts_at_the_prior_until_a_backlog_is_measured():
-    rate = DrainRate(cold=5000)
-    rate.observe(1000, sent=0.0, done=0.01)  # sent to an idle replica: round trip included, not measured
-    rate.observe(1000, sent=1.0, done=1.01)
-    assert rate.tokens_per_s == 5000 and rate.measured is None
+def test_a_replica_counts_at_the_prior_until_it_computes_then_at_its_idle_batches_until_a_backlog():
+    rate = DrainRate(cold=50_000)
+    assert rate.tokens_per_s == 50_000
+    rate.observe(10, sent=0.0, done=0.005)  # sent to an idle replica: round trip included
+    assert rate.measured is None and rate.tokens_per_s == pytest.approx(2000)  # an underestimate, for now
+    rate.observe(2000, sent=0.004, done=0.105)  # queued behind the first: busy 0.1 s
+    assert rate.tokens_per_s == pytest.approx(20_000)
+    rate.observe(10, sent=1.0, done=1.005)  # idle batches no longer count
+    assert rate.tokens_per_s == pytest.approx(20_000)
 
 
 def test_a_batch_queued_behind_another_is_measured_from_that_ones_end():
@@ -49,7 +53,7 @@ def test_a_restarted_replica_forgets_its_old_backlog():
     rate.observe(1000, sent=0.0, done=1.0)
     rate.forget_backlog()
     rate.observe(1000, sent=0.5, done=1.5)  # the new process's first batch queued behind nothing
-    assert rate.measured is None
+    assert rate.measured is None and rate.unloaded == pytest.approx(1000)
 
 
 # ------------------------------------------------------------------ the decision
