@@ -76,6 +76,20 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
         help="start Infinity with --no-model-warmup: its start-up timing of 512-token batches takes "
         "minutes per 12-layer model on busy cores (each mode still warms every target up)",
     )
+    p.add_argument(
+        "--infinity-bf16",
+        action="store_true",
+        help="also run Infinity in its best CPU configuration here: its torch engine with --dtype bfloat16 "
+        "(0.0.78 loads the model in bfloat16 on CPU; its optimum engine needs a model.onnx in the model "
+        "directory and runs ONNX Runtime float32). Its own server, beside --infinity's defaults",
+    )
+    p.add_argument(
+        "--openvino",
+        action="store_true",
+        help='also run bulk on sentence-transformers backend="openvino" in-process (own venv, '
+        "optimum-intel 2.2, openvino 2026.4): at OpenVINO's own precision (bfloat16 on CPUs with it) and "
+        "int8 (optimum-intel's static quantization), each only above its fidelity floor vs float32",
+    )
     p.add_argument("--stream", action="store_true", help="also run bulk through one gRPC EmbedStream (ingestion)")
     p.add_argument("--no-st", action="store_true", help="skip the in-process sentence-transformers reference")
     p.add_argument(
@@ -132,7 +146,7 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
     if unknown := set(args.modes) - {"bulk", "single", "rerank", "recovery"}:
         raise SystemExit(f"encoderd bench: unknown modes {sorted(unknown)}")
     if args.quick:
-        args.infinity, args.no_st = False, True
+        args.infinity, args.infinity_bf16, args.openvino, args.no_st = False, False, False, True
     return args
 
 

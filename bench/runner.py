@@ -19,6 +19,7 @@ from .corpus import Workload, make_workload
 from .flops import FlopModel, matmul_peak
 from .models import build_base_embedder, build_xlmr_reranker
 from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
+from .openvino import VARIANTS, openvino_venv, reference_vectors, run_openvino
 from .options import build_parser, log, resolve_options, serving_threads, worker_threads
 from .processes import CpuProbe, Managed, grpc_serving, http_ok, process_tree, wait_until
 from .recovery import run_recovery
@@ -64,6 +65,7 @@ class Bench:
                 self.info["elapsed_s"] = round(time.monotonic() - started, 1)
                 return self.report()
         embed_dir, rerank_dir = bench_models(args)
+        self.embed_dir = embed_dir
         work, self.info = make_workload(args, embed_dir, rerank_dir)
         log(
             f"corpus: {len(work.corpus)} inputs, tokens p50 {self.info['corpus']['p50']:.0f} "
@@ -90,17 +92,23 @@ class Bench:
         args = self.args
         logs = self.log_dir()
         rest = args.rest and self._rest_available()
-        venv = infinity_venv(args.cache_dir) if args.infinity else None
-        server = ports = infinity = None
+        venv = infinity_venv(args.cache_dir) if args.infinity or args.infinity_bf16 else None
+        server = ports = None
+        infinities = []  # (name, dtype, server, port)
         if not args.target_grpc:
             server, ports = start_encoderd(args, embed_dir, rerank_dir, logs, rest)
             self.stack.callback(server.stop)
-        if venv:  # started together: both load at once, saving a minute
-            infinity, inf_port = start_infinity(venv, embed_dir, rerank_dir, logs, not args.infinity_no_warmup)
-            self.stack.callback(infinity.stop)
+        # Started together with encoderd: all load at once, saving a minute.
+        for wanted, dtype in ((args.infinity, "float32"), (args.infinity_bf16, "bfloat16")):
+            if wanted and venv:
+                infinity, inf_port = start_infinity(
+                    venv, embed_dir, rerank_dir, logs, not args.infinity_no_warmup, dtype
+                )
+                self.stack.callback(infinity.stop)
+                infinities.append((infinity.name, dtype, infinity, inf_port))
         targets = self._encoderd_targets(server, ports, rest)
-        if infinity:
-            targets.append(self._infinity_target(infinity, inf_port, rerank_dir))
+        for name, dtype, infinity, inf_port in infinities:
+            targets.append(self._infinity_target(name, dtype, infinity, inf_port, rerank_dir))
         if not args.no_st:
             log("loading sentence-transformers in this process")
             # As many threads as all the server's workers together compute on.
@@ -171,22 +179,16 @@ class Bench:
         log(f"encoderd ready: {', '.join(m.id for m in models)}")
         return targets
 
-    def _infinity_target(self, infinity: Managed, port: int, rerank_dir: str | None) -> dict:
+    def _infinity_target(self, name: str, dtype: str, infinity: Managed, port: int, rerank_dir: str | None) -> dict:
         # Infinity times batches of up to 512 tokens per model before it answers: minutes for 12-layer
         # models on 2 busy cores.
-        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), "infinity", infinity, 1800)
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), name, infinity, 1800)
         client = RestTarget(f"http://127.0.0.1:{port}", DEFAULT_MODEL_NAME, rerank_dir and RERANKER_NAME)
         self.stack.callback(client.close)
         tree = process_tree(infinity.pid)
-        self.info.setdefault("pids", {})["infinity"] = tree
-        log("infinity ready")
-        return {
-            "name": "infinity",
-            "client": client,
-            "probe": CpuProbe({"server": tree}),
-            "metrics": None,
-            "dtype": "float32",
-        }
+        self.info.setdefault("pids", {})[name] = tree
+        log(f"{name} ready")
+        return {"name": name, "client": client, "probe": CpuProbe({"server": tree}), "metrics": None, "dtype": dtype}
 
     def _add_foreign_reference(self, targets: list[dict]) -> None:
         # Every group knows all our processes, so "foreign" excludes the other idle server too.
@@ -234,6 +236,21 @@ class Bench:
                 if args.stream and t["name"] == "encoderd" and t["client"].protocol == "grpc":
                     self.quiet()
                     self.rows.append(bulk(stream=True))
+            if args.openvino:
+                self.run_openvino(work, flops, threads)
+
+    def run_openvino(self, work: Workload, flops: FlopModel, threads: int) -> None:
+        """Both OpenVINO variants, each checked against float32 sentence-transformers first."""
+        args = self.args
+        venv = openvino_venv(args.cache_dir)
+        embed_dir = self.embed_dir
+        log("fidelity reference: float32 sentence-transformers on the corpus")
+        reference = reference_vectors(embed_dir, work.corpus, threads)
+        for name in VARIANTS:
+            self.quiet()
+            self.rows.append(
+                run_openvino(venv, name, embed_dir, work, args, flops, self.info["peak_gflops"], threads, reference)
+            )
 
     def measure_peak(self, threads: int) -> dict:
         """The best of up to three tries: a peak measured while others load the machine is too low (and

@@ -61,8 +61,10 @@ def infinity_venv(cache: Path) -> Path:
 
 
 def start_infinity(
-    venv: Path, embed_dir: str, rerank_dir: str | None, logs: Path, warmup: bool = True
+    venv: Path, embed_dir: str, rerank_dir: str | None, logs: Path, warmup: bool = True, dtype: str = "float32"
 ) -> tuple[Managed, int]:
+    """Infinity's torch engine on CPU at `dtype`: float32 (its CPU default) or bfloat16, which 0.0.78
+    accepts on CPU (its loading strategy loads the weights in bfloat16; only `auto` means float32 there)."""
     port = free_port()
     models = [("--model-id", embed_dir, DEFAULT_MODEL_NAME)] + (
         [("--model-id", rerank_dir, RERANKER_NAME)] if rerank_dir else []
@@ -79,7 +81,7 @@ def start_infinity(
         "--device",
         "cpu",
         "--dtype",
-        "float32",
+        dtype,
         "--no-vector-disk-cache",
     ]  # its default caches results by request hash: repeated inputs would be free
     for flag, path, name in models:
@@ -91,9 +93,10 @@ def start_infinity(
         "DO_NOT_TRACK": "1",
         "PYTHONPATH": "",
     }
-    log("starting infinity_emb " + " ".join(argv[2:]))
+    name = "infinity" if dtype == "float32" else f"infinity-{dtype}"
+    log(f"starting {name}: infinity_emb " + " ".join(argv[2:]))
     # cwd outside the repository, so nothing of ours shadows its imports
-    return Managed("infinity", argv, logs / "infinity.log", env=env, cwd=str(logs)).start(), port
+    return Managed(name, argv, logs / f"{name}.log", env=env, cwd=str(logs)).start(), port
 
 
 def build_reranker(args) -> str:
