@@ -20,7 +20,6 @@ from ...v1 import compat_pb2 as cpb
 from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from ..models import multimodal
 from ..models.media import Content
-from ..models.registry import estimate_tokens
 from ..scheduling.scheduler import Priority
 from . import compat, postprocess
 from .errors import InvalidInput
@@ -300,7 +299,7 @@ async def tokenize(service, request) -> httpbody_pb2.HttpBody:
     prefix = service.registry.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
     texts = [prefix + t for t in texts]
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-    service.registry.check_token_budget(estimate_tokens(texts, None))
+    service.registry.check_token_floor(model, texts)
     encodings = await model.tokenizer.tokenize(texts, add_special)
     service.registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
     return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)])

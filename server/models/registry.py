@@ -185,6 +185,7 @@ class ModelRegistry:
             spec.max_length,
             self._tokenizer_pool,
             self._bulk_tokenizer_pool,
+            model=spec.name,
         )
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
@@ -302,11 +303,18 @@ class ModelRegistry:
     def check_text(self, text: str, what: str) -> str:
         return compute.check_text(self.config, text, what)
 
-    def check_token_budget(self, estimate: int, exact: int | None = None) -> None:
-        """--max-request-tokens: a cheap estimate before any work, the exact count after tokenization
+    def check_token_floor(self, model: ServedModel, texts: list[str], cap: int | None = None, pairs_with: str = ""):
+        """--max-request-tokens before any tokenization: refused when even the fewest tokens the
+        texts can become (server/models/token_floor.py) are over it."""
+        budget = self.config.max_request_tokens
+        if budget:
+            self.check_token_budget(model.tokenizer.floor.tokens(texts, cap, pairs_with, stop_above=budget))
+
+    def check_token_budget(self, floor: int, exact: int | None = None) -> None:
+        """--max-request-tokens: a floor counted before any work, the exact count after tokenization
         (before any compute)."""
         budget = self.config.max_request_tokens
-        count = estimate if exact is None else exact
+        count = floor if exact is None else exact
         if budget and count > budget:
             kind = "at least" if exact is None else ""
             raise InvalidInput(
@@ -319,9 +327,8 @@ class ModelRegistry:
         over the token budget or its model's queue bounds, else a reservation held until its
         inputs are queued (so a flood cannot pile up unbounded in the tokenizer pool)."""
         cap = model.spec.max_length if truncate else None
-        estimate = estimate_tokens(texts, cap, len(pairs_with))
-        self.check_token_budget(estimate)
-        return model.scheduler.reserve(len(texts), estimate)
+        self.check_token_floor(model, texts, cap, pairs_with)
+        return model.scheduler.reserve(len(texts), estimate_tokens(texts, cap, len(pairs_with)))
 
     def prompt_text(self, model: ServedModel, prompt: str = "", prompt_name: str = "") -> str:
         """The instruction prefix: explicit text, else a named prompt, else the model's default."""
@@ -432,13 +439,14 @@ class ModelRegistry:
         return model, cast("np.ndarray", logits), n_tokens
 
 
-# A generous characters-per-token figure: the estimate must not exceed the true count for real text
-# (English runs ~4 characters a token, code and CJK fewer), so only requests surely over a bound are
-# refused before tokenization; the exact count is checked after it.
+# A generous characters-per-token figure (English runs ~4 characters a token, code and CJK fewer):
+# what a request reserves of its model's queue until it is tokenized. A guess, not a bound: the
+# token budget refuses on TokenFloor (server/models/token_floor.py), which is one.
 CHARS_PER_TOKEN = 8
 
 
 def estimate_tokens(texts: list[str], cap: int | None, pair_chars: int = 0) -> int:
-    """A lower-bound guess of a request's tokens without tokenizing: characters / CHARS_PER_TOKEN
-    per input (plus its pair's query), at most `cap` (the model's maximum when truncating)."""
+    """A guess of a request's tokens without tokenizing, for its queue reservation: characters /
+    CHARS_PER_TOKEN per input (plus its pair's query), at most `cap` (the model's maximum when
+    truncating)."""
     return sum(min(cap or 1 << 62, (len(t) + pair_chars) // CHARS_PER_TOKEN + 1) for t in texts)
