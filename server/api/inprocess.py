@@ -24,7 +24,7 @@ from ..ops.cli import build_parser, config_from_args
 from ..ops.config import ServerConfig
 from ..scheduling.scheduler import Priority
 from . import request_options
-from .errors import EncoderdError, InvalidInput
+from .errors import EncoderdError, InvalidInput, echo
 from .postprocess import QUANTIZERS, finish_requested, quantize, rank, scores
 from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 
@@ -185,7 +185,7 @@ def _priority(bulk: bool) -> Priority:
 
 def _one_of(value: str, choices: tuple[str, ...], what: str) -> None:
     if value not in choices:
-        raise InvalidInput(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+        raise InvalidInput(f"unknown {what} {echo(value)}: choose one of {', '.join(choices)}")
 
 
 __all__ = ["AsyncEngine", "EncoderdError", "Ranked", "Tokens", "server_config"]

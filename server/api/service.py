@@ -19,7 +19,7 @@ from ..models.registry import ModelRegistry
 from ..ops import metrics, tracing
 from . import postprocess, request_options
 from .auth import presented_key
-from .errors import EncoderdError, InvalidInput
+from .errors import EncoderdError, InvalidInput, status_message
 from .handlers import MalformedRequest
 from .messages import embeddings_message
 from .streaming import embed_stream
@@ -51,7 +51,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             yield rid_metadata, _proxy_returns_id(metadata, rid)
         except EncoderdError as exc:
             code = exc.code
-            await context.abort(exc.code, str(exc), rid_metadata)  # errors: in the trailers
+            await context.abort(exc.code, status_message(str(exc)), rid_metadata)  # errors: in the trailers
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", name)

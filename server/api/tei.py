@@ -22,7 +22,7 @@ from ..models import multimodal
 from ..models.media import Content
 from ..scheduling.scheduler import Priority
 from . import compat, postprocess
-from .errors import InvalidInput
+from .errors import InvalidInput, echo
 from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from .token_states import embed_token_states
 
@@ -50,7 +50,7 @@ def reject_set(request, fields: tuple[str, ...], context: str) -> None:
 def side(value: str) -> str:
     """TEI's truncation_direction ("right" / "left", any case) as the tokenizer's side."""
     if value.lower() not in SIDES:
-        raise InvalidInput(f'`truncation_direction` must be "right" or "left", not {value!r}')
+        raise InvalidInput(f'`truncation_direction` must be "right" or "left", not {echo(value)}')
     return SIDES[value.lower()]
 
 
@@ -77,7 +77,7 @@ def _parse(request) -> tuple[EmbedOptions, str, int]:
             raise InvalidInput(f"`{field}` must be a positive integer, not {value}")
     function = pick("function_to_apply", "").lower()
     if function not in ACTIVATIONS:
-        raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {function!r}")
+        raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {echo(function)}")
     options = EmbedOptions.for_call(
         truncate=pick("truncate", True),
         side=side(pick("truncation_direction", "")),

@@ -30,7 +30,7 @@ from ...workers.contract.model_spec import (
     resolve_model_path,
 )
 from ...workers.contract.protocol import HEARTBEAT_INTERVAL, WorkerReady
-from ..api.errors import InvalidInput
+from ..api.errors import InvalidInput, echo
 from ..api.postprocess import check_dimensions
 from ..api.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..ops import metrics
@@ -337,7 +337,7 @@ class ModelRegistry:
         if prompt_name:
             if prompt_name not in model.prompts:
                 raise InvalidInput(
-                    f"model {model.spec.name!r} has no prompt named {prompt_name!r}; it has: "
+                    f"model {model.spec.name!r} has no prompt named {echo(prompt_name)}; it has: "
                     f"{', '.join(sorted(model.prompts)) or 'none'}"
                 )
             text = model.prompts[prompt_name]
