@@ -173,7 +173,7 @@ class AsyncEngine:
         registry = self.registry
         served = registry.get(model)
         texts = registry.check_inputs(texts)
-        registry.check_token_floor(served, texts)
+        await registry.check_token_floor(served, texts)
         encodings = await served.tokenizer.tokenize(texts, add_special_tokens)
         registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
         return [Tokens(list(e.ids), list(e.tokens), [(start, end) for start, end in e.offsets]) for e in encodings]

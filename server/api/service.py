@@ -222,7 +222,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model = self.registry.get(request.model)
         texts = self.registry.check_inputs(request.inputs)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        self.registry.check_token_floor(model, texts)
+        await self.registry.check_token_floor(model, texts)
         encodings = await model.tokenizer.tokenize(texts, add_special)
         self.registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
         return pb.TokenizeResponse(

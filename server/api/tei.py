@@ -299,7 +299,7 @@ async def tokenize(service, request) -> httpbody_pb2.HttpBody:
     prefix = service.registry.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
     texts = [prefix + t for t in texts]
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-    service.registry.check_token_floor(model, texts)
+    await service.registry.check_token_floor(model, texts)
     encodings = await model.tokenizer.tokenize(texts, add_special)
     service.registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
     return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)])

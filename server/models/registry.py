@@ -9,6 +9,7 @@ multi-vector), which all compute through server/models/compute.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -303,12 +304,18 @@ class ModelRegistry:
     def check_text(self, text: str, what: str) -> str:
         return compute.check_text(self.config, text, what)
 
-    def check_token_floor(self, model: ServedModel, texts: list[str], cap: int | None = None, pairs_with: str = ""):
+    async def check_token_floor(
+        self, model: ServedModel, texts: list[str], *, truncate: bool = False, pairs_with: str = ""
+    ) -> None:
         """--max-request-tokens before any tokenization: refused when even the fewest tokens the
-        texts can become (server/models/token_floor.py) are over it."""
+        texts can become (server/models/token_floor.py) are over it. Words are counted only when
+        the texts are long enough to be over it, and then in the tokenizer pool, off the loop."""
         budget = self.config.max_request_tokens
-        if budget:
-            self.check_token_budget(model.tokenizer.floor.tokens(texts, cap, pairs_with, stop_above=budget))
+        floor = model.tokenizer.floor
+        cap = model.spec.max_length if truncate else None
+        if budget and floor.may_exceed(texts, cap, pairs_with, budget):
+            count = functools.partial(floor.tokens, texts, cap, pairs_with, stop_above=budget)
+            self.check_token_budget(await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, count))
 
     def check_token_budget(self, floor: int, exact: int | None = None) -> None:
         """--max-request-tokens: a floor counted before any work, the exact count after tokenization
@@ -323,11 +330,10 @@ class ModelRegistry:
             )
 
     def admit(self, model: ServedModel, texts: list[str], *, truncate: bool = True, pairs_with: str = ""):
-        """Budgets and queue admission before tokenization: refused at once when the request is
-        over the token budget or its model's queue bounds, else a reservation held until its
-        inputs are queued (so a flood cannot pile up unbounded in the tokenizer pool)."""
+        """Queue admission before tokenization (after check_token_floor): refused at once when the
+        request is over its model's queue bounds, else a reservation held until its inputs are
+        queued (so a flood cannot pile up unbounded in the tokenizer pool)."""
         cap = model.spec.max_length if truncate else None
-        self.check_token_floor(model, texts, cap, pairs_with)
         return model.scheduler.reserve(len(texts), estimate_tokens(texts, cap, len(pairs_with)))
 
     def prompt_text(self, model: ServedModel, prompt: str = "", prompt_name: str = "") -> str:

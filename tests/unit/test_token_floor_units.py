@@ -84,7 +84,9 @@ def test_the_floor_is_never_above_the_real_count(name):
     for _ in range(3000):
         text = _hostile(rnd)
         real = len(tokenizer.encode(text, add_special_tokens=False).ids)
-        assert floor.tokens([text], None) <= real, (text, real)
+        words = floor.tokens([text], None)
+        assert words <= real, (text, real)
+        assert words <= (len(text) + 1) // 2  # what may_exceed takes as the most there can be
 
 
 def test_the_floor_is_most_of_a_real_vocabularys_count_of_english():
@@ -104,6 +106,9 @@ def test_pairs_truncation_and_the_budget_bound_the_count():
     assert floor.tokens(docs, None, pairs_with="a query") == 70  # the query is in every pair
     assert floor.tokens(docs, 6, pairs_with="a query") == 60
     assert floor.tokens(docs, None, stop_above=12) == 15  # counting stopped past the budget
+    # Counted only when the lengths allow more than the budget: 10 x (23 + 1) // 2 = 120 at most.
+    assert floor.may_exceed(docs, None, "", 119) and not floor.may_exceed(docs, None, "", 120)
+    assert not floor.may_exceed(docs, 4, "", 40) and floor.may_exceed(docs, 5, "", 40)
 
 
 def _tokenizer(pre=None, norm=None, model=None) -> Tokenizer:
