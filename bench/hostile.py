@@ -5,9 +5,9 @@
 
   echo     --others REST clients (/v1/embeddings) and as many gRPC ones (Embed, through Envoy's
            gRPC port) call back to back, 32 texts a call (each answered once before the phase
-           starts, calling until it ends), while one client sends --sends REST calls whose `model`
-           is 65,000 characters (the size that broke the Envoy<->server link). Counts the others'
-           failed calls, and the codes the sender got.
+           starts, calling until it ends), while one client sends --sends REST calls and as many
+           gRPC ones whose `model` is 65,000 characters (the size that broke the Envoy<->server
+           link). Counts the others' failed calls, and the codes the sender got.
   refuse   a rerank of 1,000 documents x 2,000 characters over --max-request-tokens (default
            262,144): the time until the refusal and the frontend's peak RSS above its level before
            (sampled every 5 ms from /proc), and whether the answer named the limit.
@@ -121,10 +121,17 @@ def echo_probe(address: str, rest: str, others: int, sends: int) -> dict:
     ready.wait(timeout=120)
     with lock:
         before = len(results)
-    sent: dict[int, int] = {}
-    with httpx.Client(base_url=rest, timeout=60, trust_env=False) as http:
-        for _ in range(sends):
-            code = http.post("/v1/embeddings", json={"model": LONG_MODEL, "input": "x"}).status_code
+    sent: dict[str, int] = {}
+    with httpx.Client(base_url=rest, timeout=60, trust_env=False) as http, grpc.insecure_channel(address) as channel:
+        stub = encoderd_pb2_grpc.EncoderStub(channel)
+        for _ in range(sends):  # REST, and native gRPC through Envoy's gRPC port
+            code = str(http.post("/v1/embeddings", json={"model": LONG_MODEL, "input": "x"}).status_code)
+            sent[code] = sent.get(code, 0) + 1
+            try:
+                stub.Embed(pb.EmbedRequest(model=LONG_MODEL, inputs=["x"]), timeout=60)
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
             sent[code] = sent.get(code, 0) + 1
     done.set()
     for thread in threads:
@@ -204,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         [(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))] if args.compare_ref else []
     )
     print(
-        f"{'server':<22} {'run':>3} {'others failed':>15} {'sender codes':<16} {'refusal s':>9} "
+        f"{'server':<22} {'run':>3} {'others failed':>15} {'sender codes':<40} {'refusal s':>9} "
         f"{'RSS +MiB':>8} {'code':<17} names limit"
     )
     for label, path in reversed(servers):  # the reference first
