@@ -1,13 +1,13 @@
 """Hostile-client probes of issue 42 (items 1 and 4), run against this checkout and, with
 --compare-ref, the same command from git REF:
 
-    python -m encoderd.bench.hostile [--runs 3] [--compare-ref REF] [--others 16] [--sends 20]
+    python -m encoderd.bench.hostile [--runs 3] [--compare-ref REF] [--others 8] [--sends 20] [--length 65000]
 
   echo     --others REST clients (/v1/embeddings) and as many gRPC ones (Embed, through Envoy's
            gRPC port) call back to back, 32 texts a call (each answered once before the phase
            starts, calling until it ends), while one client sends --sends REST calls and as many
-           gRPC ones whose `model` is 65,000 characters (the size that broke the Envoy<->server
-           link). Counts the others' failed calls, and the codes the sender got.
+           gRPC ones whose `model` is --length characters (65,000: the size issue 42 found to break
+           the Envoy<->server link). Counts the others' failed calls, and the codes the sender got.
   refuse   a rerank of 1,000 documents x 2,000 characters over --max-request-tokens (default
            262,144): the time until the refusal and the frontend's peak RSS above its level before
            (sampled every 5 ms from /proc), and whether the answer named the limit.
@@ -31,8 +31,6 @@ from .corpus import _sentence
 from .flood import export_ref
 from .processes import Managed, free_port, grpc_serving, http_ok, serve_command, wait_until
 from .servers import REPO_ROOT
-
-LONG_MODEL = "m" * 65_000
 
 
 def _reranker(cache: Path) -> str:
@@ -65,7 +63,7 @@ def _start(label: str, pythonpath: str | None, reranker: str, logs: Path) -> tup
     return server, address, rest
 
 
-def echo_probe(address: str, rest: str, others: int, sends: int) -> dict:
+def echo_probe(address: str, rest: str, others: int, sends: int, length: int) -> dict:
     """Other clients' failed calls while long `model` values are sent (see the module's docstring)."""
     import grpc
     import httpx
@@ -79,6 +77,7 @@ def echo_probe(address: str, rest: str, others: int, sends: int) -> dict:
     lock = threading.Lock()
     rng = random.Random(7)
     texts = [_sentence(rng) + " " + _sentence(rng) for _ in range(32)]
+    long_model = "m" * length
 
     def loop(call) -> None:
         first = True
@@ -125,10 +124,10 @@ def echo_probe(address: str, rest: str, others: int, sends: int) -> dict:
     with httpx.Client(base_url=rest, timeout=60, trust_env=False) as http, grpc.insecure_channel(address) as channel:
         stub = encoderd_pb2_grpc.EncoderStub(channel)
         for _ in range(sends):  # REST, and native gRPC through Envoy's gRPC port
-            code = str(http.post("/v1/embeddings", json={"model": LONG_MODEL, "input": "x"}).status_code)
+            code = str(http.post("/v1/embeddings", json={"model": long_model, "input": "x"}).status_code)
             sent[code] = sent.get(code, 0) + 1
             try:
-                stub.Embed(pb.EmbedRequest(model=LONG_MODEL, inputs=["x"]), timeout=60)
+                stub.Embed(pb.EmbedRequest(model=long_model, inputs=["x"]), timeout=60)
                 code = "OK"
             except grpc.RpcError as exc:
                 code = exc.code().name
@@ -201,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--others", type=int, default=8, help="other REST clients, and gRPC ones, in the echo probe")
     parser.add_argument("--sends", type=int, default=20, help="calls with a 65,000-character model per run")
+    parser.add_argument("--length", type=int, default=65_000, help="characters of the long `model`")
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "encoderd-bench")
     args = parser.parse_args(argv)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         server, address, rest = _start(label, path, reranker, logs)
         try:
             for run in range(args.runs):
-                echo = echo_probe(address, rest, args.others, args.sends)
+                echo = echo_probe(address, rest, args.others, args.sends, args.length)
                 refused = refuse_probe(address, server.pid, seed=run)
                 failed = f"{echo['others_failed']}/{echo['others_calls']}"
                 print(
