@@ -398,6 +398,7 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
         lua=_lua_source("errors.lua"),
         gzip_trailer=_lua_source("gzip_trailer.lua"),
         gzip_verify=_lua_source("gzip_verify.lua"),
+        json_controls=_lua_source("json_controls.lua"),
         transcoder=transcoder.rstrip("\n"),
         routes=_lua_routes(20),
         endpoints=endpoints,

@@ -51,8 +51,30 @@ local function repair_utf8(run)
   return table.concat(out)
 end
 
+-- Every error message a REST client gets is at most this many bytes of JSON literal, whoever made
+-- it (the server's are cut at 2,048 bytes already; the transcoder's and Envoy's own may quote what
+-- the client sent): its first part, then a word that it was cut.
+local MESSAGE_BYTES = 4096
+
+-- A JSON string literal (quotes included) of at most about MESSAGE_BYTES, cut before an escape or
+-- a UTF-8 sequence it would split.
+local function bounded(literal)
+  if #literal <= MESSAGE_BYTES then return literal end
+  local cut, pos = MESSAGE_BYTES, 2
+  while true do
+    local at = literal:find("\\", pos, true)
+    if not at or at >= MESSAGE_BYTES then break end
+    local after = at + (literal:sub(at + 1, at + 1) == "u" and 6 or 2)
+    if after > MESSAGE_BYTES then cut = at; break end
+    pos = after
+  end
+  while literal:byte(cut) >= 128 and literal:byte(cut) < 192 do cut = cut - 1 end
+  return literal:sub(1, cut - 1) .. " ... (message cut)\""
+end
+
 -- A JSON string literal of any text.
 local function json_string(text)
+  text = text:sub(1, MESSAGE_BYTES + 1) -- bounded() cuts it; a split UTF-8 tail becomes U+FFFD
   local escaped = text:gsub('[%c"\\]', function(c)
     return ESCAPES[c] or string.format("\\u%04x", c:byte())
   end)
@@ -90,6 +112,7 @@ local function error_body(status, grpc, body_text)
   if not message and grpc.message then message = json_string(percent_decode(grpc.message)) end
   code = code or GRPC_CODES[tonumber(grpc.status or "")] or HTTP_CODES[status] or "error"
   if not message or message == '""' then message = json_string("HTTP " .. status .. " (" .. code .. ")") end
+  message = bounded(message)
   local kind = TYPES[status] or (status >= 500 and "server_error" or "invalid_request_error")
   return '{"error":{"message":' .. message .. ',"type":"' .. kind .. '","param":null,"code":"' .. code .. '"}}'
 end

@@ -25,7 +25,7 @@ from ..models import multimodal
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
 from . import compat, postprocess
-from .errors import InvalidInput
+from .errors import InvalidInput, echo
 from .request_options import EmbedOptions, positive
 
 INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")
@@ -119,9 +119,9 @@ def by_type(vectors: np.ndarray, types: tuple[str, ...]) -> dict:
 
 async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpbody_pb2.HttpBody:
     if request.input_type and request.input_type not in INPUT_TYPES:
-        raise InvalidInput(f"`input_type` must be one of {', '.join(INPUT_TYPES)}, not {request.input_type!r}")
+        raise InvalidInput(f"`input_type` must be one of {', '.join(INPUT_TYPES)}, not {echo(request.input_type)}")
     if request.truncate.upper() not in TRUNCATE:
-        raise InvalidInput(f"`truncate` must be NONE, START or END, not {request.truncate!r}")
+        raise InvalidInput(f"`truncate` must be NONE, START or END, not {echo(request.truncate)}")
     types = embedding_types(request, () if version == "1" else ("float",))
     contents = contents_of(request)
     texts = [c.text for c in contents if c.modality == "text"]
@@ -133,7 +133,8 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
     prompt_name = request.input_type if request.input_type in model.prompts else ""
     if request.input_type and not prompt_name and texts:
         warnings.append(
-            f"model {model.spec.name!r} has no prompt named {request.input_type!r}: the texts were embedded without one"
+            f"model {model.spec.name!r} has no prompt named {echo(request.input_type)}: "
+            "the texts were embedded without one"
         )
     options = EmbedOptions.for_call(
         truncate=truncate,

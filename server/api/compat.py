@@ -29,7 +29,7 @@ from ..models.registry import ModelRegistry, ServedModel
 from ..ops import metrics
 from ..scheduling.scheduler import Priority
 from . import cohere_embed, openapi, postprocess, tei
-from .errors import BackendError, InvalidInput, Unavailable
+from .errors import BackendError, InvalidInput, Unavailable, echo
 from .request_options import ClassifyOptions, EmbedOptions, RerankOptions, positive
 from .service import model_info, rpc
 
@@ -87,7 +87,7 @@ def media_inputs(value: struct_pb2.Value, modality: str) -> list[Content]:
     if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
         raise InvalidInput(
             f"`input` must be a string or a non-empty list of strings (data URIs, http(s) URLs or "
-            f"base64) for modality {modality!r}"
+            f"base64) for modality {echo(modality)}"
         )
     return [Content(modality, url=v.string_value) for v in items]
 
@@ -138,7 +138,7 @@ def _document_text(document: struct_pb2.Struct, rank_fields, index: int) -> str:
     for key in rank_fields or ("text",):
         if key not in fields or fields[key].WhichOneof("kind") != "string_value":
             raise InvalidInput(
-                f"documents[{index}] must be a string or an object with a string {key!r} field"
+                f"documents[{index}] must be a string or an object with a string {echo(key)} field"
                 + (" (one of `rank_fields`)" if rank_fields else "")
             )
     if not rank_fields:
@@ -284,9 +284,9 @@ class CompatService(compat_pb2_grpc.CompatServicer):
     ) -> httpbody_pb2.HttpBody:
         encoding_format = request.encoding_format or "float"
         if encoding_format not in ENCODING_FORMATS:
-            raise InvalidInput(f'`encoding_format` must be "float" or "base64", not {encoding_format!r}')
+            raise InvalidInput(f'`encoding_format` must be "float" or "base64", not {echo(encoding_format)}')
         if modality not in MODALITIES:
-            raise InvalidInput(f"`modality` must be one of {', '.join(MODALITIES)}, not {modality!r}")
+            raise InvalidInput(f"`modality` must be one of {', '.join(MODALITIES)}, not {echo(modality)}")
         # Infinity reads `dimensions: 0` as full size (its client sends it on every call); OpenAI's
         # API has no such value.
         options = EmbedOptions.for_call(

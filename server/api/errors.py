@@ -80,3 +80,31 @@ def worker_failure(code: ErrorCode, message: str) -> EncoderdError:
     """The error a batch the worker failed with `code` raises in the frontend (an error sent without
     a code is INTERNAL)."""
     return WORKER_FAILURES.get(code, BackendError)(message)
+
+
+# A client's value in an error message: enough to recognize it, never all of it. A 65,000-character
+# `model` echoed whole made a grpc-message header larger than the HTTP/2 link from Envoy accepts:
+# the link was reset, and with it every other client's call on it (502 / UNAVAILABLE).
+ECHO_CHARS = 48
+# Every status message, whatever it holds, is cut to this many UTF-8 bytes where the status is set
+# (service.py, streaming.py): percent-encoded in grpc-message it stays far below Envoy's 60 KiB of
+# headers, and a REST error body stays small.
+STATUS_MESSAGE_BYTES = 2048
+
+
+def echo(value: object) -> str:
+    """`value` as an error message quotes it: whole when short, else its first ECHO_CHARS
+    characters and its length."""
+    text = str(value)
+    if len(text) <= ECHO_CHARS:
+        return repr(text)
+    return f"{text[:ECHO_CHARS]!r}... ({len(text)} characters)"
+
+
+def status_message(message: str) -> str:
+    """`message` within STATUS_MESSAGE_BYTES of UTF-8, cut where a character ends, saying it was cut."""
+    data = message.encode("utf-8", "replace")
+    if len(data) <= STATUS_MESSAGE_BYTES:
+        return message
+    kept = data[: STATUS_MESSAGE_BYTES - 64].decode("utf-8", "ignore")
+    return f"{kept}... (message cut: {len(data)} bytes)"

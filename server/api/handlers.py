@@ -15,6 +15,8 @@ from google.protobuf import empty_pb2, message_factory
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
+from .errors import echo
+
 
 class MalformedRequest:
     """What the servicer answers instead of the request; `id`: the request's own `id` field where
@@ -54,7 +56,7 @@ def unknown_enum_value(message, path: str = "") -> str | None:
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             value_field = field.message_type.fields_by_name["value"]
             items = (
-                [(f"{name}[{k!r}]", v) for k, v in value.items()]
+                [(f"{name}[{echo(k)}]", v) for k, v in value.items()]
                 if value_field.message_type or value_field.enum_type
                 else []
             )

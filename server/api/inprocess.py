@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..models.registry import ModelRegistry, estimate_tokens
+from ..models.registry import ModelRegistry
 from ..ops.cli import build_parser, config_from_args
 from ..ops.config import ServerConfig
 from ..scheduling.scheduler import Priority
 from . import request_options
-from .errors import EncoderdError, InvalidInput
+from .errors import EncoderdError, InvalidInput, echo
 from .postprocess import QUANTIZERS, finish_requested, quantize, rank, scores
 from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 
@@ -173,7 +173,7 @@ class AsyncEngine:
         registry = self.registry
         served = registry.get(model)
         texts = registry.check_inputs(texts)
-        registry.check_token_budget(estimate_tokens(texts, None))
+        await registry.check_token_floor(served, texts)
         encodings = await served.tokenizer.tokenize(texts, add_special_tokens)
         registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
         return [Tokens(list(e.ids), list(e.tokens), [(start, end) for start, end in e.offsets]) for e in encodings]
@@ -185,7 +185,7 @@ def _priority(bulk: bool) -> Priority:
 
 def _one_of(value: str, choices: tuple[str, ...], what: str) -> None:
     if value not in choices:
-        raise InvalidInput(f"unknown {what} {value!r}: choose one of {', '.join(choices)}")
+        raise InvalidInput(f"unknown {what} {echo(value)}: choose one of {', '.join(choices)}")
 
 
 __all__ = ["AsyncEngine", "EncoderdError", "Ranked", "Tokens", "server_config"]

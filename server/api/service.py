@@ -15,12 +15,12 @@ from ...v1 import encoderd_pb2_grpc
 from ...workers.contract import logs
 from ..models import model_resolver, multimodal
 from ..models.media import Content
-from ..models.registry import ModelRegistry, estimate_tokens
+from ..models.registry import ModelRegistry
 from ..ops import metrics, tracing
 from ..scheduling.admission import CALL_DEADLINE
 from . import postprocess, request_options
 from .auth import presented_key
-from .errors import EncoderdError, InvalidInput, Overloaded
+from .errors import EncoderdError, InvalidInput, Overloaded, status_message
 from .handlers import MalformedRequest
 from .messages import embeddings_message
 from .streaming import embed_stream
@@ -54,7 +54,8 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             yield rid_metadata, _proxy_returns_id(metadata, rid)
         except EncoderdError as exc:
             code = exc.code
-            await context.abort(exc.code, str(exc), rid_metadata + _retry_after(exc))  # errors: in the trailers
+            # errors: in the trailers, with the wait the server advises before a retry
+            await context.abort(exc.code, status_message(str(exc)), rid_metadata + _retry_after(exc))
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("%s failed", name)
@@ -231,7 +232,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model = self.registry.get(request.model)
         texts = self.registry.check_inputs(request.inputs)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        self.registry.check_token_budget(estimate_tokens(texts, None))
+        await self.registry.check_token_floor(model, texts)
         encodings = await model.tokenizer.tokenize(texts, add_special)
         self.registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
         return pb.TokenizeResponse(

@@ -24,7 +24,7 @@ from ..models.registry import check_width
 from ..ops import metrics
 from ..scheduling.scheduler import Priority
 from . import postprocess, request_options
-from .errors import EncoderdError, InvalidInput, Overloaded, Unavailable
+from .errors import EncoderdError, InvalidInput, Overloaded, Unavailable, echo, status_message
 from .handlers import MalformedRequest
 from .messages import embeddings_message
 
@@ -38,12 +38,13 @@ _END = object()
 
 
 def _name(message: pb.EmbedStreamRequest) -> str:
-    return f"item {message.id!r}"
+    return f"item {echo(message.id)}"
 
 
 def _error(item_id: str, exc: Exception) -> pb.EmbedStreamResponse:
     code = exc.code if isinstance(exc, EncoderdError) else grpc.StatusCode.INTERNAL
-    return pb.EmbedStreamResponse(id=item_id, error=status_pb2.Status(code=code.value[0], message=str(exc)))
+    status = status_pb2.Status(code=code.value[0], message=status_message(str(exc)))
+    return pb.EmbedStreamResponse(id=item_id, error=status)
 
 
 class _Stream:

@@ -20,10 +20,9 @@ from ...v1 import compat_pb2 as cpb
 from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from ..models import multimodal
 from ..models.media import Content
-from ..models.registry import estimate_tokens
 from ..scheduling.scheduler import Priority
 from . import compat, postprocess
-from .errors import InvalidInput
+from .errors import InvalidInput, echo
 from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from .token_states import embed_token_states
 
@@ -51,7 +50,7 @@ def reject_set(request, fields: tuple[str, ...], context: str) -> None:
 def side(value: str) -> str:
     """TEI's truncation_direction ("right" / "left", any case) as the tokenizer's side."""
     if value.lower() not in SIDES:
-        raise InvalidInput(f'`truncation_direction` must be "right" or "left", not {value!r}')
+        raise InvalidInput(f'`truncation_direction` must be "right" or "left", not {echo(value)}')
     return SIDES[value.lower()]
 
 
@@ -78,7 +77,7 @@ def _parse(request) -> tuple[EmbedOptions, str, int]:
             raise InvalidInput(f"`{field}` must be a positive integer, not {value}")
     function = pick("function_to_apply", "").lower()
     if function not in ACTIVATIONS:
-        raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {function!r}")
+        raise InvalidInput(f"`function_to_apply` must be softmax, sigmoid or none, not {echo(function)}")
     options = EmbedOptions.for_call(
         truncate=pick("truncate", True),
         side=side(pick("truncation_direction", "")),
@@ -300,7 +299,7 @@ async def tokenize(service, request) -> httpbody_pb2.HttpBody:
     prefix = service.registry.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
     texts = [prefix + t for t in texts]
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-    service.registry.check_token_budget(estimate_tokens(texts, None))
+    await service.registry.check_token_floor(model, texts)
     encodings = await model.tokenizer.tokenize(texts, add_special)
     service.registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
     return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)])

@@ -217,6 +217,7 @@ async def _work_items(
     if texts:
         batch: list = [inputs[j][0] for j in texts]
         estimated = ["".join(t) if isinstance(t, tuple) else t for t in batch]
+        await registry.check_token_floor(model, estimated, truncate=truncate, pairs_with=pairs_with or "")
         with registry.admit(model, estimated, truncate=truncate, pairs_with=pairs_with or "", priority=priority):
             try:
                 tokens = await model.tokenizer.encode(

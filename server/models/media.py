@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from ...workers.contract.model_spec import ModelSpec, modalities
-from ..api.errors import InvalidInput
+from ..api.errors import InvalidInput, echo
 
 log = logging.getLogger("encoderd.media")
 
@@ -76,7 +76,7 @@ def media_bytes(content: Content, limits: MediaLimits, what: str) -> bytes:
         data = fetch(content.url, limits, what)
     elif content.url:  # REST clients (Infinity's API) may send bare base64
         if "://" in content.url[:16]:
-            raise InvalidInput(f"{what}: {_short(content.url)!r}: only http(s) URLs and data: URIs are fetched")
+            raise InvalidInput(f"{what}: {echo(content.url)}: only http(s) URLs and data: URIs are fetched")
         data = base64_bytes(content.url, f"{what} (neither a data: URI, an http(s) URL nor base64)")
     else:
         raise InvalidInput(f"{what} is empty: give the {content.modality}'s bytes or a URL")
@@ -108,7 +108,7 @@ class _HttpRedirectsOnly(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         if not newurl.startswith(("http://", "https://")):
-            raise urllib.error.HTTPError(newurl, code, f"redirect to a non-http(s) URL: {_short(newurl)}", headers, fp)
+            raise urllib.error.HTTPError(newurl, code, f"redirect to a non-http(s) URL: {echo(newurl)}", headers, fp)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -126,15 +126,15 @@ def fetch(url: str, limits: MediaLimits, what: str) -> bytes:
         with _opener.open(request, timeout=limits.fetch_timeout) as response:
             declared = response.headers.get("Content-Length")
             if declared and declared.isdigit() and int(declared) > limits.max_bytes:
-                raise InvalidInput(f"{what}: {_short(url)} is {declared} bytes; the limit is {limits.max_bytes}")
-            return _read_bounded(response, limits.max_bytes, deadline, f"{what}: {_short(url)}")
+                raise InvalidInput(f"{what}: {echo(url)} is {declared} bytes; the limit is {limits.max_bytes}")
+            return _read_bounded(response, limits.max_bytes, deadline, f"{what}: {echo(url)}")
     except urllib.error.HTTPError as exc:
-        raise InvalidInput(f"{what}: fetching {_short(url)} failed: HTTP {exc.code} {exc.reason}") from None
+        raise InvalidInput(f"{what}: fetching {echo(url)} failed: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         if isinstance(reason, TimeoutError) or isinstance(exc, TimeoutError):
-            raise InvalidInput(f"{what}: fetching {_short(url)} timed out after {limits.fetch_timeout:g}s") from None
-        raise InvalidInput(f"{what}: cannot fetch {_short(url)}: {reason}") from None
+            raise InvalidInput(f"{what}: fetching {echo(url)} timed out after {limits.fetch_timeout:g}s") from None
+        raise InvalidInput(f"{what}: cannot fetch {echo(url)}: {reason}") from None
 
 
 def _read_bounded(response, max_bytes: int, deadline: float, what: str) -> bytes:
@@ -147,10 +147,6 @@ def _read_bounded(response, max_bytes: int, deadline: float, what: str) -> bytes
             raise TimeoutError()
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _short(url: str) -> str:
-    return url if len(url) <= 120 else url[:117] + "..."
 
 
 # ------------------------------------------------------------- decoders

@@ -10,7 +10,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ...workers.contract.model_spec import ModelKind, indefinite_article
-from ..api.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
+from ..api.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind, echo
 
 if TYPE_CHECKING:
     from .registry import ServedModel
@@ -55,8 +55,8 @@ def _named(models: Mapping[str, ServedModel], loading: Collection[str], name: st
     if name in models:
         return models[name]
     if name in loading:
-        raise Unavailable(f"model {name!r} is loading; retry shortly")
-    raise ModelNotFound(f"model {name!r} is not served here; served models: {', '.join(sorted(models))}")
+        raise Unavailable(f"model {echo(name)} is loading; retry shortly")
+    raise ModelNotFound(f"model {echo(name)} is not served here; served models: {', '.join(sorted(models))}")
 
 
 def _default(

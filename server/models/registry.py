@@ -9,6 +9,7 @@ multi-vector), which all compute through server/models/compute.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from ...workers.contract.model_spec import (
     resolve_model_path,
 )
 from ...workers.contract.protocol import HEARTBEAT_INTERVAL, WorkerReady
-from ..api.errors import InvalidInput
+from ..api.errors import InvalidInput, echo
 from ..api.postprocess import check_dimensions
 from ..api.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..ops import metrics
@@ -185,6 +186,7 @@ class ModelRegistry:
             spec.max_length,
             self._tokenizer_pool,
             self._bulk_tokenizer_pool,
+            model=spec.name,
         )
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
@@ -304,11 +306,24 @@ class ModelRegistry:
     def check_text(self, text: str, what: str) -> str:
         return compute.check_text(self.config, text, what)
 
-    def check_token_budget(self, estimate: int, exact: int | None = None) -> None:
-        """--max-request-tokens: a cheap estimate before any work, the exact count after tokenization
+    async def check_token_floor(
+        self, model: ServedModel, texts: list[str], *, truncate: bool = False, pairs_with: str = ""
+    ) -> None:
+        """--max-request-tokens before any tokenization: refused when even the fewest tokens the
+        texts can become (server/models/token_floor.py) are over it. Words are counted only when
+        the texts are long enough to be over it, and then in the tokenizer pool, off the loop."""
+        budget = self.config.max_request_tokens
+        floor = model.tokenizer.floor
+        cap = model.spec.max_length if truncate else None
+        if budget and floor.may_exceed(texts, cap, pairs_with, budget):
+            count = functools.partial(floor.tokens, texts, cap, pairs_with, stop_above=budget)
+            self.check_token_budget(await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, count))
+
+    def check_token_budget(self, floor: int, exact: int | None = None) -> None:
+        """--max-request-tokens: a floor counted before any work, the exact count after tokenization
         (before any compute)."""
         budget = self.config.max_request_tokens
-        count = estimate if exact is None else exact
+        count = floor if exact is None else exact
         if budget and count > budget:
             kind = "at least" if exact is None else ""
             raise InvalidInput(
@@ -325,14 +340,11 @@ class ModelRegistry:
         pairs_with: str = "",
         priority: Priority = Priority.INTERACTIVE,
     ):
-        """Budgets and queue admission before tokenization: refused at once when the request is
-        over the token budget, its model's queue bounds or the wait the server allows, else a
-        reservation held until its inputs are queued (so a flood cannot pile up unbounded in the
-        tokenizer pool)."""
+        """Queue admission before tokenization (after check_token_floor): refused at once when the
+        request is over its model's queue bounds or the wait the server allows, else a reservation
+        held until its inputs are queued (so a flood cannot pile up unbounded in the tokenizer pool)."""
         cap = model.spec.max_length if truncate else None
-        estimate = estimate_tokens(texts, cap, len(pairs_with))
-        self.check_token_budget(estimate)
-        return model.scheduler.reserve(len(texts), estimate, priority)
+        return model.scheduler.reserve(len(texts), estimate_tokens(texts, cap, len(pairs_with)), priority)
 
     def prompt_text(self, model: ServedModel, prompt: str = "", prompt_name: str = "") -> str:
         """The instruction prefix: explicit text, else a named prompt, else the model's default."""
@@ -341,7 +353,7 @@ class ModelRegistry:
         if prompt_name:
             if prompt_name not in model.prompts:
                 raise InvalidInput(
-                    f"model {model.spec.name!r} has no prompt named {prompt_name!r}; it has: "
+                    f"model {model.spec.name!r} has no prompt named {echo(prompt_name)}; it has: "
                     f"{', '.join(sorted(model.prompts)) or 'none'}"
                 )
             text = model.prompts[prompt_name]
@@ -443,13 +455,14 @@ class ModelRegistry:
         return model, cast("np.ndarray", logits), n_tokens
 
 
-# A generous characters-per-token figure: the estimate must not exceed the true count for real text
-# (English runs ~4 characters a token, code and CJK fewer), so only requests surely over a bound are
-# refused before tokenization; the exact count is checked after it.
+# A generous characters-per-token figure (English runs ~4 characters a token, code and CJK fewer):
+# what a request reserves of its model's queue until it is tokenized. A guess, not a bound: the
+# token budget refuses on TokenFloor (server/models/token_floor.py), which is one.
 CHARS_PER_TOKEN = 8
 
 
 def estimate_tokens(texts: list[str], cap: int | None, pair_chars: int = 0) -> int:
-    """A lower-bound guess of a request's tokens without tokenizing: characters / CHARS_PER_TOKEN
-    per input (plus its pair's query), at most `cap` (the model's maximum when truncating)."""
+    """A guess of a request's tokens without tokenizing, for its queue reservation: characters /
+    CHARS_PER_TOKEN per input (plus its pair's query), at most `cap` (the model's maximum when
+    truncating)."""
     return sum(min(cap or 1 << 62, (len(t) + pair_chars) // CHARS_PER_TOKEN + 1) for t in texts)

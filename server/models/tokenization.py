@@ -18,6 +18,8 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer
 
 from ..api.errors import InvalidInput
+from ..ops import metrics
+from .token_floor import TokenFloor
 
 
 class InputTooLong(InvalidInput):
@@ -54,10 +56,13 @@ class ModelTokenizer:
         max_length: int,
         executor: ThreadPoolExecutor,
         bulk_executor: ThreadPoolExecutor | None = None,
+        model: str = "",
     ):
         """`base`: the model's tokenizer as its worker built it (workers/contract/tokenizer.py); this
-        object takes it over."""
+        object takes it over. `model`: the name its metrics carry."""
         self.max_length = max_length
+        self.model = model
+        self.floor = TokenFloor(base)  # the fewest tokens a text can become, untokenized
         self._executor = executor
         # Bulk work tokenizes on its own thread, so a live query never queues behind
         # a stream's chunks in the tokenizer pool.
@@ -115,6 +120,7 @@ class ModelTokenizer:
         """encode_batch over the batch in pieces of bounded size: a cancelled or expired request
         stops between pieces (a running Rust call cannot be interrupted), and a huge request
         shares the pool with others instead of holding a thread for seconds."""
+        metrics.TOKENIZED_TEXTS.labels(self.model).inc(len(batch))
         if not bulk and len(batch) <= INLINE_INPUTS and sum(map(_size, batch)) <= INLINE_CHARS:
             return encode_batch(batch, **kwargs)  # a live query: on the loop itself (see INLINE_CHARS)
         loop = asyncio.get_running_loop()

@@ -64,6 +64,11 @@ BATCH_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 REAL_TOKENS = Counter("encoderd_real_tokens", "Tokens of the inputs", ["model"])
+TOKENIZED_TEXTS = Counter(
+    "encoderd_tokenized_texts",
+    "Texts the frontend tokenized (inputs, documents, queries), refused ones included",
+    ["model"],
+)
 COMPUTED_TOKENS = Counter("encoderd_computed_tokens", "Tokens computed, padding included", ["model"])
 
 CACHE = Counter(

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from support.corpus import sentences
 from support.server import ServerProcess
+from test_metrics import scrape, total
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
@@ -73,11 +74,11 @@ def test_every_text_field_is_held_to_the_character_limit(stub):
 
 def test_token_budget_refuses_on_the_estimate_and_on_the_exact_count(stub, server):
     # Distinct texts: identical ones are computed once, and the budget bounds the work done.
-    long_texts = [f"{i} " + "word " * 400 for i in range(64)]  # estimated 64 x 251 tokens: refused untokenized
+    long_texts = [f"{i} " + "word " * 400 for i in range(64)]  # at least 64 x 256 tokens: refused untokenized
     code, details = _code(lambda: stub.Embed(pb.EmbedRequest(model="embedder", inputs=long_texts), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "at least" in details and str(BUDGET) in details
-    # Two characters a token: the estimate (25 x 51) passes, the exact count (25 x 202) does not.
-    dense = [f"{chr(97 + i)} " * 200 for i in range(25)]
+    # One word of 200 tokens each: the floor (25 x 1) passes, the exact count (25 x 202) does not.
+    dense = [f"{chr(97 + i)}," * 100 for i in range(25)]
     code, details = _code(lambda: stub.Embed(pb.EmbedRequest(model="embedder", inputs=dense), timeout=30))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "holds 5050 tokens" in details
     code, _ = _code(
@@ -94,6 +95,32 @@ def test_token_budget_refuses_on_the_estimate_and_on_the_exact_count(stub, serve
     assert response.status_code == 400 and "holds 5000 tokens" in response.json()["error"]["message"], response.text
     # Within the budget, all is served.
     assert len(stub.Embed(pb.EmbedRequest(model="embedder", inputs=dense[:10]), timeout=60).embeddings) == 10
+
+
+def _tokenized(server) -> float:
+    return total(scrape(server), "encoderd_tokenized_texts_total")
+
+
+def test_a_request_surely_over_the_token_budget_is_refused_before_any_tokenization(stub, server):
+    """#42: a rerank of 1,000 documents x 2,000 characters was tokenized (3.3 s, +138 MB) before the
+    budget refused it: its characters / 8 guess was under the budget. The floor (a word is at least
+    one token) is over it, so nothing is tokenized; a request the floor lets through is (the
+    metric sees tokenizing)."""
+    docs = [" ".join(sentences(40, max_words=30, seed=i))[:500] for i in range(MAX_QUEUED - 4)]  # ~85 words each
+    assert sum(len(d) + len("a query") for d in docs) // 8 < BUDGET  # the old guess let it through
+    before = _tokenized(server)
+    code, details = _code(
+        lambda: stub.Rerank(pb.RerankRequest(model="reranker", query="a query", documents=docs), timeout=30)
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert "holds at least" in details and f"the limit is {BUDGET} per request (--max-request-tokens)" in details
+    response = httpx.post(
+        server.rest_url + "/v2/rerank", json={"model": "reranker", "query": "a query", "documents": docs}, timeout=30
+    )
+    assert response.status_code == 400 and "--max-request-tokens" in response.json()["error"]["message"]
+    assert _tokenized(server) == before  # refused with not one text tokenized
+    stub.Rerank(pb.RerankRequest(model="reranker", query="a query", documents=docs[:10]), timeout=60)
+    assert _tokenized(server) > before
 
 
 def test_an_input_too_long_with_truncation_off_is_named_by_its_place_in_the_request(stub):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
+import signal
 import threading
 import time
 import urllib.request
@@ -128,15 +130,51 @@ def test_resumable_jsonl(server, tmp_path):
     assert vector.shape == (384,)
 
 
-def test_concurrent_identical_requests_compute_once(server, stub):
+@pytest.fixture(scope="module")
+def one_worker_server(tmp_path_factory):
+    """One worker that may stay stopped (SIGSTOP) as long as a test needs: no stall watchdog."""
+    log = tmp_path_factory.mktemp("logs") / "one_worker.log"
+    with ServerProcess("--replicas", "1", "--worker-stall-timeout", "0", log_path=log) as server:
+        yield server
+
+
+def test_concurrent_identical_requests_compute_once(one_worker_server):
+    """The only worker is stopped until all 16 requests are in: whichever comes first cannot finish,
+    and the other 15 are counted joining it (inflight_hit) before the worker may go on. The overlap
+    is made, not assumed (it failed on a loaded host when the first finished before the last came)."""
+    server = one_worker_server
+    stub = server.stub()
     text = "identical " + " ".join(WORDS[:200])
-    before_tokens = _metric(server, "encoderd_real_tokens_total", f'{{model="{DEFAULT_MODEL_NAME}"}}')
-    futures = [stub.Embed.future(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[text])) for _ in range(16)]
+    tokens = f'{{model="{DEFAULT_MODEL_NAME}"}}'
+    joined = f'{{model="{DEFAULT_MODEL_NAME}",outcome="inflight_hit"}}'
+    before_tokens, before_joined = (
+        _metric(server, "encoderd_real_tokens_total", tokens),
+        _metric(server, "encoderd_cache_lookups_total", joined),
+    )
+    (worker,) = [m.replicas[0].pid for m in stub.ListModels(pb.ListModelsRequest()).models]
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        request = pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[text])
+        futures = [stub.Embed.future(request, timeout=120) for _ in range(16)]
+        _until(
+            lambda: _metric(server, "encoderd_cache_lookups_total", joined) - before_joined == 15,
+            "the 15 later requests never joined the first",
+        )
+    finally:
+        os.kill(worker, signal.SIGCONT)
     vectors = [np.array(f.result().embeddings[0].values) for f in futures]
-    computed = _metric(server, "encoderd_real_tokens_total", f'{{model="{DEFAULT_MODEL_NAME}"}}') - before_tokens
+    computed = _metric(server, "encoderd_real_tokens_total", tokens) - before_tokens
     one_input = futures[0].result().usage.prompt_tokens
     assert all(np.array_equal(v, vectors[0]) for v in vectors)
     assert computed == one_input, f"16 identical requests computed {computed / one_input:.0f} times"
+
+
+def _until(condition, what: str, timeout: float = 60) -> None:
+    """Wait for a state of the server (not for time to pass): fails only if it never comes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def test_cache_hits_and_misses(cached_server):

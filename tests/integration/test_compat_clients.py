@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from pathlib import Path
 
 import httpx
@@ -892,7 +893,6 @@ def _post_gzipped(http, path: str, raw: bytes, encoding: str = "gzip") -> httpx.
 
 def _gzip(body) -> bytes:
     import gzip
-    import json
 
     return gzip.compress(json.dumps(body).encode())
 
@@ -946,11 +946,54 @@ def test_gzip_request_bodies_on_every_rest_route(compat_server, http, st_vectors
     assert raw.split(b"\r\n")[0].endswith(b" 200 OK") and b'"embedding":[' in raw, raw[:300]
 
 
+def _with_control(text: str, char: str) -> tuple[str, int]:
+    """`text` (a JSON body) with `char` put raw inside its first request text, and the byte
+    offset it is at."""
+    for known in (QUERY, TEXTS[0], "x y"):
+        literal = json.dumps(known)
+        if literal in text:
+            at = text.index(literal) + 2
+            return text[:at] + char + text[at:], len(text[:at].encode())
+    raise AssertionError(f"no request text in {text}")
+
+
+def test_control_characters_in_json_strings_are_a_400_naming_their_place(http):
+    """RFC 8259 allows no raw U+0000-U+001F in a string (and only tab, LF and CR between tokens):
+    every REST route answers such a body 400 with the character and its place, plain or gzipped,
+    before any model sees it. The transcoder took a raw NUL into the text (200) before."""
+    import gzip
+
+    posts = [path for path, operations in http.get("/openapi.json").json()["paths"].items() if "post" in operations]
+    assert set(GZIP_BODIES) <= set(posts) and len(posts) > 20
+    for path in posts:
+        body = json.dumps(GZIP_BODIES.get(path, {"model": M, "input": "x y", "inputs": "x y"}))
+        raw, at = _with_control(body, "\x00")
+        for response in (http.post(path, content=raw.encode()), _post_gzipped(http, path, gzip.compress(raw.encode()))):
+            _error(response, 400, f"control character U+0000 at byte {at} (line 1, column {at + 1})", "\\u0000")
+    body = json.dumps(GZIP_BODIES["/v1/embeddings"])
+    for code in range(0x20):
+        raw, at = _with_control(body, chr(code))
+        _error(http.post("/v1/embeddings", content=raw.encode()), 400, f"U+{code:04X} at byte {at} ")
+    # Between tokens tab, LF and CR are whitespace; escaped, any control character is text.
+    pretty = json.dumps(GZIP_BODIES["/v1/embeddings"], indent="\t").replace("\n", "\r\n")
+    assert http.post("/v1/embeddings", content=pretty.encode()).status_code == 200
+    escaped, _ = _with_control(body, "\\u0000\\n\\t")
+    assert http.post("/v1/embeddings", content=escaped.encode()).status_code == 200
+    # The place is counted in lines too, in a pretty-printed body.
+    raw, at = _with_control(pretty, "\x01")
+    line = raw[:at].count("\n") + 1
+    column = at - raw[:at].rfind("\n")
+    _error(
+        http.post("/v1/embeddings", content=raw.encode()), 400, f"U+0001 at byte {at} (line {line}, column {column})"
+    )
+    for code in (0x00, 0x1F):  # outside a string, only tab, LF and CR may be
+        _error(http.post("/v1/embeddings", content=(chr(code) + body).encode()), 400, f"U+{code:04X} at byte 0 ")
+
+
 def test_bad_gzip_bodies_are_a_400_at_once(http):
     """Truncated, corrupt or mislabelled gzip: a 400 naming the problem, never a hang (the client's
     30 s timeout) or a request built from a prefix of the body."""
     import gzip
-    import json
 
     text = json.dumps({"model": M, "input": TEXTS}).encode()
     whole = gzip.compress(text)

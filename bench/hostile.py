@@ -1,0 +1,238 @@
+"""Hostile-client probes of issue 42 (items 1 and 4), run against this checkout and, with
+--compare-ref, the same command from git REF:
+
+    python -m encoderd.bench.hostile [--runs 3] [--compare-ref REF] [--others 8] [--sends 20] [--length 65000]
+
+  echo     --others REST clients (/v1/embeddings) and as many gRPC ones (Embed, through Envoy's
+           gRPC port) call back to back, 32 texts a call (each answered once before the phase
+           starts, calling until it ends), while one client sends --sends REST calls and as many
+           gRPC ones whose `model` is --length characters (65,000: the size issue 42 found to break
+           the Envoy<->server link). Counts the others' failed calls, and the codes the sender got.
+  refuse   a rerank of 1,000 documents x 2,000 characters over --max-request-tokens (default
+           262,144): the time until the refusal and the frontend's peak RSS above its level before
+           (sampled every 5 ms from /proc), and whether the answer named the limit.
+Each server is started as `encoderd serve` runs by default (REST on, its Envoy on the gRPC port),
+serving the bundled MiniLM and a MiniLM reranker built from tests/support. A probe, not a test:
+it prints a table and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ..workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from .corpus import _sentence
+from .flood import export_ref
+from .processes import Managed, free_port, grpc_serving, http_ok, serve_command, wait_until
+from .servers import REPO_ROOT
+
+
+def _reranker(cache: Path) -> str:
+    sys.path.insert(0, str(REPO_ROOT / "tests"))  # the tests' `support` package, as their conftest imports it
+    try:
+        from support.models import build_reranker  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(REPO_ROOT / "tests"))
+    return str(build_reranker(cache / "reranker-minilm"))
+
+
+def _start(label: str, pythonpath: str | None, reranker: str, logs: Path) -> tuple[Managed, str, str]:
+    grpc_port, rest_port = free_port(), free_port()
+    argv = [
+        *serve_command(pythonpath),
+        "--grpc-port",
+        str(grpc_port),
+        "--rest-port",
+        str(rest_port),
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={default_model_path()}",
+        "--model",
+        f"reranker={reranker}",
+    ]
+    env = {"PYTHONPATH": pythonpath} if pythonpath else {}
+    server = Managed(label, argv, logs / f"{label.replace(' ', '_')}.log", env=env, cwd=pythonpath or None).start()
+    address, rest = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{rest_port}"
+    wait_until(lambda: grpc_serving(address), label, server, timeout=300)
+    wait_until(lambda: http_ok(rest + "/health"), label + " REST", server, timeout=120)
+    return server, address, rest
+
+
+def echo_probe(address: str, rest: str, others: int, sends: int, length: int) -> dict:
+    """Other clients' failed calls while long `model` values are sent (see the module's docstring)."""
+    import grpc
+    import httpx
+
+    from ..v1 import encoderd_pb2 as pb
+    from ..v1 import encoderd_pb2_grpc
+
+    done = threading.Event()
+    ready = threading.Barrier(2 * others + 1)
+    results: list[bool] = []
+    lock = threading.Lock()
+    rng = random.Random(7)
+    texts = [_sentence(rng) + " " + _sentence(rng) for _ in range(32)]
+    long_model = "m" * length
+
+    def loop(call) -> None:
+        first = True
+        while first or not done.is_set():
+            ok = call()
+            with lock:
+                results.append(ok)
+            if first:
+                ready.wait(timeout=120)
+                first = False
+
+    def rest_client() -> None:
+        with httpx.Client(base_url=rest, timeout=60, trust_env=False) as http:
+
+            def call() -> bool:
+                try:
+                    return http.post("/v1/embeddings", json={"model": DEFAULT_MODEL_NAME, "input": texts}).is_success
+                except httpx.HTTPError:
+                    return False
+
+            loop(call)
+
+    def grpc_client() -> None:
+        with grpc.insecure_channel(address) as channel:
+            stub = encoderd_pb2_grpc.EncoderStub(channel)
+
+            def call() -> bool:
+                try:
+                    stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=texts), timeout=60)
+                    return True
+                except grpc.RpcError:
+                    return False
+
+            loop(call)
+
+    threads = [threading.Thread(target=rest_client) for _ in range(others)]
+    threads += [threading.Thread(target=grpc_client) for _ in range(others)]
+    for thread in threads:
+        thread.start()
+    ready.wait(timeout=120)
+    with lock:
+        before = len(results)
+    sent: dict[str, int] = {}
+    with httpx.Client(base_url=rest, timeout=60, trust_env=False) as http, grpc.insecure_channel(address) as channel:
+        stub = encoderd_pb2_grpc.EncoderStub(channel)
+        for _ in range(sends):  # REST, and native gRPC through Envoy's gRPC port
+            code = str(http.post("/v1/embeddings", json={"model": long_model, "input": "x"}).status_code)
+            sent[code] = sent.get(code, 0) + 1
+            try:
+                stub.Embed(pb.EmbedRequest(model=long_model, inputs=["x"]), timeout=60)
+                code = "OK"
+            except grpc.RpcError as exc:
+                code = exc.code().name
+            sent[code] = sent.get(code, 0) + 1
+    done.set()
+    for thread in threads:
+        thread.join()
+    during = results[before:]
+    return {
+        "others_calls": len(during),
+        "others_failed": sum(1 for ok in during if not ok),
+        "sender_codes": dict(sorted(sent.items())),
+    }
+
+
+def _rss_kib(pid: int, field: str = "VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def refuse_probe(address: str, frontend: int, seed: int) -> dict:
+    """The 1,000 x 2,000-character rerank: seconds to the refusal, frontend peak RSS growth."""
+    import grpc
+
+    from ..v1 import encoderd_pb2 as pb
+    from ..v1 import encoderd_pb2_grpc
+
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(1000):
+        text = ""
+        while len(text) < 2000:
+            text += _sentence(rng) + " "
+        docs.append(text[:2000])
+    request = pb.RerankRequest(model="reranker", query="which report was late", documents=docs)
+    baseline, peak = _rss_kib(frontend), [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_kib(frontend))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        stub = encoderd_pb2_grpc.EncoderStub(channel)
+        started = time.perf_counter()
+        try:
+            stub.Rerank(request, timeout=120)
+            code, details = "OK", ""
+        except grpc.RpcError as exc:
+            code, details = exc.code().name, exc.details() or ""
+        seconds = time.perf_counter() - started
+    stop.set()
+    sampler.join()
+    return {
+        "seconds": seconds,
+        "rss_growth_mib": max(0, peak[0] - baseline) / 1024,
+        "code": code,
+        "names_limit": "--max-request-tokens" in details,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m encoderd.bench.hostile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--others", type=int, default=8, help="other REST clients, and gRPC ones, in the echo probe")
+    parser.add_argument("--sends", type=int, default=20, help="calls with a 65,000-character model per run")
+    parser.add_argument("--length", type=int, default=65_000, help="characters of the long `model`")
+    parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
+    parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "encoderd-bench")
+    args = parser.parse_args(argv)
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="encoderd-hostile-"))
+    reranker = _reranker(args.cache_dir)
+    servers = [("this checkout", None)] + (
+        [(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))] if args.compare_ref else []
+    )
+    print(
+        f"{'server':<22} {'run':>3} {'others failed':>15} {'sender codes':<40} {'refusal s':>9} "
+        f"{'RSS +MiB':>8} {'code':<17} names limit"
+    )
+    for label, path in reversed(servers):  # the reference first
+        server, address, rest = _start(label, path, reranker, logs)
+        try:
+            for run in range(args.runs):
+                echo = echo_probe(address, rest, args.others, args.sends, args.length)
+                refused = refuse_probe(address, server.pid, seed=run)
+                failed = f"{echo['others_failed']}/{echo['others_calls']}"
+                print(
+                    f"{label:<22} {run + 1:>3} {failed:>15} {echo['sender_codes']!s:<16} "
+                    f"{refused['seconds']:>9.2f} {refused['rss_growth_mib']:>8.0f} {refused['code']:<17} "
+                    f"{refused['names_limit']}",
+                    flush=True,
+                )
+                server.check_alive()
+        finally:
+            server.stop()
+    print(f"logs: {logs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
