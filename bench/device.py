@@ -207,10 +207,12 @@ def _cap_memory(device: str, fits) -> bool:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated()  # the weights
     fits()
-    peak = torch.cuda.max_memory_allocated()
+    working = torch.cuda.max_memory_allocated() - resident  # what half the batch needed on top
     total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, peak * 1.2 / total), torch.device(device))
+    # 1.4 halves' working memory: the whole batch (about two) cannot fit, a half can.
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (resident + 1.4 * working) / total), torch.device(device))
     return True
 
 

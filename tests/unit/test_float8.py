@@ -141,3 +141,40 @@ def test_the_self_check_judges_float8_and_refuses_minilm_below_the_8_bit_floor(t
     backend.options = msgspec.structs.replace(backend.options, dtype="float8")
     with pytest.raises(fidelity.LowFidelity, match=r"torch float8 on cpu.*min_cosine 0\.9[0-8]\d* \(floor 0\.99\)"):
         fidelity.self_check(backend, spec, allow_low=False)
+
+
+# ------------------------------------------------------------------ on a GPU (tests/gpu/device_check.sh)
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0) >= hardware.CUDA_FP8_CAPABILITY
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA device with fp8 tensor cores (8.9+)")
+def test_float8_linear_on_the_gpu_computes_what_the_cpu_computes():
+    linear = _linear(768, 3072, seed=3)
+    x = torch.randn(300, 768, dtype=torch.bfloat16)
+    on_cpu = Float8Linear.from_linear(linear)(x).float()
+    on_gpu = Float8Linear.from_linear(linear.cuda())(x.cuda()).float().cpu()
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=2**-6, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA device with fp8 tensor cores (8.9+)")
+def test_the_torch_engine_runs_float8_on_the_gpu_padding_free(tmp_path):
+    """Loaded and computed as a worker would (padding-free varlen forward, fp8 linears), within
+    what the CPU arithmetic measured (min cosine 0.976 on the calibration set) of float32 on CPU."""
+    from encoderd.workers import calibration
+    from encoderd.workers.backends import create_backend
+    from encoderd.workers.contract.config import BackendOptions
+    from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+
+    spec = load_model_spec("minilm", default_model_path())
+    fp8 = create_backend("torch", spec, BackendOptions(device="cuda", dtype="float8", cache_dir=str(tmp_path)))
+    fp32 = create_backend("torch", spec, BackendOptions(device="cpu", dtype="float32", cache_dir=str(tmp_path)))
+    fp8.load()
+    fp32.load()
+    assert fp8.packed is not None
+    assert any(isinstance(m, Float8Linear) for m in vars(fp8.packed.pieces).get("qkv", []))
+    for batch in calibration.batches(spec):
+        got, want = fp8.forward(batch), fp32.forward(batch)
+        assert fidelity.min_cosine(got, want) >= 0.97
