@@ -22,6 +22,7 @@ import json
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ def worker_memory_mb(device: str, worker_pids: list[int]) -> float:
 def run_memory(target, work: Workload, args, device: str, worker_pids: list[int]) -> Row:
     log(f"memory: {args.soak_seconds:g}s of bulk traffic, worker memory on {device} sampled each second")
     samples: list[tuple[float, float]] = []
-    state = {"errors": 0, "inputs": 0, "stop": False, "last_error": ""}
+    state: dict[str, Any] = {"errors": 0, "inputs": 0, "stop": False, "last_error": ""}
 
     async def client(embed, k0: int) -> None:
         k = k0
@@ -184,10 +185,10 @@ def _oom_child(model_dir: str, device: str, batch: int, length: int) -> dict:
     def token_batch(rows) -> TokenBatch:
         return TokenBatch.from_sequences(0, rows)
 
-    alone = [backend.forward(token_batch([r]))[0] for r in ids]  # uncapped: the reference, one by one
+    alone = [np.asarray(backend.forward(token_batch([r])))[0] for r in ids]  # uncapped: the reference, one by one
     half = token_batch(ids[: max(1, batch // 2)])
     capped = _cap_memory(device, lambda: backend.forward(half))
-    got = forward_halving_on_oom(backend, token_batch(ids))
+    got = np.asarray(forward_halving_on_oom(backend, token_batch(ids)))
     wrong = sum(
         1 for a, b in zip(got, alone, strict=False) if np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b) < 0.999
     )

@@ -42,7 +42,7 @@ def to_float8(matrix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (matrix.float() / scales).clamp_(-LARGEST, LARGEST).to(FORMAT)
 
 
-def fits(linear: torch.nn.Module) -> bool:
+def fits(linear: torch.nn.Linear) -> bool:
     return linear.in_features % ALIGNMENT == 0 and linear.out_features % ALIGNMENT == 0
 
 
@@ -58,7 +58,7 @@ class Float8Linear(torch.nn.Module):
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Module) -> Float8Linear:
+    def from_linear(cls, linear: torch.nn.Linear) -> Float8Linear:
         weight = linear.weight.detach()
         return cls(weight.to_dense() if weight.is_mkldnn else weight, linear.bias)  # a CPU PackedLinear unpacks exactly
 
