@@ -178,3 +178,14 @@ def test_the_torch_engine_runs_float8_on_the_gpu_padding_free(tmp_path):
     for batch in calibration.batches(spec):
         got, want = fp8.forward(batch), fp32.forward(batch)
         assert fidelity.min_cosine(got, want) >= 0.97
+
+
+def test_serve_help_names_float8_and_says_which_gpu_engines_never_ran_on_a_gpu():
+    """Issue 41.4: the onnx, tensorrt and ctranslate2 CUDA rows are built, not verified; --help says so."""
+    from encoderd.server.ops.cli import build_parser
+
+    parser = build_parser()
+    serve = next(a for a in parser._subparsers._group_actions if a.choices).choices["serve"]
+    text = " ".join(serve.format_help().split())
+    assert "tensorrt and ctranslate2 are built, not yet run on a GPU" in text
+    assert "float8: torch on CUDA with fp8 tensor cores, compute capability 8.9+" in text
