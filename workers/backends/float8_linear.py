@@ -39,7 +39,9 @@ def row_scales(matrix: torch.Tensor) -> torch.Tensor:
 def to_float8(matrix: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """matrix / scales in e4m3; the clamp keeps a rounding just past LARGEST from becoming NaN
     (e4m3fn has no infinity: a cast overflow is NaN)."""
-    return (matrix.float() / scales).clamp_(-LARGEST, LARGEST).to(FORMAT)
+    # contiguous: _scaled_mm takes its first operand row-major, and a view (a slice of a fused
+    # projection's output) may not be
+    return (matrix.float() / scales).clamp_(-LARGEST, LARGEST).to(FORMAT).contiguous()
 
 
 def fits(linear: torch.nn.Linear) -> bool:
