@@ -28,14 +28,14 @@ OUTPUTS = {
 }
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)  # the phases' own limits add up to 1,620 s; a quiet 2-core host takes ~3 min
 def test_device_check_passes_on_cpu_at_tiny_sizes(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
         ["bash", str(REPO / "tests/gpu/device_check.sh"), "--device", "cpu", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=1100,
+        timeout=1700,
         check=False,
     )
     summary = (out / "summary.txt").read_text() if (out / "summary.txt").exists() else ""
