@@ -8,8 +8,8 @@
 * `oom`: a batch too big for the GPU computed by the real torch engine under a memory cap it
   cannot fit (torch.cuda.set_per_process_memory_fraction, sized on half the batch), in a child
   process so the cap binds nothing else: workers/process.forward_halving_on_oom must halve it and
-  lose no input, each output equal to that input computed alone. On CPU it runs uncapped (see
-  _cap_memory), which checks everything but the halving.
+  lose no input, each output equal to that input computed alone (workers/bench_oom.py). On CPU it
+  runs uncapped, which checks everything but the halving.
 
 Every path runs on CPU too (the CI run of tests/gpu/device_check.sh --device cpu), so none is first
 run on a GPU.
@@ -23,8 +23,6 @@ import subprocess
 import sys
 import time
 from typing import Any
-
-import numpy as np
 
 from .corpus import Workload
 from .modes import Row
@@ -135,9 +133,9 @@ def memory_summary(samples: list[tuple[float, float]]) -> dict:
 
 # ------------------------------------------------------------------ out-of-memory halving
 def run_oom(model_dir: str, device: str, batch: int, length: int) -> Row:
-    """The child process below, its JSON verdict as a row (errors: inputs lost or wrong)."""
+    """workers/bench_oom.py in a child process, its JSON verdict as a row (errors: inputs lost or wrong)."""
     log(f"oom: {batch} inputs of {length} tokens on {device} under a memory cap that fits half of them")
-    argv = [sys.executable, "-m", "encoderd.bench.device", model_dir, device, str(batch), str(length)]
+    argv = [sys.executable, "-m", "encoderd.workers.bench_oom", model_dir, device, str(batch), str(length)]
     started = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     row = Row("oom", "encoderd", "in-process", wall_s=round(time.monotonic() - started, 1))
@@ -148,74 +146,10 @@ def run_oom(model_dir: str, device: str, batch: int, length: int) -> Row:
         return row
     row.server = verdict
     row.calls = verdict["inputs"]
-    unhalved = verdict["capped"] and not verdict["halvings"]
+    unhalved = verdict["capped"] and not verdict["halved"]
     row.errors = verdict["lost"] + verdict["wrong"] + int(unhalved)
     if unhalved:
         row.notes = "the capped batch fit: nothing was halved"
     elif not verdict["capped"]:
         row.notes = "no memory cap on CPU: the batch ran whole (the halving itself: tests/unit/test_oom_split.py)"
     return row
-
-
-def _oom_child(model_dir: str, device: str, batch: int, length: int) -> dict:
-    import logging
-
-    from ..workers.backends import create_backend
-    from ..workers.contract.config import BackendOptions
-    from ..workers.contract.model_spec import load_model_spec
-    from ..workers.contract.protocol import TokenBatch
-    from ..workers.process import forward_halving_on_oom
-
-    halvings: list[str] = []
-
-    class Count(logging.Handler):
-        def emit(self, record):
-            if "computing it in halves" in record.getMessage():
-                halvings.append(record.getMessage())
-
-    logging.getLogger("encoderd.workers.process").addHandler(Count())
-    logging.getLogger("encoderd.workers.process").setLevel(logging.INFO)
-    dtype = "float16" if is_cuda(device) else "float32"
-    spec = load_model_spec("oom", model_dir)
-    backend = create_backend("torch", spec, BackendOptions(device=device, dtype=dtype, threads=1))
-    backend.load()
-    rng = np.random.default_rng(0)
-    ids = [rng.integers(1000, 2000, length).astype(np.int64) for _ in range(batch)]
-
-    def token_batch(rows) -> TokenBatch:
-        return TokenBatch.from_sequences(0, rows)
-
-    alone = [np.asarray(backend.forward(token_batch([r])))[0] for r in ids]  # uncapped: the reference, one by one
-    half = token_batch(ids[: max(1, batch // 2)])
-    capped = _cap_memory(device, lambda: backend.forward(half))
-    got = np.asarray(forward_halving_on_oom(backend, token_batch(ids)))
-    wrong = sum(
-        1 for a, b in zip(got, alone, strict=False) if np.dot(a, b) / np.linalg.norm(a) / np.linalg.norm(b) < 0.999
-    )
-    verdict = {"inputs": batch, "answered": len(got), "lost": batch - len(got), "wrong": wrong}
-    return {**verdict, "capped": capped, "halvings": len(halvings)}
-
-
-def _cap_memory(device: str, fits) -> bool:
-    """On a GPU, cap this process's device memory at what `fits` (half the batch) needs plus a
-    margin: the whole batch then runs out, its halves do not. Returns whether it capped: on CPU
-    there is no such cap that holds (under RLIMIT_AS oneDNN fails "could not create a primitive",
-    or glibc's kept arenas let the whole batch fit), so the CPU run checks the rest of the path."""
-    if not is_cuda(device):
-        return False
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    resident = torch.cuda.memory_allocated()  # the weights
-    fits()
-    working = torch.cuda.max_memory_allocated() - resident  # what half the batch needed on top
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    # 1.4 halves' working memory: the whole batch (about two) cannot fit, a half can.
-    torch.cuda.set_per_process_memory_fraction(min(1.0, (resident + 1.4 * working) / total), torch.device(device))
-    return True
-
-
-if __name__ == "__main__":
-    print(json.dumps(_oom_child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))

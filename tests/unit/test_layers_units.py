@@ -200,6 +200,7 @@ def test_engine_and_dtype_names_are_the_backends():
     assert tuple(backends.ENGINES) == ENGINES
     computed = {
         *torch_backend.DTYPES,
+        *torch_backend.QUANTIZED,
         *(d for device in onnx_backend.OnnxBackend.dtypes.values() for d in device),
         *(d for device in tensorrt_backend.TensorRTBackend.dtypes.values() for d in device),
         *(dtype for dtype, _ in ct2_backend.COMPUTE_TYPES),

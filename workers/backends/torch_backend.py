@@ -23,7 +23,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 INT8 = "int8"
 # float8 (CUDA, compute capability 8.9+): loaded in bfloat16, then its linears quantized (float8_linear.py).
 FLOAT8 = "float8"
-_LOAD_DTYPES = {INT8: torch.float32, FLOAT8: torch.bfloat16}
+# The quantized dtypes: what each is loaded in before its linears are swapped.
+QUANTIZED = {INT8: torch.float32, FLOAT8: torch.bfloat16}
 # Kinds computed right here (pooled hidden states, logits); the others in torch_heads.
 _POOLED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
 # CPU batches of fewer (padded) tokens run on one thread: the worker's OpenMP threads wait
@@ -60,16 +61,16 @@ class TorchBackend(Backend):
     engine = "torch"
 
     def load(self) -> None:
-        if self.options.dtype not in (*DTYPES, *_LOAD_DTYPES):
+        if self.options.dtype not in (*DTYPES, *QUANTIZED):
             raise ValueError(
-                f"the torch engine supports dtypes {sorted((*DTYPES, *_LOAD_DTYPES))}, not {self.options.dtype!r}"
+                f"the torch engine supports dtypes {sorted((*DTYPES, *QUANTIZED))}, not {self.options.dtype!r}"
             )
         self.device = torch.device(self.options.device)
         if self.options.dtype == INT8 and self.device.type != "cpu":
             raise ValueError("the torch engine computes int8 on CPU only; on CUDA: --engine ctranslate2 --dtype int8")
         if self.options.dtype == FLOAT8 and self.device.type != "cuda":  # hardware.check_dtype says why
             raise ValueError("the torch engine computes float8 on CUDA only (compute capability 8.9 or newer)")
-        weights = DTYPES.get(self.options.dtype) or _LOAD_DTYPES[self.options.dtype]
+        weights = DTYPES.get(self.options.dtype) or QUANTIZED[self.options.dtype]
         self.threads = self.options.threads or len(os.sched_getaffinity(0))
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
