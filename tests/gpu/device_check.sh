@@ -6,6 +6,7 @@
 #   env      the GPU, driver, torch / CUDA and package versions;
 #   install  the wheels carried in .whl/ (tests/gpu/fetch_wheels.sh), encoderd's own among them,
 #            with pip --no-index --no-deps --target into a folder put first on PYTHONPATH;
+#   which    that encoderd, grpc, protobuf, pyzmq and msgspec now import from there;
 #   models   built here with seeded weights: the bundled MiniLM from its carried config and tokenizer
 #            (tests/gpu/minilm.py), the bench's bge-base-sized BERT and bge-reranker-base-sized XLM-R
 #            (bench/models.py; 2 x 64 with --device cpu);
