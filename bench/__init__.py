@@ -13,6 +13,11 @@ one target after the other so they share the machine's conditions):
   rerank  a query + 50 passages per call, sequential: p50/p95.
   recovery  (only when asked: --modes recovery) cold start to the first embedding, and kill -9 of
           a worker to serving again, each server started afresh: recovery.py.
+  memory  (only when asked) worker memory over a --soak-seconds bulk soak: flat or not (device.py).
+  oom     (only when asked) a batch too big for the GPU halves and loses no input (device.py).
+
+--device cuda runs it all on a GPU: encoderd serves there, the matmul peak is measured there and
+sentence-transformers runs there in float16 (device.py).
 
 Targets: encoderd over gRPC (always) and REST (--rest, through its Envoy gateway), an
 Infinity server in its own virtualenv (--infinity, REST), and sentence-transformers in

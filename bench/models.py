@@ -33,16 +33,27 @@ BASE_SIZES: dict[str, Any] = {
     "intermediate_size": 3072,
     "num_attention_heads": 12,
 }
+# `--models tiny`: the same architectures, tokenizers and heads, small enough for a CI run on 2 cores.
+TINY_SIZES: dict[str, Any] = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+}
 _XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 _FORMAT = 1  # bump when what is built changes: the cached copy is then rebuilt
 
 
-def build_base_embedder(cache: Path) -> str:
-    return _build(cache / "bge-base-sized", _write_base_embedder)
+def build_base_embedder(cache: Path, tiny: bool = False) -> str:
+    sizes = TINY_SIZES if tiny else BASE_SIZES
+    name = "bge-tiny" if tiny else "bge-base-sized"
+    return _build(cache / name, lambda out: _write_base_embedder(out, sizes))
 
 
-def build_xlmr_reranker(cache: Path) -> str:
-    return _build(cache / "bge-reranker-base-sized", _write_xlmr_reranker)
+def build_xlmr_reranker(cache: Path, tiny: bool = False) -> str:
+    sizes = TINY_SIZES if tiny else BASE_SIZES
+    name = "bge-reranker-tiny" if tiny else "bge-reranker-base-sized"
+    return _build(cache / name, lambda out: _write_xlmr_reranker(out, sizes))
 
 
 def _build(out: Path, write) -> str:
@@ -60,14 +71,14 @@ def _build(out: Path, write) -> str:
     return str(out)
 
 
-def _write_base_embedder(out: Path) -> None:
+def _write_base_embedder(out: Path, sizes: dict[str, Any]) -> None:
     import torch
     from transformers import BertConfig, BertModel
 
     minilm = Path(default_model_path())
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(minilm / name, out / name)
-    config = BertConfig(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, **BASE_SIZES)
+    config = BertConfig(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, **sizes)
     torch.manual_seed(0)
     BertModel(config).eval().save_pretrained(out)
     modules = [
@@ -81,7 +92,7 @@ def _write_base_embedder(out: Path) -> None:
     (out / "1_Pooling" / "config.json").write_text(
         json.dumps(
             {
-                "word_embedding_dimension": 768,
+                "word_embedding_dimension": sizes["hidden_size"],
                 "pooling_mode_cls_token": True,
                 "pooling_mode_mean_tokens": False,
                 "pooling_mode_max_tokens": False,
@@ -92,7 +103,7 @@ def _write_base_embedder(out: Path) -> None:
     (out / "2_Normalize").mkdir()
 
 
-def _write_xlmr_reranker(out: Path) -> None:
+def _write_xlmr_reranker(out: Path, sizes: dict[str, Any]) -> None:
     import torch
     from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
 
@@ -123,7 +134,7 @@ def _write_xlmr_reranker(out: Path) -> None:
         layer_norm_eps=1e-5,
         id2label={0: "LABEL_0"},
         label2id={"LABEL_0": 0},
-        **BASE_SIZES,
+        **sizes,
     )
     torch.manual_seed(0)
     XLMRobertaForSequenceClassification(config).eval().save_pretrained(out)

@@ -34,6 +34,7 @@ class Row:
     padding_ratio: float | None = None
     flop_utilisation: float | None = None
     worker_busy: float | None = None
+    frontend_ms_per_input: float | None = None  # the frontend's CPU time per input answered
     cpu_cores: dict = field(default_factory=dict)
     server: dict = field(default_factory=dict)
     notes: str = ""
@@ -171,9 +172,16 @@ def run_bulk(
     if snap0 and snap1:
         row.cpu_cores = CpuProbe.cores(snap0, snap1)
         row.worker_busy = busy(row.cpu_cores, "worker", worker_threads)
+        row.frontend_ms_per_input = _per_input_ms(row.cpu_cores.get("frontend"), row.inputs_per_s)
     if state.get("last_error"):
         row.notes = state["last_error"]
     return row
+
+
+def _per_input_ms(cores: float | None, inputs_per_s: float) -> float | None:
+    """CPU milliseconds per input of a process group using `cores` on average at this rate: with it,
+    the cores one frontend needs to feed a faster worker (rate x this)."""
+    return round(cores / inputs_per_s * 1e3, 4) if cores is not None and inputs_per_s else None
 
 
 def _useful_flops(work: Workload, done, flops: FlopModel, wall: float) -> float:

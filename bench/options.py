@@ -31,6 +31,7 @@ FULL = {
     "rerank_calls": 10,
     "rerank_docs": 50,
     "recovery_runs": 3,
+    "soak_seconds": 120.0,
     "peak_sizes": ((2048, 2048, 2048), (4096, 384, 1536), (4096, 1536, 384)),
 }
 QUICK = {
@@ -44,8 +45,11 @@ QUICK = {
     "rerank_calls": 2,
     "rerank_docs": 8,
     "recovery_runs": 1,
+    "soak_seconds": 5.0,
     "peak_sizes": ((512, 512, 512),),
 }
+# On a GPU a matmul reaches its peak only at large sizes (KINDS.md: 8192^3 bf16 ~790 TFLOP/s on an H200).
+GPU_PEAK_SIZES = ((8192, 8192, 8192), (16384, 768, 3072), (16384, 3072, 768))
 
 
 def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
@@ -61,8 +65,15 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
     p.add_argument(
         "--modes",
         default="bulk,single,rerank",
-        help="comma-separated subset of bulk,single,rerank,recovery (recovery: cold starts and kill -9 "
-        "of a worker, its own servers; see bench/recovery.py)",
+        help="comma-separated subset of bulk,single,rerank,recovery,memory,oom (recovery: cold starts and "
+        "kill -9 of a worker, its own servers; see bench/recovery.py; memory: worker memory over a "
+        "--soak-seconds bulk soak; oom: a batch too big for the GPU halves and loses nothing; see bench/device.py)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda[:N]: encoderd serves there (--device added to --serve-args), the matmul peak is "
+        "measured there and sentence-transformers runs there in float16 (its usual GPU setting)",
     )
     p.add_argument("--serve-args", default="", help='extra `encoderd serve` flags, e.g. "--dtype bfloat16"')
     p.add_argument("--target-grpc", help="host:port of a running encoderd instead of starting one")
@@ -94,11 +105,12 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
     p.add_argument("--no-st", action="store_true", help="skip the in-process sentence-transformers reference")
     p.add_argument(
         "--models",
-        choices=("minilm", "base"),
+        choices=("minilm", "base", "tiny"),
         default="minilm",
         help="minilm: the bundled all-MiniLM-L6-v2 and a MiniLM cross-encoder; base: a bge-base-sized "
         "BERT embedder and a bge-reranker-base-sized XLM-R cross-encoder (real sizes, random "
-        "weights, built once under --cache-dir; see bench/models.py)",
+        "weights, built once under --cache-dir; see bench/models.py); tiny: the same two architectures "
+        "at 2 layers x 64 (the CPU run of tests/gpu/device_check.sh)",
     )
     p.add_argument("--reranker", help="cross-encoder directory for rerank (default: per --models)")
     p.add_argument(
@@ -126,8 +138,9 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
         ("rerank_calls", "sequential rerank calls"),
         ("rerank_docs", "passages per rerank call"),
         ("recovery_runs", "cold starts (and worker kills) per server in the recovery mode"),
+        ("soak_seconds", "bulk traffic of the memory mode, s"),
     ):
-        kind = float if name.startswith("bulk_s") or name == "bulk_warmup" else int
+        kind = float if name.startswith(("bulk_s", "soak")) or name == "bulk_warmup" else int
         p.add_argument(
             "--" + name.replace("_", "-"), type=kind, help=f"{help_} (full: {FULL[name]}, quick: {QUICK[name]})"
         )
@@ -143,10 +156,17 @@ def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
     if args.bulk_requests < 0:
         args.bulk_requests = max(1, args.corpus_size // args.batch)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if unknown := set(args.modes) - {"bulk", "single", "rerank", "recovery"}:
+    if unknown := set(args.modes) - {"bulk", "single", "rerank", "recovery", "memory", "oom"}:
         raise SystemExit(f"encoderd bench: unknown modes {sorted(unknown)}")
     if args.quick:
         args.infinity, args.infinity_bf16, args.openvino, args.no_st = False, False, False, True
+    if args.device != "cpu":
+        import shlex
+
+        if "--device" not in shlex.split(args.serve_args):
+            args.serve_args = f"{args.serve_args} --device {args.device}".strip()
+        if args.peak_sizes == FULL["peak_sizes"]:
+            args.peak_sizes = GPU_PEAK_SIZES
     return args
 
 

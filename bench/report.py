@@ -35,6 +35,15 @@ def print_table(rows: list[Row], out=sys.stdout) -> None:
             used = ", ".join(f"{k} {v:.2f}" for k, v in r.cpu_cores.items() if v >= 0.005 or k == "foreign")
             print(f"  {r.mode:7} {r.engine}/{r.protocol}: {used}", file=out)
     for r in rows:
+        if r.frontend_ms_per_input:
+            print(
+                f"  frontend CPU per input {r.mode} {r.engine}/{r.protocol}: {r.frontend_ms_per_input:.3f} ms "
+                f"(one core feeds {1e3 / r.frontend_ms_per_input:,.0f} inputs/s)",
+                file=out,
+            )
+        if r.mode in ("memory", "oom") and r.server:
+            print(f"  {r.mode} {r.engine}: {r.server}", file=out)
+    for r in rows:
         if r.notes:
             print(f"  note {r.mode} {r.engine}/{r.protocol}: {r.notes}", file=out)
 
@@ -83,7 +92,7 @@ def floors(rows: list[Row], peak: dict) -> dict:
         if floor and r.mode == "single" and r.engine == "encoderd" and r.p50_ms
     }
     return {
-        "matmul_peak_gflops": {k: peak[k] for k in ("float32", "bfloat16") if k in peak},
+        "matmul_peak_gflops": {k: peak[k] for k in ("float32", "float16", "bfloat16") if k in peak},
         "single_in_process_p50_ms": floor,
         "encoderd_single_p50_over_floor": over,
     }

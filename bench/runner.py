@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import Workload, make_workload
+from .device import device_peak, is_cuda, run_memory, run_oom
 from .flops import FlopModel, matmul_peak
 from .models import build_base_embedder, build_xlmr_reranker
 from .modes import Row, run_bulk, run_bulk_in_process, run_rerank, run_single
@@ -39,9 +40,10 @@ from .targets import GrpcTarget, RestTarget, SentenceTransformersTarget
 def bench_models(args) -> tuple[str, str | None]:
     """(embedder directory, cross-encoder directory or None) for --models."""
     wants_reranker = "rerank" in args.modes
-    if args.models == "base":
-        embed_dir = build_base_embedder(args.cache_dir)
-        rerank_dir = (args.reranker or build_xlmr_reranker(args.cache_dir)) if wants_reranker else None
+    if args.models in ("base", "tiny"):
+        tiny = args.models == "tiny"
+        embed_dir = build_base_embedder(args.cache_dir, tiny)
+        rerank_dir = (args.reranker or build_xlmr_reranker(args.cache_dir, tiny)) if wants_reranker else None
         return embed_dir, rerank_dir
     return default_model_path(), build_reranker(args) if wants_reranker else None
 
@@ -85,6 +87,7 @@ class Bench:
             "formula": "FLOPs(n) = n * (2*P + 4*L*H*n), P = L*(4H^2 + 2HI)",
         }
         self.run_modes(targets, work, flops, threads)
+        self.run_device_modes(targets, work, embed_dir)
         self.info["elapsed_s"] = round(time.monotonic() - started, 1)
         return self.report()
 
@@ -112,9 +115,9 @@ class Bench:
         if not args.no_st:
             log("loading sentence-transformers in this process")
             # As many threads as all the server's workers together compute on.
-            st = SentenceTransformersTarget(embed_dir, rerank_dir, serving_threads(args))
+            st = SentenceTransformersTarget(embed_dir, rerank_dir, serving_threads(args), args.device)
             targets.append(
-                {"name": "sentence-transformers", "client": st, "probe": None, "metrics": None, "dtype": "float32"}
+                {"name": "sentence-transformers", "client": st, "probe": None, "metrics": None, "dtype": st.dtype}
             )
         self._add_foreign_reference(targets)
         return targets
@@ -217,7 +220,7 @@ class Bench:
             for t in targets:
                 self.quiet()
                 if t["name"] == "sentence-transformers":
-                    self.rows.append(run_bulk_in_process(t["client"], work, args, flops, peak["float32"], threads))
+                    self.rows.append(run_bulk_in_process(t["client"], work, args, flops, peak.get(t["dtype"]), threads))
                     continue
                 bulk = functools.partial(
                     run_bulk,
@@ -252,9 +255,24 @@ class Bench:
                 run_openvino(venv, name, embed_dir, work, args, flops, self.info["peak_gflops"], threads, reference)
             )
 
+    def run_device_modes(self, targets: list[dict], work: Workload, embed_dir: str) -> None:
+        """memory and oom (bench/device.py): encoderd alone, the workers on --device."""
+        args = self.args
+        ours = next(t for t in targets if t["name"] == "encoderd")
+        if "memory" in args.modes:
+            self.quiet()
+            workers = ours["probe"].groups.get("worker", []) if ours["probe"] else []
+            self.rows.append(run_memory(ours["client"], work, args, args.device, workers))
+        if "oom" in args.modes:
+            batch, length = (64, 512) if is_cuda(args.device) else (8, 64)
+            self.rows.append(run_oom(embed_dir, args.device, batch, length))
+
     def measure_peak(self, threads: int) -> dict:
         """The best of up to three tries: a peak measured while others load the machine is too low (and
-        every utilisation too high), so it retries unless the machine was quiet, and says how busy it was."""
+        every utilisation too high), so it retries unless the machine was quiet, and says how busy it was.
+        On a GPU: once, there (nothing else shares it)."""
+        if is_cuda(self.args.device):
+            return {**device_peak(self.args.device, self.args.peak_sizes), "foreign_cores": 0.0}
         best: dict = {}
         for _ in range(1 if self.args.quick else 3):
             self.quiet()
@@ -294,6 +312,7 @@ class Bench:
                 "rerank_calls": args.rerank_calls,
                 "rerank_docs": args.rerank_docs,
                 "models": args.models,
+                "device": args.device,
                 "cpus": len(os.sched_getaffinity(0)),
                 "worker_threads": worker_threads(args),
                 "python": sys.version.split()[0],

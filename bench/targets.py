@@ -104,13 +104,19 @@ class SentenceTransformersTarget:
 
     protocol = "in-process"
 
-    def __init__(self, embed_dir: str, rerank_dir: str | None, threads: int):
+    def __init__(self, embed_dir: str, rerank_dir: str | None, threads: int, device: str = "cpu"):
         import torch
         from sentence_transformers import CrossEncoder, SentenceTransformer
 
         torch.set_num_threads(threads)  # the same threads as the encoderd worker
-        self.model = SentenceTransformer(embed_dir, device="cpu")
-        self.cross = CrossEncoder(rerank_dir, device="cpu") if rerank_dir else None
+        self.model = SentenceTransformer(embed_dir, device=device)
+        self.cross = CrossEncoder(rerank_dir, device=device) if rerank_dir else None
+        # On a GPU, float16: what its users run there (and what encoderd's --dtype auto serves).
+        self.dtype = "float16" if device.startswith("cuda") else "float32"
+        if self.dtype == "float16":
+            self.model.half()
+            if self.cross is not None:
+                self.cross.model.half()
 
     def embed(self, texts: list[str], batch_size: int = 32) -> int:
         return len(self.model.encode(texts, batch_size=batch_size, show_progress_bar=False))

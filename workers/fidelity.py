@@ -11,7 +11,7 @@ everything it depends on; a cached reference costs a file read, not a torch impo
 
 Floors, by the precision the backend computes in (FLOORS):
 
-  metric          kinds                     float32   float16/bfloat16   int8*
+  metric          kinds                     float32   float16/bfloat16   int8*, float8
   min_cosine      embedding                 0.9999    0.999              0.99     (>=)
   max_prob_diff   reranker, classifier      0.001     0.01               0.06     (<=)
   kendall_tau     reranker                  0.99      0.97               0.88     (>=)
@@ -82,7 +82,7 @@ class Report:
 # ------------------------------------------------------------------ metrics
 def precision(dtype: str) -> str:
     """The FLOORS row of a resolved --dtype."""
-    if dtype.startswith("int8"):
+    if dtype.startswith("int8") or dtype == "float8":  # 8-bit linears, either way (float8_linear.py)
         return "int8"
     return "half" if dtype in ("float16", "bfloat16") else "float32"
 

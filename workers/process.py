@@ -293,9 +293,13 @@ def _load(config: WorkerConfig) -> tuple:
 
 
 def is_out_of_memory(exc: Exception) -> bool:
-    """torch.cuda.OutOfMemoryError, or an engine's allocation failure, without importing the engine."""
+    """torch.cuda.OutOfMemoryError, or an engine's allocation failure, without importing the engine.
+    torch on CPU says "DefaultCPUAllocator: can't allocate memory" where an address-space limit
+    (ulimit -v, RLIMIT_AS) refuses a batch's buffers: that batch is halved like a GPU's."""
     text = str(exc).lower()
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text or "failed to allocate" in text
+    return type(exc).__name__ == "OutOfMemoryError" or any(
+        sign in text for sign in ("out of memory", "failed to allocate", "can't allocate memory")
+    )
 
 
 def error_code(exc: Exception) -> ErrorCode:

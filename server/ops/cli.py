@@ -277,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add(
         serve,
         "--engine",
-        "inference engine for every model (auto: torch on CUDA, onnx on CPU when onnxruntime is installed, else torch)",
+        "inference engine for every model (auto: torch on CUDA, onnx on CPU when onnxruntime is installed, else "
+        "torch). On CUDA: onnx (onnxruntime-gpu), tensorrt and ctranslate2 are built, not yet run on a GPU; "
+        "torch is not yet verified either until tests/gpu/device_check.sh has run on one",
         "torch",
         choices=ENGINES,
     )
@@ -302,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
         "compute precision (auto: float16 on CUDA; on CPU bfloat16 where it is native and passes "
         "the fidelity self-check, else torch int8 where VNNI, else float32; float32 for the kinds the "
         "check does not measure (clip, clap, colbert, colpali, sparse); int8: torch or onnx on CPU; "
-        "int8*: ctranslate2)",
+        "int8*: ctranslate2; float8: torch on CUDA with fp8 tensor cores, compute capability 8.9+, "
+        "linears in e4m3 with per-token scales, judged by the int8 fidelity floors)",
         "auto",
         choices=DTYPES,
     )

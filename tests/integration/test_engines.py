@@ -3,7 +3,7 @@
 The numeric matrix calls the backends in-process (no server, no sockets) on
 the same mixed-length, unsorted batches, so padding differs inside each batch.
 One end-to-end test serves `--engine onnx` through a real server. GPU paths are
-marked `gpu` and skip without CUDA; tests/gpu/run.sh runs them.
+marked `gpu` and skip without CUDA; tests/gpu/device_check.sh runs the torch ones.
 
 Needs only numpy, torch, transformers, tokenizers and the engines (each
 engine's tests skip when its library is missing); grpc only for the server test.

@@ -31,7 +31,7 @@ TEXTS = sentences(40, max_words=300, seed=11)  # 3 to 256+ tokens: some are trun
 QUERY = "which engine serves encoders fastest"
 
 
-# Module fixtures, so tests/gpu/run.sh can run this file without tests/conftest.py (no pyzmq there).
+# Module fixtures: this file needs nothing of tests/conftest.py (tests/gpu/device_check.sh runs it on a GPU).
 @pytest.fixture(scope="module")
 def reranker_path(tmp_path_factory) -> str:
     return str(build_reranker(tmp_path_factory.mktemp("packed") / "reranker"))

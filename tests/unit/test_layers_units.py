@@ -47,6 +47,10 @@ EXCEPTIONS = {
     ("workers/contract/launch.py", "encoderd.workers.process"),
     # An in-process benchmark of the torch engine itself (padding-free vs padded forward): no server.
     ("bench/packed.py", "encoderd.workers.backends"),
+    # `bench.breakdown`: a profile of the torch engine's own forward, in-process, no server.
+    ("bench/breakdown.py", "encoderd.workers.backends"),
+    # `bench --openvino`: a reference is judged by the server's own fidelity floors, kept in one place.
+    ("bench/openvino.py", "encoderd.workers.fidelity"),
     # `encoderd bench`: the CLI hands the rest of its command line to the benchmark (imported lazily:
     # test_the_frontend_loads_without_the_worker_code checks the CLI loads without it).
     ("server/ops/cli.py", "encoderd.bench.runner"),
@@ -200,6 +204,7 @@ def test_engine_and_dtype_names_are_the_backends():
     assert tuple(backends.ENGINES) == ENGINES
     computed = {
         *torch_backend.DTYPES,
+        *torch_backend.QUANTIZED,
         *(d for device in onnx_backend.OnnxBackend.dtypes.values() for d in device),
         *(d for device in tensorrt_backend.TensorRTBackend.dtypes.values() for d in device),
         *(dtype for dtype, _ in ct2_backend.COMPUTE_TYPES),

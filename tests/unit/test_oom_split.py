@@ -154,3 +154,16 @@ def test_an_unnamed_failure_is_internal_at_the_frontend():
     assert header.code == ErrorCode.INTERNAL
     assert error.code == grpc.StatusCode.INTERNAL
     assert str(error) == "KeyError: 'head'"
+
+
+def test_the_cpu_allocators_refusal_counts_as_out_of_memory():
+    """torch on CPU under an address-space limit (ulimit -v) fails a batch's buffers with
+    "DefaultCPUAllocator: can't allocate memory": halved like a GPU's, not an internal error."""
+    import torch
+
+    from encoderd.workers.process import is_out_of_memory
+
+    with pytest.raises(RuntimeError) as refused:
+        torch.empty(2**50, dtype=torch.uint8)  # a petabyte: refused by the allocator, not by a check
+    assert is_out_of_memory(refused.value)
+    assert not is_out_of_memory(RuntimeError("could not create a primitive"))

@@ -104,7 +104,7 @@ ENGINE_FAMILIES: dict[str, dict[str, tuple[str, ...]]] = {
     # CamemBERT is not claimed: its converter rebuilds the vocabulary in CamemBERT's own fairseq layout and
     # rejects the test model's, so it is unverified here.
     "ctranslate2": {"bert": TEXT_KINDS, "roberta": TEXT_KINDS, "xlm-roberta": TEXT_KINDS, "distilbert": ("embedding",)},
-    # The onnx export under TensorRT: only the families the GPU checks (tests/gpu/run.sh) have verified.
+    # The onnx export under TensorRT: only the families the GPU tests (tests/integration/test_engines.py) cover.
     "tensorrt": {"bert": TEXT_KINDS},
 }
 

@@ -100,7 +100,7 @@ def _is_linear(module) -> bool:
     return type(module) in (torch.nn.Linear, packed_linear.PackedLinear)
 
 
-def _slots(model: torch.nn.Module, owners: list) -> list[tuple[object, object]]:
+def linear_slots(model: torch.nn.Module, owners: list) -> list[tuple[object, object]]:
     """(owner, key) of every float linear: model attributes, and items of the lists of modules that
     other objects hold (the packed forward's fused projections)."""
     slots: list[tuple[object, object]] = [
@@ -113,12 +113,12 @@ def _slots(model: torch.nn.Module, owners: list) -> list[tuple[object, object]]:
     return slots
 
 
-def _get(slot):
+def slot_module(slot):
     owner, key = slot
     return owner[key] if isinstance(owner, list) else getattr(owner, key)
 
 
-def _set(slot, value) -> None:
+def replace_slot(slot, value) -> None:
     owner, key = slot
     if isinstance(owner, list):
         owner[key] = value
@@ -147,13 +147,13 @@ def input_ranges(linears: list[torch.nn.Module], calibrate: Callable[[], None]) 
 def quantize(model: torch.nn.Module, owners: list, recipe: TorchInt8Recipe, calibrate: Callable[[], None]) -> int:
     """Swap every float linear of a CPU float32 model (and of `owners`' module lists) for an
     Int8Linear per `recipe`, smoothing from the ranges seen while `calibrate` runs; returns how many."""
-    slots = _slots(model, owners)
-    ranges = input_ranges([_get(slot) for slot in slots], calibrate) if recipe.alpha > 0 else {}
+    slots = linear_slots(model, owners)
+    ranges = input_ranges([slot_module(slot) for slot in slots], calibrate) if recipe.alpha > 0 else {}
     for slot in slots:
-        linear = _get(slot)
+        linear = slot_module(slot)
         smooth = recipe.smooth_contracting or linear.in_features <= linear.out_features
         input_range = ranges.get(id(linear)) if smooth else None
-        _set(slot, Int8Linear.from_linear(linear, recipe.weight_bits, input_range, recipe.alpha))
+        replace_slot(slot, Int8Linear.from_linear(linear, recipe.weight_bits, input_range, recipe.alpha))
     keep_freed_memory()
     return len(slots)
 

@@ -13,7 +13,7 @@ from .. import calibration
 from ..contract import hardware
 from ..contract.model_spec import ModelKind, Pooling, pooling_modes
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
-from . import int8_linear, packed_encoder, packed_linear, torch_heads
+from . import float8_linear, int8_linear, packed_encoder, packed_linear, torch_heads
 from .base import Backend, from_pretrained, padded, run_to_end, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # int8 (CPU): loaded in float32, then its linears quantized (int8_linear.py).
 INT8 = "int8"
+# float8 (CUDA, compute capability 8.9+): loaded in bfloat16, then its linears quantized (float8_linear.py).
+FLOAT8 = "float8"
+# The quantized dtypes: what each is loaded in before its linears are swapped.
+QUANTIZED = {INT8: torch.float32, FLOAT8: torch.bfloat16}
 # Kinds computed right here (pooled hidden states, logits); the others in torch_heads.
 _POOLED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
 # CPU batches of fewer (padded) tokens run on one thread: the worker's OpenMP threads wait
@@ -57,12 +61,16 @@ class TorchBackend(Backend):
     engine = "torch"
 
     def load(self) -> None:
-        if self.options.dtype not in (*DTYPES, INT8):
-            raise ValueError(f"the torch engine supports dtypes {sorted((*DTYPES, INT8))}, not {self.options.dtype!r}")
+        if self.options.dtype not in (*DTYPES, *QUANTIZED):
+            raise ValueError(
+                f"the torch engine supports dtypes {sorted((*DTYPES, *QUANTIZED))}, not {self.options.dtype!r}"
+            )
         self.device = torch.device(self.options.device)
         if self.options.dtype == INT8 and self.device.type != "cpu":
             raise ValueError("the torch engine computes int8 on CPU only; on CUDA: --engine ctranslate2 --dtype int8")
-        weights = DTYPES.get(self.options.dtype, torch.float32)
+        if self.options.dtype == FLOAT8 and self.device.type != "cuda":  # hardware.check_dtype says why
+            raise ValueError("the torch engine computes float8 on CUDA only (compute capability 8.9 or newer)")
+        weights = DTYPES.get(self.options.dtype) or QUANTIZED[self.options.dtype]
         self.threads = self.options.threads or len(os.sched_getaffinity(0))
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
@@ -88,6 +96,10 @@ class TorchBackend(Backend):
             self.projection = projection.to(self.device, weights) if projection else None
         if self.options.dtype == INT8:
             self._quantize_int8()
+        elif self.options.dtype == FLOAT8:
+            owners = [self.packed.pieces] if self.packed is not None else []
+            swapped, kept = float8_linear.quantize(self.model, owners)
+            log.info("float8: %d linear layers in e4m3 (per-token x per-channel scales), %d kept", swapped, kept)
         self.is_padded = self.packed is None  # the scheduler then budgets real tokens, not size x longest
         log.info("%s forward", f"padding-free (packed tokens, {self.packed.family})" if self.packed else "padded")
         self._dim = (

@@ -17,7 +17,7 @@ from .protocol import HEARTBEAT_INTERVAL
 # engine serves a subset, named in its own table. `auto` (the frontend's default) is resolved in
 # the worker (workers/backends: resolve_engine, resolve_options).
 ENGINES = ("torch", "onnx", "ctranslate2", "tensorrt")
-DTYPES = ("float32", "float16", "bfloat16", "int8", "int8_float32", "int8_float16")
+DTYPES = ("float32", "float16", "bfloat16", "float8", "int8", "int8_float32", "int8_float16")
 
 
 def default_cache_dir() -> str:

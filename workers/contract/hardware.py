@@ -47,6 +47,10 @@ NATIVE_FP16 = ("avx512_fp16", "amx_fp16")
 ONNX_INT8_SIGNED = "s8-smooth"  # u8 x s8: exact only where the products accumulate in int32 (VNNI, AMX)
 ONNX_INT8_UNSIGNED = "u8u8-smooth"  # u8 x u8: MLAS widens both to int16 and sums pairs in int32 (vpmaddwd)
 CUDA_BF16_CAPABILITY = (8, 0)
+# fp8 tensor cores (e4m3 GEMMs, torch._scaled_mm): Ada (8.9) and Hopper (9.0) onwards.
+CUDA_FP8_CAPABILITY = (8, 9)
+FLOAT8 = "float8"
+FLOAT8_ENGINES = ("torch",)  # workers/backends/float8_linear.py
 
 
 class UnsupportedOnHardware(ValueError):
@@ -194,10 +198,38 @@ def check_dtype(
 ) -> None:
     """Raise UnsupportedOnHardware where `engine` cannot run `dtype` on `device` fast and accurately.
     `capability` overrides the CUDA compute capability read from torch (tests)."""
-    if device.startswith("cuda"):
+    if dtype == FLOAT8:
+        _check_float8(engine, device, capability)
+    elif device.startswith("cuda"):
         _check_cuda(engine, dtype, device, capability or cuda_capability(device))
     elif device == "cpu" and engine in CPU_ENGINES:  # tensorrt refuses a CPU itself, more plainly
         _check_cpu(engine, dtype, info or cpu())
+
+
+def _check_float8(engine: str, device: str, capability: tuple[int, int] | None) -> None:
+    """float8 needs fp8 tensor cores, and the torch engine (the only one with fp8 linears here)."""
+    if not device.startswith("cuda"):
+        raise UnsupportedOnHardware(
+            f"--dtype float8 needs an NVIDIA GPU with fp8 tensor cores (compute capability "
+            f"{'.'.join(map(str, CUDA_FP8_CAPABILITY))}: Ada, Hopper or newer); {device} has none (torch would "
+            "emulate it, slower than float32). On CPU use --dtype int8 (per-token int8 linears) or bfloat16."
+        )
+    if engine not in FLOAT8_ENGINES:
+        raise UnsupportedOnHardware(
+            f"--dtype float8 is computed by --engine {' / '.join(FLOAT8_ENGINES)} only, not {engine}; "
+            "use --engine torch --dtype float8, or --dtype float16 with this engine."
+        )
+    capability = capability or cuda_capability(device)
+    if capability is None:
+        raise UnsupportedOnHardware(
+            f"--dtype float8 on {device}: torch sees no CUDA device there, so its fp8 support cannot be checked."
+        )
+    if capability < CUDA_FP8_CAPABILITY:
+        raise UnsupportedOnHardware(
+            f"--dtype float8 on {device} needs fp8 tensor cores (compute capability "
+            f"{'.'.join(map(str, CUDA_FP8_CAPABILITY))}: Ada, Hopper or newer); this GPU is "
+            f"{capability[0]}.{capability[1]}. Use --dtype float16 (or bfloat16 from 8.0)."
+        )
 
 
 def _check_cpu(engine: str, dtype: str, info: CpuInfo) -> None:
