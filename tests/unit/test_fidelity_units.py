@@ -18,6 +18,7 @@ from encoderd.workers.contract.model_spec import (
     default_model_path,
     load_model_spec,
 )
+from encoderd.workers.contract.tokenizer import load_tokenizer
 
 
 # ------------------------------------------------------------------ metrics
@@ -165,6 +166,21 @@ def test_calibration_batches_reach_the_maximum_length_and_mix_lengths(minilm_spe
     assert len(calibration.batches(minilm_spec, batch_size=3)[0].lengths) == 3
 
 
+def test_calibration_covers_every_length_band_and_whitespace_wrapped_punctuation(minilm_spec, reranker_path):
+    """Issue 43 item 3 (VERSION 4): texts in every band from a few tokens to the maximum, tokens that
+    are nearly all special around whitespace, and near-tie pairs for rerankers."""
+    lengths = np.concatenate([b.lengths for b in calibration.batches(minilm_spec)])
+    top = minilm_spec.max_length
+    for low, high in [(1, 8), (9, 32), (33, top // 4), (top // 4 + 1, top // 2), (top // 2 + 1, top - 1), (top, top)]:
+        assert ((lengths >= low) & (lengths <= high)).any(), (low, high)
+    texts = calibration.texts(load_tokenizer(minilm_spec.path), top)
+    assert "  .  " in texts and any(t.strip() == "word" and t != "word" for t in texts)
+    spec = load_model_spec("reranker", reranker_path)
+    pairs = calibration.pairs(load_tokenizer(spec.path), spec.max_length)
+    for query, first, second in calibration.NEAR_TIES:
+        assert (query, first) in pairs and (query, second) in pairs
+
+
 def test_calibration_texts_cover_scripts_code_and_emoji(minilm_spec):
     from tokenizers import Tokenizer
 
@@ -188,7 +204,7 @@ def test_calibration_texts_cover_scripts_code_and_emoji(minilm_spec):
 def test_reranker_calibration_is_pairs_with_token_types(reranker_path):
     spec = load_model_spec("reranker", reranker_path)
     batches = calibration.batches(spec)
-    assert sum(b.size for b in batches) == len(calibration.PAIR_QUERIES) * 6 + 2
+    assert sum(b.size for b in batches) == len(calibration.PAIR_QUERIES) * 6 + 2 + 2 * len(calibration.NEAR_TIES) + 14
     assert all(b.token_type_ids is not None and b.token_type_ids.max() == 1 for b in batches)
     assert max(int(b.lengths.max()) for b in batches) == spec.max_length
 
