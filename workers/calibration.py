@@ -6,8 +6,11 @@ than the model's maximum length (cut at spec.max_length: the longest attention a
 activations), source code and markup (unusual token statistics), several scripts (CJK, Arabic,
 Cyrillic, Devanagari, Greek, Hangul, Thai: rare and byte-fallback tokens), emoji, and repetitive
 text (markdown rules, repeated words: many alike token states, where a reduced-precision sum or
-norm drifts most). Rerankers
-score (query, passage) pairs of the same material.
+norm drifts most), punctuation wrapped in whitespace (a few tokens, nearly all special: int8 served
+'   .   ' furthest from float32 in issue 43's probe), and prose in every length band from a few tokens
+to the maximum. Rerankers score (query, passage) pairs of the same material, near-ties among them
+(two passages about equally relevant: a reduced-precision score difference swaps them, and their
+probabilities sit where sigmoid is steepest).
 
 Inputs are tokenized here, in the worker, from the model's own tokenizer with truncation to
 spec.max_length, and batched as the scheduler batches traffic: sorted by length, then cut into
@@ -25,7 +28,7 @@ from tokenizers import Tokenizer
 from .contract.model_spec import ModelKind, ModelSpec
 from .contract.protocol import TokenBatch
 
-VERSION = 3
+VERSION = 4
 BATCH_SIZE = 8  # most inputs per batch
 BATCH_TOKENS = 1024  # most padded tokens (size x longest) per batch, unless one input is longer
 
@@ -95,6 +98,22 @@ REPEATED = (
     "?" * 20,
 )
 
+# VERSION 4: a few tokens, nearly all of them special, around whitespace (issue 43: int8 0.9930 on '   .   ').
+SPARSE = (
+    "  .  ",
+    " , ",
+    "\t;\t",
+    "\n.\n",
+    " - - - ",
+    "  !  ?  ",
+    "    word    ",
+    "a",
+    "..",
+    "lol " * 30,
+    "1" * 100,
+    "~" * 50,
+)
+
 # Rerank queries; every query is paired with every passage of PAIR_PASSAGES, relevant or not.
 PAIR_QUERIES = (
     "how does photosynthesis work",
@@ -124,18 +143,79 @@ def long_passages(tokenizer, max_length: int, count: int = 2) -> list[str]:
     return passages
 
 
+# VERSION 4: (query, passage, passage) where both passages answer the query about equally well.
+NEAR_TIES = (
+    (
+        "how does photosynthesis work",
+        "Plants turn light, water and carbon dioxide into sugar and oxygen.",
+        "In photosynthesis, light energy drives the making of glucose from water and CO2.",
+    ),
+    (
+        "reset a home router",
+        "Hold the reset button on the back of the router for ten seconds.",
+        "To factory-reset your router, press and hold its reset pin until the lights blink.",
+    ),
+    (
+        "capital of egypt",
+        "Cairo is the capital of Egypt.",
+        "Egypt's capital city is Cairo, on the Nile.",
+    ),
+    (
+        "sort a list in python",
+        "list.sort() sorts a list in place.",
+        "sorted(items) returns a new sorted list.",
+    ),
+)
+
+
+def length_bands(tokenizer, max_length: int) -> list[str]:
+    """Prose of about 1/8, 1/4, 1/2 and 3/4 of max_length tokens (VERSION 4): every band between the
+    short texts and the passages cut at the maximum."""
+    counter = Tokenizer.from_str(tokenizer.to_str())
+    counter.no_truncation()
+    words = _long_passage(3).split(" ")
+    bands = []
+    for share in (8, 4, 2):
+        target, size = max(4, max_length // share), 4
+        while size < len(words) and len(counter.encode(" ".join(words[:size])).ids) < target:
+            size += 4
+        bands.append(" ".join(words[:size]))
+    target, size = max_length * 3 // 4, 4
+    while size < len(words) and len(counter.encode(" ".join(words[:size])).ids) < target:
+        size += 4
+    return [*bands, " ".join(words[:size])]
+
+
 def texts(tokenizer, max_length: int) -> list[str]:
     """The single-text inputs (embedding and classifier models)."""
-    return [*QUERIES, *PROSE, *CODE, *MULTILINGUAL, *EMOJI, *REPEATED, *long_passages(tokenizer, max_length)]
+    return [
+        *QUERIES,
+        *PROSE,
+        *CODE,
+        *MULTILINGUAL,
+        *EMOJI,
+        *REPEATED,
+        *SPARSE,
+        *length_bands(tokenizer, max_length),
+        *long_passages(tokenizer, max_length),
+    ]
 
 
 def pairs(tokenizer, max_length: int) -> list[tuple[str, str]]:
     """(query, passage) pairs for rerankers: each query against relevant and unrelated passages,
-    and two of them against a passage cut at the maximum length."""
+    two of them against a passage cut at the maximum length; near-ties, and queries against
+    whitespace, repetitive and mid-length passages (VERSION 4)."""
     passages = [PROSE[1], CODE[0], MULTILINGUAL[2], PROSE[3], PROSE[0], EMOJI[0]]
     long = long_passages(tokenizer, max_length, count=1)[0]
-    return [(query, passage) for query in PAIR_QUERIES for passage in passages] + [
-        (query, long) for query in PAIR_QUERIES[:2]
+    ties = [(query, passage) for query, *both in NEAR_TIES for passage in both]
+    odd = [SPARSE[0], SPARSE[6], REPEATED[2], REPEATED[5], *length_bands(tokenizer, max_length)[1:3]]
+    return [
+        *((query, passage) for query in PAIR_QUERIES for passage in passages),
+        *((query, long) for query in PAIR_QUERIES[:2]),
+        *ties,
+        *((query, passage) for query in PAIR_QUERIES[:2] for passage in odd),
+        (SPARSE[0], SPARSE[0]),
+        (QUERIES[0], QUERIES[0]),
     ]
 
 
@@ -145,8 +225,14 @@ def batches(spec: ModelSpec, batch_size: int = BATCH_SIZE, trust_remote_code: bo
     from .contract.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec.path, spec.lowercase, trust_remote_code)
-    tokenizer.no_padding()
     inputs = pairs(tokenizer, spec.max_length) if spec.kind == ModelKind.RERANKER else texts(tokenizer, spec.max_length)
+    return batches_of(spec, tokenizer, inputs, batch_size)
+
+
+def batches_of(spec: ModelSpec, tokenizer: Tokenizer, inputs: list, batch_size: int = BATCH_SIZE) -> list[TokenBatch]:
+    """`inputs` (texts, or pairs for a reranker) tokenized and batched as the calibration set is
+    (bench/fidelity_holdout.py measures other texts the same way)."""
+    tokenizer.no_padding()
     tokenizer.enable_truncation(spec.max_length)
     encodings = tokenizer.encode_batch(inputs)
     encodings.sort(key=lambda e: len(e.ids))  # stable: a fixed order for a given tokenizer

@@ -14,14 +14,19 @@ Floors, by the precision the backend computes in (FLOORS):
   metric          kinds                     float32   float16/bfloat16   int8*, float8
   min_cosine      embedding                 0.9999    0.999              0.99     (>=)
   max_prob_diff   reranker, classifier      0.001     0.01               0.06     (<=)
+  max_logit_diff  reranker, classifier      0.004     0.04               0.24     (<=)
   kendall_tau     reranker                  0.99      0.97               0.88     (>=)
   top1_agreement  classifier                0.97      0.94               0.9      (>=)
 
-min_cosine: the worst cosine over the set between served (pooled, unnormalized: cosine is
-scale-free) and reference vectors. max_prob_diff: the largest absolute difference of a sigmoid
-(reranker) or softmax (classifier) probability. kendall_tau: rank agreement of all the pairs'
-scores (one swapped pair of the 26 is 0.994). top1_agreement: the share of inputs whose best
-label is the reference's (one flip of 33 is 0.97).
+Each figure compares what requests are served. min_cosine: the worst cosine over the set between
+served (pooled, unnormalized: cosine is scale-free) and reference vectors, over the served width (a
+truncate_dim model's first dimensions). max_prob_diff: the largest absolute difference of a score
+the model serves as a probability (its ScoreActivation: sigmoid, or softmax over the labels).
+max_logit_diff: the same where it serves its logits (Identity: a CrossEncoder saved so, a
+regression head); its ceilings are the probability ceilings carried over through sigmoid's
+steepest slope (1/4): a logit within 4c moves no sigmoid probability by more than c.
+kendall_tau: rank agreement of all the pairs' scores (one swapped pair of the 48 is 0.998).
+top1_agreement: the share of inputs whose best label is the reference's (one flip of 56 is 0.982).
 
 Multi-modal (clip, clap), multi-vector (colbert, colpali) and sparse models are not checked:
 the torch engine is the only one computing them, and the report says "unchecked".
@@ -39,7 +44,7 @@ import numpy as np
 
 from . import calibration
 from .contract.config import default_cache_dir
-from .contract.model_spec import ModelKind, ModelSpec
+from .contract.model_spec import ModelKind, ModelSpec, ScoreActivation
 from .contract.protocol import FidelityFigure, TokenBatch
 from .model_cache import cached_build, fingerprint_model, library_versions
 
@@ -47,17 +52,28 @@ log = logging.getLogger("encoderd.fidelity")
 
 REFERENCE_FILE = "reference.npy"
 CHECKED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
+# The first metric of a reranker or classifier is its score metric (SCORE_METRICS), by what it serves.
 METRICS = {
     ModelKind.EMBEDDING: ("min_cosine",),
     ModelKind.RERANKER: ("max_prob_diff", "kendall_tau"),
     ModelKind.CLASSIFIER: ("max_prob_diff", "top1_agreement"),
 }
+SCORE_METRICS = {
+    ScoreActivation.SIGMOID: "max_prob_diff",
+    ScoreActivation.SOFTMAX: "max_prob_diff",
+    ScoreActivation.IDENTITY: "max_logit_diff",
+}
 # A bound on these metrics is a ceiling; on every other metric it is a floor.
-CEILING_METRICS = ("max_prob_diff",)
-FLOORS = {
+CEILING_METRICS = ("max_prob_diff", "max_logit_diff")
+_PROBABILITY_FLOORS = {
     "float32": {"min_cosine": 0.9999, "max_prob_diff": 0.001, "kendall_tau": 0.99, "top1_agreement": 0.97},
     "half": {"min_cosine": 0.999, "max_prob_diff": 0.01, "kendall_tau": 0.97, "top1_agreement": 0.94},
     "int8": {"min_cosine": 0.99, "max_prob_diff": 0.06, "kendall_tau": 0.88, "top1_agreement": 0.9},
+}
+# Sigmoid's steepest slope is 1/4: logits within 4c move no probability by more than c.
+FLOORS = {
+    row: {**floors, "max_logit_diff": round(4 * floors["max_prob_diff"], 6)}
+    for row, floors in _PROBABILITY_FLOORS.items()
 }
 PASSED, LOW, UNCHECKED = "passed", "low", "unchecked"
 REMEDY = (
@@ -93,10 +109,13 @@ def min_cosine(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.min((got * want).sum(axis=1) / np.maximum(norms, 1e-30)))
 
 
-def probabilities(logits: np.ndarray, kind: ModelKind) -> np.ndarray:
-    """What the frontend turns logits into: sigmoid of a reranker's one logit, softmax over labels."""
+def served_scores(logits: np.ndarray, activation: ScoreActivation) -> np.ndarray:
+    """What the frontend serves for these logits (server/api/postprocess.py scores): a sigmoid per
+    logit, a softmax over the labels, or the logits themselves."""
     logits = logits.astype(np.float64)
-    if kind == ModelKind.RERANKER:
+    if activation == ScoreActivation.IDENTITY:
+        return logits
+    if activation == ScoreActivation.SIGMOID:
         return 1 / (1 + np.exp(-logits))
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
     return shifted / shifted.sum(axis=1, keepdims=True)
@@ -114,13 +133,17 @@ def top1_agreement(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.mean(got.argmax(axis=1) == want.argmax(axis=1)))
 
 
-def measure(kind: ModelKind, got: np.ndarray, want: np.ndarray) -> dict[str, float]:
-    """The kind's metrics (METRICS) of served outputs against the reference."""
-    if kind == ModelKind.EMBEDDING:
-        return {"min_cosine": min_cosine(got, want)}
-    p_got, p_want = probabilities(got, kind), probabilities(want, kind)
-    figures = {"max_prob_diff": float(np.max(np.abs(p_got - p_want)))}
-    if kind == ModelKind.RERANKER:
+def measure(spec: ModelSpec, got: np.ndarray, want: np.ndarray) -> dict[str, float]:
+    """The metrics of what `spec`'s model serves (METRICS, SCORE_METRICS): the backend's outputs
+    `got` against the reference `want`."""
+    if spec.kind == ModelKind.EMBEDDING:
+        # With Dense modules the backend's outputs are their input (the worker applies them in float32
+        # after): all of it counts; without, the served width is a prefix of them.
+        width = got.shape[1] if spec.dense else spec.served_width(got.shape[1])
+        return {"min_cosine": min_cosine(got[:, :width], want[:, :width])}
+    s_got, s_want = served_scores(got, spec.score_activation), served_scores(want, spec.score_activation)
+    figures = {SCORE_METRICS[spec.score_activation]: float(np.max(np.abs(s_got - s_want)))}
+    if spec.kind == ModelKind.RERANKER:
         figures["kendall_tau"] = kendall_tau(got[:, 0], want[:, 0])
     else:
         figures["top1_agreement"] = top1_agreement(got, want)
@@ -231,7 +254,7 @@ def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") ->
     batches = calibration.batches(spec, backend.options.max_batch_size, backend.options.trust_remote_code)
     want, cached = reference(spec, batches, backend.options.cache_dir, backend.options.trust_remote_code)
     got = np.concatenate([backend.forward(batch) for batch in batches])
-    figures = judge(measure(spec.kind, got, want), backend.options.dtype)
+    figures = judge(measure(spec, got, want), backend.options.dtype)
     report = Report(
         PASSED if all(f.passed for f in figures) else LOW, figures, len(want), time.perf_counter() - started, cached
     )

@@ -147,7 +147,7 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
         model, pooled, tokens = await _embed_media(service, model, contents, options)
     else:
         model, pooled, tokens = await service.registry.embed(model.spec.name, texts, options)
-    vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
+    vectors = postprocess.finish_requested(pooled, model.spec, options)
     billed = {"input_tokens": tokens, **({"images": n_images} if n_images else {})}
     meta: dict[str, Any] = {"api_version": {"version": version}, "billed_units": billed}
     if warnings:

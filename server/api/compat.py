@@ -300,7 +300,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             model, pooled, tokens = await multimodal.embed_contents(self.registry, model.spec.name, inputs, options)
         else:
             model, pooled, tokens = await self._embed_texts(model.spec.name, request.input, options)
-        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
+        vectors = postprocess.finish_requested(pooled, model.spec, options)
         return render_embeddings(model.spec.name, vectors, encoding_format, tokens)
 
     async def _embed_texts(self, name: str, value: struct_pb2.Value, options: EmbedOptions):

@@ -137,7 +137,7 @@ class AsyncEngine:
             output_dtype=output_dtype,
         )
         served, pooled, _ = await self.registry.embed(model, texts, options)
-        vectors = finish_requested(pooled, served.spec.normalize, options)
+        vectors = finish_requested(pooled, served.spec, options)
         return vectors if options.output_dtype == "float32" else quantize(vectors, options.output_dtype)
 
     async def rerank(

@@ -9,6 +9,7 @@ import numpy as np
 from .errors import InvalidInput
 
 if TYPE_CHECKING:
+    from ...workers.contract.model_spec import ModelSpec
     from .request_options import EmbedOptions
 
 
@@ -19,24 +20,29 @@ def check_dimensions(dimensions: int, width: int, field: str = "dimensions") -> 
 
 
 def finish_embeddings(
-    pooled: np.ndarray, *, normalize: bool, dimensions: int = 0, field: str = "dimensions"
+    pooled: np.ndarray, *, normalize: bool, dimensions: int = 0, field: str = "dimensions", truncate_dim: int = 0
 ) -> np.ndarray:
-    """Truncate to `dimensions` first, then L2-normalize (so truncated vectors stay unit length)."""
-    check_dimensions(dimensions, pooled.shape[1], field)
+    """A request's `dimensions`: truncate first, then L2-normalize (truncated vectors stay unit length).
+    Without it, a model's own `truncate_dim` (config_sentence_transformers.json) cuts after the
+    normalization, which is not redone: sentence-transformers' vectors, whose length is then below 1.
+    `dimensions` may narrow a truncate_dim model further, as on any model."""
+    width = min(truncate_dim, pooled.shape[1]) if truncate_dim else pooled.shape[1]
+    check_dimensions(dimensions, width, field)
     out = pooled[:, :dimensions] if dimensions else pooled
     if normalize:
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         out = out / np.maximum(norms, 1e-12)
-    return np.ascontiguousarray(out, dtype=np.float32)
+    return np.ascontiguousarray(out[:, :width], dtype=np.float32)
 
 
-def finish_requested(pooled: np.ndarray, default_normalize: bool, options: EmbedOptions) -> np.ndarray:
-    """finish_embeddings as a request's EmbedOptions ask (server/api/request_options.py)."""
+def finish_requested(pooled: np.ndarray, spec: ModelSpec, options: EmbedOptions) -> np.ndarray:
+    """finish_embeddings as a request's EmbedOptions ask (server/api/request_options.py) of `spec`'s model."""
     return finish_embeddings(
         pooled,
-        normalize=options.normalizes(default_normalize),
+        normalize=options.normalizes(spec.normalize),
         dimensions=options.dimensions,
         field=options.dimensions_field,
+        truncate_dim=spec.truncate_dim,
     )
 
 

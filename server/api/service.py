@@ -185,7 +185,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         options = request_options.from_embed(request)
         model, pooled, tokens = await self.registry.embed(request.model, request.inputs, options)
-        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
+        vectors = postprocess.finish_requested(pooled, model.spec, options)
         return pb.EmbedResponse(
             model=model.spec.name, usage=_usage(tokens), embeddings=embeddings_message(vectors, options.output_dtype)
         )
@@ -251,7 +251,7 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         model, pooled, usage = await multimodal.embed_contents(
             self.registry, request.model, contents(request.inputs), options
         )
-        vectors = postprocess.finish_requested(pooled, model.spec.normalize, options)
+        vectors = postprocess.finish_requested(pooled, model.spec, options)
         return pb.EmbedMultimodalResponse(
             model=model.spec.name, usage=_usage(usage), embeddings=embeddings_message(vectors, options.output_dtype)
         )

@@ -143,7 +143,7 @@ class _Stream:
                     for message in good:  # one item's fault (too long, say): each alone, so it fails alone
                         await self._embed_group([message])
                     return
-            vectors = postprocess.finish_requested(pooled, model.spec.normalize, o)
+            vectors = postprocess.finish_requested(pooled, model.spec, o)
             answers = zip(good, embeddings_message(vectors, o.output_dtype), tokens.per_input, strict=True)
             for message, embedding, n_tokens in answers:
                 await self.results.put(

@@ -145,7 +145,9 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
             )
         model, pooled, _ = await service.registry.embed_ids(name, token_ids, opts)
     # TEI normalizes unless told not to, whatever the model's own default.
-    vectors = postprocess.finish_embeddings(pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions)
+    vectors = postprocess.finish_embeddings(
+        pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions, truncate_dim=model.spec.truncate_dim
+    )
     return _body("[" + ",".join(compat.float_rows(model.spec.name, vectors)) + "]")
 
 
@@ -266,8 +268,10 @@ async def similarity(service, request) -> httpbody_pb2.HttpBody:
     # Checked here, named as the caller sent them: past this point they are one list, source first.
     service.registry.check_text(source, "inputs.source_sentence")
     service.registry.check_inputs(sentences, "inputs.sentences")
-    _, pooled, _ = await service.registry.embed(name, [source, *sentences], opts)
-    vectors = postprocess.finish_embeddings(pooled, normalize=True)
+    model, pooled, _ = await service.registry.embed(name, [source, *sentences], opts)
+    # Cosine over the served width (a truncate_dim model's first dimensions), as sentence-transformers'
+    # similarity computes it on the vectors encode returns.
+    vectors = postprocess.finish_embeddings(pooled, normalize=True, dimensions=model.spec.served_width(pooled.shape[1]))
     return _json([float(s) for s in vectors[1:] @ vectors[0]])
 
 

@@ -99,11 +99,11 @@ class ServedModel:
     def output_dim(self) -> int:
         infos = [r.ready_info for r in self.replicas if r.ready_info]
         if infos:
-            return infos[0].output_dim
+            return self.spec.served_width(infos[0].output_dim)
         return (
             len(self.spec.labels)
             if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
-            else self.spec.hidden_size
+            else self.spec.served_width(self.spec.hidden_size)
         )
 
 

@@ -91,12 +91,12 @@ MODEL_LOAD_SECONDS = Gauge(
 MODEL_FIDELITY = Gauge(
     "encoderd_model_fidelity",
     "Start-up fidelity self-check against float32 of the same weights "
-    "(metric: min_cosine, max_prob_diff, kendall_tau, top1_agreement)",
+    "(metric: min_cosine, max_prob_diff, max_logit_diff, kendall_tau, top1_agreement)",
     ["model", "metric"],
 )
 MODEL_FIDELITY_BOUND = Gauge(
     "encoderd_model_fidelity_bound",
-    "The dtype's floor for that figure (max_prob_diff: its ceiling)",
+    "The dtype's floor for that figure (max_prob_diff, max_logit_diff: their ceiling)",
     ["model", "metric"],
 )
 

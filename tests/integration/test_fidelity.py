@@ -176,3 +176,33 @@ def test_allow_low_fidelity_serves_and_reports_the_low_figure(int8_server, cache
     text = log.read_text()
     assert re.search(r"WARNING.*fidelity self-check FAILED.*min_cosine 0\.\d+ \(floor 0\.99\).*serving it anyway", text)
     assert "reference cached" in text  # copied with the cache: no second float32 forward
+
+
+def test_the_check_of_a_logits_served_cross_encoder_compares_its_logits(tmp_path, cache_dir):
+    """Issue 43 item 2: a CrossEncoder saved with an Identity activation is served its logits, and
+    its bfloat16 check measures those (max_logit_diff), not sigmoid probabilities of them: the figure
+    is the largest difference between the logits the bfloat16 engine serves and transformers' float32
+    ones. Fails on the old code (it reported max_prob_diff, up to 4x smaller than the logits' own)."""
+    from support.st_models import build_head_model
+
+    from encoderd.server.api import postprocess
+    from encoderd.workers import calibration, fidelity
+    from encoderd.workers.backends import BackendOptions, create_backend
+    from encoderd.workers.contract.model_spec import ScoreActivation, load_model_spec
+
+    path = build_head_model(tmp_path / "ce-identity", ("score",), cross_encoder_activation="Identity")
+    spec = load_model_spec("ce-identity", str(path))
+    assert spec.score_activation == ScoreActivation.IDENTITY
+    backend = create_backend("torch", spec, BackendOptions(dtype="bfloat16", cache_dir=str(cache_dir)))
+    backend.load()
+    report = fidelity.self_check(backend, spec, allow_low=True)
+    assert [f.metric for f in report.figures] == ["max_logit_diff", "kendall_tau"]
+    [diff, _] = report.figures
+    assert diff.bound == 0.04
+
+    batches = calibration.batches(spec, backend.options.max_batch_size)
+    served = postprocess.scores(np.concatenate([backend.forward(b) for b in batches])[:, 0], "identity")
+    want, _ = fidelity.reference(spec, batches, str(cache_dir))
+    assert diff.value == pytest.approx(float(np.max(np.abs(served - want[:, 0]))), abs=1e-6)
+    as_probabilities = np.max(np.abs(postprocess.sigmoid(served) - postprocess.sigmoid(want[:, 0])))
+    assert diff.value > as_probabilities  # what the old check reported instead

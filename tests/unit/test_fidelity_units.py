@@ -8,9 +8,17 @@ import logging
 import numpy as np
 import pytest
 
+from encoderd.server.api import postprocess
 from encoderd.workers import calibration, fidelity
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
-from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
+from encoderd.workers.contract.model_spec import (
+    ModelKind,
+    ModelSpec,
+    ScoreActivation,
+    default_model_path,
+    load_model_spec,
+)
+from encoderd.workers.contract.tokenizer import load_tokenizer
 
 
 # ------------------------------------------------------------------ metrics
@@ -26,14 +34,16 @@ def test_min_cosine_is_scale_free_and_reports_the_worst_row():
     assert fidelity.min_cosine(bent, want) == pytest.approx(np.sqrt(0.5), abs=1e-9)
 
 
-def test_probabilities_are_what_the_frontend_serves():
-    logits = np.array([[0.0], [2.0], [-3.0]])
-    np.testing.assert_allclose(fidelity.probabilities(logits, ModelKind.RERANKER)[:, 0], 1 / (1 + np.exp([0, -2, 3])))
-    three = np.array([[1.0, 2.0, 3.0], [1000.0, 0.0, 0.0]])  # a large logit must not overflow
-    probs = fidelity.probabilities(three, ModelKind.CLASSIFIER)
-    np.testing.assert_allclose(probs.sum(axis=1), 1.0)
-    np.testing.assert_allclose(probs[0], np.exp([1, 2, 3]) / np.exp([1, 2, 3]).sum())
-    assert probs[1, 0] == pytest.approx(1.0)
+@pytest.mark.parametrize("activation", list(ScoreActivation))
+def test_scores_are_what_the_frontend_serves(activation):
+    """The check's scores are postprocess.scores' for every activation (a CrossEncoder saved with
+    Identity is served its logits: the check compared sigmoid probabilities before issue 43)."""
+    rng = np.random.default_rng(2)
+    for logits in (rng.normal(size=(7, 1)) * 4, rng.normal(size=(7, 3)) * 4, np.array([[1000.0, 0.0, 0.0]])):
+        if activation == ScoreActivation.SOFTMAX and logits.shape[1] == 1:
+            continue
+        served = postprocess.scores(logits.astype(np.float32), activation.value)
+        np.testing.assert_allclose(fidelity.served_scores(logits.astype(np.float32), activation), served, rtol=1e-6)
 
 
 def test_kendall_tau():
@@ -53,16 +63,47 @@ def test_top1_agreement():
     assert fidelity.top1_agreement(got, want) == 0.75
 
 
+def _spec(kind: ModelKind, **fields) -> ModelSpec:
+    return ModelSpec(name="m", path="/nowhere", kind=kind, max_length=16, **fields)
+
+
 def test_measure_gives_each_kind_its_metrics():
     rng = np.random.default_rng(1)
     vectors = rng.normal(size=(6, 8))
     logits1, logits3 = rng.normal(size=(6, 1)), rng.normal(size=(6, 3))
-    assert fidelity.measure(ModelKind.EMBEDDING, vectors, vectors) == {"min_cosine": pytest.approx(1.0)}
-    reranker = fidelity.measure(ModelKind.RERANKER, logits1 + 0.1, logits1)
+    assert fidelity.measure(_spec(ModelKind.EMBEDDING), vectors, vectors) == {"min_cosine": pytest.approx(1.0)}
+    reranker = fidelity.measure(_spec(ModelKind.RERANKER), logits1 + 0.1, logits1)
     assert set(reranker) == {"max_prob_diff", "kendall_tau"} and reranker["kendall_tau"] == 1.0
     assert 0 < reranker["max_prob_diff"] <= 0.025  # sigmoid's slope is at most 1/4
-    classifier = fidelity.measure(ModelKind.CLASSIFIER, logits3, logits3)
+    softmax = _spec(ModelKind.CLASSIFIER, score_activation=ScoreActivation.SOFTMAX)
+    classifier = fidelity.measure(softmax, logits3, logits3)
     assert classifier == {"max_prob_diff": 0.0, "top1_agreement": 1.0}
+
+
+def test_measure_compares_the_served_scores():
+    """Fails on the old code: it compared sigmoid probabilities of logits served as they are, and
+    softmax probabilities of a multi-label classifier served a sigmoid per label."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(9, 1)) * 5
+    off = logits + np.linspace(-0.03, 0.03, 9)[:, None]
+    identity = fidelity.measure(_spec(ModelKind.RERANKER, score_activation=ScoreActivation.IDENTITY), off, logits)
+    assert identity == {"max_logit_diff": pytest.approx(0.03), "kendall_tau": 1.0}
+    labels = rng.normal(size=(9, 3)) * 3
+    bent = labels + np.array([0.2, -0.2, 0.0])
+    sigmoid = fidelity.measure(_spec(ModelKind.CLASSIFIER, score_activation=ScoreActivation.SIGMOID), bent, labels)
+    want = np.max(np.abs(postprocess.sigmoid(bent) - postprocess.sigmoid(labels)))
+    assert sigmoid["max_prob_diff"] == pytest.approx(want, rel=1e-5)
+
+
+def test_min_cosine_is_over_the_served_width():
+    """A truncate_dim model is served its first dimensions: the check measures those (without Dense
+    modules, whose input the backend's outputs are)."""
+    rng = np.random.default_rng(4)
+    want = rng.normal(size=(4, 16))
+    got = want.copy()
+    got[:, 8:] = rng.normal(size=(4, 8))  # the unserved half is noise
+    assert fidelity.measure(_spec(ModelKind.EMBEDDING, truncate_dim=8), got, want)["min_cosine"] == pytest.approx(1.0)
+    assert fidelity.measure(_spec(ModelKind.EMBEDDING), got, want)["min_cosine"] < 0.9
 
 
 # ------------------------------------------------------------------- floors
@@ -79,7 +120,8 @@ def test_measure_gives_each_kind_its_metrics():
 )
 def test_every_dtype_has_a_floor_row(dtype, row):
     assert fidelity.precision(dtype) == row
-    assert set(fidelity.FLOORS[row]) == {m for metrics in fidelity.METRICS.values() for m in metrics}
+    metrics = {m for metrics in fidelity.METRICS.values() for m in metrics} | set(fidelity.SCORE_METRICS.values())
+    assert set(fidelity.FLOORS[row]) == metrics
 
 
 def test_floors_are_the_documented_ones_and_tighten_with_precision():
@@ -124,6 +166,21 @@ def test_calibration_batches_reach_the_maximum_length_and_mix_lengths(minilm_spe
     assert len(calibration.batches(minilm_spec, batch_size=3)[0].lengths) == 3
 
 
+def test_calibration_covers_every_length_band_and_whitespace_wrapped_punctuation(minilm_spec, reranker_path):
+    """Issue 43 item 3 (VERSION 4): texts in every band from a few tokens to the maximum, tokens that
+    are nearly all special around whitespace, and near-tie pairs for rerankers."""
+    lengths = np.concatenate([b.lengths for b in calibration.batches(minilm_spec)])
+    top = minilm_spec.max_length
+    for low, high in [(1, 8), (9, 32), (33, top // 4), (top // 4 + 1, top // 2), (top // 2 + 1, top - 1), (top, top)]:
+        assert ((lengths >= low) & (lengths <= high)).any(), (low, high)
+    texts = calibration.texts(load_tokenizer(minilm_spec.path), top)
+    assert "  .  " in texts and any(t.strip() == "word" and t != "word" for t in texts)
+    spec = load_model_spec("reranker", reranker_path)
+    pairs = calibration.pairs(load_tokenizer(spec.path), spec.max_length)
+    for query, first, second in calibration.NEAR_TIES:
+        assert (query, first) in pairs and (query, second) in pairs
+
+
 def test_calibration_texts_cover_scripts_code_and_emoji(minilm_spec):
     from tokenizers import Tokenizer
 
@@ -147,7 +204,7 @@ def test_calibration_texts_cover_scripts_code_and_emoji(minilm_spec):
 def test_reranker_calibration_is_pairs_with_token_types(reranker_path):
     spec = load_model_spec("reranker", reranker_path)
     batches = calibration.batches(spec)
-    assert sum(b.size for b in batches) == len(calibration.PAIR_QUERIES) * 6 + 2
+    assert sum(b.size for b in batches) == len(calibration.PAIR_QUERIES) * 6 + 2 + 2 * len(calibration.NEAR_TIES) + 14
     assert all(b.token_type_ids is not None and b.token_type_ids.max() == 1 for b in batches)
     assert max(int(b.lengths.max()) for b in batches) == spec.max_length
 

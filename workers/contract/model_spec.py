@@ -132,6 +132,13 @@ class ModelSpec(msgspec.Struct, frozen=True):
     score_activation: ScoreActivation = ScoreActivation.SIGMOID  # rerankers and classifiers
     model_type: str = ""  # config.json's: the family engines claim or refuse (bert, qwen3, ...)
     pad_token_id: int = 0  # what padded engines fill with: decoder classifiers score the last non-pad token
+    # config_sentence_transformers.json's truncate_dim (0: none): the served width, cut after the
+    # model's normalization and not re-normalized, as sentence-transformers does (server/api/postprocess.py)
+    truncate_dim: int = 0
+
+    def served_width(self, computed: int) -> int:
+        """The width requests get from `computed` (the worker's output width)."""
+        return min(computed, self.truncate_dim) if self.truncate_dim else computed
 
 
 class ModelLoadError(Exception):
@@ -189,7 +196,7 @@ def resolve_model_path(path_or_hub_id: str, revision: str | None = None, cache_d
         ) from exc
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     """The parsed file (an object for config files, a list for modules.json); {} when absent."""
     try:
         return json.loads(path.read_text())
@@ -300,7 +307,7 @@ def _check_transformer(model_dir: Path, module: dict) -> None:
             module,
             "keeps the transformer in a subdirectory; encoderd loads it from the model directory itself",
         )
-    st_config = _read_json(model_dir / "sentence_bert_config.json")
+    st_config = read_json(model_dir / "sentence_bert_config.json")
     text = (st_config.get("modality_config") or {}).get("text") or {}
     if (
         st_config.get("transformer_task", "feature-extraction") != "feature-extraction"
@@ -317,7 +324,7 @@ def _check_transformer(model_dir: Path, module: dict) -> None:
 
 def _read_pooling(model_dir: Path, module: dict) -> tuple[tuple[Pooling, ...], bool]:
     path = model_dir / str(module.get("path", "")) / "config.json"
-    config = _read_json(path)
+    config = read_json(path)
     _check_keys(path, config, _POOLING_KEYS)
     if "pooling_mode" in config:  # current format; it wins over legacy keys, as in sentence-transformers
         names = config["pooling_mode"]
@@ -350,7 +357,7 @@ def _dense_activation(path: Path, config: dict) -> str:
 def _read_dense(model_dir: Path, module: dict, normalize_input: bool) -> DenseModule:
     directory = model_dir / str(module.get("path", ""))
     path = directory / "config.json"
-    config = _read_json(path)
+    config = read_json(path)
     _check_keys(path, config, _DENSE_KEYS)
     if config.get("module_input_name", _SENTENCE_EMBEDDING) != _SENTENCE_EMBEDDING or config.get(
         "module_output_name", _SENTENCE_EMBEDDING
@@ -373,7 +380,7 @@ def _read_dense(model_dir: Path, module: dict, normalize_input: bool) -> DenseMo
 
 
 def _check_normalize(model_dir: Path, module: dict) -> None:
-    config = _read_json(model_dir / str(module.get("path", "")) / "config.json") if module.get("path") else {}
+    config = read_json(model_dir / str(module.get("path", "")) / "config.json") if module.get("path") else {}
     if config.get("module_input_name", _SENTENCE_EMBEDDING) != _SENTENCE_EMBEDDING:
         raise _module_error(model_dir, module, "normalizes something other than the sentence embedding")
 
@@ -431,7 +438,7 @@ def _cross_encoder_activation(model_dir: Path, config: dict) -> ScoreActivation 
     config_sentence_transformers.json (v5+; read, as sentence-transformers does, only beside a
     modules.json), config.json's `sentence_transformers` (v4), or config.json's
     `sbert_ce_default_activation_function` (older); None when none does."""
-    saved = _read_json(model_dir / "config_sentence_transformers.json") if (model_dir / "modules.json").exists() else {}
+    saved = read_json(model_dir / "config_sentence_transformers.json") if (model_dir / "modules.json").exists() else {}
     named = (
         saved.get("activation_fn")
         or (config.get("sentence_transformers") or {}).get("activation_fn")
@@ -490,7 +497,7 @@ def _check_head_modules(model_dir: Path, modules: list[dict]) -> None:
 def _lowercase(model_dir: Path) -> bool:
     """Older releases keep do_lower_case in sentence_bert_config.json (current ones put a Lowercase
     normalizer into tokenizer.json, which the frontend's tokenizer then has anyway)."""
-    return bool(_read_json(model_dir / "sentence_bert_config.json").get("do_lower_case", False))
+    return bool(read_json(model_dir / "sentence_bert_config.json").get("do_lower_case", False))
 
 
 def check_prompts(spec: ModelSpec, prompts: dict[str, str]) -> None:
@@ -516,9 +523,17 @@ def _position_limit(config: dict) -> int:
 
 
 def _max_length(model_dir: Path, config: dict) -> int:
-    st_config = _read_json(model_dir / "sentence_bert_config.json")
-    tok_config = _read_json(model_dir / "tokenizer_config.json")
-    candidates = [st_config.get("max_seq_length"), tok_config.get("model_max_length")]
+    """sentence-transformers' order: its Transformer's processor_kwargs, max_seq_length, then the
+    tokenizer's model_max_length; never past the position table."""
+    from .st_config import check_transformer_settings
+
+    st_config = read_json(model_dir / "sentence_bert_config.json")
+    tok_config = read_json(model_dir / "tokenizer_config.json")
+    candidates = [
+        check_transformer_settings(model_dir),
+        st_config.get("max_seq_length"),
+        tok_config.get("model_max_length"),
+    ]
     position_limit = _position_limit(config)
     lengths = [int(c) for c in candidates if isinstance(c, (int, float)) and 0 < c < 10**6]
     return min(lengths[0] if lengths else position_limit, position_limit)
@@ -552,7 +567,7 @@ def require_known_architectures(path: str, trust_remote_code: bool) -> None:
     any other class would load as the stock class of its model_type, its own layers dropped."""
     import transformers
 
-    config = _read_json(Path(path) / "config.json")
+    config = read_json(Path(path) / "config.json")
     require_trusted_code(path, config, trust_remote_code)
     known = set(dir(transformers))
     unknown = [a for a in config.get("architectures") or [] if a not in known and a not in _OWN_ARCHITECTURES]
@@ -612,12 +627,16 @@ def load_model_spec(
     trust_remote_code: bool = False,
 ) -> ModelSpec:
     """The spec from the model's files; `pooling` and `max_length` override them (serve flags)."""
+    from .st_config import check_tokenizer_settings, saved_settings
+
     model_dir = Path(path)
-    config = _read_json(model_dir / "config.json")
+    config = read_json(model_dir / "config.json")
+    modules: list[dict] = read_json(model_dir / "modules.json") or []
     if not config:
+        if modules:  # a sentence-transformers model whose first module is no transformers model
+            _check_transformer(model_dir, modules[0])
         raise ModelLoadError(f"{path} has no config.json: not a transformers model directory")
     require_trusted_code(path, config, trust_remote_code)
-    modules: list[dict] = _read_json(model_dir / "modules.json") or []
     kind = kind or detect_kind(config, modules)
     id2label = config.get("id2label") or {}
     labels = (
@@ -630,7 +649,8 @@ def load_model_spec(
         pipeline = _embedding_pipeline(model_dir, modules, int(config.get("hidden_size") or 0))
     elif kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER):
         _check_head_modules(model_dir, modules)
-    st_config = _read_json(model_dir / "config_sentence_transformers.json")
+    saved = saved_settings(model_dir, kind == ModelKind.EMBEDDING)
+    check_tokenizer_settings(model_dir, config, pairs=kind == ModelKind.RERANKER)
     spec = ModelSpec(
         name=name,
         path=str(model_dir),
@@ -643,14 +663,15 @@ def load_model_spec(
         or (kind != ModelKind.EMBEDDING and any(m.get("type", "").endswith("Normalize") for m in modules)),
         labels=labels,
         hidden_size=_output_size(config, kind, pipeline),
-        prompts={str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()},
-        default_prompt_name=st_config.get("default_prompt_name") or None,
+        prompts=saved.prompts,
+        default_prompt_name=saved.default_prompt_name,
         include_prompt=pipeline.include_prompt,
         dense=pipeline.dense,
         lowercase=_lowercase(model_dir),
         score_activation=_score_activation(model_dir, config, kind),
         model_type=str(config.get("model_type") or ""),
         pad_token_id=_pad_token_id(config),
+        truncate_dim=saved.truncate_dim,
     )
     spec = _with_overrides(spec, config, pooling, max_length)
     check_prompts(spec, spec.prompts)

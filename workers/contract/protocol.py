@@ -75,9 +75,9 @@ class ResultHeader(msgspec.Struct, array_like=True, gc=False):
 class FidelityFigure(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One figure of the start-up fidelity self-check (workers/fidelity.py)."""
 
-    metric: str  # min_cosine, max_prob_diff, kendall_tau, top1_agreement
+    metric: str  # min_cosine, max_prob_diff, max_logit_diff, kendall_tau, top1_agreement
     value: float
-    bound: float  # this dtype's floor (max_prob_diff: its ceiling)
+    bound: float  # this dtype's floor (max_prob_diff, max_logit_diff: their ceiling)
     passed: bool
 
 
