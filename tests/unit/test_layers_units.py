@@ -51,6 +51,9 @@ EXCEPTIONS = {
     ("bench/breakdown.py", "encoderd.workers.backends"),
     # `bench --openvino`: a reference is judged by the server's own fidelity floors, kept in one place.
     ("bench/openvino.py", "encoderd.workers.fidelity"),
+    # `bench.fidelity_holdout`: the worker's own self-check and engines, in-process, against a holdout corpus.
+    ("bench/fidelity_holdout.py", "encoderd.workers"),
+    ("bench/fidelity_holdout.py", "encoderd.workers.backends"),
     # `encoderd bench`: the CLI hands the rest of its command line to the benchmark (imported lazily:
     # test_the_frontend_loads_without_the_worker_code checks the CLI loads without it).
     ("server/ops/cli.py", "encoderd.bench.runner"),
