@@ -74,7 +74,7 @@ class TorchBackend(Backend):
         self.threads = self.options.threads or len(os.sched_getaffinity(0))
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
-        model_class = torch_heads.model_class(self.spec.kind)
+        model_class = torch_heads.model_class(self.spec.kind, self.spec.model_type)
         load = (model_class, self.spec.path, self.options.trust_remote_code)
         try:
             model = from_pretrained(*load, dtype=weights, attn_implementation="sdpa")
