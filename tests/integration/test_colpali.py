@@ -175,9 +175,40 @@ def test_rest_multivector_and_maxsim(server, refs):
         np.testing.assert_allclose(score, refs.scores("colpali", "a red cat", [PAGES[1]])[0], rtol=1e-5)
 
 
-def test_list_models_names_the_kind(stub):
-    kinds = {m.id: m.kind for m in stub.ListModels(pb.ListModelsRequest()).models}
-    assert kinds == {"colpali": "colpali", "colqwen2": "colpali"}
+def test_list_models_names_the_kind_and_the_fidelity_check(stub):
+    """The self-check covers multi-vector output now: float32 rows against transformers' own loop."""
+    infos = {m.id: m for m in stub.ListModels(pb.ListModelsRequest()).models}
+    assert {name: info.kind for name, info in infos.items()} == {"colpali": "colpali", "colqwen2": "colpali"}
+    for info in infos.values():
+        assert info.fidelity_status == "passed", info
+        [cosine] = info.fidelity
+        assert cosine.metric == "min_cosine" and cosine.bound == 0.9999 and cosine.value >= 0.99999
+
+
+def test_bfloat16_is_checked_and_within_its_floor(tmp_path, paths, refs):
+    """--dtype bfloat16: the self-check measures every query and page row against float32
+    transformers (floor 0.999), and what is served stays within that floor of the reference."""
+    with ServerProcess(
+        "--model",
+        f"colqwen2={paths['colqwen2']}",
+        "--dtype",
+        "bfloat16",
+        "--cpu-threads",
+        "1",
+        log_path=tmp_path / "server.log",
+    ) as server:
+        [info] = server.stub().ListModels(pb.ListModelsRequest()).models
+        assert (info.dtype, info.fidelity_status) == ("bfloat16", "passed")
+        [cosine] = info.fidelity
+        assert cosine.bound == 0.999 and 0.999 <= cosine.value < 1.0
+        inputs = [pb.Content(text=QUERIES[1]), pb.Content(image=pb.Media(data=png(PAGES[0])))]
+        response = server.stub().EmbedMultiVector(pb.EmbedMultiVectorRequest(model="colqwen2", inputs=inputs))
+    want = [refs.queries("colqwen2", [QUERIES[1]])[0].numpy(), refs.pages("colqwen2", [PAGES[0]])[0].numpy()]
+    for got, reference in zip(response.embeddings, want, strict=True):
+        rows = rows_of(got)
+        assert rows.shape == reference.shape
+        assert (rows * reference).sum(axis=1).min() >= 0.999  # unit rows: the dot is the cosine
+    assert "fidelity self-check passed: colqwen2 (torch bfloat16 on cpu)" in server.log_text()
 
 
 def test_bad_inputs_are_refused_clearly(server, stub):

@@ -3,8 +3,8 @@
 The frontend runs the model's own processor (server/models/retrieval.py), so a query arrives as
 the token sequence ColPaliProcessor / ColQwen2Processor build (prefix, text, ten augmentation
 tokens, newline) and a page as its pixels plus the sequence built around its image tokens. The
-model's `embeddings` are unit vectors already (and zero at padding); every real position's row is
-returned, prompt tokens included, exactly the rows `processor.score_retrieval` scores.
+model's `embeddings` (unit vectors, zero at padding) at every real position are returned,
+prompt tokens included: the rows `processor.score_retrieval` scores.
 
 Batches are right-padded: ColPali attends bidirectionally over the whole (prefix) sequence and
 ColQwen2 causally, both with positions counted from the first token, so a row never depends on
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
 from .base import padded
@@ -62,9 +63,10 @@ def _per_page(rows: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
 
 
 def _rows(embeddings: torch.Tensor, mask: torch.Tensor) -> Ragged:
-    """The real positions' rows, ragged; the model normalized them, so they are kept as they are."""
+    """The real positions' rows, ragged. The model normalized them in its own dtype; in float32
+    again here, since a bfloat16 norm is off by up to ~0.4% (float32 rows change by an ulp)."""
     keep = mask.bool()
-    rows = embeddings[keep].float()  # row-major: input 0's positions first, as packed
+    rows = F.normalize(embeddings[keep].float(), dim=-1)  # row-major: input 0's positions first, as packed
     cu = torch.zeros(mask.shape[0] + 1, dtype=torch.int32)
     torch.cumsum(keep.sum(dim=1).cpu(), dim=0, out=cu[1:])
     return Ragged(rows.cpu().numpy(), cu.numpy())
