@@ -12,6 +12,7 @@ the tests' direct transformers forward read exactly the same directory:
             with 1 s windows;
   colbert   a two-layer BERT and a PyLate-style Dense projection (32 -> 16), MiniLM tokenizer;
   sparse    a two-layer BertForMaskedLM over MiniLM's vocabulary, MiniLM tokenizer.
+  colpali, colqwen2   ColPaliForRetrieval / ColQwen2ForRetrieval, tiny (encoderd.bench.retrieval_models).
 """
 
 from __future__ import annotations
@@ -215,162 +216,15 @@ def build_sparse(out_dir: Path) -> Path:
 
 
 # ---------------------------------------------------------------- ColPali / ColQwen2
-# Words the retrieval tokenizers merge whole, so queries tokenize into a few tokens each.
-RETRIEVAL_WORDS = (*CLIP_WORDS, "question", "query", "invoice", "total", "figure", "table", "report")
-
-
-def _retrieval_vocab(specials: list[str], prefix: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """A BPE vocabulary: the special tokens, printable ASCII (spaces as `prefix`, Gemma's "▁" or
-    byte-level's "Ġ"), newline, and one merge chain per word in RETRIEVAL_WORDS (with its space)."""
-    vocab = {token: i for i, token in enumerate(specials)}
-    for code in range(32, 127):
-        vocab.setdefault(prefix if code == 32 else chr(code), len(vocab))
-    vocab.setdefault("\n" if prefix == "▁" else "Ċ", len(vocab))
-    merges: list[tuple[str, str]] = []
-    for word in RETRIEVAL_WORDS:
-        current = prefix
-        for char in word:
-            merges.append((current, char))
-            current += char
-            vocab.setdefault(current, len(vocab))
-    return vocab, merges
-
-
 def build_colpali(out_dir: Path) -> Path:
-    """ColPaliForRetrieval over a tiny PaliGemma (SigLIP 32 px in 8 px patches: 16 image tokens;
-    a two-layer Gemma), a Gemma-style BPE tokenizer and the ColPaliProcessor saved beside it."""
+    """ColPaliForRetrieval, tiny (encoderd.bench.retrieval_models says how it is made)."""
+    from encoderd.bench.retrieval_models import write_colpali
 
-    def build(tmp: Path) -> None:
-        from transformers import (
-            ColPaliConfig,
-            ColPaliForRetrieval,
-            ColPaliProcessor,
-            GemmaTokenizer,
-            SiglipImageProcessor,
-        )
-
-        vocab, merges = _retrieval_vocab(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], "▁")
-        tokenizer = GemmaTokenizer(vocab=vocab, merges=merges)
-        images = SiglipImageProcessor(size={"height": 32, "width": 32}, image_seq_length=16)
-        processor = ColPaliProcessor(image_processor=images, tokenizer=tokenizer)  # adds <image>, <locNNNN>...
-        config = ColPaliConfig(
-            vlm_config={
-                "model_type": "paligemma",
-                "image_token_id": processor.image_token_id,
-                "vision_config": {
-                    "model_type": "siglip_vision_model",
-                    "hidden_size": 32,
-                    "intermediate_size": 64,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 2,
-                    "image_size": 32,
-                    "patch_size": 8,
-                    "projection_dim": 48,
-                },
-                "text_config": {
-                    "model_type": "gemma",
-                    "vocab_size": len(processor.tokenizer),
-                    "hidden_size": 48,
-                    "intermediate_size": 96,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 1,
-                    "head_dim": 24,
-                    "max_position_embeddings": 256,
-                    "pad_token_id": 0,
-                    "bos_token_id": 2,
-                    "eos_token_id": 1,
-                },
-                "projection_dim": 48,
-                "hidden_size": 48,
-            },
-            embedding_dim=16,
-        )
-        _seed()
-        ColPaliForRetrieval(config).eval().save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-
-    return _build_once(out_dir, build)
-
-
-QWEN_SPECIALS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
-
-def _qwen_tokenizer():
-    """A Qwen2 byte-level BPE tokenizer: the 256 byte symbols, one merge chain per retrieval word
-    (with its leading space, "Ġ"), and Qwen2-VL's special tokens (<|endoftext|> pads)."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import Qwen2Tokenizer
-
-    vocab = {symbol: i for i, symbol in enumerate(sorted(ByteLevel.alphabet()))}
-    merges: list[tuple[str, str]] = []
-    for word in RETRIEVAL_WORDS:
-        current = "Ġ"
-        for char in word:
-            merges.append((current, char))
-            current += char
-            vocab.setdefault(current, len(vocab))
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIALS[1:])})
-    return tokenizer
+    return _build_once(out_dir, write_colpali)
 
 
 def build_colqwen2(out_dir: Path) -> Path:
-    """ColQwen2ForRetrieval over a tiny Qwen2-VL: 4 px patches merged 2x2, so a page costs one
-    image token per 8x8 pixels at its own resolution (64 to 4096 pixels: 4 to 64 image tokens), a
-    two-layer language model, a byte-level BPE tokenizer and the ColQwen2Processor beside it."""
+    """ColQwen2ForRetrieval, tiny (encoderd.bench.retrieval_models says how it is made)."""
+    from encoderd.bench.retrieval_models import write_colqwen2
 
-    def build(tmp: Path) -> None:
-        from transformers import ColQwen2Config, ColQwen2ForRetrieval, ColQwen2Processor, Qwen2VLImageProcessor
-
-        tokenizer = _qwen_tokenizer()
-        images = Qwen2VLImageProcessor(
-            patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=64 * 64
-        )
-        processor = ColQwen2Processor(image_processor=images, tokenizer=tokenizer)
-        ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIALS}
-        config = ColQwen2Config(
-            vlm_config={
-                "model_type": "qwen2_vl",
-                "image_token_id": ids["<|image_pad|>"],
-                "video_token_id": ids["<|video_pad|>"],
-                "vision_start_token_id": ids["<|vision_start|>"],
-                "vision_end_token_id": ids["<|vision_end|>"],
-                "vision_config": {
-                    "depth": 2,
-                    "embed_dim": 32,
-                    "hidden_size": 48,
-                    "num_heads": 2,
-                    "patch_size": 4,
-                    "spatial_merge_size": 2,
-                    "temporal_patch_size": 2,
-                },
-                "text_config": {
-                    "vocab_size": len(tokenizer),
-                    "hidden_size": 48,
-                    "intermediate_size": 96,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 2,
-                    "num_key_value_heads": 1,
-                    "max_position_embeddings": 512,
-                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]},
-                    "pad_token_id": ids["<|endoftext|>"],
-                    "bos_token_id": ids["<|endoftext|>"],
-                    "eos_token_id": ids["<|im_end|>"],
-                },
-            },
-            embedding_dim=16,
-        )
-        _seed()
-        ColQwen2ForRetrieval(config).eval().save_pretrained(tmp)
-        processor.save_pretrained(tmp)
-
-    return _build_once(out_dir, build)
+    return _build_once(out_dir, write_colqwen2)
