@@ -190,3 +190,28 @@ def test_maxsim_and_sparsify():
     np.testing.assert_allclose(maxsim_scores(q, docs), [1.8, -1.0], rtol=1e-6)
     indices, values = sparsify(np.array([1, 5, 9, 12]), np.array([0.2, 0.9, 0.05, 0.5]), top_k=2, threshold=0.1)
     assert indices.tolist() == [5, 12] and values.tolist() == [0.9, 0.5]
+
+
+def test_a_retrieval_models_warm_up_runs_query_lengths_not_its_context(models_dir):
+    """ColQwen2's max_length is Qwen2-VL's context: warming up two inputs of it took a 2B model over
+    ten minutes. The warm-up runs query lengths (pages go through the fidelity self-check)."""
+    from support.multimodal_models import build_colqwen2
+
+    from encoderd.workers.backends import BackendOptions, create_backend
+    from encoderd.workers.backends.retrieval import WARMUP_QUERY_TOKENS
+    from encoderd.workers.contract.model_spec import load_model_spec
+
+    spec = load_model_spec("colqwen2", str(build_colqwen2(models_dir / "colqwen2")))
+    backend = create_backend("torch", spec, BackendOptions(device="cpu", dtype="float32", threads=1))
+    backend.load()
+    forward, lengths = backend.forward, []
+
+    def recorded(batch):
+        lengths.append(int(batch.lengths.max()))
+        if lengths[-1] > WARMUP_QUERY_TOKENS:
+            raise AssertionError(f"a warm-up batch of {lengths[-1]} tokens")
+        return forward(batch)
+
+    backend.forward = recorded  # type: ignore[method-assign]
+    backend.warmup(32768)
+    assert lengths and max(lengths) == WARMUP_QUERY_TOKENS

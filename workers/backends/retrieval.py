@@ -20,6 +20,11 @@ import torch.nn.functional as F
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
 from .base import padded
 
+# The longest query a warm-up runs. A retrieval model's max_length is its language model's context
+# (Qwen2-VL: 32768), and warming up two inputs of that length took a 2B ColQwen2 over ten minutes
+# on 2 cores; queries are tens of tokens (prefix, text, ten augmentation tokens).
+WARMUP_QUERY_TOKENS = 64
+
 # PaliGemma attends bidirectionally over positions whose token type is 0; the processor returns
 # token_type_ids of 0 for queries and pages and `model(**processor(...))` passes them on. Without
 # them the text model would attend causally: other vectors.
