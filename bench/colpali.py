@@ -2,12 +2,13 @@
 by encoderd, beside transformers' own loop on the same inputs, in one run.
 
 transformers' loop is what the model cards show: `model(**processor(images=pages))` over batches of
---batch pages, and `model(**processor(text=[query]))` one query at a time, in this process with
---threads torch threads. encoderd serves the same directory (`encoderd serve --cpu-threads
---threads`) and gets the same pages in requests of --batch pages (--concurrency in flight) and the
-same queries one request at a time. The phases run one after the other (transformers' model is
-freed before the server starts: a real-size model twice would not fit in memory), each after a
-warm-up. The served vectors of the first page are compared with transformers' (min cosine).
+--batch pages (decoded from the same PNG files encoderd gets), and `model(**processor(text=[query]))`
+one query at a time, in this process with --threads torch threads. encoderd serves the same
+directory (`encoderd serve --cpu-threads --threads`) and gets the same pages in requests of --batch
+pages (--concurrency in flight) and the same queries one request at a time. The phases run one
+after the other (transformers' model is freed before the server starts: a real-size model twice
+would not fit in memory), each after a warm-up. The served vectors of the first page are compared
+with transformers' (min cosine).
 
 Models (encoderd.bench.retrieval_models): --size tiny or real (random weights, real sizes), built
 once under --cache-dir. Pages are drawn here: text lines, a rule and a figure on white, in four
@@ -81,7 +82,16 @@ def png(image) -> bytes:
     return buf.getvalue()
 
 
-def transformers_loop(path: str, args, pages, queries) -> dict:
+def decoded(blobs: list[bytes]) -> list:
+    """PIL images of PNG files: what a loop over page files does first (encoderd decodes them too)."""
+    import io
+
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(blob)) for blob in blobs]
+
+
+def transformers_loop(path: str, args, blobs: list[bytes], queries) -> dict:
     import torch
     import transformers
 
@@ -92,12 +102,12 @@ def transformers_loop(path: str, args, pages, queries) -> dict:
     model = cls.from_pretrained(path, dtype=dtype).eval()
     processor = transformers.AutoProcessor.from_pretrained(path)
     with torch.inference_mode():
-        model(**processor(images=pages[:1]))  # warm-up
+        model(**processor(images=decoded(blobs[:1])))  # warm-up
         model(**processor(text=queries[:1]))
         started = time.perf_counter()
         first = None
-        for start in range(0, len(pages), args.batch):
-            out = model(**processor(images=pages[start : start + args.batch])).embeddings
+        for start in range(0, len(blobs), args.batch):
+            out = model(**processor(images=decoded(blobs[start : start + args.batch]))).embeddings
             first = out[0] if first is None else first
         elapsed = time.perf_counter() - started
         latencies = []
@@ -105,15 +115,15 @@ def transformers_loop(path: str, args, pages, queries) -> dict:
             began = time.perf_counter()
             model(**processor(text=[query]))
             latencies.append(time.perf_counter() - began)
-        mask = processor(images=pages[:1])["attention_mask"][0].bool()
+        mask = processor(images=decoded(blobs[:1]))["attention_mask"][0].bool()
         assert first is not None  # at least one page
         rows = first[: len(mask)][mask].float().numpy()
     del model
     gc.collect()
-    return {"pages_per_s": len(pages) / elapsed, "latencies": latencies, "first_page": rows}
+    return {"pages_per_s": len(blobs) / elapsed, "latencies": latencies, "first_page": rows}
 
 
-def encoderd_loop(path: str, args, pages, queries, logs: Path) -> dict:
+def encoderd_loop(path: str, args, blobs: list[bytes], queries, logs: Path) -> dict:
     import grpc
 
     from ..v1 import encoderd_pb2 as pb
@@ -130,7 +140,6 @@ def encoderd_loop(path: str, args, pages, queries, logs: Path) -> dict:
         wait_until(lambda: grpc_serving(address), "encoderd", server, timeout=3600)
         channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 1 << 30)])
         stub = pb_grpc.EncoderStub(channel)
-        blobs = [png(page) for page in pages]
 
         def embed(contents):
             return stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(model="m", inputs=contents), timeout=3600)
@@ -157,7 +166,7 @@ def encoderd_loop(path: str, args, pages, queries, logs: Path) -> dict:
         channel.close()
     finally:
         server.stop()
-    return {"pages_per_s": len(pages) / elapsed, "latencies": latencies, "first_page": rows}
+    return {"pages_per_s": len(blobs) / elapsed, "latencies": latencies, "first_page": rows}
 
 
 def _salted(blob: bytes, i: int) -> bytes:
@@ -184,14 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     path = build(args.cache_dir, args.model, args.size)
-    pages = [draw_page(seed) for seed in range(args.pages)]
+    blobs = [png(draw_page(seed)) for seed in range(args.pages)]  # both sides get these PNG files
     queries = [f"{q} {i}" for i, q in enumerate(make_queries(args.queries, 7))]  # distinct: no cache hits
     logs = args.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log(f"{args.model} {args.size} {args.dtype}, {args.threads} threads: transformers' loop")
-    reference = transformers_loop(path, args, pages, queries)
+    reference = transformers_loop(path, args, blobs, queries)
     log("encoderd")
-    served = encoderd_loop(path, args, pages, queries, logs)
+    served = encoderd_loop(path, args, blobs, queries, logs)
     want, got = reference["first_page"], served["first_page"]
     cosine = float(np.min((want * got).sum(1) / np.linalg.norm(want, axis=1) / np.linalg.norm(got, axis=1)))
     print(
