@@ -308,13 +308,15 @@ def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") ->
     started = time.perf_counter()
     if spec.kind == ModelKind.COLPALI:
         got, want, cached = _retrieval_outputs(backend, spec)
+        inputs = len(calibration.retrieval_queries()) + len(calibration.PAGES)  # want holds their rows
     else:
         batches = calibration.batches(spec, backend.options.max_batch_size, backend.options.trust_remote_code)
         want, cached = reference(spec, batches, backend.options.cache_dir, backend.options.trust_remote_code)
         got = np.concatenate([backend.forward(batch) for batch in batches])
+        inputs = len(want)
     figures = judge(measure(spec, got, want), backend.options.dtype)
     report = Report(
-        PASSED if all(f.passed for f in figures) else LOW, figures, len(want), time.perf_counter() - started, cached
+        PASSED if all(f.passed for f in figures) else LOW, figures, inputs, time.perf_counter() - started, cached
     )
     _log_verdict(report, what, allow_low, fallback)
     return report
