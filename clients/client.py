@@ -235,7 +235,7 @@ class _Methods:
         truncate: bool | None = None,
         timeout: float | None = None,
     ) -> list[np.ndarray]:
-        """Per input, a (rows, dimensions) float32 array of unit vectors (colbert, colpali)."""
+        """Per input, a (rows, dimensions) float32 array of unit vectors (colbert, colpali, clip_patches)."""
         request = pb.EmbedMultiVectorRequest(
             model=model, inputs=[_content(i) for i in inputs], prompt=prompt, truncate=truncate
         )
@@ -259,7 +259,7 @@ class _Methods:
         truncate: bool | None = None,
         timeout: float | None = None,
     ) -> list[RerankResult]:
-        """Documents ranked by late interaction with the query (colbert, colpali), best first."""
+        """Documents ranked by late interaction with the query (colbert, colpali, clip_patches), best first."""
         request = pb.MaxSimRequest(
             model=model,
             query=query,

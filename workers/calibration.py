@@ -18,6 +18,10 @@ batches of at most BATCH_SIZE inputs and BATCH_TOKENS padded tokens, whose lengt
 (padded engines pad them; int8 activation scales are set per batch). Sorting keeps the check
 cheap: the long inputs share one batch instead of padding every batch to the maximum length.
 Changing anything here changes the reference: bump VERSION.
+
+ColPali / ColQwen2 models are checked on queries (QUERIES and PROSE, as their processor builds
+them) and on PAGES: document pages drawn here (lines of text, a table rule, a dark figure) in
+portrait, landscape and square shapes, so ColQwen2 reads each at a different resolution.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .contract.model_spec import ModelKind, ModelSpec
-from .contract.protocol import TokenBatch
+from .contract.protocol import MediaBatch, TokenBatch
 
 VERSION = 4
 BATCH_SIZE = 8  # most inputs per batch
@@ -217,6 +221,60 @@ def pairs(tokenizer, max_length: int) -> list[tuple[str, str]]:
         (SPARSE[0], SPARSE[0]),
         (QUERIES[0], QUERIES[0]),
     ]
+
+
+# Document pages: (width, height) and the lines written on them.
+PAGES = (
+    ((320, 416), PROSE[:3]),
+    ((448, 256), (PROSE[2], "Q3 revenue   $18.7M   +4.2%", "Q2 revenue   $17.9M   +3.1%")),
+    ((224, 224), (QUERIES[0], CODE[0].splitlines()[0])),
+)
+
+
+def pages() -> list:
+    """The calibration pages as PIL images: black text on white, a rule and a grey figure."""
+    from PIL import Image, ImageDraw
+
+    drawn = []
+    for (width, height), lines in PAGES:
+        page = Image.new("RGB", (width, height), "white")
+        draw = ImageDraw.Draw(page)
+        y = 8
+        for line in lines:
+            for start in range(0, len(line), max(8, width // 7)):  # the default font is ~6 px a character
+                draw.text((8, y), line[start : start + max(8, width // 7)], fill="black")
+                y += 12
+        draw.line((8, y + 4, width - 8, y + 4), fill="black", width=2)
+        draw.rectangle((width // 4, y + 12, 3 * width // 4, min(height - 8, y + 12 + height // 4)), fill=(90, 90, 90))
+        drawn.append(page)
+    return drawn
+
+
+def retrieval_queries() -> list[str]:
+    return [*QUERIES, *PROSE]
+
+
+def retrieval_query_batch(processor, queries: list[str]) -> TokenBatch:
+    """The queries as the frontend sends them: the token ids the processor builds, one batch."""
+    return TokenBatch.from_sequences(-1, [processor(text=[q])["input_ids"][0].numpy() for q in queries])
+
+
+def retrieval_page_batch(processor, images: list) -> MediaBatch:
+    """The pages as the frontend sends them (server/models/retrieval.py, batching.pack_media): pixels
+    (ColQwen2: patch rows and grids) and the token sequence built around each, one batch."""
+    built = [processor(images=[image]) for image in images]
+    tokens = TokenBatch.from_sequences(-1, [b["input_ids"][0].numpy() for b in built])
+    pixels = [b["pixel_values"][0].float().numpy() for b in built]
+    grids = [b["image_grid_thw"][0].numpy() for b in built if "image_grid_thw" in b]
+    features = np.concatenate(pixels) if grids else np.stack(pixels)
+    return MediaBatch(
+        -1,
+        "image",
+        features,
+        token_ids=tokens.input_ids,
+        token_cu=tokens.cu_seqlens,
+        grids=np.stack(grids).astype(np.int32) if grids else None,
+    )
 
 
 def batches(spec: ModelSpec, batch_size: int = BATCH_SIZE, trust_remote_code: bool = False) -> list[TokenBatch]:

@@ -28,8 +28,14 @@ steepest slope (1/4): a logit within 4c moves no sigmoid probability by more tha
 kendall_tau: rank agreement of all the pairs' scores (one swapped pair of the 48 is 0.998).
 top1_agreement: the share of inputs whose best label is the reference's (one flip of 56 is 0.982).
 
-Multi-modal (clip, clap), multi-vector (colbert, colpali) and sparse models are not checked:
-the torch engine is the only one computing them, and the report says "unchecked".
+ColPali / ColQwen2 (colpali) models are checked on their multi-vector output: calibration queries
+and drawn pages (calibration.retrieval_queries, calibration.pages) built by the model's processor
+and batched as the frontend batches them, against transformers' own loop in float32, one input at
+a time: `model(**processor(...)).embeddings`. min_cosine is then the worst cosine over every row
+(each query token's and page token's vector), under the embedding floors.
+
+Multi-modal (clip, clap), the other multi-vector kinds (colbert, clip_patches) and sparse models
+are not checked: the torch engine is the only one computing them, and the report says "unchecked".
 """
 
 from __future__ import annotations
@@ -51,10 +57,11 @@ from .model_cache import cached_build, fingerprint_model, library_versions
 log = logging.getLogger("encoderd.fidelity")
 
 REFERENCE_FILE = "reference.npy"
-CHECKED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER)
+CHECKED_KINDS = (ModelKind.EMBEDDING, ModelKind.RERANKER, ModelKind.CLASSIFIER, ModelKind.COLPALI)
 # The first metric of a reranker or classifier is its score metric (SCORE_METRICS), by what it serves.
 METRICS = {
     ModelKind.EMBEDDING: ("min_cosine",),
+    ModelKind.COLPALI: ("min_cosine",),  # over every row of every query and page
     ModelKind.RERANKER: ("max_prob_diff", "kendall_tau"),
     ModelKind.CLASSIFIER: ("max_prob_diff", "top1_agreement"),
 }
@@ -136,6 +143,8 @@ def top1_agreement(got: np.ndarray, want: np.ndarray) -> float:
 def measure(spec: ModelSpec, got: np.ndarray, want: np.ndarray) -> dict[str, float]:
     """The metrics of what `spec`'s model serves (METRICS, SCORE_METRICS): the backend's outputs
     `got` against the reference `want`."""
+    if spec.kind == ModelKind.COLPALI:  # every row of every query and page
+        return {"min_cosine": min_cosine(got, want)}
     if spec.kind == ModelKind.EMBEDDING:
         # With Dense modules the backend's outputs are their input (the worker applies them in float32
         # after): all of it counts; without, the served width is a prefix of them.
@@ -234,6 +243,52 @@ def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_
     return np.concatenate(outputs).astype(np.float32)
 
 
+# ------------------------------------------------------- ColPali / ColQwen2
+def _retrieval_outputs(backend, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Served and reference rows (every query's, then every page's), and whether the reference was cached."""
+    from transformers import AutoProcessor
+
+    trust = backend.options.trust_remote_code
+    processor = AutoProcessor.from_pretrained(spec.path, trust_remote_code=trust)
+    queries, pages = calibration.retrieval_queries(), calibration.pages()
+    key = {
+        "model": fingerprint_model(spec.path),
+        "model_kind": spec.kind.value,
+        "calibration": calibration.VERSION,
+        "inputs": hashlib.sha256(repr((queries, calibration.PAGES)).encode()).hexdigest(),
+        "versions": library_versions("torch", "transformers", "tokenizers", "pillow", "torchvision"),
+    }
+    entry = cached_build(
+        backend.options.cache_dir or default_cache_dir(),
+        "fidelity",
+        f"{spec.name}-reference",
+        key,
+        lambda out: np.save(out / REFERENCE_FILE, _retrieval_reference(spec, processor, queries, pages, trust)),
+    )
+    served = [
+        backend.forward(calibration.retrieval_query_batch(processor, queries)),
+        backend.forward_media(calibration.retrieval_page_batch(processor, pages)),
+    ]
+    return np.concatenate([rows.values for rows in served]), np.load(entry.path / REFERENCE_FILE), entry.hit
+
+
+def _retrieval_reference(spec: ModelSpec, processor, queries: list[str], pages: list, trust: bool) -> np.ndarray:
+    """transformers' own loop: model(**processor(...)).embeddings, one input at a time, float32 on CPU."""
+    import torch
+
+    from .backends.base import from_pretrained
+    from .backends.torch_heads import model_class
+    from .contract.hardware import cpu_budget
+
+    log.info("computing the float32 reference of %s for the fidelity self-check (once; cached)", spec.name)
+    model = from_pretrained(model_class(spec.kind, spec.model_type), spec.path, trust, dtype=torch.float32).eval()
+    torch.set_num_threads(cpu_budget().usable)
+    inputs = [processor(text=[query]) for query in queries] + [processor(images=[page]) for page in pages]
+    with torch.inference_mode():
+        rows = [model(**built).embeddings[0].numpy() for built in inputs]
+    return np.concatenate(rows).astype(np.float32)
+
+
 # ---------------------------------------------------------------- the check
 def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") -> Report:
     """Run the calibration set through `backend`, compare with the reference, log the verdict.
@@ -244,19 +299,24 @@ def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") ->
     what = f"{spec.name} ({backend.engine} {backend.options.dtype} on {backend.options.device})"
     if spec.kind not in CHECKED_KINDS:
         log.info(
-            "fidelity self-check: %s not checked: the calibration set covers embedding, reranker and "
-            "classifier models, not %s",
+            "fidelity self-check: %s not checked: the calibration set covers embedding, reranker, "
+            "classifier and colpali models, not %s",
             what,
             spec.kind.value,
         )
         return Report(UNCHECKED, ())
     started = time.perf_counter()
-    batches = calibration.batches(spec, backend.options.max_batch_size, backend.options.trust_remote_code)
-    want, cached = reference(spec, batches, backend.options.cache_dir, backend.options.trust_remote_code)
-    got = np.concatenate([backend.forward(batch) for batch in batches])
+    if spec.kind == ModelKind.COLPALI:
+        got, want, cached = _retrieval_outputs(backend, spec)
+        inputs = len(calibration.retrieval_queries()) + len(calibration.PAGES)  # want holds their rows
+    else:
+        batches = calibration.batches(spec, backend.options.max_batch_size, backend.options.trust_remote_code)
+        want, cached = reference(spec, batches, backend.options.cache_dir, backend.options.trust_remote_code)
+        got = np.concatenate([backend.forward(batch) for batch in batches])
+        inputs = len(want)
     figures = judge(measure(spec, got, want), backend.options.dtype)
     report = Report(
-        PASSED if all(f.passed for f in figures) else LOW, figures, len(want), time.perf_counter() - started, cached
+        PASSED if all(f.passed for f in figures) else LOW, figures, inputs, time.perf_counter() - started, cached
     )
     _log_verdict(report, what, allow_low, fallback)
     return report

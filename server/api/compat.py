@@ -38,7 +38,7 @@ MODALITIES = ("text", "image", "audio")
 INPUT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
-# Kinds /embeddings serves: one vector per input, or (colbert, colpali) one per token or patch.
+# Kinds /embeddings serves: one vector per input, or (colbert, colpali, clip_patches) one per token or patch.
 EMBEDDINGS_KINDS = (*SINGLE_VECTOR_KINDS, *MULTI_VECTOR_KINDS)
 
 
@@ -234,6 +234,7 @@ INFINITY_CAPABILITIES = {
     ModelKind.CLAP: ["embed", "audio_embed"],
     ModelKind.COLBERT: ["embed"],
     ModelKind.COLPALI: ["embed", "image_embed"],
+    ModelKind.CLIP_PATCHES: ["embed", "image_embed"],
     ModelKind.SPARSE: [],
 }
 
@@ -311,7 +312,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return await self.registry.embed_ids(name, token_ids, options)
 
     async def _multivectors(self, model: ServedModel, request, modality: str, encoding_format: str, options):
-        """A colbert / colpali model on /embeddings: per input, its token or patch vectors."""
+        """A multi-vector model (colbert, colpali, clip_patches) on /embeddings: per input, its rows."""
         if options.dimensions:
             raise InvalidInput("`dimensions` does not apply to multi-vector models")
         if modality == "text":

@@ -402,6 +402,7 @@ ROOT_ROUTES = {
     ModelKind.SPARSE: (cpb.TeiEmbedRequest, embed_sparse, "/embed_sparse"),
     ModelKind.COLBERT: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
     ModelKind.COLPALI: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
+    ModelKind.CLIP_PATCHES: (cpb.TeiEmbedRequest, embed_all, "/embed_all"),
 }
 
 

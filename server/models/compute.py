@@ -44,7 +44,7 @@ class Output:
 POOLED = Output("embed")  # one vector per input (embedders, clip, clap)
 PAIR_LOGITS = Output("pair")  # a reranker's logits per (query, document)
 CLASS_LOGITS = Output("classify")  # a classifier's logits per text or text pair
-MULTI_VECTOR = Output("embed", ragged=True)  # colbert / colpali rows, sparse (indices, weights)
+MULTI_VECTOR = Output("embed", ragged=True)  # colbert / colpali / clip_patches rows, sparse
 # Not kept in the LRU: one input's states are ~tokens x a pooled vector's bytes (256 x 1.5 KB for
 # MiniLM), which an LRU sized in entries for vectors would turn into gigabytes.
 TOKEN_STATES = Output("token_states", ragged=True, token_states=True, remember=False)
@@ -240,8 +240,19 @@ async def _work_items(
     done = await asyncio.gather(
         *(loop.run_in_executor(registry.media_pool, model.media[p.modality], p.data, name) for _, p, name in media)
     )
-    for (j, p, _), (features, flag, cost) in zip(media, done, strict=True):
-        items[j] = MediaItem(_NO_IDS, None, request, j, features=features, flag=flag, cost=cost, modality=p.modality)
+    for (j, p, _), ready in zip(media, done, strict=True):
+        ids = _NO_IDS if ready.ids is None else ready.ids
+        items[j] = MediaItem(
+            ids,
+            None,
+            request,
+            j,
+            features=ready.features,
+            flag=ready.flag,
+            cost=ready.cost,
+            modality=p.modality,
+            grid=ready.grid,
+        )
     for j, item in enumerate(items):
         costs[j] = item.length  # tokens; a media item's cost in token-equivalents
     return items, costs

@@ -8,6 +8,8 @@ Each preprocessed input also gets a cost, in token-equivalents, which the
 scheduler budgets batches with (server/scheduling/batching.py: MediaItem):
   * image: the vision transformer's sequence length, pixels / patch^2 + 1 (CLIP
     ViT-B/32 at 224 px: 50), so one --max-batch-tokens budget fits text and images;
+    for a retrieval model (ColPali, ColQwen2) the tokens its language model reads,
+    image tokens and prompt (server/models/retrieval.py);
   * audio: the spectrogram frames the audio tower sees (CLAP at 10 s: 1001).
 
 Bad media (corrupt or unsupported bytes, too large, unreachable or slow URLs)
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...workers.contract.model_spec import ModelSpec, modalities
+from ...workers.contract.model_spec import ModelKind, ModelSpec, modalities
 from ..api.errors import InvalidInput, echo
 
 log = logging.getLogger("encoderd.media")
@@ -217,6 +219,17 @@ def resample(samples: np.ndarray, source_rate: int, rate: int) -> np.ndarray:
 
 
 # --------------------------------------------------------- preprocessing
+@dataclass(frozen=True, slots=True)
+class Preprocessed:
+    """One media input as the worker takes it, and what it costs the batch budget."""
+
+    features: np.ndarray  # float32: pixel values, audio features, or (ColQwen2) a page's patch rows
+    cost: int  # token-equivalents (see the module's docstring)
+    flag: int = 0  # per-input flag (CLAP: is_longer)
+    ids: np.ndarray | None = None  # int32: the token sequence a retrieval processor built around the image
+    grid: np.ndarray | None = None  # int32 (3,): the patch grid of a page in rows (ColQwen2)
+
+
 class ImagePreprocessor:
     """Decode, then the model's own image processor: resize, crop, rescale,
     normalize exactly as its preprocessor config says."""
@@ -231,7 +244,7 @@ class ImagePreprocessor:
         vision = _read_json(Path(model_dir) / "config.json").get("vision_config") or {}
         self.patch = int(vision.get("patch_size") or 16)
 
-    def __call__(self, data: bytes, what: str) -> tuple[np.ndarray, int, int]:
+    def __call__(self, data: bytes, what: str) -> Preprocessed:
         image = decode_image(data, self.limits, what)
         try:
             pixels = self.processor(images=[image], return_tensors="np")["pixel_values"][0]
@@ -239,7 +252,7 @@ class ImagePreprocessor:
             raise InvalidInput(f"{what}: cannot preprocess the image ({image.mode}, {image.size}): {exc}") from None
         pixels = np.ascontiguousarray(pixels, dtype=np.float32)
         cost = (pixels.shape[-2] // self.patch) * (pixels.shape[-1] // self.patch) + 1
-        return pixels, 0, cost
+        return Preprocessed(pixels, cost)
 
 
 class AudioPreprocessor:
@@ -256,7 +269,7 @@ class AudioPreprocessor:
         self.rate = int(self.extractor.sampling_rate)
         self.limits = limits
 
-    def __call__(self, data: bytes, what: str) -> tuple[np.ndarray, int, int]:
+    def __call__(self, data: bytes, what: str) -> Preprocessed:
         samples = decode_audio(data, self.limits, self.rate, what)
         try:
             out = self.extractor(samples, sampling_rate=self.rate, return_tensors="np")
@@ -269,19 +282,23 @@ class AudioPreprocessor:
                 "audio features overflow; send audio at a normal level"
             )
         is_longer = int(np.asarray(out.get("is_longer", [[False]])).reshape(-1)[0])
-        return features, is_longer, int(features.shape[-2])
+        return Preprocessed(features, int(features.shape[-2]), flag=is_longer)
 
 
 PREPROCESSORS = {"image": ImagePreprocessor, "audio": AudioPreprocessor}
 
 
 def load_preprocessors(spec: ModelSpec, limits: MediaLimits) -> dict:
-    """modality -> preprocessor for the model's media modalities ({} for text-only kinds)."""
+    """modality -> preprocessor for the model's media modalities ({} for text-only kinds); a
+    retrieval model's (ColPali, ColQwen2) is its processor, which builds its queries too."""
+    from .retrieval import RetrievalProcessor
+
     loaded = {}
     for modality in modalities(spec.kind):
         if modality in PREPROCESSORS:
+            make = RetrievalProcessor if spec.kind == ModelKind.COLPALI else PREPROCESSORS[modality]
             with _LOAD_LOCK:
-                loaded[modality] = PREPROCESSORS[modality](spec.path, limits)
+                loaded[modality] = make(spec.path, limits)
             log.info(
                 "%s: %s inputs via %s",
                 spec.name,

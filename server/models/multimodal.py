@@ -9,7 +9,8 @@ are reassembled in input order.
 
 What comes back depends on the model kind (workers/backends/torch_heads.py):
 one vector per input (embedding, clip, clap), one unit vector per token or
-patch (colbert, colpali), or a sparse vocabulary vector (sparse).
+patch (colbert, clip_patches), one per position of the sequence a ColPali / ColQwen2
+processor builds (colpali: server/models/retrieval.py), or a sparse vocabulary vector (sparse).
 """
 
 from __future__ import annotations
@@ -166,10 +167,13 @@ async def _multi_vector(
     """Per input its rows (multi-vector) or (indices, weights) (sparse), and the usage."""
     if prompt:
         registry.check_text(prompt, f"the {what} prompt")
+    inputs: list[compute.Input] = list(contents)
+    if model.spec.kind == ModelKind.COLPALI:
+        inputs, prompt = await _retrieval_queries(registry, model, contents, prompt, what), ""
     rows, usage = await compute.run(
         registry,
         model,
-        contents,
+        inputs,
         compute.MULTI_VECTOR,
         truncate=truncate,
         side=side,
@@ -178,3 +182,26 @@ async def _multi_vector(
         what=what,
     )
     return cast("list", rows), usage
+
+
+async def _retrieval_queries(
+    registry: ModelRegistry, model: ServedModel, contents: list[Content], prompt: str, what: str
+) -> list[compute.Input]:
+    """A ColPali / ColQwen2 model's texts as the token ids its processor builds for a query (the
+    prompt, if any, before the text); images as they are."""
+    compute.check_inputs(registry.config, contents, what, ("text", "image"), f"{model.spec.name!r} (colpali)")
+    processor = model.media["image"]
+    texts = [i for i, content in enumerate(contents) if content.modality == "text"]
+    loop = asyncio.get_running_loop()
+    built = await asyncio.gather(
+        *(loop.run_in_executor(registry.media_pool, processor.query_ids, prompt + contents[i].text) for i in texts)
+    )
+    inputs: list[compute.Input] = list(contents)
+    for i, ids in zip(texts, built, strict=True):
+        if len(ids) > model.spec.max_length:
+            raise InvalidInput(
+                f"{what}[{i}] is {len(ids)} tokens with the query prefix and augmentation tokens; the model "
+                f"reads at most {model.spec.max_length} (cutting it would drop the augmentation tokens)"
+            )
+        inputs[i] = compute.TokenIds(ids)
+    return inputs

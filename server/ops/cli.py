@@ -302,8 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "--dtype",
         "compute precision (auto: float16 on CUDA; on CPU bfloat16 where it is native and passes "
-        "the fidelity self-check, else torch int8 where VNNI, else float32; float32 for the kinds the "
-        "check does not measure (clip, clap, colbert, colpali, sparse); int8: torch or onnx on CPU; "
+        "the fidelity self-check, else torch int8 where VNNI, else float32; float32 for clip, clap, "
+        "colbert, clip_patches, colpali and sparse models (an explicit bfloat16 colpali model is checked); "
+        "int8: torch or onnx on CPU; "
         "int8*: ctranslate2; float8: torch on CUDA with fp8 tensor cores, compute capability 8.9+, "
         "linears in e4m3 with per-token scales, judged by the int8 fidelity floors)",
         "auto",

@@ -58,8 +58,9 @@ class MediaItem(WorkItem):
     (server/models/media.py says how each modality counts), stands in for the token
     length everywhere the scheduler budgets: batches, queue bounds, load."""
 
-    features: np.ndarray | None = None  # float32, one fixed shape per model and modality
+    features: np.ndarray | None = None  # float32, one fixed shape per model and modality (with a grid: rows)
     flag: int = 0  # per-input flag for the worker (CLAP: is_longer)
+    grid: np.ndarray | None = None  # int32 (3,): a ColQwen2 page's patch grid; its features are patch rows
     cost: int = 1
     # Per item here, one per class for text: a field may stand in for the base's class variable.
     modality: str = "image"  # type: ignore[misc]
@@ -147,8 +148,18 @@ def pack(batch: list[WorkItem], batch_id: int, urgent: bool = False) -> TokenBat
 
 
 def pack_media(batch: list[MediaItem], batch_id: int) -> MediaBatch:
-    """Stack a media batch's tensors (one shape per modality) into one frame."""
+    """Stack a media batch's tensors (one shape per modality) into one frame, or with grids put
+    their patch rows back to back; the token sequences built around them (ColPali, ColQwen2)
+    packed as a text batch's."""
     # A media item is made with its features (multimodal.py); None is only the field's default.
-    features = np.stack(cast("list[np.ndarray]", [item.features for item in batch]))
+    features = cast("list[np.ndarray]", [item.features for item in batch])
     flags = np.fromiter((item.flag for item in batch), dtype=np.int32, count=len(batch))
-    return MediaBatch(batch_id, batch[0].modality, features, flags if flags.any() else None)
+    grids = None
+    if batch[0].grid is not None:  # one model per queue: all its images have grids, or none
+        grids = np.stack(cast("list[np.ndarray]", [item.grid for item in batch])).astype(np.int32)
+    token_ids = token_cu = None
+    if len(batch[0].ids):
+        tokens = TokenBatch.from_sequences(batch_id, [item.ids for item in batch])
+        token_ids, token_cu = tokens.input_ids, tokens.cu_seqlens
+    stacked = np.concatenate(features) if grids is not None else np.stack(features)
+    return MediaBatch(batch_id, batch[0].modality, stacked, flags if flags.any() else None, token_ids, token_cu, grids)

@@ -1,4 +1,4 @@
-"""Issue 8: multi-modal (CLIP images, CLAP audio), multi-vector (ColBERT, ColPali-style)
+"""Issue 8: multi-modal (CLIP images, CLAP audio), multi-vector (ColBERT, per-patch CLIP: clip_patches)
 and sparse (SPLADE) models, served by one real server with real workers and Envoy, and
 compared with a direct transformers forward on the same tiny models and inputs."""
 
@@ -154,7 +154,7 @@ def launched(tmp_path_factory, paths):
         "--model",
         f"colbert={paths['colbert']}",
         "--model",
-        f"colpali={paths['clip']}:colpali",
+        f"clip_patches={paths['clip']}:clip_patches",
         "--model",
         f"splade={paths['sparse']}:sparse",
         "--cpu-threads",
@@ -291,9 +291,15 @@ def maxsim_reference(query: np.ndarray, docs: list[np.ndarray]) -> np.ndarray:
 # ------------------------------------------------------------------- kinds
 def test_list_models_shows_the_kinds(stub, rest):
     kinds = {m.id: m.kind for m in stub.ListModels(pb.ListModelsRequest()).models}
-    assert kinds == {"clip": "clip", "clap": "clap", "colbert": "colbert", "colpali": "colpali", "splade": "sparse"}
+    assert kinds == {
+        "clip": "clip",
+        "clap": "clap",
+        "colbert": "colbert",
+        "clip_patches": "clip_patches",
+        "splade": "sparse",
+    }
     dims = {m["id"]: m["dimensions"] for m in rest.get("/v1/models").json()["data"]}
-    assert dims == {"clip": 16, "clap": 16, "colbert": 16, "colpali": 16, "splade": 30522}
+    assert dims == {"clip": 16, "clap": 16, "colbert": 16, "clip_patches": 16, "splade": 30522}
 
 
 # -------------------------------------------------------------------- CLIP
@@ -365,10 +371,10 @@ def test_colbert_token_vectors_match_transformers(stub, refs):
     assert response.usage.prompt_tokens == sum(len(e) for e in expected)
 
 
-def test_colpali_patch_and_token_vectors(stub, refs):
+def test_clip_patches_patch_and_token_vectors(stub, refs):
     response = stub.EmbedMultiVector(
         pb.EmbedMultiVectorRequest(
-            model="colpali",
+            model="clip_patches",
             inputs=[image_content(PNG), pb.Content(text=CLIP_TEXTS[1]), image_content(encoded(IMAGES[1]))],
         )
     )
@@ -404,7 +410,7 @@ def test_maxsim_ranks_text_documents_like_numpy(stub, refs):
 def test_maxsim_over_page_images_and_texts(stub, refs):
     query = "a red car"
     documents = [image_content(encoded(img)) for img in IMAGES] + [pb.Content(text="a photo of a dog")]
-    response = stub.MaxSim(pb.MaxSimRequest(model="colpali", query=query, documents=documents))
+    response = stub.MaxSim(pb.MaxSimRequest(model="clip_patches", query=query, documents=documents))
     _, patches = refs.clip_images(IMAGES)
     _, query_tokens = refs.clip_text([query])
     _, doc_tokens = refs.clip_text(["a photo of a dog"])

@@ -12,6 +12,7 @@ the tests' direct transformers forward read exactly the same directory:
             with 1 s windows;
   colbert   a two-layer BERT and a PyLate-style Dense projection (32 -> 16), MiniLM tokenizer;
   sparse    a two-layer BertForMaskedLM over MiniLM's vocabulary, MiniLM tokenizer.
+  colpali, colqwen2   ColPaliForRetrieval / ColQwen2ForRetrieval, tiny (encoderd.bench.retrieval_models).
 """
 
 from __future__ import annotations
@@ -212,3 +213,18 @@ def build_sparse(out_dir: Path) -> Path:
         _copy_minilm_tokenizer(tmp)
 
     return _build_once(out_dir, build)
+
+
+# ---------------------------------------------------------------- ColPali / ColQwen2
+def build_colpali(out_dir: Path) -> Path:
+    """ColPaliForRetrieval, tiny (encoderd.bench.retrieval_models says how it is made)."""
+    from encoderd.bench.retrieval_models import write_colpali
+
+    return _build_once(out_dir, write_colpali)
+
+
+def build_colqwen2(out_dir: Path) -> Path:
+    """ColQwen2ForRetrieval, tiny (encoderd.bench.retrieval_models says how it is made)."""
+    from encoderd.bench.retrieval_models import write_colqwen2
+
+    return _build_once(out_dir, write_colqwen2)

@@ -1,6 +1,7 @@
 """Issue 8, pure parts: one modality per batch, media packing, the ragged wire
 format, kind detection, and the MaxSim / sparse maths."""
 
+import json
 from collections import deque
 
 import numpy as np
@@ -12,7 +13,7 @@ from encoderd.server.models.multimodal import maxsim_scores, sparsify
 from encoderd.server.ops.cli import parse_model
 from encoderd.server.scheduling.batching import BatchLimits, MediaItem, WorkItem, pack, take_batch
 from encoderd.workers.contract import protocol
-from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError, detect_kind
+from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError, detect_kind, load_model_spec
 
 
 class Req:
@@ -73,6 +74,43 @@ def test_media_batches_round_trip_as_raw_float32_frames():
     )
 
 
+def page(grid, i=0):
+    """A ColQwen2-style page: its patch rows (h x w of them), a grid, and the processor's tokens
+    (a 3-token prompt around h x w / 4 image tokens): its cost."""
+    rows = grid[1] * grid[2]
+    ids = np.full(3 + rows // 4, i, np.int32)
+    return MediaItem(
+        ids, None, Req(), i, features=np.full((rows, 6), i, np.float32), cost=len(ids), grid=np.array(grid, np.int32)
+    )
+
+
+def test_pages_are_length_sorted_and_budgeted_by_their_tokens():
+    """Pages of different resolutions cost their own tokens (19, 4, 11, 5 here) and are sorted and
+    cut like texts: a padded batch costs its size x its longest page."""
+
+    def pages():
+        return deque([page((1, 8, 8), 0), page((1, 2, 2), 1), page((1, 4, 8), 2), page((1, 2, 4), 3)])
+
+    assert [p.length for p in pages()] == [19, 4, 11, 5]
+    unpadded = BatchLimits(max_batch_tokens=40, padded=False, mixed_modalities=True)
+    assert [i.index for i in take_batch(pages(), unpadded)] == [1, 3, 2, 0]  # 4 + 5 + 11 + 19 = 39
+    queue, padded = pages(), BatchLimits(max_batch_tokens=40, padded=True, mixed_modalities=True)
+    assert [i.index for i in take_batch(queue, padded)] == [0]  # with the others: 4 x 19 > 40
+    assert [i.index for i in take_batch(queue, padded)] == [1, 3, 2]  # 3 x 11 = 33
+
+
+def test_pages_with_grids_and_tokens_round_trip():
+    """Patch rows back to back, one grid and one token sequence per page (ColQwen2's media batch)."""
+    packed = pack([page((1, 2, 4), 0), page((1, 4, 4), 1)], 5)
+    assert isinstance(packed, protocol.MediaBatch)
+    assert packed.features.shape == (24, 6) and packed.size == 2
+    assert packed.token_cu.tolist() == [0, 5, 12] and packed.grids.tolist() == [[1, 2, 4], [1, 4, 4]]
+    back = protocol.batch_from_frames(*protocol.decode(_wire(protocol.encode_batch(packed)))[1:])
+    np.testing.assert_array_equal(back.features, packed.features)
+    np.testing.assert_array_equal(back.token_ids, packed.token_ids)
+    assert back.token_cu.tolist() == [0, 5, 12] and back.grids.tolist() == [[1, 2, 4], [1, 4, 4]] and back.size == 2
+
+
 def test_ragged_results_round_trip():
     values = np.random.rand(7, 3).astype(np.float32)
     multi = protocol.Ragged(values, np.array([0, 2, 2, 7], np.int32))
@@ -107,11 +145,33 @@ def test_kind_detection(config, modules, kind):
     assert detect_kind(config, modules) == kind
 
 
-def test_colpali_checkpoints_are_refused_clearly_and_kinds_parse():
-    with pytest.raises(ModelLoadError, match="serve a CLIP model with the :colpali kind"):
-        detect_kind({"architectures": ["ColPaliForRetrieval"]})
+def test_colpali_checkpoints_are_detected_and_kinds_parse():
+    assert detect_kind({"architectures": ["ColPaliForRetrieval"], "model_type": "colpali"}) == ModelKind.COLPALI
+    assert detect_kind({"architectures": ["ColQwen2ForRetrieval"], "model_type": "colqwen2"}) == ModelKind.COLPALI
     assert parse_model("splade=/m/bert:sparse").kind == "sparse"
     assert parse_model("/m/clip:colpali@cuda:1").kind == "colpali"
+    assert parse_model("/m/clip:clip_patches").kind == "clip_patches"
+
+
+def _config_dir(tmp_path, config: dict):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_colpali_on_a_clip_model_is_the_deprecated_name_of_clip_patches(tmp_path, caplog):
+    """Configs written before real ColPali was served say :colpali for per-patch CLIP vectors: still
+    served so, with a warning that names the new kind."""
+    path = _config_dir(tmp_path, {"architectures": ["CLIPModel"], "model_type": "clip", "projection_dim": 16})
+    with caplog.at_level("WARNING"):
+        spec = load_model_spec("m", path, ModelKind.COLPALI)
+    assert spec.kind == ModelKind.CLIP_PATCHES and spec.hidden_size == 16
+    assert ":clip_patches" in caplog.text and "deprecated" in caplog.text
+
+
+def test_colpali_kind_on_another_model_is_refused(tmp_path):
+    path = _config_dir(tmp_path, {"architectures": ["BertModel"], "model_type": "bert"})
+    with pytest.raises(ModelLoadError, match="ColPaliForRetrieval and ColQwen2ForRetrieval"):
+        load_model_spec("m", path, ModelKind.COLPALI)
 
 
 def test_media_sources():
@@ -130,3 +190,28 @@ def test_maxsim_and_sparsify():
     np.testing.assert_allclose(maxsim_scores(q, docs), [1.8, -1.0], rtol=1e-6)
     indices, values = sparsify(np.array([1, 5, 9, 12]), np.array([0.2, 0.9, 0.05, 0.5]), top_k=2, threshold=0.1)
     assert indices.tolist() == [5, 12] and values.tolist() == [0.9, 0.5]
+
+
+def test_a_retrieval_models_warm_up_runs_query_lengths_not_its_context(models_dir):
+    """ColQwen2's max_length is Qwen2-VL's context: warming up two inputs of it took a 2B model over
+    ten minutes. The warm-up runs query lengths (pages go through the fidelity self-check)."""
+    from support.multimodal_models import build_colqwen2
+
+    from encoderd.workers.backends import BackendOptions, create_backend
+    from encoderd.workers.backends.retrieval import WARMUP_QUERY_TOKENS
+    from encoderd.workers.contract.model_spec import load_model_spec
+
+    spec = load_model_spec("colqwen2", str(build_colqwen2(models_dir / "colqwen2")))
+    backend = create_backend("torch", spec, BackendOptions(device="cpu", dtype="float32", threads=1))
+    backend.load()
+    forward, lengths = backend.forward, []
+
+    def recorded(batch):
+        lengths.append(int(batch.lengths.max()))
+        if lengths[-1] > WARMUP_QUERY_TOKENS:
+            raise AssertionError(f"a warm-up batch of {lengths[-1]} tokens")
+        return forward(batch)
+
+    backend.forward = recorded  # type: ignore[method-assign]
+    backend.warmup(32768)
+    assert lengths and max(lengths) == WARMUP_QUERY_TOKENS

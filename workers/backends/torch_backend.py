@@ -13,7 +13,7 @@ from .. import calibration
 from ..contract import hardware
 from ..contract.model_spec import ModelKind, Pooling, pooling_modes
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
-from . import float8_linear, int8_linear, packed_encoder, packed_linear, torch_heads
+from . import float8_linear, int8_linear, packed_encoder, packed_linear, retrieval, torch_heads
 from .base import Backend, from_pretrained, padded, run_to_end, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class TorchBackend(Backend):
         self.threads = self.options.threads or len(os.sched_getaffinity(0))
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
-        model_class = torch_heads.model_class(self.spec.kind)
+        model_class = torch_heads.model_class(self.spec.kind, self.spec.model_type)
         load = (model_class, self.spec.path, self.options.trust_remote_code)
         try:
             model = from_pretrained(*load, dtype=weights, attn_implementation="sdpa")
@@ -210,6 +210,8 @@ class TorchBackend(Backend):
         return torch_heads.forward_media(self, batch)
 
     def warmup(self, max_length: int) -> None:
+        if self.spec.kind == ModelKind.COLPALI:  # queries only: pages go through the fidelity self-check next
+            max_length = min(max_length, retrieval.WARMUP_QUERY_TOKENS)
         super().warmup(max_length)
         shapes = torch_heads.media_warmup_shapes(self.model, self.spec.kind, self.spec.path)
         for modality, shape in shapes.items():

@@ -5,9 +5,13 @@ float32 tensor. Per kind:
 
   clip      projected text / image embedding (CLIPModel.get_*_features), unnormalized;
   clap      projected text / audio embedding (ClapModel normalizes them itself);
-  colpali   one unit vector per text token and per image patch (CLS included), each
+  clip_patches  one unit vector per text token and per image patch (CLS included), each
             hidden state put through the tower's final norm and CLIP's projection into the
             joint space: ColPali's late-interaction semantics on a CLIP model;
+  colpali   ColPaliForRetrieval / ColQwen2ForRetrieval as transformers computes them: the
+            model's `embeddings` (unit vectors) at every real position of the sequence its
+            processor built, a query's (prefix, text, augmentation tokens) or a page's (image
+            tokens and the visual prompt); retrieval.py;
   colbert   one unit vector per token: the encoder's last hidden states through the
             model's ColBERT projection when it has one;
   sparse    SPLADE: max over the sequence of log(1 + relu(MLM logits)), masked;
@@ -27,16 +31,20 @@ import torch
 import torch.nn.functional as F
 
 from ..contract.errors import InputRefused
-from ..contract.model_spec import ModelKind, ModelLoadError
+from ..contract.model_spec import RETRIEVAL_CLASSES, ModelKind, ModelLoadError
 from ..contract.protocol import MediaBatch, Ragged
+from . import retrieval
 
 # Most MLM logits (rows x length x vocabulary) one SPLADE step holds: 64 Mi floats, 256 MiB in float32.
 SPARSE_LOGITS_BUDGET = 64 * 1024 * 1024
 
 
-def model_class(kind: ModelKind):
+def model_class(kind: ModelKind, model_type: str = ""):
+    import transformers
     from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
+    if kind == ModelKind.COLPALI:  # no Auto class maps them: by the model_type the spec checked
+        return getattr(transformers, RETRIEVAL_CLASSES[model_type])
     if kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER):
         return AutoModelForSequenceClassification
     if kind == ModelKind.SPARSE:
@@ -94,8 +102,10 @@ def _linear(weights: dict[str, torch.Tensor]) -> torch.nn.Linear:
 
 # ------------------------------------------------------------------ outputs
 def output_dim(model, kind: ModelKind, projection: torch.nn.Linear | None) -> int:
-    if kind in (ModelKind.CLIP, ModelKind.CLAP, ModelKind.COLPALI):
+    if kind in (ModelKind.CLIP, ModelKind.CLAP, ModelKind.CLIP_PATCHES):
         return model.config.projection_dim
+    if kind == ModelKind.COLPALI:
+        return model.config.embedding_dim
     if kind == ModelKind.SPARSE:
         return model.config.vocab_size
     if kind == ModelKind.COLBERT and projection is not None:
@@ -138,6 +148,8 @@ def forward_text(backend, inputs: dict[str, torch.Tensor]):
     if kind in (ModelKind.CLIP, ModelKind.CLAP):
         return model.get_text_features(**text).pooler_output.float().cpu().numpy()
     if kind == ModelKind.COLPALI:
+        return retrieval.query_rows(model, text)
+    if kind == ModelKind.CLIP_PATCHES:
         hidden = model.get_text_features(**text).last_hidden_state  # after the text tower's final norm
         return unit_rows(model.text_projection(hidden), text["attention_mask"])
     if kind == ModelKind.COLBERT:
@@ -157,6 +169,8 @@ def forward_media(backend, batch: MediaBatch):
     if batch.modality == "image" and kind == ModelKind.CLIP:
         return model.get_image_features(pixel_values=features).pooler_output.float().cpu().numpy()
     if batch.modality == "image" and kind == ModelKind.COLPALI:
+        return retrieval.page_rows(model, batch, backend.device)
+    if batch.modality == "image" and kind == ModelKind.CLIP_PATCHES:
         hidden = model.get_image_features(pixel_values=features).last_hidden_state
         patches = model.visual_projection(model.vision_model.post_layernorm(hidden))
         return unit_rows(patches, torch.ones(patches.shape[:2], dtype=torch.int64, device=patches.device))
@@ -171,7 +185,7 @@ def forward_media(backend, batch: MediaBatch):
 
 def media_warmup_shapes(model, kind: ModelKind, model_dir: str) -> dict[str, tuple[int, ...]]:
     """One input's shape per media modality, for warm-up (best effort: {} when unknown)."""
-    if kind in (ModelKind.CLIP, ModelKind.COLPALI):
+    if kind in (ModelKind.CLIP, ModelKind.CLIP_PATCHES):
         size = model.config.vision_config.image_size
         return {"image": (model.config.vision_config.num_channels, size, size)}
     if kind == ModelKind.CLAP:

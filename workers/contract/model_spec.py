@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -30,7 +33,12 @@ class ModelKind(str, enum.Enum):
     CLIP = "clip"  # image-text dual encoder (CLIPModel): texts and images in one space
     CLAP = "clap"  # audio-text dual encoder (ClapModel): texts and audio in one space
     COLBERT = "colbert"  # late interaction over text: one unit vector per token
-    COLPALI = "colpali"  # late interaction over images and text, on a CLIP model: one per patch / token
+    # Late interaction over document pages and queries: ColPaliForRetrieval (PaliGemma) and
+    # ColQwen2ForRetrieval (Qwen2-VL), one 128-d unit vector per image / query token, with their processors.
+    COLPALI = "colpali"
+    # Late interaction on a CLIP model: one unit vector per image patch / text token in the joint space
+    # (what `colpali` named before real ColPali checkpoints were served).
+    CLIP_PATCHES = "clip_patches"
     SPARSE = "sparse"  # SPLADE over a masked-LM head: a sparse vocabulary-sized vector
 
     @property
@@ -49,10 +57,13 @@ MODALITIES = {
     ModelKind.CLIP: ("text", "image"),
     ModelKind.CLAP: ("text", "audio"),
     ModelKind.COLPALI: ("text", "image"),
+    ModelKind.CLIP_PATCHES: ("text", "image"),
 }
-MULTI_VECTOR_KINDS = (ModelKind.COLBERT, ModelKind.COLPALI)
+MULTI_VECTOR_KINDS = (ModelKind.COLBERT, ModelKind.COLPALI, ModelKind.CLIP_PATCHES)
 # Kinds whose embeddings are projected into a space shared with another modality.
-DUAL_ENCODER_KINDS = (ModelKind.CLIP, ModelKind.CLAP, ModelKind.COLPALI)
+DUAL_ENCODER_KINDS = (ModelKind.CLIP, ModelKind.CLAP, ModelKind.CLIP_PATCHES)
+# The transformers classes the colpali kind serves, by config.json model_type.
+RETRIEVAL_CLASSES = {"colpali": "ColPaliForRetrieval", "colqwen2": "ColQwen2ForRetrieval"}
 
 
 def modalities(kind: ModelKind) -> tuple[str, ...]:
@@ -207,7 +218,7 @@ def read_json(path: Path) -> Any:
 
 
 def _pad_token_id(config: dict) -> int:
-    pad = (config.get("text_config") or config).get("pad_token_id")
+    pad = _text_config(config).get("pad_token_id")
     return pad if isinstance(pad, int) else 0
 
 
@@ -217,11 +228,8 @@ def detect_kind(config: dict, modules: Sequence[dict] = ()) -> ModelKind:
     if any(a.endswith("ForSequenceClassification") for a in architectures):
         n_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
         return ModelKind.RERANKER if n_labels == 1 else ModelKind.CLASSIFIER
-    if "ColPaliForRetrieval" in architectures:
-        raise ModelLoadError(
-            "ColPaliForRetrieval (PaliGemma) checkpoints are not supported; serve a CLIP model "
-            "with the :colpali kind for ColPali-style multi-vector page embeddings"
-        )
+    if config.get("model_type") in RETRIEVAL_CLASSES or any(a in RETRIEVAL_CLASSES.values() for a in architectures):
+        return ModelKind.COLPALI
     if "CLIPModel" in architectures or config.get("model_type") == "clip":
         return ModelKind.CLIP
     if "ClapModel" in architectures or config.get("model_type") == "clap":
@@ -512,9 +520,14 @@ def check_prompts(spec: ModelSpec, prompts: dict[str, str]) -> None:
         )
 
 
+def _text_config(config: dict) -> dict:
+    """The text tower's settings: dual encoders keep them apart, ColPali / ColQwen2 inside their VLM's."""
+    return (config.get("vlm_config") or {}).get("text_config") or config.get("text_config") or config
+
+
 def _position_limit(config: dict) -> int:
     """The most tokens the model's position table holds."""
-    text_config = config.get("text_config") or config  # dual encoders keep the text tower's settings apart
+    text_config = _text_config(config)
     position_limit = text_config.get("max_position_embeddings") or 512
     # RoBERTa-style models (MPNet, CLAP's text tower too) number positions from pad_token_id + 1.
     if text_config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "mpnet", "clap_text_model"):
@@ -609,12 +622,33 @@ def _output_size(config: dict, kind: ModelKind, pipeline: _Pipeline) -> int:
     """The output width before the worker reports it (a ColBERT projection may change it)."""
     if kind in DUAL_ENCODER_KINDS:
         return int(config.get("projection_dim") or 0)
+    if kind == ModelKind.COLPALI:
+        return int(config.get("embedding_dim") or 128)
     if kind == ModelKind.SPARSE:
         return int(config.get("vocab_size") or 0)
     if pipeline.dense:
         return pipeline.dense[-1].out_features
     hidden = int(config.get("hidden_size") or config.get("d_model") or config.get("dim") or 0)  # dim: DistilBERT
     return hidden * len(pipeline.pooling)
+
+
+def _retrieval_kind(path: str, config: dict, kind: ModelKind) -> ModelKind:
+    """`colpali` asked of a CLIP model is the per-patch CLIP mode's old name: still served, as
+    clip_patches, with a warning; asked of any other model that is not ColPali / ColQwen2, refused."""
+    if kind != ModelKind.COLPALI or config.get("model_type") in RETRIEVAL_CLASSES:
+        return kind
+    if config.get("model_type") == "clip" or "CLIPModel" in (config.get("architectures") or []):
+        log.warning(
+            "%s: the :colpali kind on a CLIP model is deprecated; it is now called :clip_patches (per-patch "
+            "CLIP vectors). :colpali serves ColPali / ColQwen2 retrieval checkpoints",
+            path,
+        )
+        return ModelKind.CLIP_PATCHES
+    raise ModelLoadError(
+        f"{path}: the colpali kind serves ColPaliForRetrieval and ColQwen2ForRetrieval checkpoints "
+        f"(model_type colpali, colqwen2), not model_type {config.get('model_type')!r}; for per-patch "
+        "vectors of a CLIP model use :clip_patches"
+    )
 
 
 def load_model_spec(
@@ -637,7 +671,7 @@ def load_model_spec(
             _check_transformer(model_dir, modules[0])
         raise ModelLoadError(f"{path} has no config.json: not a transformers model directory")
     require_trusted_code(path, config, trust_remote_code)
-    kind = kind or detect_kind(config, modules)
+    kind = _retrieval_kind(path, config, kind or detect_kind(config, modules))
     id2label = config.get("id2label") or {}
     labels = (
         tuple(str(id2label[k]) for k in sorted(id2label, key=int))
@@ -659,7 +693,7 @@ def load_model_spec(
         pooling=pipeline.pooling,
         # Dual encoders compare across modalities by cosine: unit vectors unless a request says otherwise.
         normalize=pipeline.normalize
-        or kind in DUAL_ENCODER_KINDS
+        or kind in (*DUAL_ENCODER_KINDS, ModelKind.COLPALI)
         or (kind != ModelKind.EMBEDDING and any(m.get("type", "").endswith("Normalize") for m in modules)),
         labels=labels,
         hidden_size=_output_size(config, kind, pipeline),

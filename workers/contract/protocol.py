@@ -15,8 +15,13 @@ vectors: every token's last hidden state, which comes back ragged (below).
 
 Media batches (images, audio) carry instead one float32 array (n, *shape) of
 preprocessed inputs, all of one shape (the frontend resized / padded them), and
-optionally one int32 flag per input. Ragged results (a vector per token or
-patch; sparse vectors) carry float32 values (rows, cols), int32 `cu_seqlens`
+optionally one int32 flag per input. Vision-language retrieval models (ColPali,
+ColQwen2) also take the token sequence their processor built around each image,
+packed like a text batch's (ids, cu_seqlens); ColQwen2's pages differ in size, so
+their features come as the inputs' patch rows back to back, (rows, *shape), with
+an int32 (n, 3) grid per input (temporal, height, width patches: rows = their product).
+
+Ragged results (a vector per token or patch; sparse vectors) carry float32 values (rows, cols), int32 `cu_seqlens`
 (n+1) saying which rows belong to which input, and for sparse vectors the int32
 dimension of each value.
 """
@@ -58,6 +63,8 @@ class BatchHeader(msgspec.Struct, array_like=True, gc=False):
     has_flags: bool = False
     urgent: bool = False  # interactive work: the worker runs it between the layers of a bulk batch
     token_states: bool = False  # an embedding model's unpooled last hidden states (TokenBatch.token_states)
+    has_tokens: bool = False  # a media batch: each input's token sequence follows (MediaBatch.token_ids)
+    has_grids: bool = False  # a media batch of patch rows: each input's grid follows (MediaBatch.grids)
 
 
 class ResultHeader(msgspec.Struct, array_like=True, gc=False):
@@ -173,12 +180,15 @@ class MediaBatch(msgspec.Struct, gc=False):
 
     batch_id: int
     modality: str  # "image" | "audio"
-    features: np.ndarray  # float32 (n, *shape): pixel values, audio features
+    features: np.ndarray  # float32 (n, *shape): pixel values, audio features; with grids (rows, *shape)
     flags: np.ndarray | None = None  # int32 (n,), one per input (CLAP: is_longer)
+    token_ids: np.ndarray | None = None  # int32, each input's token sequence back to back (ColPali, ColQwen2)
+    token_cu: np.ndarray | None = None  # int32 (n + 1) offsets into token_ids
+    grids: np.ndarray | None = None  # int32 (n, 3): each input's patch grid; its features are rows
 
     @property
     def size(self) -> int:
-        return self.features.shape[0]
+        return len(self.grids) if self.grids is not None else self.features.shape[0]
 
 
 class Ragged(msgspec.Struct, gc=False):
@@ -257,10 +267,22 @@ def encode_batch(batch: TokenBatch | MediaBatch) -> list:
 
 def _encode_media_batch(batch: MediaBatch) -> list:
     features = np.ascontiguousarray(batch.features, np.float32)
-    header = BatchHeader(batch.batch_id, False, batch.modality, features.shape[1:], batch.flags is not None)
+    header = BatchHeader(
+        batch.batch_id,
+        False,
+        batch.modality,
+        features.shape[1:],
+        batch.flags is not None,
+        has_tokens=batch.token_ids is not None,
+        has_grids=batch.grids is not None,
+    )
     frames = [_type_frame(MessageType.BATCH), _encoder.encode(header), features]
     if batch.flags is not None:
         frames.append(np.ascontiguousarray(batch.flags, np.int32))
+    if batch.token_ids is not None:
+        frames += [np.ascontiguousarray(batch.token_ids, np.int32), np.ascontiguousarray(batch.token_cu, np.int32)]
+    if batch.grids is not None:
+        frames.append(np.ascontiguousarray(batch.grids, np.int32))
     return frames
 
 
@@ -316,9 +338,7 @@ def _array(frame, dtype) -> np.ndarray:
 
 def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch | MediaBatch:
     if header.modality != "text":
-        features = _array(frames[0], np.float32).reshape(-1, *header.shape)
-        flags = _array(frames[1], np.int32) if header.has_flags else None
-        return MediaBatch(header.batch_id, header.modality, features, flags)
+        return _media_batch(header, frames)
     types = _array(frames[2], np.int32) if header.has_token_types else None
     return TokenBatch(
         header.batch_id,
@@ -328,6 +348,17 @@ def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch | MediaBa
         header.urgent,
         header.token_states,
     )
+
+
+def _media_batch(header: BatchHeader, frames: list) -> MediaBatch:
+    rest = iter(frames[1:])
+    features = _array(frames[0], np.float32).reshape(-1, *header.shape)
+    flags = _array(next(rest), np.int32) if header.has_flags else None
+    token_ids = token_cu = None
+    if header.has_tokens:
+        token_ids, token_cu = _array(next(rest), np.int32), _array(next(rest), np.int32)
+    grids = _array(next(rest), np.int32).reshape(-1, 3) if header.has_grids else None
+    return MediaBatch(header.batch_id, header.modality, features, flags, token_ids, token_cu, grids)
 
 
 def result_array(header: ResultHeader, frames: list) -> np.ndarray | list:

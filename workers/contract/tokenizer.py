@@ -15,11 +15,12 @@ reference never sees ("a " -> an extra "▁"; cosine 0.58-0.93 on such texts).
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, normalizers
 
-from .model_spec import ModelLoadError
+from .model_spec import RETRIEVAL_CLASSES, ModelLoadError
 
 
 def load_tokenizer(model_dir: str, lowercase: bool = False, trust_remote_code: bool = False) -> Tokenizer:
@@ -40,9 +41,7 @@ def tokenizer_json(model_dir: str, lowercase: bool = False, trust_remote_code: b
             raise ModelLoadError(
                 f"{path}: not a readable tokenizer.json ({exc}); replace it from the model's repository"
             ) from None
-    from transformers import AutoTokenizer
-
-    loaded = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    loaded = _transformers_tokenizer(model_dir, trust_remote_code)
     tokenizer = getattr(loaded, "backend_tokenizer", None)
     if not isinstance(tokenizer, Tokenizer):
         raise ModelLoadError(
@@ -55,6 +54,18 @@ def tokenizer_json(model_dir: str, lowercase: bool = False, trust_remote_code: b
         rest = [] if rest is None else list(rest) if isinstance(rest, normalizers.Sequence) else [rest]  # type: ignore[call-overload]
         tokenizer.normalizer = normalizers.Sequence([normalizers.Lowercase(), *rest])
     return tokenizer.to_str()
+
+
+def _transformers_tokenizer(model_dir: str, trust_remote_code: bool):
+    """AutoTokenizer's; for ColPali / ColQwen2 the one their processor holds: ColPaliProcessor adds
+    its <image> and location tokens and turns the automatic <bos> off (it writes <bos> into the
+    query text itself), so AutoTokenizer alone would tokenize queries differently."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.get("model_type") in RETRIEVAL_CLASSES:
+        return AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code).tokenizer
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
 
 
 def _lowercases(normalizer) -> bool:

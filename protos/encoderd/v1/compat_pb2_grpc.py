@@ -254,7 +254,7 @@ class CompatServicer:
     def TeiEmbedAll(self, request, context):
         """TEI `POST /embed_all`: per input, one vector per token. A plain embedding
         model's last hidden states (not pooled, not normalized), or a multi-vector
-        (colbert, colpali) model's token vectors.
+        (colbert, colpali, clip_patches) model's token vectors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

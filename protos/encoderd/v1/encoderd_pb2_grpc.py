@@ -143,9 +143,11 @@ class EncoderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EmbedMultiVector(self, request, context):
-        """EmbedMultiVector returns, per input, one unit vector per token (colbert:
-        text; colpali: text) or per image patch (colpali: images), for late
-        interaction.
+        """EmbedMultiVector returns, per input, one unit vector per token (colbert,
+        clip_patches: text), per image patch (clip_patches: images), or per
+        position of the sequence the model's processor builds (colpali: a query's
+        prefix, text and augmentation tokens; a page's image tokens and prompt),
+        for late interaction.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,7 +155,7 @@ class EncoderServicer:
 
     def MaxSim(self, request, context):
         """MaxSim ranks documents (texts or images) for a text query by late
-        interaction on a colbert / colpali model, best first:
+        interaction on a colbert / colpali / clip_patches model, best first:
         score(doc) = sum over the query's token vectors q of max over the
         document's vectors d of q . d
         """
