@@ -308,6 +308,7 @@ def test_kinds_are_named_with_the_article_english_takes():
         "clap": "a clap model",
         "colbert": "a colbert model",
         "colpali": "a colpali model",
+        "clip_patches": "a clip_patches model",
         "sparse": "a sparse model",
     }
     assert _kinds((ModelKind.EMBEDDING, ModelKind.COLBERT)) == "an embedding or colbert"

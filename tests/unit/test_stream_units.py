@@ -20,7 +20,7 @@ class OneGroupRegistry:
     """Embeds a group as the real registry does, refusing the whole group for one over-long text."""
 
     config = SimpleNamespace(max_input_chars=LIMIT)
-    model = SimpleNamespace(spec=SimpleNamespace(name="m", normalize=True), output_dim=4)
+    model = SimpleNamespace(spec=SimpleNamespace(name="m", normalize=True, truncate_dim=0), output_dim=4)
 
     def __init__(self):
         self.groups: list[list[str]] = []
