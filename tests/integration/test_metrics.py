@@ -162,8 +162,19 @@ def test_embed_stream_is_counted_and_carries_the_request_id(server, stub):
     assert total(after, count, model=EMBEDDER, rpc=rpc) == total(before, count, model=EMBEDDER, rpc=rpc) + 1
 
 
-def test_calls_in_flight_are_a_gauge_back_to_zero_after_cancels(server, stub):
-    """Queue depth counted inputs, not calls: nothing showed a call held (or leaked) by the server."""
+def test_calls_in_flight_are_a_gauge_back_to_zero_after_cancels(tmp_path):
+    """Queue depth counted inputs, not calls: nothing showed a call held (or leaked) by the server.
+    Its own server without --max-queue-wait: the three big calls must all be admitted to be held."""
+    from support.server import ServerProcess
+
+    server = ServerProcess("--max-queue-wait", "0", log_path=tmp_path / "server.log").start()
+    try:
+        _cancelled_calls_leave_no_call_in_flight(server, server.stub())
+    finally:
+        server.stop()
+
+
+def _cancelled_calls_leave_no_call_in_flight(server, stub):
     calls = [
         stub.Embed.future(pb.EmbedRequest(model=EMBEDDER, inputs=[f"{c} {i} " + "word " * 200 for i in range(256)]))
         for c in range(3)

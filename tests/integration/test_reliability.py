@@ -41,6 +41,13 @@ def _metric(server, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{labels} (\S+)$", text, re.M))
 
 
+def _refused_by_deadline(server) -> float:
+    """Calls refused at admission because the wait ahead of them was past their deadline (any model)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    series = r'^encoderd_rejected_requests_total\{[^}]*reason="deadline"[^}]*\} (\S+)$'
+    return sum(float(v) for v in re.findall(series, text, re.M))
+
+
 def _pids(stub) -> dict[str, int]:
     return {m.id: m.replicas[0].pid for m in stub.ListModels(pb.ListModelsRequest()).models}
 
@@ -171,6 +178,7 @@ def test_expired_work_is_never_computed(server, stub):
     computed_before = _metric(server, "encoderd_real_tokens_total")
     dropped_before = _metric(server, "encoderd_dropped_inputs_total")
     queued_before = _metric(server, "encoderd_queued_inputs_total")
+    refused_before = _refused_by_deadline(server)
     long_text = " ".join(TEXTS)  # 256 tokens after truncation: both worker slots busy for a while
     blocker = stub.Embed.future(pb.EmbedRequest(model=model, inputs=[long_text + f" {i}" for i in range(48)]))
     # Wait until all 48 are tokenized and queued (not a fixed sleep: on a fast host a short request sent
@@ -192,10 +200,15 @@ def test_expired_work_is_never_computed(server, stub):
         codes.append(err.value.code())
     blocked = blocker.result()
     after = stub.Embed(pb.EmbedRequest(model=model, inputs=["after"]))  # runs after whatever was queued
-    assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    # Each doomed call either expired in the queue, or was refused at once because the wait measured
+    # ahead of it was already past its deadline (--max-queue-wait's admission): never computed either way.
+    refused = _refused_by_deadline(server) - refused_before
+    assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == refused
     computed = _metric(server, "encoderd_real_tokens_total") - computed_before
     assert computed == blocked.usage.prompt_tokens + after.usage.prompt_tokens  # no expired input was computed
-    assert 0 < _metric(server, "encoderd_dropped_inputs_total") - dropped_before <= 20  # dropped from the queue
+    dropped = _metric(server, "encoderd_dropped_inputs_total") - dropped_before
+    assert dropped <= 2 * codes.count(grpc.StatusCode.DEADLINE_EXCEEDED)  # only expired calls' inputs dropped
 
 
 def _children(pid: int) -> list[int]:
