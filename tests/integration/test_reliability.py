@@ -41,10 +41,10 @@ def _metric(server, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{labels} (\S+)$", text, re.M))
 
 
-def _refused_by_deadline(server) -> float:
-    """Calls refused at admission because the wait ahead of them was past their deadline (any model)."""
+def _refused_by_wait(server) -> float:
+    """Calls refused at admission for the wait ahead of them: past their deadline or --max-queue-wait."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    series = r'^encoderd_rejected_requests_total\{[^}]*reason="deadline"[^}]*\} (\S+)$'
+    series = r'^encoderd_rejected_requests_total\{[^}]*reason="(?:deadline|queue_wait)"[^}]*\} (\S+)$'
     return sum(float(v) for v in re.findall(series, text, re.M))
 
 
@@ -178,7 +178,7 @@ def test_expired_work_is_never_computed(server, stub):
     computed_before = _metric(server, "encoderd_real_tokens_total")
     dropped_before = _metric(server, "encoderd_dropped_inputs_total")
     queued_before = _metric(server, "encoderd_queued_inputs_total")
-    refused_before = _refused_by_deadline(server)
+    refused_before = _refused_by_wait(server)
     long_text = " ".join(TEXTS)  # 256 tokens after truncation: both worker slots busy for a while
     blocker = stub.Embed.future(pb.EmbedRequest(model=model, inputs=[long_text + f" {i}" for i in range(48)]))
     # Wait until all 48 are tokenized and queued (not a fixed sleep: on a fast host a short request sent
@@ -201,8 +201,8 @@ def test_expired_work_is_never_computed(server, stub):
     blocked = blocker.result()
     after = stub.Embed(pb.EmbedRequest(model=model, inputs=["after"]))  # runs after whatever was queued
     # Each doomed call either expired in the queue, or was refused at once because the wait measured
-    # ahead of it was already past its deadline (--max-queue-wait's admission): never computed either way.
-    refused = _refused_by_deadline(server) - refused_before
+    # ahead of it was past its deadline or --max-queue-wait (admission): never computed either way.
+    refused = _refused_by_wait(server) - refused_before
     assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == refused
     computed = _metric(server, "encoderd_real_tokens_total") - computed_before

@@ -96,6 +96,9 @@ def hosts(tmp_path_factory):
             f"{DEFAULT_MODEL_NAME}={default_model_path()}",
             "--drain-delay",
             "3",
+            # The front's limits are under test: each host admits whatever reaches it, however long it waits.
+            "--max-queue-wait",
+            "0",
             log_path=logs / f"host{i}.log",
         )
         for i in range(2)
