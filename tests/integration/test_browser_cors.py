@@ -6,7 +6,6 @@ Chromium does the fetch() those SDKs do, through the real Envoy to the real serv
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,20 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.browser import chromium_command, find_chromium
 from support.server import ServerProcess
 
 from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
 
 KEY = "browser-key"
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-)
 # What the SDKs add to every call (their names; the values are theirs in spirit).
 SDK_HEADERS = {
     "authorization": f"Bearer {KEY}",
@@ -92,7 +83,7 @@ class _Page:
         log = tmp / f"chromium-{self.server.server_address[1]}.log"
         with log.open("wb") as out:
             browser = subprocess.Popen(
-                [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", self.origin + "/"],
+                chromium_command(_chromium(), profile, self.origin + "/"),
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
@@ -110,7 +101,7 @@ class _Page:
 
 
 def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    path = find_chromium()
     if not path:
         pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
     return path

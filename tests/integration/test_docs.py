@@ -16,7 +16,6 @@ import functools
 import http.server
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from pathlib import Path
 from urllib.parse import urldefrag, urljoin, urlparse
 
 import pytest
+from support.browser import chromium_command, find_chromium
 from support.server import ServerProcess
 
 from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
@@ -207,7 +207,7 @@ class _Page(HTMLParser):
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    found = find_chromium()
     if not found:
         pytest.skip("no chromium (Debian package chromium; .ci/run installs it)")
     return found
@@ -232,19 +232,7 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 def rendered(chromium: str, url: str, profile: Path) -> _Page:
     """The page's DOM after Chromium has loaded it and run its scripts."""
     done = subprocess.run(
-        [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
-            f"--user-data-dir={profile}",
-            "--dump-dom",
-            url,
-        ],
+        chromium_command(chromium, profile, "--dump-dom", url),
         capture_output=True,
         text=True,
         timeout=120,
