@@ -164,27 +164,47 @@ def test_embed_stream_is_counted_and_carries_the_request_id(server, stub):
 
 def test_calls_in_flight_are_a_gauge_back_to_zero_after_cancels(tmp_path):
     """Queue depth counted inputs, not calls: nothing showed a call held (or leaked) by the server.
-    Its own server without --max-queue-wait: the three big calls must all be admitted to be held."""
+    Its own server without --max-queue-wait (the three big calls must all be admitted to be held) and
+    without the stall watchdog: its workers stay stopped (SIGSTOP) until all three are counted in
+    flight, so none can finish first, however slow or fast the host."""
     from support.server import ServerProcess
 
-    server = ServerProcess("--max-queue-wait", "0", log_path=tmp_path / "server.log").start()
+    server = ServerProcess(
+        "--max-queue-wait", "0", "--worker-stall-timeout", "0", log_path=tmp_path / "server.log"
+    ).start()
     try:
         _cancelled_calls_leave_no_call_in_flight(server, server.stub())
     finally:
         server.stop()
 
 
+def _in_flight(server, **labels) -> float:
+    return total(scrape(server), "encoderd_requests_in_flight", **labels)
+
+
 def _cancelled_calls_leave_no_call_in_flight(server, stub):
-    calls = [
-        stub.Embed.future(pb.EmbedRequest(model=EMBEDDER, inputs=[f"{c} {i} " + "word " * 200 for i in range(256)]))
-        for c in range(3)
-    ]
-    time.sleep(0.5)
-    assert total(scrape(server), "encoderd_requests_in_flight", rpc="Encoder/Embed") == 3
-    for call in calls[1:]:
-        call.cancel()
+    (model,) = [m for m in stub.ListModels(pb.ListModelsRequest()).models if m.id == EMBEDDER]
+    workers = [replica.pid for replica in model.replicas]
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        calls = [
+            stub.Embed.future(pb.EmbedRequest(model=EMBEDDER, inputs=[f"{c} {i} " + "word " * 200 for i in range(256)]))
+            for c in range(3)
+        ]
+        _until(lambda: _in_flight(server, rpc="Encoder/Embed") == 3, "the three calls were never all in flight")
+        for call in calls[1:]:
+            call.cancel()
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
     calls[0].result()
-    deadline = time.monotonic() + 10
-    while total(scrape(server), "encoderd_requests_in_flight") and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert total(scrape(server), "encoderd_requests_in_flight") == 0
+    _until(lambda: _in_flight(server) == 0, "a call stayed counted in flight after it ended")
+
+
+def _until(condition, what: str, timeout: float = 60) -> None:
+    """Wait for a state of the server (not for time to pass): fails only if it never comes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
