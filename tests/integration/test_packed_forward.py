@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from support.corpus import sentences
 from support.families import build as build_family
 from support.models import build_classifier, build_reranker
@@ -242,3 +243,86 @@ def test_served_with_torch_compile_equals_sentence_transformers(tmp_path):
     want = SentenceTransformer(default_model_path(), device="cpu").encode(texts)
     assert "torch.compile (dynamic shapes)" in log.read_text()
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# ------------------------------------------------------------------ CPU attention in bfloat16
+# In bfloat16/float16 on CPU, sequences longer than FLASH_UP_TO go through attention's three products
+# (_attend_by_products), shorter ones through SDPA; float32 keeps SDPA throughout.
+ATTENTION_LENGTHS = [3, 40, 40, 33, 32, 100, 7, 257, 40]  # both sides of FLASH_UP_TO; equal lengths
+
+
+def _reference_attention(q, k, v, cu_seqlens, window):
+    """Float32 SDPA on each sequence alone, key/value heads repeated for grouped-query attention."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
+        keys, values = (t[a:b].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
+        mask = packed_encoder._band(b - a, window, q.device)
+        out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), keys, values, attn_mask=mask).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [packed_encoder.FULL, packed_encoder.CAUSAL, (4, 4)], ids=["full", "causal", "band"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(12, 12, 32), (8, 2, 64)], ids=["mha", "gqa"])
+def test_cpu_attention_equals_sdpa_per_sequence(dtype, window, heads, kv_heads, dim):
+    """attend() on CPU, over packed sequences of mixed and equal lengths, against float32 SDPA on each
+    sequence: within float32's rounding in float32, within bfloat16's (inputs rounded, scores and
+    probabilities in bfloat16) otherwise. The windows are BERT's (full), Qwen3's (causal, grouped-query)
+    and ModernBERT's local layers (band)."""
+    generator = torch.Generator().manual_seed(5)
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(ATTENTION_LENGTHS)]), dtype=torch.int32)
+    tokens = int(cu_seqlens[-1])
+    q, k, v = (torch.randn(tokens, h, dim, generator=generator) for h in (heads, kv_heads, kv_heads))
+    reduced = getattr(torch, dtype)
+    q, k, v = (t.to(reduced).float() for t in (q, k, v))  # the reference sees the same rounded inputs
+    want = _reference_attention(q, k, v, cu_seqlens, window)
+    batch = packed_encoder.PackedBatch.of(torch.zeros(tokens, dtype=torch.long), cu_seqlens)
+    products = mock.patch.object(packed_encoder, "_attend_by_products", wraps=packed_encoder._attend_by_products)
+    with products as by_products:
+        got = packed_encoder.attend(q.to(reduced), k.to(reduced), v.to(reduced), batch, window).float()
+    longer = sum(n > packed_encoder.FLASH_UP_TO for n in ATTENTION_LENGTHS)
+    assert by_products.call_count == (longer if dtype == "bfloat16" else 0)
+    if dtype == "float32":
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+        assert (got - want).abs().mean() < 5e-3
+
+
+def _worst_error(backend, reference, work, kind: str) -> float:
+    """1 - the worst cosine (embeddings) or the largest score difference, over the batches."""
+    if kind == "embedding":
+        cosines = [
+            (got * want).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
+            for got, want in ((backend.forward(b), reference.forward(b)) for b in work)
+        ]
+        return float(1 - min(c.min() for c in cosines))
+    return float(max(np.abs(backend.forward(b) - reference.forward(b)).max() for b in work))
+
+
+BFLOAT16_CASES = [("bert", "embedding"), ("bert", "reranker"), *FAMILY_CASES]
+
+
+@pytest.mark.parametrize("family,kind", BFLOAT16_CASES, ids=["-".join(c) for c in BFLOAT16_CASES])
+def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind, family_models, reranker_path):
+    """Each packed family in bfloat16 on CPU (attention by products past FLASH_UP_TO tokens, SDPA below)
+    against transformers' padded float32 forward of the same weights: no further from it than twice
+    transformers' own padded bfloat16 forward is. (These seeded models' random heads put logits in the
+    tens, where bfloat16's own step is 0.125: an absolute bound would measure the head, not attention.
+    A wrong mask, window or head grouping lands far outside twice.)"""
+    if family == "bert":
+        path = default_model_path() if kind == "embedding" else reranker_path
+    else:
+        path = family_models(family, kind)
+    spec = load_model_spec(kind, path, ModelKind(kind))
+    reduced = BackendOptions(dtype="bfloat16", threads=1)
+    reference = load_backend(spec, BackendOptions(threads=1), packed=False)
+    padded, packed = load_backend(spec, reduced, packed=False), load_backend(spec, reduced)
+    assert packed.packed is not None and packed.options.dtype == "bfloat16"
+    work = batches(spec, QUERY if kind == "reranker" else None)
+    products = mock.patch.object(packed_encoder, "_attend_by_products", wraps=packed_encoder._attend_by_products)
+    with products as by_products:
+        error = _worst_error(packed, reference, work, kind)
+    assert by_products.called
+    assert error <= 2 * _worst_error(padded, reference, work, kind), error
