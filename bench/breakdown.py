@@ -25,10 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-# aten operator -> category. Matched on the name without its namespace; first hit wins.
+# aten operator -> category. Matched on the name without its namespace; first hit wins. The batched
+# products (bmm, baddbmm) are attention's: the linears run as _linear_pointwise / addmm / mm, and
+# attention's scores and context are the batched ones (packed_encoder._attend_by_products).
 CATEGORIES = (
-    ("matmul", ("_linear_pointwise", "addmm", "mm", "bmm", "linear", "matmul", "baddbmm")),
-    ("attention", ("scaled_dot_product", "_flash_attention", "_efficient_attention", "softmax", "varlen")),
+    ("matmul", ("_linear_pointwise", "addmm", "mm", "linear", "matmul")),
+    (
+        "attention",
+        ("scaled_dot_product", "_flash_attention", "_efficient_attention", "softmax", "varlen", "bmm", "masked_fill"),
+    ),
     (
         "element-wise",
         ("layer_norm", "native_layer_norm", "gelu", "add", "add_", "mul", "div", "tanh", "relu", "embedding"),
