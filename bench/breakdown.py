@@ -8,7 +8,9 @@ the bench corpus (bench/corpus.py: 5-500 tokens, log-uniform) in batches of --ba
 scheduler sends bulk work. Operators are timed by torch.profiler (self time, so nested calls count
 once); the time outside every operator is the Python that runs the layers. Shares, not absolute
 times, are the result: they hold on a loaded host where absolute times do not. The wall time without
-the profiler is printed beside it, so the profiler's own overhead shows; and `flop_shares`, the split
+the profiler is printed beside it, so the profiler's own overhead shows, and the CPU time of that pass
+with tokens per CPU-second (others' processes on a shared host stretch it less than the wall time: the
+figure to compare two checkouts by, run in turn); and `flop_shares`, the split
 of the FLOPs between the matmuls and attention (bench/flops.py), so a category whose share of the
 time exceeds its share of the FLOPs stands out.
 """
@@ -138,12 +140,13 @@ def profile(backend, work: list, rounds: int) -> dict:
 
     for b in work[:2]:  # first calls pick kernels and allocate
         backend.forward(b)
-    walls = []
+    walls, cpus = [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for b in work:
             backend.forward(b)
         walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for b in work:
@@ -162,6 +165,7 @@ def profile(backend, work: list, rounds: int) -> dict:
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:15]
     return {
         "wall_s_without_profiler": round(min(walls), 3),
+        "cpu_s_without_profiler": round(min(cpus), 3),
         "wall_s_profiled": round(profiled_wall, 3),
         "operator_calls": calls,
         "shares": shares,
@@ -201,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": int(sum(len(b.input_ids) for b in work)),
         **profile(backend, work, args.rounds),
     }
+    result["tokens_per_cpu_s"] = round(result["tokens"] / max(result["cpu_s_without_profiler"], 1e-9))
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

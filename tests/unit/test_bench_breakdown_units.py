@@ -39,6 +39,7 @@ def test_the_shares_of_a_real_forward_add_up(tmp_path, capsys):
 
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["packed"] and result["tokens"] > 0
+    assert result["cpu_s_without_profiler"] > 0 and result["tokens_per_cpu_s"] > 0
     assert sum(result["shares"].values()) == pytest.approx(1.0, abs=0.01)
     assert result["shares"]["matmul"] > 0 and result["shares"]["attention"] > 0
     assert sum(result["flop_shares"].values()) == pytest.approx(1.0, abs=1e-3)
