@@ -40,6 +40,7 @@ are not checked: the torch engine is the only one computing them, and the report
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import time
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from . import calibration
+from . import calibration, memory
 from .contract.config import default_cache_dir
 from .contract.model_spec import ModelKind, ModelSpec, ScoreActivation
 from .contract.protocol import FidelityFigure, TokenBatch
@@ -244,13 +245,13 @@ def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_
 
 
 # ------------------------------------------------------- ColPali / ColQwen2
-def _retrieval_outputs(backend, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Served and reference rows (every query's, then every page's), and whether the reference was cached."""
+def _retrieval_reference_entry(spec: ModelSpec, options, processor=None):
+    """The cache entry of a colpali model's float32 reference rows (computed here on a miss)."""
     from transformers import AutoProcessor
 
-    trust = backend.options.trust_remote_code
-    processor = AutoProcessor.from_pretrained(spec.path, trust_remote_code=trust)
-    queries, pages = calibration.retrieval_queries(), calibration.pages()
+    trust = options.trust_remote_code
+    processor = processor or AutoProcessor.from_pretrained(spec.path, trust_remote_code=trust)
+    queries = calibration.retrieval_queries()
     key = {
         "model": fingerprint_model(spec.path),
         "model_kind": spec.kind.value,
@@ -258,13 +259,24 @@ def _retrieval_outputs(backend, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray
         "inputs": hashlib.sha256(repr((queries, calibration.PAGES)).encode()).hexdigest(),
         "versions": library_versions("torch", "transformers", "tokenizers", "pillow", "torchvision"),
     }
-    entry = cached_build(
-        backend.options.cache_dir or default_cache_dir(),
+    return cached_build(
+        options.cache_dir or default_cache_dir(),
         "fidelity",
         f"{spec.name}-reference",
         key,
-        lambda out: np.save(out / REFERENCE_FILE, _retrieval_reference(spec, processor, queries, pages, trust)),
+        lambda out: np.save(
+            out / REFERENCE_FILE, _retrieval_reference(spec, processor, queries, calibration.pages(), trust)
+        ),
     )
+
+
+def _retrieval_outputs(backend, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Served and reference rows (every query's, then every page's), and whether the reference was cached."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(spec.path, trust_remote_code=backend.options.trust_remote_code)
+    entry = _retrieval_reference_entry(spec, backend.options, processor)
+    queries, pages = calibration.retrieval_queries(), calibration.pages()
     served = [
         backend.forward(calibration.retrieval_query_batch(processor, queries)),
         backend.forward_media(calibration.retrieval_page_batch(processor, pages)),
@@ -290,12 +302,32 @@ def _retrieval_reference(spec: ModelSpec, processor, queries: list[str], pages: 
 
 
 # ---------------------------------------------------------------- the check
-def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") -> Report:
+def prepare_reference(spec: ModelSpec, options) -> bool:
+    """Compute and cache the float32 reference before the served model loads; whether it was cached.
+
+    The reference loads its own float32 copy of the weights. Made beside the served model, a
+    start-up held both: a Qwen2-VL-2B-sized ColQwen2 peaked at ~18 GB in float32. Made first, and
+    its copy freed (and the heap trimmed) before the served one loads, the peak is one copy."""
+    if spec.kind not in CHECKED_KINDS:
+        return True
+    if spec.kind == ModelKind.COLPALI:
+        hit = _retrieval_reference_entry(spec, options).hit
+    else:
+        batches = calibration.batches(spec, options.max_batch_size, options.trust_remote_code)
+        hit = reference(spec, batches, options.cache_dir, options.trust_remote_code)[1]
+    if not hit:
+        gc.collect()
+        memory.trim_heap()
+    return hit
+
+
+def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "", reference_cached: bool = True) -> Report:
     """Run the calibration set through `backend`, compare with the reference, log the verdict.
 
     Below a floor: with `fallback` (a dtype the server chose itself, not the operator) it warns
     that it falls back to that and reports LOW; else raises LowFidelity unless `allow_low` (then
-    it warns and reports LOW)."""
+    it warns and reports LOW). `reference_cached`: what prepare_reference found at this start
+    (the report says "computed" when it made the reference, though self_check then reads it cached)."""
     what = f"{spec.name} ({backend.engine} {backend.options.dtype} on {backend.options.device})"
     if spec.kind not in CHECKED_KINDS:
         log.info(
@@ -315,9 +347,8 @@ def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "") ->
         got = np.concatenate([backend.forward(batch) for batch in batches])
         inputs = len(want)
     figures = judge(measure(spec, got, want), backend.options.dtype)
-    report = Report(
-        PASSED if all(f.passed for f in figures) else LOW, figures, inputs, time.perf_counter() - started, cached
-    )
+    status = PASSED if all(f.passed for f in figures) else LOW
+    report = Report(status, figures, inputs, time.perf_counter() - started, cached and reference_cached)
     _log_verdict(report, what, allow_low, fallback)
     return report
 

@@ -51,6 +51,13 @@ def _malloc_trim():
     return trim
 
 
+def trim_heap() -> None:
+    """Give the heap's free pages back to the OS now (after freeing a whole model's weights)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 class HeapTrimmer:
     """Gives freed heap pages back to the OS after batches, rarely enough to cost nothing."""
 

@@ -187,7 +187,9 @@ def test_list_models_names_the_kind_and_the_fidelity_check(stub):
 
 def test_bfloat16_is_checked_and_within_its_floor(tmp_path, paths, refs):
     """--dtype bfloat16: the self-check measures every query and page row against float32
-    transformers (floor 0.999), and what is served stays within that floor of the reference."""
+    transformers (floor 0.999), and what is served stays within that floor of the reference.
+    The float32 reference is computed (a fresh cache) before the served model loads, so a start-up
+    holds one copy of the weights at a time; on the old code it came after load and warm-up."""
     with ServerProcess(
         "--model",
         f"colqwen2={paths['colqwen2']}",
@@ -195,6 +197,8 @@ def test_bfloat16_is_checked_and_within_its_floor(tmp_path, paths, refs):
         "bfloat16",
         "--cpu-threads",
         "1",
+        "--cache-dir",
+        str(tmp_path / "cache"),
         log_path=tmp_path / "server.log",
     ) as server:
         [info] = server.stub().ListModels(pb.ListModelsRequest()).models
@@ -208,7 +212,10 @@ def test_bfloat16_is_checked_and_within_its_floor(tmp_path, paths, refs):
         rows = rows_of(got)
         assert rows.shape == reference.shape
         assert (rows * reference).sum(axis=1).min() >= 0.999  # unit rows: the dot is the cosine
-    assert "fidelity self-check passed: colqwen2 (torch bfloat16 on cpu)" in server.log_text()
+    log = server.log_text()
+    assert "fidelity self-check passed: colqwen2 (torch bfloat16 on cpu)" in log
+    assert "reference computed]" in log  # made at this start, not read from a cache
+    assert log.index("computing the float32 reference of colqwen2") < log.index("loaded in")
 
 
 def test_bad_inputs_are_refused_clearly(server, stub):
