@@ -3,12 +3,13 @@ by encoderd, beside transformers' own loop on the same inputs, in one run.
 
 transformers' loop is what the model cards show: `model(**processor(images=pages))` over batches of
 --batch pages (decoded from the same PNG files encoderd gets), and `model(**processor(text=[query]))`
-one query at a time, in this process with --threads torch threads. encoderd serves the same
-directory (`encoderd serve --cpu-threads --threads`) and gets the same pages in requests of --batch
-pages (--concurrency in flight) and the same queries one request at a time. The phases run one
-after the other (transformers' model is freed before the server starts: a real-size model twice
-would not fit in memory), each after a warm-up. The served vectors of the first page are compared
-with transformers' (min cosine).
+one query at a time, in a process of its own with --threads torch threads. encoderd serves the
+same directory (`encoderd serve --cpu-threads --threads --replicas 1`) and gets the same pages in
+requests of --batch pages (--concurrency in flight) and the same queries one request at a time.
+The phases run one after the other, each after a warm-up, with one model in memory at a time (a
+real-size model twice would not fit): transformers' process exits before the server starts, and
+--min-available-gib waits for memory before each phase. The served vectors of the first page are
+compared with transformers' (min cosine).
 
 Models (encoderd.bench.retrieval_models): --size tiny or real (random weights, real sizes), built
 once under --cache-dir. Pages are drawn here: text lines, a rule and a figure on white, in four
@@ -19,13 +20,13 @@ resolutions.
 from __future__ import annotations
 
 import argparse
-import gc
+import multiprocessing
 import os
 import random
-import shutil
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -34,26 +35,43 @@ from .corpus import make_queries
 from .options import log
 
 PAGE_SHAPES = ((827, 1169), (1024, 768), (400, 1000), (700, 700))  # A4 at 100 dpi, a slide, a receipt, a square
-_FORMAT = 1  # bump when what retrieval_models builds changes
+_FORMAT = "retrieval-2"  # change when what retrieval_models builds changes
 
 
 def build(cache: Path, model: str, size: str) -> str:
+    from .models import build_once
+
+    return build_once(cache / f"{model}-{size}", partial(in_child, _write, model, size == "real"), _FORMAT)
+
+
+def _write(model: str, real: bool, out: Path) -> None:
     from . import retrieval_models
 
-    out = cache / f"{model}-{size}"
-    stamp = out / ".encoderd-bench-format"
-    if stamp.exists() and stamp.read_text() == str(_FORMAT):
-        return str(out)
-    log(f"building {out.name} (random weights; once)")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     write = retrieval_models.write_colpali if model == "colpali" else retrieval_models.write_colqwen2
-    write(tmp, real=size == "real")
-    (tmp / ".encoderd-bench-format").write_text(str(_FORMAT))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return str(out)
+    write(out, real=real)
+
+
+def in_child(fn, *args):
+    """fn(*args) in a process of its own, its result back. The weights it held (and torch's heap
+    around them) go back to the OS when that process exits, before the next phase loads its own
+    copy: freed inside one process, part of a model's memory stays in glibc's heap."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / (1 << 20)
+    return float("inf")  # not Linux: nothing to wait for
+
+
+def wait_for_memory(gib: float, what: str) -> None:
+    """Poll until `gib` GiB are available: on a shared host, a real-size phase started short of
+    memory is killed (or swaps) and measures nothing."""
+    while (available := available_gib()) < gib:
+        log(f"{what}: waiting for {gib:g} GiB available (now {available:.1f})")
+        time.sleep(20)
 
 
 def draw_page(seed: int):
@@ -118,8 +136,6 @@ def transformers_loop(path: str, args, blobs: list[bytes], queries) -> dict:
         mask = processor(images=decoded(blobs[:1]))["attention_mask"][0].bool()
         assert first is not None  # at least one page
         rows = first[: len(mask)][mask].float().numpy()
-    del model
-    gc.collect()
     return {"pages_per_s": len(blobs) / elapsed, "latencies": latencies, "first_page": rows}
 
 
@@ -132,7 +148,8 @@ def encoderd_loop(path: str, args, blobs: list[bytes], queries, logs: Path) -> d
 
     port = free_port()
     argv = [*serve_command(), "--host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", str(free_port())]
-    argv += ["--no-rest", "--model", f"m={path}", "--cpu-threads", str(args.threads), "--dtype", args.dtype]
+    argv += ["--no-rest", "--model", f"m={path}", "--cpu-threads", str(args.threads), "--replicas", "1"]
+    argv += ["--dtype", args.dtype]
     argv += ["--cache-dir", str(args.cache_dir / "server-cache")]
     server = Managed("encoderd", argv, logs / "encoderd-colpali.log").start()
     try:
@@ -190,15 +207,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "encoderd-bench")
+    p.add_argument(
+        "--min-available-gib",
+        type=float,
+        help="wait before each phase until this much memory is available "
+        "(default: 14 for --size real, one float32 model and its activations; 0 for tiny)",
+    )
     args = p.parse_args(argv)
+    need = args.min_available_gib if args.min_available_gib is not None else (14.0 if args.size == "real" else 0.0)
 
+    wait_for_memory(need, "building the model")
     path = build(args.cache_dir, args.model, args.size)
     blobs = [png(draw_page(seed)) for seed in range(args.pages)]  # both sides get these PNG files
     queries = [f"{q} {i}" for i, q in enumerate(make_queries(args.queries, 7))]  # distinct: no cache hits
     logs = args.cache_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    # One model in memory at a time: transformers' loop in a process of its own, gone before the
+    # server starts (whose worker, in turn, frees its fidelity reference before loading the model).
+    wait_for_memory(need, "transformers' loop")
     log(f"{args.model} {args.size} {args.dtype}, {args.threads} threads: transformers' loop")
-    reference = transformers_loop(path, args, blobs, queries)
+    reference = in_child(transformers_loop, path, args, blobs, queries)
+    wait_for_memory(need, "encoderd")
     log("encoderd")
     served = encoderd_loop(path, args, blobs, queries, logs)
     want, got = reference["first_page"], served["first_page"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,25 +48,28 @@ _FORMAT = 1  # bump when what is built changes: the cached copy is then rebuilt
 def build_base_embedder(cache: Path, tiny: bool = False) -> str:
     sizes = TINY_SIZES if tiny else BASE_SIZES
     name = "bge-tiny" if tiny else "bge-base-sized"
-    return _build(cache / name, lambda out: _write_base_embedder(out, sizes))
+    return build_once(cache / name, lambda out: _write_base_embedder(out, sizes), str(_FORMAT))
 
 
 def build_xlmr_reranker(cache: Path, tiny: bool = False) -> str:
     sizes = TINY_SIZES if tiny else BASE_SIZES
     name = "bge-reranker-tiny" if tiny else "bge-reranker-base-sized"
-    return _build(cache / name, lambda out: _write_xlmr_reranker(out, sizes))
+    return build_once(cache / name, lambda out: _write_xlmr_reranker(out, sizes), str(_FORMAT))
 
 
-def _build(out: Path, write) -> str:
+def build_once(out: Path, write: Callable[[Path], None], version: str) -> str:
+    """`out`, written by `write` unless a copy stamped with `version` is there already: written
+    into a temporary directory first, so an interrupted build is never taken for a finished one.
+    (bench/colpali.py builds its ColPali / ColQwen2 models here too.)"""
     stamp = out / ".encoderd-bench-format"
-    if stamp.exists() and stamp.read_text() == str(_FORMAT):
+    if stamp.exists() and stamp.read_text() == version:
         return str(out)
-    log(f"building {out.name} (random weights, real sizes; once)")
+    log(f"building {out.name} (random weights; once)")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
-    (tmp / ".encoderd-bench-format").write_text(str(_FORMAT))
+    (tmp / ".encoderd-bench-format").write_text(version)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return str(out)

@@ -37,10 +37,21 @@ QWEN_SPECIALS = (
 )
 
 
-def _seed() -> None:
+def _save_seeded(model_class, config, out: Path) -> None:
+    """The model with transformers' own initialization (its distributions per tensor), seeded, saved.
+
+    Made on the meta device, then given memory and initialized once: constructed directly, every
+    nn.Linear and nn.Embedding draws its own default init before transformers' _init_weights draws
+    again, twice the work over 2-3 B weights. (A full-size copy is ~9-12 GB in float32:
+    bench/colpali.py builds it in a process of its own, which gives the memory back on exit.)"""
     import torch
 
+    with torch.device("meta"):
+        model = model_class(config)
+    model.to_empty(device="cpu")
     torch.manual_seed(0)
+    model.init_weights()  # transformers' _init_weights over every module (buffers too), then tying
+    model.eval().save_pretrained(out)
 
 
 def _word_merges(vocab: dict[str, int], space: str) -> list[tuple[str, str]]:
@@ -104,8 +115,7 @@ def write_colpali(out: Path, real: bool = False) -> None:
         },
         embedding_dim=dim,
     )
-    _seed()
-    ColPaliForRetrieval(config).eval().save_pretrained(out)
+    _save_seeded(ColPaliForRetrieval, config, out)
     processor.save_pretrained(out)
 
 
@@ -162,6 +172,5 @@ def write_colqwen2(out: Path, real: bool = False) -> None:
         },
         embedding_dim=dim,
     )
-    _seed()
-    ColQwen2ForRetrieval(config).eval().save_pretrained(out)
+    _save_seeded(ColQwen2ForRetrieval, config, out)
     processor.save_pretrained(out)
