@@ -5,12 +5,11 @@ seeded models: `model(**processor(...)).embeddings` per query and per page, and 
 
 from __future__ import annotations
 
-import io
-
 import httpx
 import numpy as np
 import pytest
 import torch
+from support.media import encoded, random_image
 from support.multimodal_models import build_colpali, build_colqwen2
 from support.server import ServerProcess
 
@@ -23,21 +22,8 @@ QUERIES = ["a red cat", "the invoice total with a chart", "x"]
 MODELS = ("colpali", "colqwen2")
 
 
-def make_page(seed: int, size: tuple[int, int]):
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def png(image) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return buf.getvalue()
-
-
 # Pages of different shapes: ColQwen2 reads each at its own resolution (4 to 64 image tokens here).
-PAGES = [make_page(1, (70, 50)), make_page(2, (40, 90)), make_page(3, (20, 20)), make_page(4, (64, 64))]
+PAGES = [random_image(1, (70, 50)), random_image(2, (40, 90)), random_image(3, (20, 20)), random_image(4, (64, 64))]
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +104,11 @@ def test_query_and_page_vectors_equal_transformers(stub, refs, name):
     language model read (ColQwen2: each page its own)."""
     inputs = [
         pb.Content(text=QUERIES[0]),
-        pb.Content(image=pb.Media(data=png(PAGES[0]))),
-        pb.Content(image=pb.Media(data=png(PAGES[1]))),
+        pb.Content(image=pb.Media(data=encoded(PAGES[0]))),
+        pb.Content(image=pb.Media(data=encoded(PAGES[1]))),
         pb.Content(text=QUERIES[1]),
-        pb.Content(image=pb.Media(data=png(PAGES[2]))),
-        pb.Content(image=pb.Media(data=png(PAGES[3]))),
+        pb.Content(image=pb.Media(data=encoded(PAGES[2]))),
+        pb.Content(image=pb.Media(data=encoded(PAGES[3]))),
         pb.Content(text=QUERIES[2]),
     ]
     response = stub.EmbedMultiVector(pb.EmbedMultiVectorRequest(model=name, inputs=inputs))
@@ -146,7 +132,7 @@ def test_colqwen2_pages_cost_their_own_tokens(refs):
 @pytest.mark.parametrize("name", MODELS)
 def test_maxsim_equals_score_retrieval(stub, refs, name):
     query = "the chart of the report"
-    documents = [pb.Content(image=pb.Media(data=png(p))) for p in PAGES]
+    documents = [pb.Content(image=pb.Media(data=encoded(p))) for p in PAGES]
     response = stub.MaxSim(pb.MaxSimRequest(model=name, query=query, documents=documents))
     expected = refs.scores(name, query, PAGES)
     scores = {r.index: r.relevance_score for r in response.results}
@@ -158,7 +144,7 @@ def test_rest_multivector_and_maxsim(server, refs):
     """The same over REST (Envoy's transcoder): a base64 page, a query, and MaxSim."""
     import base64
 
-    page = base64.b64encode(png(PAGES[1])).decode()
+    page = base64.b64encode(encoded(PAGES[1])).decode()
     with httpx.Client(base_url=server.rest_url, timeout=60) as client:
         body = {"model": "colqwen2", "inputs": [{"text": QUERIES[1]}, {"image": {"data": page}}]}
         got = client.post("/v1/encoderd/embed_multivector", json=body)
@@ -205,7 +191,7 @@ def test_bfloat16_is_checked_and_within_its_floor(tmp_path, paths, refs):
         assert (info.dtype, info.fidelity_status) == ("bfloat16", "passed")
         [cosine] = info.fidelity
         assert cosine.bound == 0.999 and 0.999 <= cosine.value < 1.0
-        inputs = [pb.Content(text=QUERIES[1]), pb.Content(image=pb.Media(data=png(PAGES[0])))]
+        inputs = [pb.Content(text=QUERIES[1]), pb.Content(image=pb.Media(data=encoded(PAGES[0])))]
         response = server.stub().EmbedMultiVector(pb.EmbedMultiVectorRequest(model="colqwen2", inputs=inputs))
     want = [refs.queries("colqwen2", [QUERIES[1]])[0].numpy(), refs.pages("colqwen2", [PAGES[0]])[0].numpy()]
     for got, reference in zip(response.embeddings, want, strict=True):

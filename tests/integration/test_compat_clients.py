@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from support.corpus import sentences
+from support.media import png_data_uri, random_image
 from support.multimodal_models import CLAP_SAMPLING_RATE, build_clap, build_clip, build_colbert, build_sparse
 from support.server import ServerProcess
 
@@ -616,14 +617,7 @@ def test_cohere_v2_defaults_to_float_and_reads_inputs(compat_server, http, refer
 
 
 def _png_uri(seed: int, size=(48, 40)) -> str:
-    import io
-
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return png_data_uri(random_image(seed, size))
 
 
 def _wav_uri(freq: float = 440.0, seconds: float = 0.5) -> str:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.media import encoded, random_image
 from support.multimodal_models import CLAP_SAMPLING_RATE, build_clap, build_clip, build_colbert, build_sparse
 from support.server import ServerProcess, free_port
 
@@ -35,19 +36,6 @@ COLBERT_DOCS = ["search engines rank documents", "a cat sat on the mat", "late i
 
 
 # ------------------------------------------------------------------ inputs
-def make_image(seed: int, size=(64, 48)):
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def encoded(image, fmt: str = "PNG") -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, fmt)
-    return buf.getvalue()
-
-
 def tone(freq: float, seconds: float, rate: int, channels: int = 1) -> np.ndarray:
     t = np.arange(int(seconds * rate)) / rate
     wave = 0.3 * np.sin(2 * np.pi * freq * t) + 0.05 * np.random.default_rng(int(freq)).standard_normal(len(t))
@@ -62,7 +50,7 @@ def sound_file(samples: np.ndarray, rate: int, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-IMAGES = [make_image(1), make_image(2, (40, 80)), make_image(3, (33, 33))]
+IMAGES = [random_image(1), random_image(2, (40, 80)), random_image(3, (33, 33))]
 PNG = encoded(IMAGES[0])
 WAV = sound_file(tone(440, 0.5, CLAP_SAMPLING_RATE), CLAP_SAMPLING_RATE, "WAV")
 # A float WAV may hold any finite value: five samples, the last 1.5e37, overflowed CLAP's features
