@@ -20,9 +20,12 @@ Floors, by the precision the backend computes in (FLOORS):
 
 Each figure compares what requests are served. min_cosine: the worst cosine over the set between
 served (pooled, unnormalized: cosine is scale-free) and reference vectors, over the served width (a
-truncate_dim model's first dimensions). max_prob_diff: the largest absolute difference of a score
-the model serves as a probability (its ScoreActivation: sigmoid, or softmax over the labels).
-max_logit_diff: the same where it serves its logits (Identity: a CrossEncoder saved so, a
+truncate_dim model's first dimensions). max_prob_diff: where the model serves probabilities (its
+ScoreActivation: sigmoid, or softmax over the labels), the most an input's measured logit error can
+move its probability wherever on the curve its score lies (max_prob_shift; never less than the
+difference at the set's own scores): traffic's scores are not the set's, and a set whose scores sit
+in sigmoid's flat tails hides a logit error. max_logit_diff: the largest absolute
+difference of a logit, where the model serves its logits (Identity: a CrossEncoder saved so, a
 regression head); its ceilings are the probability ceilings carried over through sigmoid's
 steepest slope (1/4): a logit within 4c moves no sigmoid probability by more than c.
 kendall_tau: rank agreement of all the pairs' scores (one swapped pair of the 48 is 0.998).
@@ -129,6 +132,24 @@ def served_scores(logits: np.ndarray, activation: ScoreActivation) -> np.ndarray
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
+def served_difference(got: np.ndarray, want: np.ndarray, activation: ScoreActivation) -> float:
+    """The largest difference of a served score (probability or logit) at these inputs' own scores."""
+    return float(np.max(np.abs(served_scores(got, activation) - served_scores(want, activation))))
+
+
+def max_prob_shift(got: np.ndarray, want: np.ndarray, activation: ScoreActivation) -> float:
+    """The most the measured logit errors can move a served probability wherever on the curve a
+    score lies: each input's error times the activation's steepest slope (1/4). A sigmoid's
+    probability moves by at most |error| / 4; a softmax's by at most (largest - smallest error
+    over the labels) / 4, adding one number to every logit changing nothing. The probability
+    differences at the set's own scores say less: where those sit in sigmoid's flat tails (a tiny
+    deberta-v2 reranker's 48 calibration pairs between logits -11.6 and -0.6), a 0.87 logit error
+    showed as 0.011 there and as 0.124 on a holdout pair scored at -0.25 (issue 43)."""
+    error = got.astype(np.float64) - want.astype(np.float64)
+    spread = error.max(axis=1) - error.min(axis=1) if activation == ScoreActivation.SOFTMAX else np.abs(error)
+    return float(np.max(spread)) / 4 if spread.size else 0.0
+
+
 def kendall_tau(got: np.ndarray, want: np.ndarray) -> float:
     """(concordant - discordant) / all pairs; a pair tied in either ranking counts as neither."""
     got, want = np.ravel(got), np.ravel(want)
@@ -151,8 +172,10 @@ def measure(spec: ModelSpec, got: np.ndarray, want: np.ndarray) -> dict[str, flo
         # after): all of it counts; without, the served width is a prefix of them.
         width = got.shape[1] if spec.dense else spec.served_width(got.shape[1])
         return {"min_cosine": min_cosine(got[:, :width], want[:, :width])}
-    s_got, s_want = served_scores(got, spec.score_activation), served_scores(want, spec.score_activation)
-    figures = {SCORE_METRICS[spec.score_activation]: float(np.max(np.abs(s_got - s_want)))}
+    served = served_difference(got, want, spec.score_activation)
+    if spec.score_activation != ScoreActivation.IDENTITY:
+        served = max(served, max_prob_shift(got, want, spec.score_activation))
+    figures = {SCORE_METRICS[spec.score_activation]: served}
     if spec.kind == ModelKind.RERANKER:
         figures["kendall_tau"] = kendall_tau(got[:, 0], want[:, 0])
     else:

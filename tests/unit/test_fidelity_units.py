@@ -74,7 +74,7 @@ def test_measure_gives_each_kind_its_metrics():
     assert fidelity.measure(_spec(ModelKind.EMBEDDING), vectors, vectors) == {"min_cosine": pytest.approx(1.0)}
     reranker = fidelity.measure(_spec(ModelKind.RERANKER), logits1 + 0.1, logits1)
     assert set(reranker) == {"max_prob_diff", "kendall_tau"} and reranker["kendall_tau"] == 1.0
-    assert 0 < reranker["max_prob_diff"] <= 0.025  # sigmoid's slope is at most 1/4
+    assert reranker["max_prob_diff"] == pytest.approx(0.025)  # a 0.1 logit error at sigmoid's steepest, 1/4
     softmax = _spec(ModelKind.CLASSIFIER, score_activation=ScoreActivation.SOFTMAX)
     classifier = fidelity.measure(softmax, logits3, logits3)
     assert classifier == {"max_prob_diff": 0.0, "top1_agreement": 1.0}
@@ -91,8 +91,35 @@ def test_measure_compares_the_served_scores():
     labels = rng.normal(size=(9, 3)) * 3
     bent = labels + np.array([0.2, -0.2, 0.0])
     sigmoid = fidelity.measure(_spec(ModelKind.CLASSIFIER, score_activation=ScoreActivation.SIGMOID), bent, labels)
-    want = np.max(np.abs(postprocess.sigmoid(bent) - postprocess.sigmoid(labels)))
-    assert sigmoid["max_prob_diff"] == pytest.approx(want, rel=1e-5)
+    assert sigmoid["max_prob_diff"] == pytest.approx(0.2 / 4)  # per label: a softmax's would be 0.4 / 4
+    at_these_scores = np.max(np.abs(postprocess.sigmoid(bent) - postprocess.sigmoid(labels)))
+    assert fidelity.served_difference(bent, labels, ScoreActivation.SIGMOID) == pytest.approx(at_these_scores)
+
+
+def test_max_prob_diff_bounds_a_logit_error_wherever_the_score_lies():
+    """Fails on the old code, which measured the probabilities at the set's own scores: a 0.8 logit
+    error at scores near -9 moved them by 0.0002 and passed, yet an input scored near 0 with the same
+    error is served 0.2 off (issue 43: a deberta-v2 int8 reranker, 0.011 on the set, 0.124 off it)."""
+    tails = np.array([[-9.0], [-8.5], [-10.0]])
+    reranker = fidelity.measure(_spec(ModelKind.RERANKER), tails + 0.8, tails)
+    assert fidelity.served_difference(tails + 0.8, tails, ScoreActivation.SIGMOID) < 0.001
+    assert reranker["max_prob_diff"] == pytest.approx(0.2)
+    near_zero = np.array([[-0.4]])
+    at_zero = fidelity.served_difference(near_zero + 0.8, near_zero, ScoreActivation.SIGMOID)
+    assert at_zero == pytest.approx(0.2, abs=0.003)
+    assert not fidelity.judge(reranker, "int8")[0].passed
+
+
+def test_max_prob_shift_of_a_softmax_is_the_spread_of_the_logit_errors():
+    """Adding one number to every label's logit changes no softmax probability; the spread of the
+    errors over the labels bounds the change (p_i (1 - p_i) <= 1/4)."""
+    logits = np.random.default_rng(4).normal(size=(5, 3)) * 6
+    softmax = ScoreActivation.SOFTMAX
+    assert fidelity.max_prob_shift(logits + 3.0, logits, softmax) == pytest.approx(0.0)
+    bent = logits + np.array([0.3, -0.1, 0.0])
+    assert fidelity.max_prob_shift(bent, logits, softmax) == pytest.approx(0.4 / 4)
+    assert fidelity.served_difference(bent, logits, softmax) <= 0.1 + 1e-12
+    assert fidelity.max_prob_shift(bent, logits, ScoreActivation.SIGMOID) == pytest.approx(0.3 / 4)
 
 
 def test_min_cosine_is_over_the_served_width():
