@@ -25,6 +25,9 @@ from encoderd.workers.contract.model_spec import ModelKind, load_model_spec
 from encoderd.workers.contract.protocol import TokenBatch
 from encoderd.workers.contract.tokenizer import load_tokenizer
 
+# Each builds, quantizes and checks a tiny model, then runs 148 holdout pairs: ~1 min on a quiet 2-core
+# host; a shared one took 4-6 min.
+pytestmark = pytest.mark.timeout(600)
 CEILING = fidelity.FLOORS["int8"]["max_prob_diff"]
 
 
