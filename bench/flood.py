@@ -5,6 +5,7 @@ took, and whether health checks were answered meanwhile.
     python -m encoderd.bench.flood [--clients 640] [--inputs 4] [--seconds 20] [--own-connections]
                                    [--compare-ref REF] [--front MAX_REQUESTS] [--gateway MAX_IN_FLIGHT]
                                    [--flood-nice N] [--rest] [--max-queued-inputs N (0: the server's)]
+                                   [--honour-retry-after]
 
 Issue 42's floods, with the server's default flags:
     python -m encoderd.bench.flood --max-queued-inputs 0 --clients 600 --inputs 32
@@ -35,6 +36,11 @@ the others passed its limit and the server refused them.
 the server's cores (on one small host they do).
 With --rest the flood (and the probe) send OpenAI `POST /v1/embeddings` calls through the server's
 Envoy, REST on with its default --rest-max-in-flight: a refusal is HTTP 429.
+By default a refused flood client calls again at once, as issue 42's flood does: N such clients
+keep the frontend busy refusing, and a refusal then takes about N / (refusals per second) (Little's
+law), whatever one refusal costs. With --honour-retry-after each waits what the refusal's
+retry-after trailer (REST: Retry-After header) asks, plus up to half again, as the Python client's
+RetryPolicy does: the refusal rate falls to about N / retry-after, and so does the loop's queue.
 Every flood call's latency is kept by its outcome: the report gives the accepted calls' p50/p99/max
 and the refused ones' p50/p99 as the flood's clients saw them (their own event loop's delay
 included), beside the probe's. A health checker (gRPC Health/Check; REST: GET /health) asks every
@@ -50,6 +56,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import random
 import shlex
 import subprocess
 import sys
@@ -62,6 +69,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ..clients.errors import retry_after
 from ..gateway.envoy import find_envoy
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
@@ -82,7 +90,21 @@ def _count(counts: dict, outcome: str, started: float) -> None:
     counts["latency"].setdefault(outcome, []).append(time.monotonic() - started)
 
 
-async def _flood_client(address: str, stop_at: float, texts: list[str], counts: dict, own_connection: bool) -> None:
+# A client that honours retry-after waits what the server asked, plus up to this share of it more
+# (as the Python client's RetryPolicy does: clients refused together do not all return together).
+RETRY_AFTER_JITTER = 0.5
+
+
+async def _back_off(retry_after: float | None, honour: bool, stop_at: float) -> None:
+    """After a refusal: a polite client waits what the server asked (never past the flood's end)."""
+    if honour and retry_after:
+        delay = retry_after * (1 + RETRY_AFTER_JITTER * random.random())
+        await asyncio.sleep(max(0.0, min(delay, stop_at - time.monotonic())))
+
+
+async def _flood_client(
+    address: str, stop_at: float, texts: list[str], counts: dict, own_connection: bool, honour: bool
+) -> None:
     options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = encoderd_pb2_grpc.EncoderStub(channel)
@@ -95,13 +117,14 @@ async def _flood_client(address: str, stop_at: float, texts: list[str], counts: 
                 _count(counts, "OK", started)
             except grpc.aio.AioRpcError as exc:
                 _count(counts, exc.code().name, started)
+                await _back_off(retry_after(exc), honour, stop_at)
 
 
 # HTTP statuses by the gRPC code names the report uses for both.
 HTTP_OUTCOMES = {200: "OK", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 
-async def _rest_flood_client(client, url: str, stop_at: float, texts: list[str], counts: dict) -> None:
+async def _rest_flood_client(client, url: str, stop_at: float, texts: list[str], counts: dict, honour: bool) -> None:
     import httpx
 
     while time.monotonic() < stop_at:
@@ -111,17 +134,36 @@ async def _rest_flood_client(client, url: str, stop_at: float, texts: list[str],
         try:
             response = await client.post(url, json={"input": [f"{n} {t}" for t in texts]}, timeout=30)
             _count(counts, HTTP_OUTCOMES.get(response.status_code, f"HTTP {response.status_code}"), started)
+            if response.status_code in (429, 503):
+                await _back_off(_seconds(response.headers.get("retry-after")), honour, stop_at)
         except httpx.TimeoutException:
             _count(counts, "client timeout", started)
         except httpx.HTTPError as exc:
             _count(counts, type(exc).__name__, started)
 
 
+def _seconds(header: str | None) -> float | None:
+    """Retry-After's delay-seconds form (the only one encoderd sends), else None."""
+    try:
+        return float(header) if header else None
+    except ValueError:
+        return None
+
+
 def _flood_process(
-    address: str, clients: int, seconds: float, own_connections: bool, nice: int, inputs: int, rest_url: str, out
+    address: str,
+    clients: int,
+    seconds: float,
+    own_connections: bool,
+    nice: int,
+    inputs: int,
+    rest_url: str,
+    honour: bool,
+    out,
 ) -> None:
     """C clients on one event loop, in a process of their own; sends its counts back. With
-    `rest_url`, REST clients on a connection each."""
+    `rest_url`, REST clients on a connection each; with `honour`, each waits what a refusal's
+    retry-after asks before its next call."""
     os.nice(nice)
     counts: dict = {"sent": 0, "latency": {}}
     stop_at = time.monotonic() + seconds
@@ -134,10 +176,12 @@ def _flood_process(
             limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
             async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
                 url = rest_url + "/v1/embeddings"
-                await asyncio.gather(*(_rest_flood_client(client, url, stop_at, texts, counts) for _ in range(clients)))
+                await asyncio.gather(
+                    *(_rest_flood_client(client, url, stop_at, texts, counts, honour) for _ in range(clients))
+                )
         else:
             await asyncio.gather(
-                *(_flood_client(address, stop_at, texts, counts, own_connections) for _ in range(clients))
+                *(_flood_client(address, stop_at, texts, counts, own_connections, honour) for _ in range(clients))
             )
 
     asyncio.run(main())
@@ -233,6 +277,7 @@ def measure(
     flood_nice: int = 0,
     inputs: int = 4,
     rest_url: str = "",
+    honour_retry_after: bool = False,
 ) -> dict:
     channel = grpc.insecure_channel(address)
     stub = encoderd_pb2_grpc.EncoderStub(channel)
@@ -241,7 +286,7 @@ def measure(
     out = ctx.Queue()
     flood = ctx.Process(
         target=_flood_process,
-        args=(address, clients, seconds + 6, own_connections, flood_nice, inputs, rest_url, out),
+        args=(address, clients, seconds + 6, own_connections, flood_nice, inputs, rest_url, honour_retry_after, out),
         daemon=True,
     )
     health = HealthChecker(address, rest_url)
@@ -382,11 +427,21 @@ def _flood_one_server(args, label: str, path: str | None, serve_args: list[str],
             targets.append((f"{label} + front", front_address))
         for target, at in targets:
             how = "REST" if args.rest else "own connections" if args.own_connections else "one shared connection"
+            how += ", honouring retry-after" if args.honour_retry_after else ""
             print(
                 f"[flood] {target}: {args.clients} clients x {args.inputs} inputs, {how}, {args.seconds:g}s",
                 file=sys.stderr,
             )
-            row = measure(at, args.clients, args.seconds, args.own_connections, args.flood_nice, args.inputs, rest_url)
+            row = measure(
+                at,
+                args.clients,
+                args.seconds,
+                args.own_connections,
+                args.flood_nice,
+                args.inputs,
+                rest_url,
+                args.honour_retry_after,
+            )
             rows.append({"server": target, **row})
     finally:
         if front:
@@ -408,6 +463,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--max-queued-inputs", type=int, default=64, help="the servers' bound (0: their default; default: %(default)s)"
+    )
+    parser.add_argument(
+        "--honour-retry-after",
+        action="store_true",
+        help="flood clients wait what a refusal's retry-after / Retry-After asks (plus up to half again) "
+        "before their next call, as the Python client does; default: they call again at once",
     )
     parser.add_argument(
         "--own-connections", action="store_true", help="one TCP connection per flood client (default: one shared)"

@@ -12,14 +12,24 @@ import grpc
 
 class EncoderdError(grpc.RpcError):
     """A failed call: `status` is the grpc.StatusCode, `message` the server's explanation,
-    `attempts` how many times the call was sent (more than 1 after retries)."""
+    `attempts` how many times the call was sent (more than 1 after retries), `retry_after` the
+    seconds the server asked the caller to wait before trying again (its `retry-after` trailer, sent
+    with an overload's RESOURCE_EXHAUSTED), None where it said nothing."""
 
     status: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, *, status: grpc.StatusCode | None = None, attempts: int = 1):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: grpc.StatusCode | None = None,
+        attempts: int = 1,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.attempts = attempts
+        self.retry_after = retry_after
         if status is not None:
             self.status = status
 
@@ -52,7 +62,9 @@ class FailedPrecondition(EncoderdError):
 
 
 class ResourceExhausted(EncoderdError):
-    """The model's queue is full (--max-queued-inputs / --max-queued-tokens), or a message too large."""
+    """The model is overloaded: its queue is full (--max-queued-inputs / --max-queued-tokens), or the
+    call would wait longer than --max-queue-wait or its deadline (`retry_after` says when to come
+    back); or a message too large."""
 
     status = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -118,4 +130,19 @@ def from_rpc_error(error: grpc.RpcError, attempts: int = 1) -> EncoderdError:
     status = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = (error.details() if hasattr(error, "details") else None) or str(status)
     cls = _BY_STATUS.get(status, EncoderdError)
-    return cls(message, status=status, attempts=attempts)
+    return cls(message, status=status, attempts=attempts, retry_after=retry_after(error))
+
+
+def retry_after(error: grpc.RpcError) -> float | None:
+    """The seconds a failed call's `retry-after` trailer asks for (sync or asyncio errors), or None."""
+    if isinstance(error, EncoderdError):
+        return error.retry_after
+    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == "retry-after":
+            try:
+                seconds = float(value)
+            except (TypeError, ValueError):
+                return None  # not a number of seconds (an HTTP date is REST's, never gRPC's)
+            return seconds if seconds >= 0 else None
+    return None

@@ -3,8 +3,11 @@
 Every encoderd RPC computes a pure function of its request, so resending one is
 safe. Only the statuses that mean "try again later" are retried: UNAVAILABLE (no
 server, a worker restarting, a draining server) and RESOURCE_EXHAUSTED (a full
-queue). A retry that could not start before the deadline is not made: the call
-then fails with the last error the server gave.
+queue, or a call that would wait too long in it). A server that says when to come
+back (the `retry-after` trailer of an overload) is believed: the client waits at
+least that long, and where that is past the deadline it fails at once instead of
+retrying into another refusal. A retry that could not start before the deadline is
+not made: the call then fails with the last error the server gave.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import TypeVar
 
 import grpc
 
-from .errors import from_rpc_error
+from .errors import from_rpc_error, retry_after
 
 T = TypeVar("T")
 
@@ -30,7 +33,9 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 class RetryPolicy:
     """`max_attempts` counts the first call (1 = no retries). Before retry n (1-based) the client
     sleeps min(max_backoff, initial_backoff * multiplier**(n-1)), less a random share of up to
-    `jitter` of it, so that clients rejected together do not come back together."""
+    `jitter` of it, so that clients rejected together do not come back together; or, where the
+    server sent `retry-after` and `honor_retry_after` holds, at least that long, plus up to `jitter`
+    of it (so the clients it refused together still spread out)."""
 
     max_attempts: int = 4
     initial_backoff: float = 0.1
@@ -38,6 +43,7 @@ class RetryPolicy:
     multiplier: float = 2.0
     jitter: float = 0.5
     retry_on: frozenset = RETRYABLE
+    honor_retry_after: bool = True
 
     def __post_init__(self):
         if self.max_attempts < 1 or self.initial_backoff < 0 or self.max_backoff < 0 or self.multiplier < 1:
@@ -72,6 +78,12 @@ class _Attempts:
         if error.code() not in self.policy.retry_on or self.count >= self.policy.max_attempts:
             return None
         delay = self.policy.backoff(self.count)
+        asked = retry_after(error) if self.policy.honor_retry_after else None
+        if asked is not None:
+            if time.monotonic() + asked >= self.deadline:
+                return None  # the server will not serve it in time: fail now, not after a doomed retry
+            spread = asked * (1 + self.policy.jitter * random.random())
+            delay = max(delay, min(spread, self.deadline - time.monotonic()))
         return delay if time.monotonic() + delay < self.deadline else None
 
 

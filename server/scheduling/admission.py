@@ -5,8 +5,11 @@ work on a 2-core host, and a caller admitted behind them times out anyway. So ea
 rate is measured (DrainRate: tokens per second of the time it was busy with a backlog), the work
 ahead of a new call is divided by the model's rate, and a call that would wait longer than
 --max-queue-wait, or than its own deadline allows, is refused at once (RESOURCE_EXHAUSTED, REST 429)
-with how long to wait before a retry. The scheduler (scheduler.py) counts the work ahead; this file
-only estimates and decides.
+with how long to wait before a retry. The work ahead and the drain rate are estimates, and both
+miss in the same direction under a flood (the frontend starves the workers of the cores they were
+measured with; requests still tokenizing are counted by their characters), so the waits predicted
+are checked against the waits served (WaitCalibration) and the prediction is scaled by how far they
+fell. The scheduler (scheduler.py) counts the work ahead; this file only estimates and decides.
 """
 
 from __future__ import annotations
@@ -72,6 +75,50 @@ class DrainRate:
     def forget_backlog(self) -> None:
         """The replica restarted: its next batch does not queue behind one of the old process."""
         self._last_done = float("-inf")
+
+
+# How fast the calibration follows: a served wait 4 s old weighs 1/e of a new one (waits last up to
+# --max-queue-wait, so the feedback is that late already).
+CALIBRATION_MEMORY_S = 4.0
+# Waits predicted shorter than this teach nothing: a call admitted to a near-empty queue waits for
+# the event loop and a batch's fixed cost, which no drain rate predicts.
+CALIBRATION_FLOOR_S = 0.1
+# The most the calibration scales a prediction by, either way: a few stray samples (a replica
+# restarting, a pause of the host) must not stop admission or open it wide.
+CALIBRATION_RANGE = (0.5, 5.0)
+
+
+class WaitCalibration:
+    """How long queued work really waited, over how long admission predicted it would.
+
+    Under a flood of 32-input calls on 2 shared cores, calls admitted at a predicted 2.0 s waited
+    3-5 s: the frontend, busy refusing, took the cores the drain rate was measured with. The
+    scheduler records each request's predicted wait when it queues it and the wait it got when its
+    first input leaves the queue; the factor is the ratio of the two sums, each sample decayed by
+    its age, so a long wait counts by its length, not as one vote."""
+
+    def __init__(self, memory_s: float = CALIBRATION_MEMORY_S, floor_s: float = CALIBRATION_FLOOR_S):
+        self.memory_s = memory_s
+        self.floor_s = floor_s
+        self.predicted = 0.0  # decayed sums, seconds
+        self.served = 0.0
+        self._last = float("-inf")
+
+    @property
+    def factor(self) -> float:
+        if self.predicted <= 0:
+            return 1.0
+        low, high = CALIBRATION_RANGE
+        return min(high, max(low, self.served / self.predicted))
+
+    def observe(self, predicted_s: float, served_s: float, now: float) -> None:
+        """A request predicted to wait `predicted_s` started after `served_s` (its first input taken at `now`)."""
+        if predicted_s < self.floor_s:
+            return
+        keep = math.exp(-(now - self._last) / self.memory_s) if self._last > float("-inf") else 0.0
+        self._last = now
+        self.predicted = self.predicted * keep + predicted_s
+        self.served = self.served * keep + served_s
 
 
 @dataclass(frozen=True)

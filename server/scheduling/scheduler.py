@@ -41,7 +41,7 @@ import numpy as np
 
 from ..api.errors import Overloaded, Unavailable
 from ..ops import metrics
-from .admission import CALL_DEADLINE, DrainRate, admission
+from .admission import CALL_DEADLINE, DrainRate, WaitCalibration, admission, expected_wait
 from .batching import BatchLimits, WorkItem, pack, queued_cost_reaches_budget, take_batch
 from .worker_client import WorkerClient
 
@@ -135,6 +135,7 @@ class ModelScheduler:
         self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
         self.load = {replica: ReplicaLoad() for replica in replicas}
         self.drain = {replica: DrainRate() for replica in replicas}
+        self.calibration = WaitCalibration()  # predicted waits against served ones
         self._queued_tokens = dict.fromkeys(Priority, 0)
         # Admitted requests still tokenizing: their inputs, and their estimated tokens by the queue
         # they will wait in (a maximum-size call tokenizing must not count ahead of a query).
@@ -224,8 +225,20 @@ class ModelScheduler:
 
     @property
     def tokens_per_s(self) -> float:
+        """The rate admission counts with: the measured one, slowed by how much longer than
+        predicted the recent waits were (WaitCalibration)."""
+        return self.measured_tokens_per_s / self.calibration.factor
+
+    @property
+    def measured_tokens_per_s(self) -> float:
         """The model's drain rate: its ready replicas' together."""
         return sum(self.drain[r].tokens_per_s for r in self.replicas if r.ready)
+
+    def _predict_wait(self, first: WorkItem, priority: Priority) -> None:
+        """Note on a request's first input the wait the measured rate predicts for it now, before
+        it queues; _take compares it with the wait it gets. Uncalibrated: the calibration is
+        what the two sums say, not a correction of itself."""
+        first.predicted_wait = expected_wait(self.tokens_ahead(priority), self.measured_tokens_per_s)
 
     def _runs_as(self, priority: Priority, inputs: int, tokens: int) -> Priority:
         """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits in SPLIT."""
@@ -244,12 +257,14 @@ class ModelScheduler:
         for item in items:
             item.enqueued = now
         if self._runs_as(priority, len(items), tokens) != priority:
+            self._predict_wait(items[0], Priority.INTERACTIVE)
             cut = self._first_piece(items)
             self._enqueue(items[:cut], Priority.INTERACTIVE)
             self._enqueue(items[cut:], Priority.SPLIT)
         else:
             if priority == Priority.INTERACTIVE:
                 self._interactive_seen = now
+            self._predict_wait(items[0], priority)
             self._enqueue(items, priority)
         self._queue_changed()
         self._wake.set()
@@ -371,6 +386,9 @@ class ModelScheduler:
         now = time.monotonic()
         for item in batch:
             metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
+            if item.predicted_wait is not None:
+                self.calibration.observe(item.predicted_wait, now - item.enqueued, now)
+                item.predicted_wait = None  # one sample: not again if its batch is retried
         self._queued_tokens[priority] = (
             sum(item.length for item in queue)
             if dropped

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from encoderd.server.api.errors import Overloaded
-from encoderd.server.scheduling.admission import CALL_DEADLINE, DrainRate, admission, expected_wait
+from encoderd.server.scheduling.admission import (
+    CALIBRATION_RANGE,
+    CALL_DEADLINE,
+    DrainRate,
+    WaitCalibration,
+    admission,
+    expected_wait,
+)
 from encoderd.server.scheduling.batching import BatchLimits, WorkItem
 from encoderd.server.scheduling.scheduler import ModelScheduler, PendingRequest, Priority
 
@@ -227,3 +234,55 @@ async def test_a_big_request_still_tokenizing_does_not_count_ahead_of_a_query(he
         with pytest.raises(Overloaded):
             scheduler.refuse_if_full(1, Priority.BULK)  # bulk work goes after it
     scheduler.refuse_if_full(1, Priority.BULK)
+
+
+# ------------------------------------------------------------------ predicted waits against served ones
+
+
+def test_the_calibration_is_served_over_predicted_with_old_samples_fading():
+    calibration = WaitCalibration(memory_s=4.0, floor_s=0.1)
+    assert calibration.factor == 1.0  # nothing served yet
+    calibration.observe(2.0, served_s=4.0, now=10.0)
+    assert calibration.factor == pytest.approx(2.0)
+    calibration.observe(1.0, served_s=1.0, now=14.0)  # the first sample now weighs 1/e
+    keep = np.exp(-1.0)
+    assert calibration.factor == pytest.approx((4.0 * keep + 1.0) / (2.0 * keep + 1.0))
+
+
+def test_short_predictions_teach_nothing_and_the_factor_is_bounded():
+    calibration = WaitCalibration(floor_s=0.1)
+    calibration.observe(0.01, served_s=0.3, now=0.0)  # a near-empty queue: the event loop's delay
+    assert calibration.factor == 1.0
+    calibration.observe(0.5, served_s=60.0, now=1.0)  # the host paused
+    assert calibration.factor == CALIBRATION_RANGE[1]
+    calibration = WaitCalibration(floor_s=0.1)
+    calibration.observe(2.0, served_s=0.0, now=1.0)
+    assert calibration.factor == CALIBRATION_RANGE[0]
+
+
+async def test_a_request_notes_its_predicted_wait_and_its_first_input_feeds_the_calibration(held):
+    scheduler, worker = held
+    blocker_pending, blocker = request(range(4), length=100)  # 400 tokens computing: 0.4 s at 1,000/s
+    first = asyncio.create_task(scheduler.run(blocker, blocker_pending))
+    await until(lambda: worker.batches, "the worker holds a batch")
+    pending, items = request(range(10, 14), length=100)
+    second = asyncio.create_task(scheduler.run(items, pending))
+    await until(lambda: len(worker.batches) == 2, "the second batch was sent")
+    assert items[0].predicted_wait is None  # observed once its batch left the queue, then cleared
+    assert scheduler.calibration.predicted == pytest.approx(0.4)  # the blocker's 400 tokens at 1,000/s
+    assert all(item.predicted_wait is None for item in blocker)  # queued behind nothing: under the floor
+    worker.release.set()
+    await asyncio.gather(first, second)
+
+
+async def test_admission_counts_with_the_rate_the_served_waits_show(held):
+    scheduler, worker = held
+    pending, items = request(range(12), length=100)  # 1,200 tokens ahead: 1.2 s at the measured rate
+    queued = asyncio.create_task(scheduler.run(items, pending, Priority.BULK))
+    await until(lambda: worker.batches, "the first batch reached the worker")
+    scheduler.refuse_if_full(1, Priority.BULK)  # within --max-queue-wait's 2 s
+    scheduler.calibration.observe(1.0, served_s=2.0, now=0.0)  # waits came out twice as long
+    with pytest.raises(Overloaded, match=r"wait about 2\.4 s"):
+        scheduler.refuse_if_full(1, Priority.BULK)
+    worker.release.set()
+    await queued

@@ -30,6 +30,7 @@ from encoderd.clients import (
     image,
 )
 from encoderd.clients.errors import DeadlineExceeded, EncoderdError
+from encoderd.clients.retry import _Attempts
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
 
@@ -334,6 +335,58 @@ def test_multimodal_requests_and_responses(encoder):
         sparse = client.embed_sparse(["x"])[0]
         assert sparse.indices.tolist() == [1, 5] and sparse.values.tolist() == [0.5, 0.25]
         assert sparse.dimensions == 30522
+
+
+OVERLOADED = (grpc.StatusCode.RESOURCE_EXHAUSTED, "model m is overloaded; retry in 3 s", (("retry-after", "3"),))
+
+
+def test_an_overload_error_carries_the_servers_retry_after(encoder):
+    servicer, address = encoder
+    servicer.reset([OVERLOADED])
+    with EncoderClient(address, retry=NO_RETRY) as client, pytest.raises(ResourceExhausted) as err:
+        client.embed(["x"])
+    assert err.value.retry_after == 3.0
+    servicer.reset([(grpc.StatusCode.RESOURCE_EXHAUSTED, "message too large")])  # no trailer: no advice
+    with EncoderClient(address, retry=NO_RETRY) as client, pytest.raises(ResourceExhausted) as err:
+        client.embed(["x"])
+    assert err.value.retry_after is None
+
+
+async def test_the_async_client_reads_retry_after_too(encoder):
+    servicer, address = encoder
+    servicer.reset([OVERLOADED])
+    async with AsyncEncoderClient(address, retry=NO_RETRY) as client:
+        with pytest.raises(ResourceExhausted) as err:
+            await client.embed(["x"])
+    assert err.value.retry_after == 3.0
+
+
+def test_a_call_whose_deadline_ends_before_the_retry_after_fails_at_once(encoder):
+    """Retrying before the server asked would be refused again: the call gives up on the first answer."""
+    servicer, address = encoder
+    servicer.reset([OVERLOADED] * 4)
+    policy = RetryPolicy(max_attempts=4, initial_backoff=0.01, jitter=0)
+    with EncoderClient(address, retry=policy, timeout=2.0) as client, pytest.raises(ResourceExhausted) as err:
+        client.embed(["x"])
+    assert len(servicer.calls) == 1 and err.value.attempts == 1
+
+
+def test_the_retry_waits_at_least_what_the_server_asked():
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def trailing_metadata(self):
+            return (("retry-after", "2"),)
+
+    policy = RetryPolicy(max_attempts=3, initial_backoff=0.1, jitter=0.5)
+    attempts = _Attempts(policy, timeout=None)
+    attempts.start()
+    delays = [attempts.delay_before_retry(Refused()) for _ in range(50)]
+    assert all(2.0 <= d <= 3.0 for d in delays) and max(delays) - min(delays) > 0.3  # spread, never early
+    deaf = _Attempts(RetryPolicy(max_attempts=3, initial_backoff=0.1, jitter=0, honor_retry_after=False), None)
+    deaf.start()
+    assert deaf.delay_before_retry(Refused()) == pytest.approx(0.1)
 
 
 def test_backoff_grows_to_its_cap_with_jitter_below_it():
