@@ -260,7 +260,7 @@ def test_short_predictions_teach_nothing_and_the_factor_is_bounded():
     assert calibration.factor == CALIBRATION_RANGE[0]
 
 
-async def test_a_request_notes_its_predicted_wait_and_its_first_input_feeds_the_calibration(held):
+async def test_a_request_notes_its_predicted_wait_and_its_first_batchs_return_feeds_the_calibration(held):
     scheduler, worker = held
     blocker_pending, blocker = request(range(4), length=100)  # 400 tokens computing: 0.4 s at 1,000/s
     first = asyncio.create_task(scheduler.run(blocker, blocker_pending))
@@ -268,11 +268,54 @@ async def test_a_request_notes_its_predicted_wait_and_its_first_input_feeds_the_
     pending, items = request(range(10, 14), length=100)
     second = asyncio.create_task(scheduler.run(items, pending))
     await until(lambda: len(worker.batches) == 2, "the second batch was sent")
-    assert items[0].predicted_wait is None  # observed once its batch left the queue, then cleared
-    assert scheduler.calibration.predicted == pytest.approx(0.4)  # the blocker's 400 tokens at 1,000/s
-    assert all(item.predicted_wait is None for item in blocker)  # queued behind nothing: under the floor
+    assert items[0].predicted_wait == pytest.approx(0.4)  # the blocker's 400 tokens at 1,000/s
+    assert all(item.predicted_wait is None for item in items[1:])  # one sample per request
+    assert scheduler.calibration.predicted == 0  # nothing has come back yet
+    seen = []
+    scheduler.calibration.observe = lambda predicted, served, now: seen.append(predicted)
     worker.release.set()
     await asyncio.gather(first, second)
+    # One sample per request, when its first batch came back, each its wait plus its batch's
+    # compute at the replica's rate: the blocker no wait and 0.4 s; the second its 0.4 s and
+    # some compute (at a rate the blocker's return has just re-measured). Then cleared.
+    assert len(seen) == 2 and seen[0] == pytest.approx(0.4) and seen[1] > 0.4
+    assert all(item.predicted_wait is None for item in blocker + items)
+
+
+async def test_a_call_found_waiting_past_the_limit_before_its_work_began_is_refused_not_served_late(held):
+    scheduler, worker = held
+    blocker_pending, blocker = request(range(8), length=100)  # fills the replica's two slots
+    first = asyncio.create_task(scheduler.run(blocker, blocker_pending))
+    await until(lambda: len(worker.batches) == 2, "the replica holds two batches")
+    late_pending, late = request([7, 8])
+    fresh_pending, fresh = request([9])
+    waiting = asyncio.create_task(scheduler.run(late, late_pending))
+    on_time = asyncio.create_task(scheduler.run(fresh, fresh_pending))
+    await until(lambda: len(scheduler.queues[Priority.INTERACTIVE]) == 3, "both queued")
+    for item in late:  # as if admitted 2.5 s ago on an estimate that was wrong
+        item.enqueued -= 2.5
+    scheduler._wake.set()
+    with pytest.raises(Overloaded, match=r"waited 2\.5 s in the queue, past the server's --max-queue-wait") as err:
+        await waiting
+    assert err.value.retry_after >= 1
+    assert [item.request for item in scheduler.queues[Priority.INTERACTIVE]] == [fresh_pending]
+    assert scheduler._queued_tokens[Priority.INTERACTIVE] == 10
+    worker.release.set()
+    await first
+    assert (await on_time)[0, 0] == 9
+
+
+async def test_a_call_with_work_already_computing_is_finished_however_long_it_waited(held):
+    scheduler, worker = held
+    pending, items = request(range(12))  # 3 batches of 4: two go out, the third waits
+    task = asyncio.create_task(scheduler.run(items, pending))
+    await until(lambda: len(worker.batches) == 2, "two of its batches computing")
+    for item in scheduler.queues[Priority.INTERACTIVE]:
+        item.enqueued -= 10
+    scheduler._wake.set()
+    await until(lambda: True, "a turn of the loop")
+    worker.release.set()
+    assert list((await task)[:, 0]) == list(range(12))
 
 
 async def test_admission_counts_with_the_rate_the_served_waits_show(held):
