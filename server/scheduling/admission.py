@@ -141,27 +141,6 @@ class Refusal:
         )
 
 
-@dataclass(frozen=True)
-class Overdue(Refusal):
-    """A call admitted, then refused in the queue: it waited `waited_s`, past the limit, before
-    any of its work began (the estimate that admitted it was wrong)."""
-
-    waited_s: float = 0.0
-
-    def message(self, model: str) -> str:
-        return (
-            f"model {model} is overloaded: this call waited {self.waited_s:.1f} s in the queue, past the "
-            f"server's --max-queue-wait of {self.limit_s:.1f} s, before its work could start; retry in "
-            f"{self.retry_after_s} s"
-        )
-
-
-def overdue_refusal(waited_s: float, max_wait_s: float, tokens_ahead: int, tokens_per_s: float) -> Overdue:
-    """The refusal of a call found in the queue after `waited_s` (over `max_wait_s`): retry once
-    what is ahead now has drained to the limit (at least 1 s)."""
-    return Overdue(expected_wait(tokens_ahead, tokens_per_s), max_wait_s, by_deadline=False, waited_s=waited_s)
-
-
 def expected_wait(tokens_ahead: int, tokens_per_s: float) -> float:
     """Seconds until work queued now starts: what is ahead of it at the model's drain rate."""
     return tokens_ahead / tokens_per_s if tokens_per_s > 0 else math.inf

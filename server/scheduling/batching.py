@@ -26,8 +26,6 @@ from ...workers.contract.protocol import MediaBatch, TokenBatch
 class RequestLike(Protocol):
     """What the scheduler needs of a request (scheduler.PendingRequest)."""
 
-    started: bool  # one of its inputs has left the queue for a batch
-
     @property
     def done(self) -> bool: ...
 

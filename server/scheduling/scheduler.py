@@ -41,7 +41,7 @@ import numpy as np
 
 from ..api.errors import Overloaded, Unavailable
 from ..ops import metrics
-from .admission import CALL_DEADLINE, DrainRate, WaitCalibration, admission, expected_wait, overdue_refusal
+from .admission import CALL_DEADLINE, DrainRate, WaitCalibration, admission, expected_wait
 from .batching import BatchLimits, WorkItem, pack, queued_cost_reaches_budget, take_batch
 from .worker_client import WorkerClient
 
@@ -76,14 +76,13 @@ DEFAULT_PRIORITY: contextvars.ContextVar[Priority] = contextvars.ContextVar(
 class PendingRequest:
     """One request's inputs, reassembled in order as their batches finish."""
 
-    __slots__ = ("future", "ragged", "remaining", "rows", "started")
+    __slots__ = ("future", "ragged", "remaining", "rows")
 
     def __init__(self, n_inputs: int, ragged: bool = False):
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
         self.rows: list = [None] * n_inputs
         self.remaining = n_inputs
         self.ragged = ragged  # rows of different shapes (multi-vector, sparse): a list, not stacked
-        self.started = False  # one of its inputs has left the queue for a batch
 
     @property
     def done(self) -> bool:
@@ -309,7 +308,6 @@ class ModelScheduler:
                 watcher.cancel()
 
     def _dispatch_ready_batches(self) -> None:
-        self._refuse_overdue(self.queues[Priority.INTERACTIVE])
         for priority in Priority:
             queue, limits = self.queues[priority], self._limits(priority)
             shared = self._share_among_idle(priority, limits)  # for this round's idle replicas
@@ -389,7 +387,6 @@ class ModelScheduler:
         now = time.monotonic()
         for item in batch:
             metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
-            item.request.started = True
         self._queued_tokens[priority] = (
             sum(item.length for item in queue)
             if dropped
@@ -449,38 +446,6 @@ class ModelScheduler:
             if item.predicted_wait is not None:
                 self.calibration.observe(item.predicted_wait + compute_s, done - item.enqueued, done)
                 item.predicted_wait = None
-
-    def _refuse_overdue(self, queue: deque[WorkItem]) -> None:
-        """Calls that have waited past --max-queue-wait with none of their work begun are refused
-        now (RESOURCE_EXHAUSTED, reason "overdue"), not served late: admission's estimate was
-        wrong for them (a cold drain rate admits a flood's first burst; the host slowed after they
-        were admitted), and the caller's wait is what the limit promises. Only the queue's head
-        is looked at: it is in arrival order."""
-        if not self.max_queue_wait:
-            return
-        now = time.monotonic()
-        while queue and now - queue[0].enqueued > self.max_queue_wait:
-            item = queue[0]
-            if item.request.done:
-                queue.popleft()  # take_batch would drop it anyway
-                continue
-            if item.request.started:
-                return  # part of it computed: finishing it costs less than starting it again
-            refusal = overdue_refusal(
-                now - item.enqueued, self.max_queue_wait, self.tokens_ahead(Priority.INTERACTIVE), self.tokens_per_s
-            )
-            metrics.REJECTED.labels(self.model, "overdue").inc()
-            item.request.fail(Overloaded(refusal.message(self.model), retry_after=refusal.retry_after_s))
-            self._drop_done(queue)
-
-    def _drop_done(self, queue: deque[WorkItem]) -> None:
-        """Remove the inputs of failed requests from `queue`, keeping the token count right."""
-        kept = deque(item for item in queue if not item.request.done)
-        for priority, q in self.queues.items():
-            if q is queue:
-                self.queues[priority] = kept
-                self._queued_tokens[priority] = sum(item.length for item in kept)
-        self._queue_changed()
 
     def _retry_or_fail(self, batch: list[WorkItem], priority: Priority, error: Exception) -> None:
         """A replica died under this batch: let another replica take it, within limits."""

@@ -282,42 +282,6 @@ async def test_a_request_notes_its_predicted_wait_and_its_first_batchs_return_fe
     assert all(item.predicted_wait is None for item in blocker + items)
 
 
-async def test_a_call_found_waiting_past_the_limit_before_its_work_began_is_refused_not_served_late(held):
-    scheduler, worker = held
-    blocker_pending, blocker = request(range(8), length=100)  # fills the replica's two slots
-    first = asyncio.create_task(scheduler.run(blocker, blocker_pending))
-    await until(lambda: len(worker.batches) == 2, "the replica holds two batches")
-    late_pending, late = request([7, 8])
-    fresh_pending, fresh = request([9])
-    waiting = asyncio.create_task(scheduler.run(late, late_pending))
-    on_time = asyncio.create_task(scheduler.run(fresh, fresh_pending))
-    await until(lambda: len(scheduler.queues[Priority.INTERACTIVE]) == 3, "both queued")
-    for item in late:  # as if admitted 2.5 s ago on an estimate that was wrong
-        item.enqueued -= 2.5
-    scheduler._wake.set()
-    with pytest.raises(Overloaded, match=r"waited 2\.5 s in the queue, past the server's --max-queue-wait") as err:
-        await waiting
-    assert err.value.retry_after >= 1
-    assert [item.request for item in scheduler.queues[Priority.INTERACTIVE]] == [fresh_pending]
-    assert scheduler._queued_tokens[Priority.INTERACTIVE] == 10
-    worker.release.set()
-    await first
-    assert (await on_time)[0, 0] == 9
-
-
-async def test_a_call_with_work_already_computing_is_finished_however_long_it_waited(held):
-    scheduler, worker = held
-    pending, items = request(range(12))  # 3 batches of 4: two go out, the third waits
-    task = asyncio.create_task(scheduler.run(items, pending))
-    await until(lambda: len(worker.batches) == 2, "two of its batches computing")
-    for item in scheduler.queues[Priority.INTERACTIVE]:
-        item.enqueued -= 10
-    scheduler._wake.set()
-    await until(lambda: True, "a turn of the loop")
-    worker.release.set()
-    assert list((await task)[:, 0]) == list(range(12))
-
-
 async def test_admission_counts_with_the_rate_the_served_waits_show(held):
     scheduler, worker = held
     pending, items = request(range(12), length=100)  # 1,200 tokens ahead: 1.2 s at the measured rate
