@@ -4,11 +4,7 @@ The queue holds single inputs. A batch is cut from a window at the head of
 the queue: the window is sorted by length (padded backends waste little),
 cut into consecutive chunks that fit the token and size budgets, and the
 chunk holding the oldest input is taken, so the queue always drains in
-arrival order while batches stay tight. A padding-free backend gains nothing
-from sorting, and pays for it: a request's inputs, sorted among a window of
-other requests' (512 inputs, 16 calls of 32), came back only when the whole
-window had, seconds after their turn. Its batches are the queue's head, in
-arrival order.
+arrival order while batches stay tight.
 """
 
 from __future__ import annotations
@@ -108,10 +104,8 @@ def take_batch(queue: deque[WorkItem], limits: BatchLimits) -> list[WorkItem]:
         # One output per batch (modality, token states or not), the oldest input's; the others
         # wait in arrival order.
         candidates = [i for i in candidates if window[i].output == first]
-    by_length = sorted(candidates, key=lambda i: window[i].length)
-    chosen = _chunk_holding(by_length if limits.padded else list(candidates), window, limits, oldest=0)
-    if not limits.padded:  # chosen in arrival order, sent sorted all the same
-        chosen = sorted(chosen, key=lambda i: window[i].length)
+    order = sorted(candidates, key=lambda i: window[i].length)
+    chosen = _chunk_holding(order, window, limits, oldest=0)
     taken = set(chosen)
     queue.extendleft(reversed([item for i, item in enumerate(window) if i not in taken]))
     return [window[i] for i in chosen]

@@ -256,8 +256,8 @@ def test_short_predictions_teach_nothing_and_the_factor_is_bounded():
     calibration.observe(0.5, served_s=60.0, now=1.0)  # the host paused
     assert calibration.factor == CALIBRATION_RANGE[1]
     calibration = WaitCalibration(floor_s=0.1)
-    calibration.observe(2.0, served_s=0.0, now=1.0)
-    assert calibration.factor == CALIBRATION_RANGE[0]
+    calibration.observe(2.0, served_s=0.5, now=1.0)  # shorter than predicted: the margin is kept
+    assert calibration.factor == CALIBRATION_RANGE[0] == 1.0
 
 
 async def test_a_request_notes_its_predicted_wait_and_its_first_batchs_return_feeds_the_calibration(held):

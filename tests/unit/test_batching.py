@@ -27,15 +27,6 @@ def test_batch_is_sorted_by_length_and_holds_the_oldest_input():
     assert not queue and take_batch(queue, BatchLimits()) == []
 
 
-def test_a_padding_free_batch_is_the_queues_head_in_arrival_order():
-    """Sorting gains a padding-free backend nothing; it would spread each request over the window."""
-    first, second = Req(), Req()
-    queue = deque(items([50, 3, 40], first) + items([5, 4], second))
-    batch = take_batch(queue, BatchLimits(max_batch_size=3, max_batch_tokens=10_000, padded=False))
-    assert [i.length for i in batch] == [3, 40, 50] and all(i.request is first for i in batch)  # sent sorted
-    assert [i.length for i in queue] == [5, 4]
-
-
 def test_padded_budget_counts_size_times_longest():
     queue = deque(items([10, 10, 10, 30]))
     batch = take_batch(queue, BatchLimits(max_batch_tokens=60, padded=True))
