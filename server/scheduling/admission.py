@@ -96,8 +96,10 @@ class WaitCalibration:
 
     Under a flood of 32-input calls on 2 shared cores, calls admitted at a predicted 2.0 s waited
     3-5 s: the frontend, busy refusing, took the cores the drain rate was measured with. The
-    scheduler records each request's predicted wait when it queues it and the wait it got when its
-    first input leaves the queue; the factor is the ratio of the two sums, each sample decayed by
+    scheduler records each request's predicted wait when it queues it and, when its first input's
+    batch comes back, compares that wait plus the batch's predicted compute with the time it really
+    took (a replica holds a second batch while it computes the first: that wait is the caller's
+    too); the factor is the ratio of the two sums, each sample decayed by
     its age, so a long wait counts by its length, not as one vote. It only ever slows admission
     (CALIBRATION_RANGE)."""
 
@@ -116,7 +118,7 @@ class WaitCalibration:
         return min(high, max(low, self.served / self.predicted))
 
     def observe(self, predicted_s: float, served_s: float, now: float) -> None:
-        """A request predicted to wait `predicted_s` started after `served_s` (its first input taken at `now`)."""
+        """A request predicted to be back after `predicted_s` was back after `served_s` (at `now`)."""
         if predicted_s < self.floor_s:
             return
         keep = math.exp(-(now - self._last) / self.memory_s) if self._last > float("-inf") else 0.0
