@@ -87,8 +87,8 @@ def category(op: str) -> str:
 
 def batches(model_dir: str, corpus_size: int, batch_tokens: int, seed: int):
     """The bench corpus as packed TokenBatches of at most batch_tokens tokens each, in corpus order."""
-    from ..workers.contract.model_spec import load_model_spec
     from ..workers.contract.protocol import TokenBatch
+    from ..workers.contract.spec_reader import load_model_spec
     from .corpus import TokenCounter, make_corpus
 
     counter = TokenCounter(model_dir)
@@ -126,7 +126,7 @@ def flop_shares(model_dir: str, work: list) -> dict:
 def load_backend(model_dir: str, dtype: str, threads: int):
     from ..workers.backends import create_backend
     from ..workers.contract.config import BackendOptions
-    from ..workers.contract.model_spec import load_model_spec
+    from ..workers.contract.spec_reader import load_model_spec
 
     backend = create_backend("torch", load_model_spec("bench", model_dir), BackendOptions(dtype=dtype, threads=threads))
     backend.load()
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from ..workers.contract.model_spec import default_model_path
+    from ..workers.contract.model_files import default_model_path
 
     model_dir = build_base_embedder(args.cache_dir) if args.models == "base" else default_model_path()
     threads = args.threads or worker_threads(argparse.Namespace(serve_args=""))

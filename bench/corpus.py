@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..workers.contract.model_spec import load_model_spec
+from ..workers.contract.spec_reader import load_model_spec
 
 _SUBJECTS = (
     "the committee",

@@ -28,7 +28,9 @@ import numpy as np
 from ..workers import calibration, fidelity
 from ..workers.backends import BackendOptions, create_backend
 from ..workers.contract.hardware import UnsupportedOnHardware
-from ..workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
+from ..workers.contract.model_files import default_model_path
+from ..workers.contract.model_spec import ModelKind
+from ..workers.contract.spec_reader import load_model_spec
 from ..workers.contract.tokenizer import load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from ..workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import _sentence
 from .flood import export_ref
 from .processes import Managed, free_port, grpc_serving, http_ok, serve_command, wait_until

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..workers.contract.model_spec import default_model_path
+from ..workers.contract.model_files import default_model_path
 from .corpus import _OBJECTS, _QUERIES, _SUBJECTS, _TAILS, _VERBS
 from .options import log
 

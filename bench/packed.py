@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     from tokenizers import Tokenizer
 
     from ..workers.backends import BackendOptions, create_backend, packed_encoder
-    from ..workers.contract.model_spec import ModelKind, load_model_spec
+    from ..workers.contract.model_spec import ModelKind
     from ..workers.contract.protocol import TokenBatch
+    from ..workers.contract.spec_reader import load_model_spec
     from .corpus import TokenCounter, make_corpus, make_queries
     from .models import build_xlmr_reranker
 

@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..workers.contract.model_spec import DEFAULT_MODEL_NAME
+from ..workers.contract.model_files import DEFAULT_MODEL_NAME
 from .modes import Row
 from .options import log
 from .processes import Managed

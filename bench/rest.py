@@ -38,7 +38,7 @@ import numpy as np
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from ..workers.contract.model_spec import DEFAULT_MODEL_NAME
+from ..workers.contract.model_files import DEFAULT_MODEL_NAME
 from .processes import free_port, serve_command
 
 WORDS = "the quick brown fox jumps over a lazy dog while encoders embed short passages into vectors".split()

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from ..workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import Workload, make_workload
 from .device import device_peak, is_cuda, run_memory, run_oom
 from .flops import FlopModel, matmul_peak

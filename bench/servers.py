@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..workers.contract.model_spec import DEFAULT_MODEL_NAME
+from ..workers.contract.model_files import DEFAULT_MODEL_NAME
 from .options import log
 from .processes import Managed, free_port, process_tree, serve_command
 

@@ -49,7 +49,7 @@ def build_models(cache: Path) -> dict[str, str]:
         from support.models import build_classifier, build_reranker  # type: ignore[import-not-found]  # tests/, on sys.path above
     finally:
         sys.path.remove(str(REPO_ROOT / "tests"))
-    from ..workers.contract.model_spec import default_model_path
+    from ..workers.contract.model_files import default_model_path
 
     cache.mkdir(parents=True, exist_ok=True)
     return {

@@ -8,7 +8,7 @@ import pytest
 from support.models import build_classifier, build_reranker
 from support.server import ServerProcess
 
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 # Tests never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -30,8 +30,10 @@ import msgspec
 
 from .backends import BackendOptions, create_backend
 from .contract.config import default_cache_dir
-from .contract.model_spec import ModelKind, default_model_path, load_model_spec
+from .contract.model_files import default_model_path
+from .contract.model_spec import ModelKind
 from .contract.protocol import TokenBatch
+from .contract.spec_reader import load_model_spec
 
 CPU_MATRIX = [
     ("torch", "float32"),

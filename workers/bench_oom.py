@@ -26,8 +26,8 @@ def is_cuda(device: str) -> bool:
 def check(model_dir: str, device: str, batch: int, length: int) -> dict:
     from .backends import create_backend
     from .contract.config import BackendOptions
-    from .contract.model_spec import load_model_spec
     from .contract.protocol import TokenBatch
+    from .contract.spec_reader import load_model_spec
     from .process import forward_halving_on_oom
 
     dtype = "float16" if is_cuda(device) else "float32"

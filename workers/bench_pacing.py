@@ -24,8 +24,9 @@ import time
 import numpy as np
 
 from .backends import BackendOptions, create_backend
-from .contract.model_spec import default_model_path, load_model_spec
+from .contract.model_files import default_model_path
 from .contract.protocol import TokenBatch
+from .contract.spec_reader import load_model_spec
 from .pacing import Pacer
 
 BATCH_SIZE = 16  # the CPU default of --batch-size

@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...workers.contract.model_spec import revision_misplaced
+from ...workers.contract.model_files import revision_misplaced
 from ..ops.config import ModelConfig
 from .model_options import MODEL_OPTIONS
 

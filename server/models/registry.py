@@ -21,16 +21,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ...workers.contract.config import BackendOptions, WorkerConfig
-from ...workers.contract.model_spec import (
-    ModelKind,
-    ModelSpec,
-    Pooling,
-    check_prompts,
-    load_model_spec,
-    modalities,
-    resolve_model_path,
-)
+from ...workers.contract.model_files import resolve_model_path
+from ...workers.contract.model_spec import ModelKind, ModelSpec, Pooling, check_prompts, modalities
 from ...workers.contract.protocol import HEARTBEAT_INTERVAL, WorkerReady
+from ...workers.contract.spec_reader import load_model_spec
 from ..api.errors import InvalidInput, echo
 from ..api.postprocess import check_dimensions
 from ..api.request_options import ClassifyOptions, EmbedOptions, RerankOptions

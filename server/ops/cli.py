@@ -18,7 +18,8 @@ from ...gateway.envoy import ListenerLimits
 from ...workers.contract.config import default_cache_dir
 from ...workers.contract.logs import FORMATS as LOG_FORMATS
 from ...workers.contract.logs import configure_logging
-from ...workers.contract.model_spec import DEFAULT_MODEL_NAME, ModelLoadError, Pooling, default_model_path
+from ...workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
+from ...workers.contract.model_spec import ModelLoadError, Pooling
 from ...workers.contract.protocol import HEARTBEAT_INTERVAL
 from ..models.model_options import (
     DTYPES,

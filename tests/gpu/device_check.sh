@@ -128,7 +128,7 @@ build_models() {
 import sys
 from pathlib import Path
 from encoderd.bench.models import build_base_embedder, build_xlmr_reranker
-from encoderd.workers.contract.model_spec import default_model_path
+from encoderd.workers.contract.model_files import default_model_path
 cache, tiny = Path(sys.argv[1]), sys.argv[2] == "tiny"
 print("default model:", default_model_path())
 print("embedder:", build_base_embedder(cache, tiny))

@@ -31,7 +31,7 @@ from support.models import build_classifier, build_reranker  # noqa: E402 - afte
 from support.server import ServerProcess  # noqa: E402
 
 from encoderd.v1 import encoderd_pb2 as pb  # noqa: E402
-from encoderd.workers.contract.model_spec import default_model_path  # noqa: E402
+from encoderd.workers.contract.model_files import default_model_path  # noqa: E402
 
 TEXTS = [
     "A GPU serves embeddings for a search index.",

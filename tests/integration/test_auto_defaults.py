@@ -12,7 +12,7 @@ from support.server import ServerProcess
 from encoderd.server.ops.config import WORKER_NICE
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.hardware import choose_cpu_dtype, choose_cpu_layout, cpu_budget
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 from encoderd.workers.process import BULK_LANE_NICE
 
 

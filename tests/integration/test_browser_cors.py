@@ -16,7 +16,7 @@ import pytest
 from support.browser import chromium_command, find_chromium
 from support.server import ServerProcess
 
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 KEY = "browser-key"
 # What the SDKs add to every call (their names; the values are theirs in spirit).

@@ -46,7 +46,7 @@ def server(tmp_path_factory, reranker_path):
 
 
 def _minilm() -> str:
-    from encoderd.workers.contract.model_spec import default_model_path
+    from encoderd.workers.contract.model_files import default_model_path
 
     return default_model_path()
 

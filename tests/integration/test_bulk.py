@@ -20,7 +20,7 @@ from support.server import ServerProcess
 from encoderd.clients.bulk import embed_iterable, embed_to_jsonl
 from encoderd.server.api.streaming import WINDOW
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 
 def _metric(server, name: str, labels: str = "") -> float:

@@ -5,7 +5,7 @@ import pytest
 
 from encoderd.clients import AsyncEncoderClient, EncoderClient, FailedPrecondition, InvalidArgument, NotFound
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 
 def test_sync_client(server, stub):

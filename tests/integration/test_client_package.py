@@ -19,7 +19,7 @@ import pytest
 from support.server import ServerProcess
 
 from encoderd.clients import EncoderClient
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")

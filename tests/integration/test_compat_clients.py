@@ -19,7 +19,7 @@ from support.multimodal_models import CLAP_SAMPLING_RATE, build_clap, build_clip
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 M = DEFAULT_MODEL_NAME
 TEXTS = sentences(6, max_words=30, seed=17)

@@ -12,7 +12,7 @@ import pytest
 from support.corpus import sentences
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 TEXTS = sentences(96, max_words=300, seed=7)
 

@@ -30,7 +30,7 @@ import pytest
 from support.browser import chromium_command, find_chromium
 from support.server import ServerProcess
 
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs").rglob("*.md"))

@@ -25,8 +25,10 @@ from support.models import TOKENIZER_FILES, build_classifier, build_reranker
 
 from encoderd.workers.backends import BackendOptions, create_backend, resolve_engine, resolve_options
 from encoderd.workers.contract import hardware
-from encoderd.workers.contract.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.model_spec import ModelKind, Pooling
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 from encoderd.workers.model_cache import MANIFEST, cached_build, fingerprint_model
 
 KINDS = ("embedding", "reranker", "classifier")

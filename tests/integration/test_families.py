@@ -27,8 +27,9 @@ from support.families import FAMILIES, KINDS, MAX_POSITIONS, build
 
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder, resolve_engine
 from encoderd.workers.backends.base import ENGINE_FAMILIES
-from encoderd.workers.contract.model_spec import ModelKind, Pooling, load_model_spec
+from encoderd.workers.contract.model_spec import ModelKind, Pooling
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 
 _SHORT = sentences(22, max_words=300, seed=11)  # 5 to ~380 tokens
 _LONG = sentences(2, min_words=600, max_words=700, seed=5)  # past every family's 512 tokens: truncated

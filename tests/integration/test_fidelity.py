@@ -20,7 +20,7 @@ import pytest
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 from encoderd.workers.model_cache import MANIFEST
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -188,7 +188,8 @@ def test_the_check_of_a_logits_served_cross_encoder_compares_its_logits(tmp_path
     from encoderd.server.api import postprocess
     from encoderd.workers import calibration, fidelity
     from encoderd.workers.backends import BackendOptions, create_backend
-    from encoderd.workers.contract.model_spec import ScoreActivation, load_model_spec
+    from encoderd.workers.contract.model_spec import ScoreActivation
+    from encoderd.workers.contract.spec_reader import load_model_spec
 
     path = build_head_model(tmp_path / "ce-identity", ("score",), cross_encoder_activation="Identity")
     spec = load_model_spec("ce-identity", str(path))

@@ -21,8 +21,9 @@ from support.families import build
 from encoderd.bench.fidelity_holdout import holdout_inputs
 from encoderd.workers import fidelity
 from encoderd.workers.backends import BackendOptions, create_backend
-from encoderd.workers.contract.model_spec import ModelKind, load_model_spec
+from encoderd.workers.contract.model_spec import ModelKind
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 from encoderd.workers.contract.tokenizer import load_tokenizer
 
 # Each builds, quantizes and checks a tiny model, then runs 148 holdout pairs: ~1 min on a quiet 2-core

@@ -23,7 +23,8 @@ from support.models import build_classifier, build_reranker
 from encoderd.workers import fidelity
 from encoderd.workers.backends import BackendOptions, create_backend
 from encoderd.workers.contract.hardware import UnsupportedOnHardware
-from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.spec_reader import load_model_spec
 
 KINDS = ("embedding", "reranker", "classifier")
 # (engine, dtype, library): every CPU combination the engines know; the host's policy decides.

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 CLIENT_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT,

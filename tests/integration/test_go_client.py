@@ -18,7 +18,7 @@ import pytest
 from support.node import googleapis_include
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = ("go", "protoc", "protoc-gen-go", "protoc-gen-go-grpc")

@@ -17,7 +17,7 @@ from test_metrics import scrape, total
 from test_reliability import _alive, _pids
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 STALL_TIMEOUT = 2.0
 MARGIN = 2.5  # the watchdog looks every 0.5s; scheduling on a loaded 2-core host

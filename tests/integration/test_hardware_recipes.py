@@ -27,7 +27,8 @@ from support.broad_corpus import broad_corpus
 
 from encoderd.workers.backends import BackendOptions, create_backend
 from encoderd.workers.contract import hardware
-from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.spec_reader import load_model_spec
 
 AVX2_HOST = "avx512*,avx_vnni,amx*"  # the mask that leaves this host's flags as an AVX2-only CPU's
 TEXTS = broad_corpus()

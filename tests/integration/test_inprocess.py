@@ -14,7 +14,7 @@ import encoderd
 from encoderd.server.api.errors import ModelNotFound, WrongModelKind
 from encoderd.server.scheduling.worker_client import WorkerStartError
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 # The module's engine starts three workers beside the session server's: minutes on a loaded 2-core host.
 pytestmark = pytest.mark.timeout(600)

@@ -22,7 +22,7 @@ from support.server import ServerProcess
 from encoderd.server.api.errors import STATUS_MESSAGE_BYTES
 from encoderd.v1 import compat_pb2, encoderd_pb2, encoderd_pb2_grpc
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 BIG = "m" * (1 << 20)
 URL_BIG = "m" * 60_000  # Envoy takes 60 KiB of headers, and httpx sends no longer URL

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.corpus import sentences
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 EMBEDDER = DEFAULT_MODEL_NAME
 MODELS = (EMBEDDER, "reranker", "classifier")

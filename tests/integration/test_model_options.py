@@ -141,7 +141,7 @@ def test_onnx_refuses_the_repository_codes_own_family(tmp_path, remote_code_mode
     the onnx engine refuses it at load and names torch, which runs that code itself."""
     pytest.importorskip("onnxruntime")
     from encoderd.workers.backends import BackendOptions, create_backend
-    from encoderd.workers.contract.model_spec import load_model_spec
+    from encoderd.workers.contract.spec_reader import load_model_spec
 
     spec = load_model_spec("relu", remote_code_model, trust_remote_code=True)
     backend = create_backend("onnx", spec, BackendOptions(threads=1, cache_dir=str(tmp_path), trust_remote_code=True))

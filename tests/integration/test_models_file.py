@@ -9,7 +9,7 @@ import pytest
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 # The server exports MiniLM to ONNX int8 and self-checks it at start: minutes on a loaded 2-core host.
 pytestmark = pytest.mark.timeout(600)

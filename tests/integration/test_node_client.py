@@ -11,7 +11,7 @@ import subprocess
 
 from support.node import googleapis_include, node_client_dir
 
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 
 def test_node_client_embeds_and_reranks(server):

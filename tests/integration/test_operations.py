@@ -17,7 +17,7 @@ import pytest
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
 otlp = pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2_grpc", reason="the [otel] extra is not installed"

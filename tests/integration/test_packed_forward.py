@@ -25,8 +25,10 @@ from support.models import build_classifier, build_reranker
 
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
 from encoderd.workers.backends.torch_backend import pool
-from encoderd.workers.contract.model_spec import ModelKind, Pooling, default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.model_spec import ModelKind, Pooling
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 
 TEXTS = sentences(40, max_words=300, seed=11)  # 3 to 256+ tokens: some are truncated
 QUERY = "which engine serves encoders fastest"

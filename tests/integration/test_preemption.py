@@ -19,8 +19,10 @@ from support.nice import thread_priorities
 from encoderd.server.ops.config import WORKER_NICE
 from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
-from encoderd.workers.contract.model_spec import ModelKind, default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.model_spec import ModelKind
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 from encoderd.workers.process import BULK_LANE_NICE
 
 BULK = [[101] + [2000 + (i * 7 + j) % 5000 for j in range(254)] + [102] for i in range(16)]

@@ -27,7 +27,7 @@ from support.multimodal_models import build_clip
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 TEXTS = sentences(64, max_words=60, seed=11)
 # One red pixel, as PNG.

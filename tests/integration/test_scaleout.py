@@ -27,7 +27,7 @@ from support.server import ServerProcess, free_port
 from encoderd.bench.front import front_command, front_config
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
-from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME, default_model_path
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 CLIENTS = 6  # concurrent callers
 MAX_CALLS = 4000  # a hard bound on the load, whatever the timing

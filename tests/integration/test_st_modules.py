@@ -27,15 +27,9 @@ from encoderd.server.api import postprocess
 from encoderd.server.models.tokenization import ModelTokenizer
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
-from encoderd.workers.contract.model_spec import (
-    ModelKind,
-    ModelLoadError,
-    Pooling,
-    ScoreActivation,
-    check_prompts,
-    load_model_spec,
-)
+from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError, Pooling, ScoreActivation, check_prompts
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 from encoderd.workers.contract.tokenizer import load_tokenizer
 from encoderd.workers.st_modules import SentenceModules
 

@@ -19,7 +19,9 @@ from support.corpus import sentences
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.model_spec import ModelLoadError, default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.model_spec import ModelLoadError
+from encoderd.workers.contract.spec_reader import load_model_spec
 
 TRUNCATE_DIM = 64
 TEXTS = [*sentences(6, max_words=40, seed=43), "   .   ", "a" * 300]

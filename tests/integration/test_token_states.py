@@ -16,8 +16,9 @@ from support.corpus import sentences
 
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
 from encoderd.workers.backends.base import run_to_end
-from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.protocol import Ragged, TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 
 # Short and long, unsorted (so a padded engine pads inside the batch); the last is cut at 256 tokens.
 TEXTS = [*sentences(4, max_words=40, seed=3), " ".join(sentences(30, max_words=40, seed=4))]

@@ -20,8 +20,9 @@ from encoderd.workers import fidelity
 from encoderd.workers.backends import BackendOptions, create_backend
 from encoderd.workers.backends.int8_linear import Int8Linear
 from encoderd.workers.contract import hardware
-from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 from encoderd.workers.contract.tokenizer import load_tokenizer
 
 FLOOR = 0.99  # fidelity.FLOORS["int8"]["min_cosine"]

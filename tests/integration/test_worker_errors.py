@@ -22,8 +22,9 @@ import pytest
 from encoderd.server.api.errors import EncoderdError, Unavailable
 from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
-from encoderd.workers.contract.model_spec import ModelKind, load_model_spec
+from encoderd.workers.contract.model_spec import ModelKind
 from encoderd.workers.contract.protocol import MediaBatch, TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 
 QUERY_AND_PASSAGE = [[101, 2029, 3194, 102, 4240, 2003, 1037, 3231, 102]]
 

@@ -33,7 +33,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from encoderd.workers.contract.model_spec import default_model_path
+from encoderd.workers.contract.model_files import default_model_path
 
 from .corpus import sentences
 

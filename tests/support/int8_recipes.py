@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from encoderd.workers.backends import BackendOptions, int8_linear, packed_linear, torch_backend
-from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.spec_reader import load_model_spec
 from encoderd.workers.contract.tokenizer import load_tokenizer
 from support.broad_corpus import broad_corpus
 from support.corpus import sentences

@@ -7,7 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
-from encoderd.workers.contract.model_spec import default_model_path
+from encoderd.workers.contract.model_files import default_model_path
 
 # The repository code: MiniLM whose hidden states pass through ReLU. Its own config class
 # (model_type "relu_bert") keeps transformers' registration of it from replacing BertModel

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from encoderd.workers.contract.model_spec import default_model_path
+from encoderd.workers.contract.model_files import default_model_path
 
 from .corpus import sentences
 

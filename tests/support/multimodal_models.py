@@ -21,7 +21,7 @@ import json
 import shutil
 from pathlib import Path
 
-from encoderd.workers.contract.model_spec import default_model_path
+from encoderd.workers.contract.model_files import default_model_path
 
 MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
 CLIP_WORDS = ("a", "the", "photo", "of", "cat", "dog", "red", "blue", "car", "page", "with", "text", "chart")

@@ -26,7 +26,7 @@ def test_operators_fall_in_their_category(op, label):
 
 
 def test_batches_hold_the_corpus_within_the_token_budget():
-    from encoderd.workers.contract.model_spec import default_model_path
+    from encoderd.workers.contract.model_files import default_model_path
 
     work = breakdown.batches(default_model_path(), 40, 600, seed=0)
     assert sum(b.size for b in work) == 40

@@ -14,7 +14,8 @@ import pytest
 from encoderd.bench.corpus import TokenCounter, Workload, make_corpus
 from encoderd.bench.flops import FlopModel
 from encoderd.bench.openvino import min_cosine, openvino_venv, reference_vectors, run_openvino, windows
-from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.spec_reader import load_model_spec
 
 CACHE = Path.home() / ".cache" / "encoderd-bench"
 VENV_READY = (CACHE / "venv-openvino" / ".encoderd-bench-ready").exists()

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from encoderd.workers.contract import bundled_model
-from encoderd.workers.contract.model_spec import ModelLoadError, default_model_path
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.model_spec import ModelLoadError
 
 
 def index_reachable() -> bool:

@@ -11,13 +11,9 @@ import pytest
 from encoderd.server.api import postprocess
 from encoderd.workers import calibration, fidelity
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
-from encoderd.workers.contract.model_spec import (
-    ModelKind,
-    ModelSpec,
-    ScoreActivation,
-    default_model_path,
-    load_model_spec,
-)
+from encoderd.workers.contract.model_files import default_model_path
+from encoderd.workers.contract.model_spec import ModelKind, ModelSpec, ScoreActivation
+from encoderd.workers.contract.spec_reader import load_model_spec
 from encoderd.workers.contract.tokenizer import load_tokenizer
 
 

@@ -52,7 +52,8 @@ def test_float8_is_judged_by_the_8_bit_floors():
 def test_the_torch_engine_refuses_float8_off_cuda(tmp_path):
     from encoderd.workers.backends.torch_backend import TorchBackend
     from encoderd.workers.contract.config import BackendOptions
-    from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+    from encoderd.workers.contract.model_files import default_model_path
+    from encoderd.workers.contract.spec_reader import load_model_spec
 
     backend = TorchBackend(load_model_spec("m", default_model_path()), BackendOptions(device="cpu", dtype="float8"))
     with pytest.raises(ValueError, match="float8 on CUDA only"):
@@ -131,7 +132,8 @@ def test_the_self_check_judges_float8_and_refuses_minilm_below_the_8_bit_floor(t
 
     from encoderd.workers.backends.torch_backend import TorchBackend
     from encoderd.workers.contract.config import BackendOptions
-    from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+    from encoderd.workers.contract.model_files import default_model_path
+    from encoderd.workers.contract.spec_reader import load_model_spec
 
     spec = load_model_spec("minilm", default_model_path())
     backend = TorchBackend(spec, BackendOptions(device="cpu", dtype="bfloat16", cache_dir=str(tmp_path)))
@@ -166,7 +168,8 @@ def test_the_torch_engine_runs_float8_on_the_gpu_padding_free(tmp_path):
     from encoderd.workers import calibration
     from encoderd.workers.backends import create_backend
     from encoderd.workers.contract.config import BackendOptions
-    from encoderd.workers.contract.model_spec import default_model_path, load_model_spec
+    from encoderd.workers.contract.model_files import default_model_path
+    from encoderd.workers.contract.spec_reader import load_model_spec
 
     spec = load_model_spec("minilm", default_model_path())
     fp8 = create_backend("torch", spec, BackendOptions(device="cuda", dtype="float8", cache_dir=str(tmp_path)))

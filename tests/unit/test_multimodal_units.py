@@ -13,7 +13,8 @@ from encoderd.server.models.multimodal import maxsim_scores, sparsify
 from encoderd.server.ops.cli import parse_model
 from encoderd.server.scheduling.batching import BatchLimits, MediaItem, WorkItem, pack, take_batch
 from encoderd.workers.contract import protocol
-from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError, detect_kind, load_model_spec
+from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError
+from encoderd.workers.contract.spec_reader import detect_kind, load_model_spec
 
 
 class Req:
@@ -199,7 +200,7 @@ def test_a_retrieval_models_warm_up_runs_query_lengths_not_its_context(models_di
 
     from encoderd.workers.backends import BackendOptions, create_backend
     from encoderd.workers.backends.retrieval import WARMUP_QUERY_TOKENS
-    from encoderd.workers.contract.model_spec import load_model_spec
+    from encoderd.workers.contract.spec_reader import load_model_spec
 
     spec = load_model_spec("colqwen2", str(build_colqwen2(models_dir / "colqwen2")))
     backend = create_backend("torch", spec, BackendOptions(device="cpu", dtype="float32", threads=1))

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from encoderd.server.api.errors import InvalidInput
 from encoderd.server.models.tokenization import ModelTokenizer, pair_lengths
-from encoderd.workers.contract.model_spec import default_model_path
+from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.tokenizer import load_tokenizer
 
 WORDS = (

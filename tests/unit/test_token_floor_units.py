@@ -13,7 +13,7 @@ from support.families import TOKENIZERS
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from encoderd.server.models.token_floor import TokenFloor, token_floor_rule
-from encoderd.workers.contract.model_spec import default_model_path
+from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.tokenizer import load_tokenizer
 
 # Words, and what tokenizers delete, split, merge or do not know: combining marks alone, controls

@@ -10,8 +10,9 @@ import numpy as np
 
 from ..contract.config import BackendOptions
 from ..contract.errors import Unsupported
-from ..contract.model_spec import ModelKind, ModelSpec, require_known_architectures
+from ..contract.model_spec import ModelKind, ModelSpec
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
+from ..contract.spec_reader import require_known_architectures
 
 
 def from_pretrained(model_class, path: str, trust_remote_code: bool, **kwargs):

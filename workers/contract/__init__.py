@@ -12,7 +12,11 @@ point to the child process), so the frontend starts without them; nothing import
   config.py         WorkerConfig, BackendOptions, the cache directory
   launch.py         the spawned worker's entry point, by reference
   zygote_wire.py    the zygote's socket protocol (workers/zygote.py forks CPU workers)
-  model_spec.py     what a model is (kind, pooling, modules), read from its files by both sides
+  model_spec.py     what a model is (kind, pooling, modules): the types both sides pass around
+  spec_reader.py    a model directory read into its ModelSpec (config.json), by both sides
+  st_pipeline.py    an embedding model's sentence-transformers modules (modules.json: pooling, Dense)
+  st_config.py      sentence-transformers' other settings files, each served or refused
+  model_files.py    where a model's files are (directory, hub, bundled copy); reading its JSON
   bundled_model.py  where the default model's files are
   tokenizer.py      a model's tokenizer as sentence-transformers reads it
   hardware.py       this host's CPU and the engine x dtype it serves accurately

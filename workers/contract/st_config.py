@@ -5,7 +5,7 @@ config_sentence_transformers.json (SentenceTransformer / CrossEncoder `_parse_mo
   prompts, default_prompt_name   served (prefixed to the text)
   truncate_dim                   served: the embedding is cut after the model's Normalize, not
                                  re-normalized (server/api/postprocess.py); embedding models only
-  activation_fn                  served (a reranker's or classifier's score; model_spec.py)
+  activation_fn                  served (a reranker's or classifier's score; spec_reader.py)
   similarity_fn_name             changes no vector (only SentenceTransformer.similarity)
   keep_in_fp32_modules           a CrossEncoder's reduced-precision hint: --dtype float32 computes every
                                  module in float32, a reduced --dtype is governed by the self-check
@@ -16,9 +16,9 @@ config_sentence_transformers.json (SentenceTransformer / CrossEncoder `_parse_mo
 
 sentence_bert_config.json (the Transformer module's init arguments; sentence-transformers fails on
 a key it does not know, so encoderd refuses those too):
-  max_seq_length, processor_kwargs/tokenizer_args model_max_length: the maximum length (model_spec.py)
+  max_seq_length, processor_kwargs/tokenizer_args model_max_length: the maximum length (spec_reader.py)
   do_lower_case: texts lower-cased; transformer_task, modality_config, module_output_name: checked
-  in model_spec.py; unpad_inputs: speed only. Refused unless empty or at their defaults: any other
+  in st_pipeline.py; unpad_inputs: speed only. Refused unless empty or at their defaults: any other
   processor/model/config argument, processing_kwargs, query_length, document_length, query_expansion,
   tokenizer_name_or_path. model_kwargs may choose the attention kernel and dtype (not the vector).
 
@@ -38,7 +38,8 @@ from typing import Any
 
 import msgspec
 
-from .model_spec import ModelLoadError, read_json
+from .model_files import read_json
+from .model_spec import ModelLoadError
 
 ST_CONFIG = "config_sentence_transformers.json"
 TRANSFORMER_CONFIG = "sentence_bert_config.json"
@@ -176,6 +177,12 @@ def check_transformer_settings(model_dir: Path) -> int | None:
         if current == "processor_kwargs" and isinstance(arguments.get("model_max_length"), int):
             max_length = arguments["model_max_length"]
     return max_length
+
+
+def lowercase(model_dir: Path) -> bool:
+    """Older releases keep do_lower_case in sentence_bert_config.json (current ones put a Lowercase
+    normalizer into tokenizer.json, which the frontend's tokenizer then has anyway)."""
+    return bool(read_json(model_dir / TRANSFORMER_CONFIG).get("do_lower_case", False))
 
 
 def check_tokenizer_settings(model_dir: Path, config: dict, pairs: bool) -> None:
