@@ -29,7 +29,7 @@ import numpy as np
 
 # aten operator -> category. Matched on the name without its namespace; first hit wins. The batched
 # products (bmm, baddbmm) are attention's: the linears run as _linear_pointwise / addmm / mm, and
-# attention's scores and context are the batched ones (packed_encoder._attend_by_products).
+# attention's scores and context are the batched ones (packed_pieces._attend_by_products).
 CATEGORIES = (
     ("matmul", ("_linear_pointwise", "addmm", "mm", "linear", "matmul")),
     (

@@ -1,4 +1,4 @@
-"""Issues 5 and 19: the padding-free torch forward (workers/backends/packed_encoder.py and its
+"""Issues 5 and 19: the padding-free torch forward (workers/backends/packed_encoder.py, packed_pieces.py and its
 family pieces) equals the padded transformers forward on the same weights, for every kind,
 pooling and packed family.
 
@@ -23,7 +23,7 @@ from support.corpus import sentences
 from support.families import build as build_family
 from support.models import build_classifier, build_reranker
 
-from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
+from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder, packed_pieces
 from encoderd.workers.backends.torch_backend import pool
 from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.model_spec import ModelKind, Pooling
@@ -259,13 +259,13 @@ def _reference_attention(q, k, v, cu_seqlens, window):
     group = q.shape[1] // k.shape[1]
     for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
         keys, values = (t[a:b].repeat_interleave(group, 1).transpose(0, 1) for t in (k, v))
-        mask = packed_encoder._band(b - a, window, q.device)
+        mask = packed_pieces._band(b - a, window, q.device)
         out[a:b] = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), keys, values, attn_mask=mask).transpose(0, 1)
     return out
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("window", [packed_encoder.FULL, packed_encoder.CAUSAL, (4, 4)], ids=["full", "causal", "band"])
+@pytest.mark.parametrize("window", [packed_pieces.FULL, packed_pieces.CAUSAL, (4, 4)], ids=["full", "causal", "band"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(12, 12, 32), (8, 2, 64)], ids=["mha", "gqa"])
 def test_cpu_attention_equals_sdpa_per_sequence(dtype, window, heads, kv_heads, dim):
     """attend() on CPU, over packed sequences of mixed and equal lengths, against float32 SDPA on each
@@ -279,11 +279,11 @@ def test_cpu_attention_equals_sdpa_per_sequence(dtype, window, heads, kv_heads, 
     reduced = getattr(torch, dtype)
     q, k, v = (t.to(reduced).float() for t in (q, k, v))  # the reference sees the same rounded inputs
     want = _reference_attention(q, k, v, cu_seqlens, window)
-    batch = packed_encoder.PackedBatch.of(torch.zeros(tokens, dtype=torch.long), cu_seqlens)
-    products = mock.patch.object(packed_encoder, "_attend_by_products", wraps=packed_encoder._attend_by_products)
+    batch = packed_pieces.PackedBatch.of(torch.zeros(tokens, dtype=torch.long), cu_seqlens)
+    products = mock.patch.object(packed_pieces, "_attend_by_products", wraps=packed_pieces._attend_by_products)
     with products as by_products:
-        got = packed_encoder.attend(q.to(reduced), k.to(reduced), v.to(reduced), batch, window).float()
-    longer = sum(n > packed_encoder.FLASH_UP_TO for n in ATTENTION_LENGTHS)
+        got = packed_pieces.attend(q.to(reduced), k.to(reduced), v.to(reduced), batch, window).float()
+    longer = sum(n > packed_pieces.FLASH_UP_TO for n in ATTENTION_LENGTHS)
     assert by_products.call_count == (longer if dtype == "bfloat16" else 0)
     if dtype == "float32":
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -323,7 +323,7 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
     padded, packed = load_backend(spec, reduced, packed=False), load_backend(spec, reduced)
     assert packed.packed is not None and packed.options.dtype == "bfloat16"
     work = batches(spec, QUERY if kind == "reranker" else None)
-    products = mock.patch.object(packed_encoder, "_attend_by_products", wraps=packed_encoder._attend_by_products)
+    products = mock.patch.object(packed_pieces, "_attend_by_products", wraps=packed_pieces._attend_by_products)
     with products as by_products:
         error = _worst_error(packed, reference, work, kind)
     assert by_products.called

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from ..contract.model_spec import ModelKind
-from .packed_encoder import HFModule, PackedBatch, activated, attend, fuse_linears
+from .packed_pieces import HFModule, PackedBatch, activated, attend, fuse_linears
 
 
 class BertPieces:

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..contract.model_spec import ModelKind
-from .packed_encoder import FULL, HFModule, PackedBatch, attend, mean_tokens, rotate
+from .packed_pieces import FULL, HFModule, PackedBatch, attend, mean_tokens, rotate
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from ..contract.model_spec import ModelKind
-from .packed_encoder import CAUSAL, HFModule, PackedBatch, attend, fuse_linears, rotate
+from .packed_pieces import CAUSAL, HFModule, PackedBatch, attend, fuse_linears, rotate
 
 
 class Qwen3Pieces:

@@ -13,7 +13,7 @@ from .. import calibration
 from ..contract import hardware
 from ..contract.model_spec import ModelKind, Pooling, pooling_modes
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
-from . import float8_linear, int8_linear, packed_encoder, packed_linear, retrieval, torch_heads
+from . import float8_linear, int8_linear, packed_encoder, packed_linear, packed_pieces, retrieval, torch_heads
 from .base import Backend, from_pretrained, padded, run_to_end, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ SINGLE_THREAD_TOKENS = 32
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling | tuple[Pooling, ...]) -> torch.Tensor:
     """sentence-transformers Pooling semantics over a padded (n, L, d) batch, in float32 (as
-    packed_encoder.mean_tokens: sums in bfloat16 drift); several modes concatenated."""
+    packed_pieces.mean_tokens: sums in bfloat16 drift); several modes concatenated."""
     hidden = hidden.float()
     return torch.cat([_pool_one(hidden, mask, mode) for mode in pooling_modes(pooling)], dim=1)
 
@@ -179,7 +179,7 @@ class TorchBackend(Backend):
                 if batch.token_type_ids is None
                 else torch.from_numpy(batch.token_type_ids).to(self.device, torch.long)
             )
-            batch_view = packed_encoder.PackedBatch.of(ids, cu_seqlens, types)
+            batch_view = packed_pieces.PackedBatch.of(ids, cu_seqlens, types)
             layers = packed.hidden_states(batch_view)
             while True:
                 self._size_threads(len(batch.input_ids))  # each step: a batch run in a pause may change it
