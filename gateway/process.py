@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..server.scheduling.supervisor import RestartPolicy, Supervisor
-from ..workers.contract.hardware import cpu_budget
+from ..workers.contract.cpu_cores import cpu_budget
 from .envoy import GatewayError, GatewaySettings, find_envoy, local_address, render
 
 log = logging.getLogger("encoderd.gateway")

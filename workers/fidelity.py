@@ -248,7 +248,7 @@ def _compute_reference(spec: ModelSpec, batches: list[TokenBatch], trust_remote_
     model = from_pretrained(model_class(spec.kind), spec.path, trust_remote_code, dtype=torch.float32).eval()
     pad_id = model.config.pad_token_id or 0  # decoder classifiers read the last non-pad token
     takes_types = "token_type_ids" in inspect.signature(model.forward).parameters
-    from .contract.hardware import cpu_budget
+    from .contract.cpu_cores import cpu_budget
 
     torch.set_num_threads(cpu_budget().usable)  # not 64 threads in a 2-CPU container
     outputs = []
@@ -313,7 +313,7 @@ def _retrieval_reference(spec: ModelSpec, processor, queries: list[str], pages: 
 
     from .backends.base import from_pretrained
     from .backends.torch_heads import model_class
-    from .contract.hardware import cpu_budget
+    from .contract.cpu_cores import cpu_budget
 
     log.info("computing the float32 reference of %s for the fidelity self-check (once; cached)", spec.name)
     model = from_pretrained(model_class(spec.kind, spec.model_type), spec.path, trust, dtype=torch.float32).eval()

@@ -1,11 +1,11 @@
 """The one start-up line per model that says which layout, engine and dtype it runs and why.
 
-The decisions themselves live in workers/contract/hardware.py (layout, CPU dtype) and in the worker (the
+The decisions themselves live in workers/contract/cpu_cores.py (layout), hardware.py (CPU dtype) and in the worker (the
 engine, and the fidelity fallback of an automatic dtype); this only explains them."""
 
 from __future__ import annotations
 
-from ...workers.contract import hardware
+from ...workers.contract import cpu_cores, hardware
 from ..ops.config import ServerConfig
 from ..scheduling.placement import Placement, cpu_layout, usable_cores
 
@@ -17,7 +17,7 @@ def explain(name: str, cfg: ServerConfig, placements: list[Placement], engine: s
     if cpu_workers:
         layout = cpu_layout(cfg.replicas, cfg.cpu_threads)
         threads = cpu_workers[0].threads or len(usable_cores())
-        budget = hardware.cpu_budget()
+        budget = cpu_cores.cpu_budget()
         parts.append(f"{len(cpu_workers)} CPU worker(s) x {threads} thread(s) ({budget.describe()}; {layout.why})")
     gpus = sorted({p.device for p in placements if p.device != "cpu"})
     if gpus:

@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "--replicas",
         "worker processes per device and model (CPU replicas get disjoint cores; 0 = chosen "
-        "for this host's usable cores, affinity and cgroup quota: see workers/contract/hardware.choose_cpu_layout)",
+        "for this host's usable cores, affinity and cgroup quota: see workers/contract/cpu_cores.choose_cpu_layout)",
         0,
         int,
     )

@@ -60,7 +60,7 @@ class ServerConfig:
     torch_compile: bool = False  # torch engine: torch.compile each model during warm-up
     trust_remote_code: bool = False  # run Python code shipped in model repositories (config.json auto_map)
     allow_low_fidelity: bool = False  # serve models that fail the start-up fidelity self-check
-    replicas: int = 0  # worker processes per device; 0 = chosen per host (hardware.choose_cpu_layout)
+    replicas: int = 0  # worker processes per device; 0 = chosen per host (cpu_cores.choose_cpu_layout)
     max_batch_size: int = 64
     max_batch_tokens: int = 8192
     batch_delay_ms: float = 5.0

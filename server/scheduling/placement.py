@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from ...workers.contract.hardware import Layout, choose_cpu_layout, cpu_budget
+from ...workers.contract.cpu_cores import Layout, choose_cpu_layout, cpu_budget
 
 
 class PlacementError(ValueError):
@@ -28,7 +28,7 @@ class Placement:
 
 
 def usable_cores() -> list[int]:
-    """The cores this process may run on, within its cgroup CPU quota (workers/contract/hardware.py)."""
+    """The cores this process may run on, within its cgroup CPU quota (workers/contract/cpu_cores.py)."""
     return list(cpu_budget().cores)
 
 
@@ -69,7 +69,7 @@ def expand_devices(devices: str) -> list[str]:
 
 
 def cpu_layout(replicas: int = 0, cpu_threads: int = 0) -> Layout:
-    """Workers x threads per model on the CPU: the operator's flags, else hardware.choose_cpu_layout."""
+    """Workers x threads per model on the CPU: the operator's flags, else cpu_cores.choose_cpu_layout."""
     return choose_cpu_layout(len(usable_cores()), replicas, cpu_threads)
 
 

@@ -1,5 +1,5 @@
 """Issue 19.1: with no --dtype / --replicas / --cpu-threads the server picks them for this host
-(workers/contract/hardware.py), serves what it says it picked, and logs one line per model saying why."""
+(workers/contract/hardware.py, cpu_cores.py), serves what it says it picked, and logs one line per model saying why."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from support.server import ServerProcess
 
 from encoderd.server.ops.config import WORKER_NICE
 from encoderd.v1 import encoderd_pb2 as pb
-from encoderd.workers.contract.hardware import choose_cpu_dtype, choose_cpu_layout, cpu_budget
+from encoderd.workers.contract.cpu_cores import choose_cpu_layout, cpu_budget
+from encoderd.workers.contract.hardware import choose_cpu_dtype
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
 from encoderd.workers.process import BULK_LANE_NICE
 

@@ -24,7 +24,7 @@ from support.server import ServerProcess
 from encoderd.gateway.process import envoy_workers, listens_on
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.v1 import encoderd_pb2_grpc
-from encoderd.workers.contract.hardware import cpu_budget
+from encoderd.workers.contract.cpu_cores import cpu_budget
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 
 TEXTS = sentences(24, max_words=80, seed=3)

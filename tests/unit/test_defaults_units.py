@@ -1,6 +1,6 @@
-"""Issue 19.1: what the server picks by itself (workers/contract/hardware.py): worker layout from the usable
-cores (affinity cut by a cgroup v1/v2 quota), and the CPU dtype from the instruction sets, each
-with its reason; every explicit flag wins. Fake hardware descriptions, no model loaded."""
+"""Issue 19.1: what the server picks by itself (workers/contract/cpu_cores.py, hardware.py): worker
+layout from the usable cores (affinity cut by a cgroup v1/v2 quota), and the CPU dtype from the
+instruction sets, each with its reason; every explicit flag wins. Fake hardware descriptions, no model loaded."""
 
 from __future__ import annotations
 
@@ -10,14 +10,8 @@ from test_hardware import host
 from encoderd.server.ops.cli import build_parser, config_from_args
 from encoderd.server.ops.config import WORKER_NICE
 from encoderd.server.scheduling import placement
-from encoderd.workers.contract.hardware import (
-    CpuBudget,
-    choose_cpu_dtype,
-    choose_cpu_layout,
-    explicit_dtype_note,
-    parse_cgroup_v1,
-    parse_cgroup_v2,
-)
+from encoderd.workers.contract.cpu_cores import CpuBudget, choose_cpu_layout, parse_cgroup_v1, parse_cgroup_v2
+from encoderd.workers.contract.hardware import choose_cpu_dtype, explicit_dtype_note
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ point to the child process), so the frontend starts without them; nothing import
   bundled_model.py  where the default model's files are
   tokenizer.py      a model's tokenizer as sentence-transformers reads it
   hardware.py       this host's CPU and the engine x dtype it serves accurately
+  cpu_cores.py      the cores this process may use and the workers x threads laid over them
   logs.py           logging set-up (text or JSON lines) and the request id
   corpus.py         the synthetic ingestion workload both the benchmark and the pacing calibration use
 
