@@ -34,7 +34,7 @@ import zmq
 
 from . import fidelity, memory, pacing
 from .backends import create_backend
-from .contract import protocol
+from .contract import ipc, protocol
 from .contract.config import WorkerConfig
 from .contract.errors import ErrorCode, WorkerError
 from .contract.hardware import UnsupportedOnHardware
@@ -57,7 +57,7 @@ def _watch_parent(parent_pid: int, addresses: tuple[str, ...]) -> None:
     # the socket files the frontend could not remove.
     while os.getppid() == parent_pid:
         time.sleep(0.25)
-    protocol.remove_ipc_files(*addresses, with_directory=True)
+    ipc.remove_ipc_files(*addresses, with_directory=True)
     os._exit(3)
 
 

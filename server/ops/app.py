@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ...gateway.envoy import GatewayError, local_address
 from ...v1 import compat_pb2, encoderd_pb2
-from ...workers.contract.protocol import envoy_admin_socket, frontend_grpc_socket
+from ...workers.contract.ipc import envoy_admin_socket, frontend_grpc_socket
 from ..api import reflection_v1
 from ..api.auth import ApiKeyInterceptor, load_keys
 from ..api.compat import CompatService

@@ -22,7 +22,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from ...workers.contract import protocol
+from ...workers.contract import ipc, protocol
 from ...workers.contract.config import WorkerConfig
 from ...workers.contract.launch import run_worker
 from ..api.errors import Unavailable, worker_failure
@@ -151,8 +151,8 @@ class WorkerClient:
 
     def _open_sockets(self) -> None:
         tag = self.label.rpartition("/")[2].replace(":", "_")[:16]  # the directory is this frontend's: short
-        self._batch_address = protocol.new_ipc_address(tag + "-in")
-        self._result_address = protocol.new_ipc_address(tag + "-out")
+        self._batch_address = ipc.new_ipc_address(tag + "-in")
+        self._result_address = ipc.new_ipc_address(tag + "-out")
         self._batches = batches = self._zmq.socket(zmq.PUSH)
         batches.setsockopt(zmq.SNDHWM, 64)  # admission bounds traffic; this is a backstop
         batches.setsockopt(zmq.LINGER, 0)
@@ -234,7 +234,7 @@ class WorkerClient:
             if sock is not None:
                 sock.close(linger=0)
         self._batches = self._results = None
-        protocol.remove_ipc_files(getattr(self, "_batch_address", ""), getattr(self, "_result_address", ""))
+        ipc.remove_ipc_files(getattr(self, "_batch_address", ""), getattr(self, "_result_address", ""))
         if self._process and self._process.is_alive():
             self._process.kill()
         if self._process:

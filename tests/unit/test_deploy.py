@@ -58,7 +58,7 @@ def test_env_example_documents_every_cli_variable():
 
 def test_env_example_names_only_real_variables():
     text = (SYSTEMD / "encoderd.env.example").read_text()
-    known = set(cli_env_variables()) | {"ENCODERD_RPC_DIR"}  # read by workers/contract/protocol.py, not a flag
+    known = set(cli_env_variables()) | {"ENCODERD_RPC_DIR"}  # read by workers/contract/ipc.py, not a flag
     assert set(re.findall(r"^#?(ENCODERD_[A-Z0-9_]+)=", text, re.M)) <= known
 
 

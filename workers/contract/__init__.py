@@ -8,6 +8,7 @@ Nothing here imports torch, an engine or the rest of `workers/` (launch.py defer
 point to the child process), so the frontend starts without them; nothing imports `server/`.
 
   protocol.py       the ZeroMQ wire: batches, results, control messages
+  ipc.py            the frontend's private socket directory: ipc:// endpoints, its gRPC and Envoy admin sockets
   errors.py         the error codes a failed batch carries back (the frontend maps them to gRPC status)
   config.py         WorkerConfig, BackendOptions, the cache directory
   launch.py         the spawned worker's entry point, by reference
