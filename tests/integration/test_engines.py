@@ -183,7 +183,8 @@ def test_onnx_float16_graph_is_valid(specs, inputs, reference, cache_dir):
     """The float16 graph CUDA would run, checked on CPU (onnxruntime's CPU kernels take float16 too)."""
     pytest.importorskip("onnxruntime")
     from encoderd.workers.backends.base import padded
-    from encoderd.workers.backends.onnx_backend import create_session, ensure_onnx_model
+    from encoderd.workers.backends.onnx_export import ensure_onnx_model
+    from encoderd.workers.backends.onnx_session import create_session
     from encoderd.workers.pooling import pool
 
     spec = specs["embedding"]
@@ -201,7 +202,7 @@ def test_onnx_int8_graph_keeps_down_projections_float(specs, cache_dir):
     pytest.importorskip("onnxruntime")
     import onnx
 
-    from encoderd.workers.backends.onnx_backend import ensure_onnx_model
+    from encoderd.workers.backends.onnx_export import ensure_onnx_model
 
     graph = onnx.load(str(ensure_onnx_model(specs["embedding"], "int8", cache_dir)[0])).graph
     shapes = {init.name: tuple(init.dims) for init in graph.initializer}
@@ -431,7 +432,7 @@ def test_onnx_on_cuda_without_the_cuda_provider_fails_clearly(specs, cache_dir):
 
 
 def test_both_onnxruntime_wheels_installed_is_explained():
-    from encoderd.workers.backends.onnx_backend import check_onnxruntime_install
+    from encoderd.workers.backends.onnx_session import check_onnxruntime_install
 
     with pytest.raises(RuntimeError, match="overwrite each other"):
         check_onnxruntime_install({"onnxruntime", "onnxruntime-gpu"})

@@ -162,7 +162,7 @@ def choosing(recipe: str):
 def int8_graphs(minilm, tmp_path_factory) -> dict:
     """recipe -> {"path": the cached int8 graph, "cache": its cache directory}."""
     pytest.importorskip("onnxruntime")
-    from encoderd.workers.backends.onnx_backend import ensure_onnx_model
+    from encoderd.workers.backends.onnx_export import ensure_onnx_model
 
     cache = str(tmp_path_factory.mktemp("hardware-cache"))
     graphs = {}
@@ -294,7 +294,7 @@ def test_emulated_avx2_kernel_saturates_signed_weights(int8_graphs, minilm, tmp_
     therefore gets the unsigned recipe (test_without_vnni_weights_are_unsigned)."""
     import onnx
 
-    from encoderd.workers.backends.onnx_backend import create_session
+    from encoderd.workers.backends.onnx_session import create_session
 
     texts = [t for t in TEXTS if len(t.split()) <= 12][:10]  # short: the emulation holds (tokens, k, n) int32
     torch_backend = create_backend("torch", minilm, BackendOptions(threads=1))

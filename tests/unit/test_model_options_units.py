@@ -192,7 +192,7 @@ def _torch_load(path: str, _out) -> None:
 
 
 def _onnx_export(path: str, out) -> None:
-    from encoderd.workers.backends.onnx_backend import export_onnx
+    from encoderd.workers.backends.onnx_export import export_onnx
 
     export_onnx(path, ModelKind.EMBEDDING, 64, out)
 

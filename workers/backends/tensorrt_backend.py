@@ -33,14 +33,9 @@ from typing import ClassVar
 from ..contract.config import default_cache_dir
 from ..model_cache import cached_build
 from .base import require_family, require_text_kind
-from .onnx_backend import (
-    OnnxBackend,
-    check_onnxruntime_install,
-    create_session,
-    device_index,
-    ensure_onnx_model,
-    require_provider,
-)
+from .onnx_backend import OnnxBackend
+from .onnx_export import ensure_onnx_model
+from .onnx_session import check_onnxruntime_install, create_session, device_index, require_provider
 
 log = logging.getLogger(__name__)
 

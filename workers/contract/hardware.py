@@ -43,7 +43,7 @@ CPUINFO = "/proc/cpuinfo"
 VNNI_INT8 = ("avx512_vnni", "avx_vnni", "amx_int8")
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")
 NATIVE_FP16 = ("avx512_fp16", "amx_fp16")
-# ONNX Runtime int8 recipes (onnx_backend.quantize_int8 reads the name; it is part of the cache key).
+# ONNX Runtime int8 recipes (onnx_export.quantize_int8 reads the name; it is part of the cache key).
 ONNX_INT8_SIGNED = "s8-smooth"  # u8 x s8: exact only where the products accumulate in int32 (VNNI, AMX)
 ONNX_INT8_UNSIGNED = "u8u8-smooth"  # u8 x u8: MLAS widens both to int16 and sums pairs in int32 (vpmaddwd)
 CUDA_BF16_CAPABILITY = (8, 0)
