@@ -137,7 +137,7 @@ def _serve_stub(port: int, dim: int) -> None:
     """Process entry: Embed and CreateEmbeddings answer random unit vectors, computing nothing."""
     import grpc
 
-    from ..server.api.compat import render_embeddings
+    from ..server.api.rest import render_embeddings
     from ..v1 import compat_pb2_grpc
 
     rng = np.random.default_rng(0)

@@ -24,9 +24,10 @@ from ...workers.contract.model_spec import ModelKind
 from ..models import multimodal
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
-from . import compat, postprocess
+from . import postprocess
 from .errors import InvalidInput, echo
 from .request_options import EmbedOptions, positive
+from .rest import json_body
 
 INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")
@@ -157,7 +158,7 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
         body.update(response_type="embeddings_by_type", embeddings=by_type(vectors, types))
     else:
         body.update(response_type="embeddings_floats", embeddings=vectors.tolist())
-    return compat._json(body)
+    return json_body(body)
 
 
 async def _embed_media(service, model, contents: list[Content], options: EmbedOptions):

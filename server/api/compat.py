@@ -5,16 +5,17 @@ are exactly what the official SDKs parse (snake_case, base64 or float lists) and
 Envoy never prints floats itself (it is ~10x slower at it; see bench/rest.py).
 Failures raise EncoderdError like the Encoder service; gateway/errors.lua turns
 the resulting status into an OpenAI-shaped error body.
+
+The service answers OpenAI, Infinity and Cohere rerank here and hands Cohere embed and TEI's
+routes to cohere_embed.py and tei.py; what the dialects share (reading inputs, rendering JSON)
+is in rest.py, below all three.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import time
 import uuid
 
-import numpy as np
 from google.api import httpbody_pb2
 from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2
@@ -29,13 +30,22 @@ from ..models.registry import ModelRegistry, ServedModel
 from ..ops import metrics
 from ..scheduling.scheduler import Priority
 from . import cohere_embed, openapi, postprocess, tei
-from .errors import BackendError, InvalidInput, Unavailable, echo
+from .errors import InvalidInput, Unavailable, echo
 from .request_options import ClassifyOptions, EmbedOptions, RerankOptions, positive
+from .rest import (
+    embedding_inputs,
+    json_body,
+    media_inputs,
+    render_embeddings,
+    render_multivectors,
+    rerank_documents,
+    string_list,
+    usage,
+)
 from .service import model_info, rpc
 
 ENCODING_FORMATS = ("float", "base64")
 MODALITIES = ("text", "image", "audio")
-INPUT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
 # Kinds /embeddings serves: one vector per input, or (colbert, colpali, clip_patches) one per token or patch.
@@ -49,66 +59,6 @@ def _preferred_kinds(modality: str) -> tuple[ModelKind, ...]:
     if modality == "text":
         return (ModelKind.EMBEDDING,)
     return tuple(kind for kind in EMBEDDINGS_KINDS if modality in modalities(kind))
-
-
-def embedding_inputs(value: struct_pb2.Value) -> tuple[list[str] | None, list[list[float]] | None]:
-    """OpenAI `input` -> (texts, None) or (None, token-id lists); ids are range-checked by the registry."""
-    kind = value.WhichOneof("kind")
-    if kind == "string_value":
-        return [value.string_value], None
-    if kind != "list_value":
-        raise InvalidInput(f"`input` is required and must be {INPUT_SHAPES}")
-    items = value.list_value.values
-    if not items:
-        raise InvalidInput("`input` is empty: send at least one")
-    kinds = {v.WhichOneof("kind") for v in items}
-    if kinds == {"string_value"}:
-        return [v.string_value for v in items], None
-    if kinds == {"number_value"}:
-        return None, [[v.number_value for v in items]]
-    if kinds == {"list_value"}:
-        return None, [_token_ids(v.list_value.values, i) for i, v in enumerate(items)]
-    raise InvalidInput(f"`input` mixes element types; it must be {INPUT_SHAPES}")
-
-
-def _token_ids(values, index: int) -> list[float]:
-    if not values:
-        raise InvalidInput(f"input[{index}] is an empty token list")
-    if any(v.WhichOneof("kind") != "number_value" for v in values):
-        raise InvalidInput(f"input[{index}] must be a list of token ids (integers)")
-    return [v.number_value for v in values]
-
-
-def media_inputs(value: struct_pb2.Value, modality: str) -> list[Content]:
-    """Infinity's image / audio `input`: a string or a list of strings, each a data
-    URI, an http(s) URL or bare base64 (decoded later, off the event loop)."""
-    kind = value.WhichOneof("kind")
-    items = [value] if kind == "string_value" else list(value.list_value.values) if kind == "list_value" else []
-    if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
-        raise InvalidInput(
-            f"`input` must be a string or a non-empty list of strings (data URIs, http(s) URLs or "
-            f"base64) for modality {echo(modality)}"
-        )
-    return [Content(modality, url=v.string_value) for v in items]
-
-
-def rerank_documents(value: struct_pb2.Value, rank_fields=()) -> tuple[list[str], list]:
-    """Cohere `documents` -> (the texts ranked, the documents as given): strings, or objects
-    (the v1 API) ranked on their `text`, or on `rank_fields` as "key: value" lines."""
-    if value.WhichOneof("kind") != "list_value":
-        raise InvalidInput('`documents` is required and must be a list of strings or of {"text": ...} objects')
-    texts, originals = [], []
-    for i, item in enumerate(value.list_value.values):
-        kind = item.WhichOneof("kind")
-        if kind == "string_value":
-            texts.append(item.string_value)
-            originals.append({"text": item.string_value})
-        elif kind == "struct_value":
-            texts.append(_document_text(item.struct_value, rank_fields, i))
-            originals.append(json_format.MessageToDict(item.struct_value))
-        else:
-            raise InvalidInput(f'documents[{i}] must be a string or an object with a string "text" field')
-    return texts, originals
 
 
 def _check_document_limits(request: cpb.CohereRerankRequest) -> None:
@@ -133,89 +83,9 @@ async def cut_documents(registry: ModelRegistry, model: ServedModel, texts: list
     ]
 
 
-def _document_text(document: struct_pb2.Struct, rank_fields, index: int) -> str:
-    fields = document.fields
-    for key in rank_fields or ("text",):
-        if key not in fields or fields[key].WhichOneof("kind") != "string_value":
-            raise InvalidInput(
-                f"documents[{index}] must be a string or an object with a string {echo(key)} field"
-                + (" (one of `rank_fields`)" if rank_fields else "")
-            )
-    if not rank_fields:
-        return fields["text"].string_value
-    return "\n".join(f"{key}: {fields[key].string_value}" for key in rank_fields)
-
-
-def string_list(value: struct_pb2.Value, what: str) -> list[str]:
-    """A string or a non-empty list of strings."""
-    kind = value.WhichOneof("kind")
-    if kind == "string_value":
-        return [value.string_value]
-    items = value.list_value.values if kind == "list_value" else []
-    if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
-        raise InvalidInput(f"`{what}` is required and must be a string or a non-empty list of strings")
-    return [v.string_value for v in items]
-
-
 # ----------------------------------------------------------------- responses
-def _json(document: dict) -> httpbody_pb2.HttpBody:
-    return httpbody_pb2.HttpBody(
-        content_type="application/json",
-        data=json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(),
-    )
-
-
 def _infinity_id() -> dict:
     return {"id": str(uuid.uuid4()), "created": int(time.time())}
-
-
-def _usage(tokens: int) -> dict:
-    return {"prompt_tokens": tokens, "total_tokens": tokens}
-
-
-def float_rows(model: str, vectors: np.ndarray) -> list[str]:
-    """Each row of a 2-D float array as a JSON list, "%.9g" per value (see render_embeddings)."""
-    if not np.isfinite(vectors).all():  # "%.9g" would print nan, which is not JSON
-        raise BackendError(f"model {model} produced non-finite embedding values")
-    if vectors.shape[1] == 0:
-        return ["[]"] * len(vectors)
-    row_format = "[" + ",".join(["%.9g"] * vectors.shape[1]) + "]"
-    return [row_format % tuple(row) for row in vectors.tolist()]
-
-
-def base64_rows(vectors: np.ndarray | list[np.ndarray]) -> list[str]:
-    """Each row as a JSON string: base64 of its little-endian float32 bytes (what the OpenAI SDK decodes)."""
-    return ['"' + base64.b64encode(row.astype("<f4").tobytes()).decode() + '"' for row in vectors]
-
-
-def render_embeddings(model: str, vectors, encoding_format: str, tokens: int) -> httpbody_pb2.HttpBody:
-    """The OpenAI embeddings response: one vector per input.
-
-    Floats print as "%.9g", which round-trips float32 exactly: one `%` over a
-    whole row is ~3x faster than json.dumps of the list (whose 17-digit doubles
-    are also 60% bigger), and on par with Envoy printing a repeated float."""
-    rows = base64_rows(vectors) if encoding_format == "base64" else float_rows(model, vectors)
-    return _embedding_list(model, rows, tokens)
-
-
-def render_multivectors(model: str, rows: list[np.ndarray], encoding_format: str, tokens: int) -> httpbody_pb2.HttpBody:
-    """Infinity's multi-vector shape: each `embedding` a list of vectors, or in
-    base64 all of them as one flat little-endian float32 buffer."""
-    if encoding_format == "base64":
-        rendered = base64_rows(rows)  # an input's (vectors, dim) array: its bytes are the flat buffer
-    else:
-        rendered = ["[" + ",".join(float_rows(model, r)) + "]" for r in rows]
-    return _embedding_list(model, rendered, tokens)
-
-
-def _embedding_list(model: str, rows: list[str], tokens: int) -> httpbody_pb2.HttpBody:
-    """The one envelope of every embeddings answer (one vector or several per input), built as
-    text around rows already rendered as JSON values."""
-    data = ",".join(f'{{"object":"embedding","index":{i},"embedding":{row}}}' for i, row in enumerate(rows))
-    tail = json.dumps({"model": model, "usage": _usage(tokens)}, ensure_ascii=False, separators=(",", ":"))[1:]
-    return httpbody_pb2.HttpBody(
-        content_type="application/json", data=f'{{"object":"list","data":[{data}],{tail}'.encode()
-    )
 
 
 def openai_model(model: ServedModel) -> dict:
@@ -353,12 +223,12 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             if options.return_documents:
                 result["document"] = documents[i]  # every field of an object document, as Cohere v1 returns
             results.append(result)
-        return _json(
+        return json_body(
             {
                 "id": str(uuid.uuid4()),
                 "results": results,
                 "model": model.spec.name,
-                "usage": _usage(tokens),
+                "usage": usage(tokens),
                 "meta": {"api_version": {"version": version}, "billed_units": {"search_units": 1}},
             }
         )
@@ -385,12 +255,12 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             if options.return_documents:
                 result["document"] = documents[i]  # Infinity's shape: the string itself
             results.append(result)
-        return _json(
+        return json_body(
             {
                 "object": "rerank",
                 "results": results,
                 "model": model.spec.name,
-                "usage": _usage(tokens),
+                "usage": usage(tokens),
                 **_infinity_id(),
             }
         )
@@ -400,8 +270,8 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         texts = string_list(request.input, "input")
         options = ClassifyOptions.for_call(raw_scores=request.raw_scores)
         model, scores, tokens = await self.classifications(request.model, texts, options)
-        return _json(
-            {"object": "classify", "data": scores, "model": model.spec.name, "usage": _usage(tokens), **_infinity_id()}
+        return json_body(
+            {"object": "classify", "data": scores, "model": model.spec.name, "usage": usage(tokens), **_infinity_id()}
         )
 
     async def classifications(
@@ -473,19 +343,19 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             {"id": name, "object": "model", "created": 0, "owned_by": "encoderd", "status": "loading"}
             for name in sorted(self.registry.loading)
         ]
-        return _json({"object": "list", "data": [openai_model(m) for m in self.registry.models.values()] + loading})
+        return json_body({"object": "list", "data": [openai_model(m) for m in self.registry.models.values()] + loading})
 
     @rpc
     async def ListRootModels(self, request, context) -> httpbody_pb2.HttpBody:
-        return _json({"object": "list", "data": [infinity_model(m) for m in self.registry.models.values()]})
+        return json_body({"object": "list", "data": [infinity_model(m) for m in self.registry.models.values()]})
 
     @rpc
     async def GetModel(self, request: cpb.GetModelRequest, context) -> httpbody_pb2.HttpBody:
-        return _json(openai_model(self.registry.get(request.id)))
+        return json_body(openai_model(self.registry.get(request.id)))
 
     @rpc
     async def GetOpenApi(self, request, context) -> httpbody_pb2.HttpBody:
-        return _json(openapi.document())
+        return json_body(openapi.document())
 
     @rpc
     async def GetMetrics(self, request, context) -> httpbody_pb2.HttpBody:
@@ -501,4 +371,4 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             raise Unavailable("encoderd is not serving: models are loading or the server is draining")
         models = {name: "ready" if m.ready else "unavailable" for name, m in self.registry.models.items()}
         # `unix`: the server's clock, which Infinity's /health answers with.
-        return _json({"status": "serving", "models": models, "unix": time.time()})
+        return json_body({"status": "serving", "models": models, "unix": time.time()})

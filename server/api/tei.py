@@ -6,6 +6,9 @@ TEI serves one model and its requests name none; here `model` (an extension) pic
 one when several of the route's kind are served. Options come either at the top
 level (TEI's API) or nested under `parameters` (huggingface_hub's InferenceClient);
 the nested ones win.
+
+Over 400 lines on purpose: one dialect's routes and its option parsing, each short; TEI's shapes
+read best side by side (what is shared with the other dialects is in rest.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
 from ..models import multimodal
 from ..models.media import Content
 from ..scheduling.scheduler import Priority
-from . import compat, postprocess
+from . import postprocess
 from .errors import InvalidInput, echo
 from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
+from .rest import embedding_inputs, float_rows, json_body, string_list
 from .token_states import embed_token_states
 
 SIDES = {"": "right", "right": "right", "left": "left"}
@@ -120,10 +124,6 @@ def _body(text: str) -> httpbody_pb2.HttpBody:
     return httpbody_pb2.HttpBody(content_type="application/json", data=text.encode())
 
 
-def _json(document) -> httpbody_pb2.HttpBody:
-    return compat._json(document)
-
-
 def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> str:
     """The name of the model `route` serves: the named one, else the one of `kinds`, an embedding
     model first (server/models/model_resolver.py)."""
@@ -133,7 +133,7 @@ def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> 
 # ------------------------------------------------------------------- routes
 async def embed(service, request) -> httpbody_pb2.HttpBody:
     opts = embed_options(request, "/embed")
-    texts, token_ids = compat.embedding_inputs(request.inputs)
+    texts, token_ids = embedding_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
     if texts is not None:
         model, pooled, _ = await service.registry.embed(name, texts, opts)
@@ -148,11 +148,11 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
     vectors = postprocess.finish_embeddings(
         pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions, truncate_dim=model.spec.truncate_dim
     )
-    return _body("[" + ",".join(compat.float_rows(model.spec.name, vectors)) + "]")
+    return _body("[" + ",".join(float_rows(model.spec.name, vectors)) + "]")
 
 
 def _texts(request, route: str) -> list[str]:
-    texts, _ = compat.embedding_inputs(request.inputs)
+    texts, _ = embedding_inputs(request.inputs)
     if texts is None:
         raise InvalidInput(f"{route} takes text inputs, not token ids")
     return texts
@@ -177,7 +177,7 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
         model, rows, _ = await multimodal.embed_multivector(
             service.registry, name, [Content(text=t) for t in texts], replace(opts, prompt=prompt, prompt_name="")
         )
-    rendered = ("[" + ",".join(compat.float_rows(model.spec.name, r)) + "]" for r in rows)
+    rendered = ("[" + ",".join(float_rows(model.spec.name, r)) + "]" for r in rows)
     return _body("[" + ",".join(rendered) + "]")
 
 
@@ -189,7 +189,7 @@ async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
     _, vectors, _ = await multimodal.embed_sparse(
         service.registry, name, texts, replace(opts, prompt=prompt, prompt_name="")
     )
-    return _json(
+    return json_body(
         [
             [{"index": int(i), "value": float(v)} for i, v in zip(indices, values, strict=True)]
             for indices, values in vectors
@@ -247,7 +247,7 @@ async def predict(service, request) -> httpbody_pb2.HttpBody:
     if activation:  # monotonic within a row: the best-first order of the logits holds
         results = [_activated(row, activation) for row in results]
     results = [row[: top_k or None] for row in results]
-    return _json(results if batched else results[0])
+    return json_body(results if batched else results[0])
 
 
 def _activated(row: list[dict], activation) -> list[dict]:
@@ -272,7 +272,7 @@ async def similarity(service, request) -> httpbody_pb2.HttpBody:
     # Cosine over the served width (a truncate_dim model's first dimensions), as sentence-transformers'
     # similarity computes it on the vectors encode returns.
     vectors = postprocess.finish_embeddings(pooled, normalize=True, dimensions=model.spec.served_width(pooled.shape[1]))
-    return _json([float(s) for s in vectors[1:] @ vectors[0]])
+    return json_body([float(s) for s in vectors[1:] @ vectors[0]])
 
 
 async def rerank(service, request) -> httpbody_pb2.HttpBody:
@@ -294,19 +294,19 @@ async def rerank(service, request) -> httpbody_pb2.HttpBody:
         if request.return_text:
             result["text"] = texts[i]
         results.append(result)
-    return _json(results)
+    return json_body(results)
 
 
 async def tokenize(service, request) -> httpbody_pb2.HttpBody:
     model = service.registry.get(request.model)
-    texts = service.registry.check_inputs(compat.string_list(request.inputs, "inputs"))
+    texts = service.registry.check_inputs(string_list(request.inputs, "inputs"))
     prefix = service.registry.prompt_text(model, "", request.prompt_name) if request.prompt_name else ""
     texts = [prefix + t for t in texts]
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
     await service.registry.check_token_floor(model, texts)
     encodings = await model.tokenizer.tokenize(texts, add_special)
     service.registry.check_token_budget(0, sum(len(e.ids) for e in encodings))
-    return _json([_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)])
+    return json_body([_tokens(text, encoding) for text, encoding in zip(texts, encodings, strict=True)])
 
 
 def _tokens(text: str, encoding) -> list[dict]:
@@ -347,7 +347,7 @@ async def decode(service, request) -> httpbody_pb2.HttpBody:
     tokenizer = model.tokenizer.untruncated
     sequences = decode_ids(request.ids, tokenizer.get_vocab_size(with_added_tokens=True))
     skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-    return _json(tokenizer.decode_batch(sequences, skip_special_tokens=skip))
+    return json_body(tokenizer.decode_batch(sequences, skip_special_tokens=skip))
 
 
 # TEI's name for a pooling mode where it differs from sentence-transformers'.
@@ -371,7 +371,7 @@ async def info(service, request) -> httpbody_pb2.HttpBody:
     model = service.registry.get(request.model)
     config = service.registry.config
     limits = model.scheduler.limits[Priority.INTERACTIVE]
-    return _json(
+    return json_body(
         {
             "model_id": model.spec.name,
             "model_sha": None,

@@ -62,7 +62,7 @@ EXCEPTIONS = {
     ("bench/options.py", "encoderd.server.scheduling.placement"),
     # `bench.rest --stub`: a stand-in gRPC server behind a real Envoy gateway, to measure the gateway
     # alone; it answers with the server's own response envelope so the bytes are the real ones.
-    ("bench/rest.py", "encoderd.server.api.compat"),
+    ("bench/rest.py", "encoderd.server.api.rest"),
     ("bench/rest.py", "encoderd.gateway.envoy"),
     ("bench/rest.py", "encoderd.gateway.process"),
     # `bench.flood --front`: the shipped gRPC front (deploy/envoy/front.yaml) on the Envoy binary the gateway uses.
