@@ -26,7 +26,8 @@ from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind, modali
 from ..models import multimodal
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
-from ..models.registry import ModelRegistry, ServedModel
+from ..models.registry import ModelRegistry
+from ..models.served import ServedModel
 from ..ops import metrics
 from ..scheduling.scheduler import Priority
 from . import cohere_embed, openapi, postprocess, tei

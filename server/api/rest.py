@@ -106,7 +106,7 @@ def string_list(value: struct_pb2.Value, what: str) -> list[str]:
 
 
 # ----------------------------------------------------------------- responses
-def json_body(document: dict) -> httpbody_pb2.HttpBody:
+def json_body(document: dict | list) -> httpbody_pb2.HttpBody:
     return httpbody_pb2.HttpBody(
         content_type="application/json",
         data=json.dumps(document, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode(),

@@ -20,7 +20,7 @@ from google.rpc import status_pb2
 from ...v1 import encoderd_pb2 as pb
 from ...workers.contract.model_spec import ModelKind
 from ..models.compute import check_text
-from ..models.registry import check_width
+from ..models.served import check_width
 from ..ops import metrics
 from ..scheduling.scheduler import Priority
 from . import postprocess, request_options

@@ -17,7 +17,8 @@ import numpy as np
 
 from ...workers.contract.model_spec import ModelKind
 from ..models import compute
-from ..models.registry import ModelRegistry, ServedModel
+from ..models.registry import ModelRegistry
+from ..models.served import ServedModel
 from .request_options import EmbedOptions
 
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -22,13 +24,35 @@ from ...workers.contract.model_spec import modalities
 from ..api.errors import BackendError, InvalidInput
 from ..scheduling.batching import MediaItem, WorkItem
 from ..scheduling.scheduler import PendingRequest, Priority
-from .media import Content, media_bytes
+from .media import Content, MediaLimits, media_bytes
 from .result_cache import TokenCount, result_key
+from .served import ServedModel
 from .tokenization import InputTooLong
 
-if TYPE_CHECKING:  # registry.py calls this module: its types only
+if TYPE_CHECKING:
     from ..ops.config import ServerConfig
-    from .registry import ModelRegistry, ServedModel
+
+
+class Serving(Protocol):
+    """What the compute path needs of its caller, the registry (registry.py, which satisfies it):
+    named here so that this module sits below the registry and never imports it."""
+
+    @property
+    def config(self) -> ServerConfig: ...
+    @property
+    def media_pool(self) -> Executor: ...  # decoding and preprocessing, off the event loop
+    @property
+    def fetch_pool(self) -> Executor: ...  # URL fetches
+    @property
+    def media_limits(self) -> MediaLimits: ...
+
+    async def check_token_floor(
+        self, model: ServedModel, texts: list[str], *, truncate: bool = False, pairs_with: str = ""
+    ) -> None: ...
+    def check_token_budget(self, floor: int, exact: int | None = None) -> None: ...
+    def admit(
+        self, model: ServedModel, texts: list[str], *, truncate: bool = True, pairs_with: str = "", priority: Priority
+    ) -> AbstractContextManager: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +96,7 @@ _A = {"text": "a text", "image": "an image", "audio": "audio"}
 
 
 async def run(
-    registry: ModelRegistry,
+    registry: Serving,
     model: ServedModel,
     inputs: Iterable[Input],
     output: Output,
@@ -168,7 +192,7 @@ def check_text(config: ServerConfig, text, what: str) -> str:
     return text
 
 
-async def _payloads(registry: ModelRegistry, inputs: list[Input], prefix: str, what: str) -> list[_Payload]:
+async def _payloads(registry: Serving, inputs: list[Input], prefix: str, what: str) -> list[_Payload]:
     """Texts with their prompt; media bytes given, in a data: URI or fetched (concurrently, off the
     loop): the cache keys on their digest."""
     loop = asyncio.get_running_loop()
@@ -198,7 +222,7 @@ def _key(output: Output, payload: _Payload, truncate: bool, side: str, pairs_wit
 
 
 async def _work_items(
-    registry: ModelRegistry,
+    registry: Serving,
     model: ServedModel,
     inputs: list[tuple[_Payload, str]],
     request: PendingRequest,

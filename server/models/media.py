@@ -23,7 +23,6 @@ import binascii
 import io
 import json
 import logging
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -34,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ...workers.contract.model_spec import ModelKind, ModelSpec, modalities
 from ..api.errors import InvalidInput, echo
 
 log = logging.getLogger("encoderd.media")
@@ -42,9 +40,6 @@ log = logging.getLogger("encoderd.media")
 # Pillow decodes these; others (EPS runs Ghostscript, for one) are refused before any decoding.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 _CHUNK = 64 * 1024
-# transformers' lazy imports are not thread-safe: two models loading processors at once can
-# see a half-imported module ("cannot import name AutoImageProcessor").
-_LOAD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,26 +281,6 @@ class AudioPreprocessor:
 
 
 PREPROCESSORS = {"image": ImagePreprocessor, "audio": AudioPreprocessor}
-
-
-def load_preprocessors(spec: ModelSpec, limits: MediaLimits) -> dict:
-    """modality -> preprocessor for the model's media modalities ({} for text-only kinds); a
-    retrieval model's (ColPali, ColQwen2) is its processor, which builds its queries too."""
-    from .retrieval import RetrievalProcessor
-
-    loaded = {}
-    for modality in modalities(spec.kind):
-        if modality in PREPROCESSORS:
-            make = RetrievalProcessor if spec.kind == ModelKind.COLPALI else PREPROCESSORS[modality]
-            with _LOAD_LOCK:
-                loaded[modality] = make(spec.path, limits)
-            log.info(
-                "%s: %s inputs via %s",
-                spec.name,
-                modality,
-                type(getattr(loaded[modality], "processor", getattr(loaded[modality], "extractor", None))).__name__,
-            )
-    return loaded
 
 
 def _read_json(path: Path) -> dict:

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from ...workers.contract.model_spec import ModelKind, indefinite_article
 from ..api.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind, echo
-
-if TYPE_CHECKING:
-    from .registry import ServedModel
+from .served import ServedModel
 
 # What Infinity's client sends as `model` when its caller names none: no name.
 INFINITY_NO_MODEL = "default/not-specified"

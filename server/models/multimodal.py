@@ -26,7 +26,8 @@ from ..api.request_options import EmbedOptions, RerankOptions
 from ..scheduling.scheduler import Priority
 from . import compute
 from .media import Content
-from .registry import ModelRegistry, ServedModel, check_width
+from .registry import ModelRegistry
+from .served import ServedModel, check_width
 
 SINGLE_VECTOR_KINDS = (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP)
 

@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -22,88 +21,27 @@ from tokenizers import Tokenizer
 
 from ...workers.contract.config import BackendOptions, WorkerConfig
 from ...workers.contract.model_files import resolve_model_path
-from ...workers.contract.model_spec import ModelKind, ModelSpec, Pooling, check_prompts, modalities
-from ...workers.contract.protocol import HEARTBEAT_INTERVAL, WorkerReady
+from ...workers.contract.model_spec import ModelKind, ModelSpec, Pooling, check_prompts
+from ...workers.contract.protocol import HEARTBEAT_INTERVAL
 from ...workers.contract.spec_reader import load_model_spec
 from ..api.errors import InvalidInput, echo
-from ..api.postprocess import check_dimensions
 from ..api.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..ops import metrics
 from ..ops.config import ModelConfig, ServerConfig
-from ..scheduling.batching import BatchLimits
 from ..scheduling.placement import Placement, plan_replicas
-from ..scheduling.scheduler import ModelScheduler, Priority
+from ..scheduling.scheduler import Priority
 from ..scheduling.worker_client import WorkerClient
 from ..scheduling.zygote_client import shared_zygote
 from . import compute
 from .choices import explain
-from .media import MediaLimits, load_preprocessors
+from .media import MediaLimits
 from .model_resolver import resolve
+from .preprocessors import load_preprocessors
 from .result_cache import ResultCache, TokenCount
+from .served import ServedModel, check_width, start_reporting_progress, start_scheduler
 from .tokenization import ModelTokenizer
 
 log = logging.getLogger("encoderd.engine")
-
-PROGRESS_EVERY_S = 10.0  # between "still loading" lines while a model's workers start
-
-
-async def _start_reporting_progress(name: str, replicas: Sequence[WorkerClient]) -> list[WorkerReady]:
-    """Start a model's workers, saying every PROGRESS_EVERY_S that they are still at it: a load, an
-    export or a warm-up can take minutes, and a log file or a journal shows no progress bar."""
-    task = asyncio.ensure_future(asyncio.gather(*(replica.start() for replica in replicas)))
-    began = time.perf_counter()
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=PROGRESS_EVERY_S)
-            if done:
-                return task.result()
-            waiting = sum(not r.ready for r in replicas)
-            log.info(
-                "model %s: %d of %d worker(s) still loading after %.0fs (their lines say which step)",
-                name,
-                waiting,
-                len(replicas),
-                time.perf_counter() - began,
-            )
-    except asyncio.CancelledError:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise
-
-
-@dataclass
-class ServedModel:
-    spec: ModelSpec
-    tokenizer: ModelTokenizer
-    replicas: list[WorkerClient]
-    scheduler: ModelScheduler
-    engine: str
-    dtype: str
-    results: ResultCache
-    prompts: dict[str, str]
-    media: dict = field(default_factory=dict)  # modality -> preprocessor (server/models/media.py), media kinds only
-    fidelity_status: str = ""  # the first replica's start-up self-check (workers/fidelity.py)
-    fidelity: tuple = ()  # its protocol.FidelityFigure's
-
-    @property
-    def ready(self) -> bool:
-        return self.scheduler.ready
-
-    @property
-    def output_dim(self) -> int:
-        infos = [r.ready_info for r in self.replicas if r.ready_info]
-        if infos:
-            return self.spec.served_width(infos[0].output_dim)
-        return (
-            len(self.spec.labels)
-            if self.spec.kind in (ModelKind.RERANKER, ModelKind.CLASSIFIER)
-            else self.spec.served_width(self.spec.hidden_size)
-        )
-
-
-def check_width(model: ServedModel, options: EmbedOptions) -> None:
-    """`dimensions` within the model's width, before any work (the vectors would be refused after)."""
-    check_dimensions(options.dimensions, model.output_dim, options.dimensions_field)
 
 
 class ModelRegistry:
@@ -162,7 +100,7 @@ class ModelRegistry:
         replicas = [self._replica(spec, placement, cfg) for placement in placements]
         started = time.perf_counter()
         log.info("starting %d worker(s) for %s (%s, kind=%s)", len(replicas), spec.name, path, spec.kind.value)
-        infos = await _start_reporting_progress(spec.name, replicas)
+        infos = await start_reporting_progress(spec.name, replicas)
         log.info(
             "model %s ready in %.1fs (pids %s, %s/%s; fidelity %s%s)",
             spec.name,
@@ -184,7 +122,7 @@ class ModelRegistry:
         )
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
-        scheduler = self._scheduler(spec, replicas, cfg, padded=any(i.is_padded for i in infos))
+        scheduler = start_scheduler(spec, replicas, cfg, padded=any(i.is_padded for i in infos))
         return ServedModel(
             spec,
             tokenizer,
@@ -198,27 +136,6 @@ class ModelRegistry:
             infos[0].fidelity_status,
             infos[0].fidelity,
         )
-
-    def _scheduler(
-        self, spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerConfig, padded: bool
-    ) -> ModelScheduler:
-        mixed = len(modalities(spec.kind)) > 1
-        limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
-        bulk_tokens = min(cfg.bulk_batch_tokens or cfg.max_batch_tokens, cfg.max_batch_tokens)
-        bulk_limits = BatchLimits(cfg.max_batch_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
-        scheduler = ModelScheduler(
-            spec.name,
-            replicas,
-            limits,
-            bulk_limits=bulk_limits,
-            batch_delay=cfg.batch_delay_ms / 1000,
-            max_queued=cfg.max_queued_inputs,
-            max_queued_tokens=cfg.max_queued_tokens,
-            max_queue_wait=cfg.max_queue_wait,
-            split_large=True,
-        )
-        scheduler.start()
-        return scheduler
 
     def _replica(self, spec: ModelSpec, placement: Placement, cfg: ServerConfig) -> WorkerClient:
         options = BackendOptions(
