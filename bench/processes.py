@@ -24,11 +24,15 @@ from pathlib import Path
 _GIVEN: set[int] = set()  # ports handed out in this process
 
 
+# Where the CLI has lived, newest first: server/main/ (issue #46), server/ops/, server/ before it was grouped.
+CLI_MODULES = ("encoderd.server.main.cli", "encoderd.server.ops.cli", "encoderd.server.cli")
+
+
 def serve_command(checkout: str | None = None) -> list[str]:
     """`python -m <its CLI> serve` of this checkout, or of an older one exported under `checkout`
-    (flood.export_ref), whose CLI may still be at server/cli.py (before server/ was grouped)."""
-    old = checkout is not None and (Path(checkout) / "encoderd/server/cli.py").exists()
-    return [sys.executable, "-m", "encoderd.server.cli" if old else "encoderd.server.ops.cli", "serve"]
+    (flood.export_ref), whose CLI may still be at one of its former homes (CLI_MODULES)."""
+    found = [m for m in CLI_MODULES if checkout and (Path(checkout) / (m.replace(".", "/") + ".py")).exists()]
+    return [sys.executable, "-m", (found or CLI_MODULES)[0], "serve"]
 
 
 def free_port() -> int:

@@ -1,6 +1,6 @@
 """encoderd: a serving engine for encoder models.
 
-`import encoderd` gives the in-process API (server/api/inprocess.py): `encoderd.AsyncEngine` serves
+`import encoderd` gives the in-process API (server/main/inprocess.py): `encoderd.AsyncEngine` serves
 models from this Python process over the same worker processes as `encoderd serve`. The rest of
 the distribution lives in subpackages mapped from the repository's top-level folders
 (pyproject.toml [tool.setuptools]): encoderd.server, encoderd.workers, encoderd.clients, ...
@@ -18,7 +18,7 @@ _IN_PROCESS = ("AsyncEngine", "Ranked", "Tokens", "server_config")
 
 def __getattr__(name: str):
     if name in _IN_PROCESS:
-        from .server.api import inprocess
+        from .server.main import inprocess
 
         return getattr(inprocess, name)
     raise AttributeError(f"module 'encoderd' has no attribute {name!r}")

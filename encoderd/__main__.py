@@ -2,6 +2,6 @@
 
 import sys
 
-from .server.ops.cli import main
+from .server.main.cli import main
 
 sys.exit(main())

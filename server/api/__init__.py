@@ -1,2 +1,2 @@
-"""The API surface: the gRPC services (encoderd.v1 and the Compat service Envoy transcodes to REST), the
-in-process API, request options parsed once at the edge, errors mapped to status, responses."""
+"""The API surface: the gRPC services (encoderd.v1 and the Compat service Envoy transcodes to REST, with
+its dialects and their shared REST helpers), auth, safe deserialization, responses, OpenAPI and reflection."""

@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from ...workers.contract import logs
-from ..ops import metrics
+from ..base import metrics
 
 log = logging.getLogger("encoderd.auth")
 

@@ -21,12 +21,11 @@ from google.api import httpbody_pb2
 
 from ...v1 import compat_pb2 as cpb
 from ...workers.contract.model_spec import ModelKind
-from ..models import multimodal
+from ..base.errors import InvalidInput, echo
+from ..models import multimodal, postprocess
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
-from . import postprocess
-from .errors import InvalidInput, echo
-from .request_options import EmbedOptions, positive
+from ..models.request_options import EmbedOptions, positive
 from .rest import json_body
 
 INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")

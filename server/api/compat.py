@@ -23,16 +23,16 @@ from grpc_health.v1 import health_pb2
 from ...v1 import compat_pb2 as cpb
 from ...v1 import compat_pb2_grpc
 from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind, modalities
-from ..models import multimodal
+from ..base import metrics
+from ..base.errors import InvalidInput, Unavailable, echo
+from ..models import multimodal, postprocess
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
 from ..models.registry import ModelRegistry
+from ..models.request_options import ClassifyOptions, EmbedOptions, RerankOptions, positive
 from ..models.served import ServedModel
-from ..ops import metrics
 from ..scheduling.scheduler import Priority
-from . import cohere_embed, openapi, postprocess, tei
-from .errors import InvalidInput, Unavailable, echo
-from .request_options import ClassifyOptions, EmbedOptions, RerankOptions, positive
+from . import cohere_embed, openapi, tei
 from .rest import (
     embedding_inputs,
     json_body,

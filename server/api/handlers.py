@@ -15,7 +15,7 @@ from google.protobuf import empty_pb2, message_factory
 from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from .errors import echo
+from ..base.errors import echo
 
 
 class MalformedRequest:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...v1 import encoderd_pb2 as pb
-from . import postprocess
+from ..models import postprocess
 
 
 def embeddings_message(vectors, output_dtype: str) -> list[pb.Embedding]:

@@ -14,8 +14,8 @@ import numpy as np
 from google.api import httpbody_pb2
 from google.protobuf import json_format, struct_pb2
 
+from ..base.errors import BackendError, InvalidInput, echo
 from ..models.media import Content
-from .errors import BackendError, InvalidInput, echo
 
 INPUT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 

@@ -13,14 +13,13 @@ import grpc
 from ...v1 import encoderd_pb2 as pb
 from ...v1 import encoderd_pb2_grpc
 from ...workers.contract import logs
-from ..models import model_resolver, multimodal
+from ..base import metrics, tracing
+from ..base.errors import EncoderdError, InvalidInput, Overloaded, status_message
+from ..models import model_resolver, multimodal, postprocess, request_options
 from ..models.media import Content
 from ..models.registry import ModelRegistry
-from ..ops import metrics, tracing
 from ..scheduling.admission import CALL_DEADLINE
-from . import postprocess, request_options
 from .auth import presented_key
-from .errors import EncoderdError, InvalidInput, Overloaded, status_message
 from .handlers import MalformedRequest
 from .messages import embeddings_message
 from .streaming import embed_stream

@@ -19,12 +19,12 @@ from google.rpc import status_pb2
 
 from ...v1 import encoderd_pb2 as pb
 from ...workers.contract.model_spec import ModelKind
+from ..base import metrics
+from ..base.errors import EncoderdError, InvalidInput, Overloaded, Unavailable, echo, status_message
+from ..models import postprocess, request_options
 from ..models.compute import check_text
 from ..models.served import check_width
-from ..ops import metrics
 from ..scheduling.scheduler import Priority
-from . import postprocess, request_options
-from .errors import EncoderdError, InvalidInput, Overloaded, Unavailable, echo, status_message
 from .handlers import MalformedRequest
 from .messages import embeddings_message
 

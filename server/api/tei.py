@@ -21,12 +21,11 @@ from google.protobuf import json_format
 
 from ...v1 import compat_pb2 as cpb
 from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
-from ..models import multimodal
+from ..base.errors import InvalidInput, echo
+from ..models import multimodal, postprocess
 from ..models.media import Content
+from ..models.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..scheduling.scheduler import Priority
-from . import postprocess
-from .errors import InvalidInput, echo
-from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from .rest import embedding_inputs, float_rows, json_body, string_list
 from .token_states import embed_token_states
 

@@ -18,8 +18,8 @@ import numpy as np
 from ...workers.contract.model_spec import ModelKind
 from ..models import compute
 from ..models.registry import ModelRegistry
+from ..models.request_options import EmbedOptions
 from ..models.served import ServedModel
-from .request_options import EmbedOptions
 
 
 async def embed_token_states(

@@ -6,7 +6,7 @@ engine, and the fidelity fallback of an automatic dtype); this only explains the
 from __future__ import annotations
 
 from ...workers.contract import cpu_cores, hardware
-from ..ops.config import ServerConfig
+from ..base.config import ServerConfig
 from ..scheduling.placement import Placement, cpu_layout, usable_cores
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ...workers.contract.model_spec import modalities
-from ..api.errors import BackendError, InvalidInput
+from ..base.errors import BackendError, InvalidInput
 from ..scheduling.batching import MediaItem, WorkItem
 from ..scheduling.scheduler import PendingRequest, Priority
 from .media import Content, MediaLimits, media_bytes
@@ -30,7 +30,7 @@ from .served import ServedModel
 from .tokenization import InputTooLong
 
 if TYPE_CHECKING:
-    from ..ops.config import ServerConfig
+    from ..base.config import ServerConfig
 
 
 class Serving(Protocol):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..api.errors import InvalidInput, echo
+from ..base.errors import InvalidInput, echo
 
 log = logging.getLogger("encoderd.media")
 

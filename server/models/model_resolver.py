@@ -9,7 +9,7 @@ import contextvars
 from collections.abc import Collection, Mapping, Sequence
 
 from ...workers.contract.model_spec import ModelKind, indefinite_article
-from ..api.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind, echo
+from ..base.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind, echo
 from .served import ServedModel
 
 # What Infinity's client sends as `model` when its caller names none: no name.

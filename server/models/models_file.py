@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...workers.contract.model_files import revision_misplaced
-from ..ops.config import ModelConfig
+from ..base.config import ModelConfig
 from .model_options import MODEL_OPTIONS
 
 FILE_ONLY_KEYS = ("source", "prompts")

@@ -21,12 +21,12 @@ from typing import cast
 import numpy as np
 
 from ...workers.contract.model_spec import MULTI_VECTOR_KINDS, ModelKind
-from ..api.errors import InvalidInput
-from ..api.request_options import EmbedOptions, RerankOptions
+from ..base.errors import InvalidInput
 from ..scheduling.scheduler import Priority
 from . import compute
 from .media import Content
 from .registry import ModelRegistry
+from .request_options import EmbedOptions, RerankOptions
 from .served import ServedModel, check_width
 
 SINGLE_VECTOR_KINDS = (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP)

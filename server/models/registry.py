@@ -24,10 +24,9 @@ from ...workers.contract.model_files import resolve_model_path
 from ...workers.contract.model_spec import ModelKind, ModelSpec, Pooling, check_prompts
 from ...workers.contract.protocol import HEARTBEAT_INTERVAL
 from ...workers.contract.spec_reader import load_model_spec
-from ..api.errors import InvalidInput, echo
-from ..api.request_options import ClassifyOptions, EmbedOptions, RerankOptions
-from ..ops import metrics
-from ..ops.config import ModelConfig, ServerConfig
+from ..base import metrics
+from ..base.config import ModelConfig, ServerConfig
+from ..base.errors import InvalidInput, echo
 from ..scheduling.placement import Placement, plan_replicas
 from ..scheduling.scheduler import Priority
 from ..scheduling.worker_client import WorkerClient
@@ -37,6 +36,7 @@ from .choices import explain
 from .media import MediaLimits
 from .model_resolver import resolve
 from .preprocessors import load_preprocessors
+from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from .result_cache import ResultCache, TokenCount
 from .served import ServedModel, check_width, start_reporting_progress, start_scheduler
 from .tokenization import ModelTokenizer

@@ -17,8 +17,8 @@ from typing import Literal, overload
 
 import numpy as np
 
-from ..api.errors import Unavailable
-from ..ops import metrics
+from ..base import metrics
+from ..base.errors import Unavailable
 
 # (rows, token counts) for the given input indices
 ComputeFn = Callable[[list[int]], Awaitable[tuple[np.ndarray, np.ndarray]]]

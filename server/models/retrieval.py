@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..api.errors import InvalidInput
+from ..base.errors import InvalidInput
 from .media import MediaLimits, Preprocessed, decode_image
 
 

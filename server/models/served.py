@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 from ...workers.contract.model_spec import ModelKind, ModelSpec, modalities
 from ...workers.contract.protocol import WorkerReady
-from ..api.postprocess import check_dimensions
-from ..api.request_options import EmbedOptions
-from ..ops.config import ServerConfig
+from ..base.config import ServerConfig
 from ..scheduling.batching import BatchLimits
 from ..scheduling.scheduler import ModelScheduler
 from ..scheduling.worker_client import WorkerClient
+from .postprocess import check_dimensions
+from .request_options import EmbedOptions
 from .result_cache import ResultCache
 from .tokenization import ModelTokenizer
 

@@ -17,8 +17,8 @@ from typing import cast
 import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from ..api.errors import InvalidInput
-from ..ops import metrics
+from ..base import metrics
+from ..base.errors import InvalidInput
 from .token_floor import TokenFloor
 
 

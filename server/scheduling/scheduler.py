@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..api.errors import Overloaded, Unavailable
-from ..ops import metrics
+from ..base import metrics
+from ..base.errors import Overloaded, Unavailable
 from .admission import CALL_DEADLINE, DrainRate, WaitCalibration, admission, expected_wait
 from .batching import BatchLimits, WorkItem, pack, queued_cost_reaches_budget, take_batch
 from .worker_client import WorkerClient

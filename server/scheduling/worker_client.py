@@ -25,7 +25,7 @@ import zmq.asyncio
 from ...workers.contract import ipc, protocol
 from ...workers.contract.config import WorkerConfig
 from ...workers.contract.launch import run_worker
-from ..api.errors import Unavailable, worker_failure
+from ..base.errors import Unavailable, worker_failure
 from .supervisor import RestartPolicy, Supervisor
 from .zygote_client import ForkedWorker, Zygote
 

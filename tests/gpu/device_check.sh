@@ -153,7 +153,7 @@ export -f env_report install_wheels build_models run_pytest
 phase env "" env_report || { echo "no usable device: stopping"; exit 1; }
 phase install "" install_wheels || { echo "nothing to run without the packages: stopping"; exit 1; }
 export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
-phase which "" "$PYTHON" -c "import encoderd.server.ops.cli as c, grpc, google.protobuf as p, zmq, msgspec; \
+phase which "" "$PYTHON" -c "import encoderd.server.main.cli as c, grpc, google.protobuf as p, zmq, msgspec; \
 print('encoderd from', c.__file__, '| grpcio', grpc.__version__, '| protobuf', p.__version__)" || exit 1
 phase models "" build_models
 phase pytest pytest.log run_pytest

@@ -9,7 +9,7 @@ import numpy as np
 from support.nice import process_nice, thread_priorities
 from support.server import ServerProcess
 
-from encoderd.server.ops.config import WORKER_NICE
+from encoderd.server.base.config import WORKER_NICE
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.cpu_cores import choose_cpu_layout, cpu_budget
 from encoderd.workers.contract.hardware import choose_cpu_dtype

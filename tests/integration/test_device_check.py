@@ -45,7 +45,7 @@ def test_device_check_passes_on_cpu_at_tiny_sizes(tmp_path):
     assert {p.name for p in out.iterdir()} == OUTPUTS
     log = (out / "device_check.log").read_text()
     assert "== summary" in log  # everything printed is in the log file too (a run cut off still reports)
-    assert "/site/encoderd/server/ops/cli.py" in log  # the phases ran encoderd's wheel, installed --target
+    assert "/site/encoderd/server/main/cli.py" in log  # the phases ran encoderd's wheel, installed --target
 
     serve = (out / "serve.log").read_text()
     for line in ("Embed vs sentence-transformers", "EmbedStream", "Rerank vs", "Classify", "kill -9 of the worker"):

@@ -185,7 +185,7 @@ def test_the_check_of_a_logits_served_cross_encoder_compares_its_logits(tmp_path
     ones. Fails on the old code (it reported max_prob_diff, up to 4x smaller than the logits' own)."""
     from support.st_models import build_head_model
 
-    from encoderd.server.api import postprocess
+    from encoderd.server.models import postprocess
     from encoderd.workers import calibration, fidelity
     from encoderd.workers.backends import BackendOptions, create_backend
     from encoderd.workers.contract.model_spec import ScoreActivation

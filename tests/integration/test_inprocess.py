@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import encoderd
-from encoderd.server.api.errors import ModelNotFound, WrongModelKind
+from encoderd.server.base.errors import ModelNotFound, WrongModelKind
 from encoderd.server.scheduling.worker_client import WorkerStartError
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path

@@ -19,7 +19,7 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor
 from support.server import ServerProcess
 
-from encoderd.server.api.errors import STATUS_MESSAGE_BYTES
+from encoderd.server.base.errors import STATUS_MESSAGE_BYTES
 from encoderd.v1 import compat_pb2, encoderd_pb2, encoderd_pb2_grpc
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from support.nice import thread_priorities
 
-from encoderd.server.ops.config import WORKER_NICE
+from encoderd.server.base.config import WORKER_NICE
 from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
 from encoderd.workers.contract.model_files import default_model_path

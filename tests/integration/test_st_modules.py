@@ -23,7 +23,7 @@ from support.corpus import sentences
 from support.server import ServerProcess
 from support.st_models import NORMALIZE, Dense, build_head_model, build_st_model
 
-from encoderd.server.api import postprocess
+from encoderd.server.models import postprocess
 from encoderd.server.models.tokenization import ModelTokenizer
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder

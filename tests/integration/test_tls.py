@@ -169,7 +169,7 @@ def test_a_killed_tls_server_leaves_no_socket_behind(servers):
 
 def _start_error(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "encoderd.server.ops.cli", "serve", "--no-rest", "--grpc-port", "0", *args],
+        [sys.executable, "-m", "encoderd.server.main.cli", "serve", "--no-rest", "--grpc-port", "0", *args],
         capture_output=True,
         text=True,
         timeout=60,

@@ -2,7 +2,7 @@
 
 A real worker process over ZeroMQ (the test reranker, torch, one thread) is sent batches the
 frontend's own checks would have stopped earlier, so the worker's refusal is what answers: each
-arrives at the frontend as the error server/api/errors.py's WORKER_FAILURES maps its code to, whose
+arrives at the frontend as the error server/base/errors.py's WORKER_FAILURES maps its code to, whose
 `code` is the gRPC status the RPC fails with (server/api/handlers.py). Device out-of-memory cannot
 happen on this CPU machine; tests/unit/test_oom_split.py sends one through the worker's batch loop
 and wire instead.
@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from encoderd.server.api.errors import EncoderdError, Unavailable
+from encoderd.server.base.errors import EncoderdError, Unavailable
 from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
 from encoderd.workers.contract.model_spec import ModelKind

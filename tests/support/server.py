@@ -73,7 +73,7 @@ class ServerProcess:
         # The child keeps its own copy of the log's descriptor.
         with open(self.log_path, "wb") if self.log_path else contextlib.nullcontext(subprocess.DEVNULL) as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "encoderd.server.ops.cli", "serve", *self.args],
+                [sys.executable, "-m", "encoderd.server.main.cli", "serve", *self.args],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from encoderd.server.api.errors import Overloaded
+from encoderd.server.base.errors import Overloaded
 from encoderd.server.scheduling.admission import (
     CALIBRATION_RANGE,
     CALL_DEADLINE,

@@ -7,10 +7,10 @@ import re
 import numpy as np
 import pytest
 
-from encoderd.server.api.errors import InvalidInput
+from encoderd.server.base.config import ServerConfig
+from encoderd.server.base.errors import InvalidInput
 from encoderd.server.models.compute import TokenIds, check_inputs
 from encoderd.server.models.media import Content
-from encoderd.server.ops.config import ServerConfig
 
 CONFIG = ServerConfig((), max_inputs_per_request=3, max_input_chars=10)
 CLIP = ("text", "image")

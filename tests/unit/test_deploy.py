@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from encoderd.server.ops.cli import _env_name, build_parser
+from encoderd.server.main.cli import _env_name, build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMD = ROOT / "deploy" / "systemd"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from encoderd.server.api.errors import ECHO_CHARS, STATUS_MESSAGE_BYTES, ModelNotFound, echo, status_message
+from encoderd.server.base.errors import ECHO_CHARS, STATUS_MESSAGE_BYTES, ModelNotFound, echo, status_message
 from encoderd.server.models.model_resolver import resolve
 
 

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from encoderd.server.api import postprocess
+from encoderd.server.models import postprocess
 from encoderd.workers import calibration, fidelity
 from encoderd.workers.contract.config import BackendOptions, WorkerConfig
 from encoderd.workers.contract.model_files import default_model_path
@@ -347,7 +347,7 @@ def test_auto_keeps_float32_where_the_check_cannot_measure(monkeypatch, minilm_s
     [([], {}, False), (["--allow-low-fidelity"], {}, True), ([], {"ENCODERD_ALLOW_LOW_FIDELITY": "1"}, True)],
 )
 def test_allow_low_fidelity_flag_and_env(monkeypatch, argv, env, allowed):
-    from encoderd.server.ops.cli import build_parser, config_from_args
+    from encoderd.server.main.cli import build_parser, config_from_args
 
     monkeypatch.delenv("ENCODERD_ALLOW_LOW_FIDELITY", raising=False)
     for name, value in env.items():

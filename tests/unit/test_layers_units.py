@@ -56,7 +56,7 @@ EXCEPTIONS = {
     ("bench/fidelity_holdout.py", "encoderd.workers.backends"),
     # `encoderd bench`: the CLI hands the rest of its command line to the benchmark (imported lazily:
     # test_the_frontend_loads_without_the_worker_code checks the CLI loads without it).
-    ("server/ops/cli.py", "encoderd.bench.runner"),
+    ("server/main/cli.py", "encoderd.bench.runner"),
     # The FLOP peak is the matmul rate of the threads the started server will use: the server's own
     # layout rule for the same --serve-args (a copy would drift from it).
     ("bench/options.py", "encoderd.server.scheduling.placement"),
@@ -160,12 +160,12 @@ def test_every_exception_is_still_needed():
         ("encoderd.workers.process", "encoderd.server.logs", "workers never import"),
         ("encoderd.server.models.registry", "encoderd.workers.process", "frontend imports only the contract"),
         ("encoderd.gateway.envoy", "encoderd.workers.backends.base", "frontend imports only the contract"),
-        ("encoderd.clients.bulk", "encoderd.server.api.errors", "clients import neither"),
+        ("encoderd.clients.bulk", "encoderd.server.base.errors", "clients import neither"),
         ("encoderd.clients.bulk", "encoderd.workers.contract.protocol", "clients import neither"),
         ("encoderd.workers.contract.protocol", "encoderd.workers.backends", "contract imports nothing"),
         ("encoderd.bench.modes", "encoderd.server.scheduling.scheduler", "the benchmark is a client"),
         ("encoderd.bench.packed", "encoderd.workers.process", "the benchmark is a client"),
-        ("encoderd.server.ops.app", "encoderd.bench.runner", "nothing imports the benchmark"),
+        ("encoderd.server.main.app", "encoderd.bench.runner", "nothing imports the benchmark"),
         ("encoderd.workers.process", "encoderd.bench.corpus", "nothing imports the benchmark"),
     ],
 )
@@ -221,7 +221,8 @@ def test_the_frontend_loads_without_the_worker_code():
     heavy = ("torch", "transformers", "onnxruntime", "ctranslate2")
     heavy += ("encoderd.workers.process", "encoderd.workers.backends", "encoderd.bench")
     script = (
-        "import sys; import encoderd.server.ops.cli, encoderd.server.ops.app, encoderd.server.scheduling.worker_client;"
+        "import sys; import encoderd.server.main.cli, encoderd.server.main.app,"
+        " encoderd.server.scheduling.worker_client;"
         f"print(','.join(m for m in {heavy!r} if m in sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)

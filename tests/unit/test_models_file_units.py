@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from encoderd.server.ops.cli import build_parser, config_from_args
+from encoderd.server.main.cli import build_parser, config_from_args
 
 MODELS = """\
     # two models, each with its own engine and precision

@@ -7,10 +7,10 @@ from collections import deque
 import numpy as np
 import pytest
 
-from encoderd.server.api.errors import InvalidInput
+from encoderd.server.base.errors import InvalidInput
+from encoderd.server.main.cli import parse_model
 from encoderd.server.models.media import Content, MediaLimits, data_uri_bytes, media_bytes
 from encoderd.server.models.multimodal import maxsim_scores, sparsify
-from encoderd.server.ops.cli import parse_model
 from encoderd.server.scheduling.batching import BatchLimits, MediaItem, WorkItem, pack, take_batch
 from encoderd.workers.contract import protocol
 from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError

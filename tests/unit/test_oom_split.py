@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from encoderd.server.api.errors import EncoderdError, worker_failure
+from encoderd.server.base.errors import EncoderdError, worker_failure
 from encoderd.workers.contract import protocol
 from encoderd.workers.contract.errors import ErrorCode
 from encoderd.workers.contract.protocol import Ragged, TokenBatch

@@ -1,10 +1,10 @@
-"""The integer output dtypes follow the proto's formulas exactly (server/api/postprocess.py)."""
+"""The integer output dtypes follow the proto's formulas exactly (server/models/postprocess.py)."""
 
 from fractions import Fraction
 
 import numpy as np
 
-from encoderd.server.api.postprocess import quantize
+from encoderd.server.models.postprocess import quantize
 
 # float32 values whose scaled value float32 arithmetic rounds across a .5 boundary (found by search):
 # the served byte was one step off the formula for each.

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tokenizers import Tokenizer
 
-from encoderd.server.api.errors import InvalidInput
+from encoderd.server.base.errors import InvalidInput
 from encoderd.server.models.tokenization import ModelTokenizer, pair_lengths
 from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.tokenizer import load_tokenizer

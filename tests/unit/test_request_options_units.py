@@ -1,4 +1,4 @@
-"""Issue 20: request options parsed in one place (server/api/request_options.py) and one model
+"""Issue 20: request options parsed in one place (server/models/request_options.py) and one model
 resolver (server/models/model_resolver.py), on real proto messages."""
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from encoderd.server.api import request_options
-from encoderd.server.api.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
-from encoderd.server.models import model_resolver
+from encoderd.server.base.errors import InvalidInput, ModelNotFound, Unavailable, WrongModelKind
+from encoderd.server.models import model_resolver, request_options
 from encoderd.server.models.model_resolver import resolve
 from encoderd.server.scheduling.scheduler import Priority
 from encoderd.v1 import encoderd_pb2 as pb

@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from encoderd.server.api.errors import InvalidInput, Overloaded, Unavailable
+from encoderd.server.base.errors import InvalidInput, Overloaded, Unavailable
 from encoderd.server.models.result_cache import ResultCache
 
 

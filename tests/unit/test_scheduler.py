@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from encoderd.server.api.errors import Overloaded, Unavailable
+from encoderd.server.base.errors import Overloaded, Unavailable
 from encoderd.server.scheduling.batching import BatchLimits, WorkItem
 from encoderd.server.scheduling.scheduler import ModelScheduler, PendingRequest, Priority
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from encoderd.server.api.errors import InvalidInput
 from encoderd.server.api.streaming import _Stream
+from encoderd.server.base.errors import InvalidInput
 from encoderd.server.models.result_cache import TokenCount
 from encoderd.v1 import encoderd_pb2 as pb
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from encoderd.server.ops import systemd
+from encoderd.server.base import systemd
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from google.protobuf import struct_pb2
 
-from encoderd.server.api.errors import InvalidInput
 from encoderd.server.api.tei import predict_inputs
+from encoderd.server.base.errors import InvalidInput
 from encoderd.server.scheduling.batching import WorkItem, pack
 
 

@@ -19,7 +19,7 @@ WORKER_NICE = 10
 class ModelConfig:
     name: str
     source: str  # local directory or Hugging Face hub id
-    kind: str | None = None  # force a kind (server/ops/cli.py KINDS)
+    kind: str | None = None  # force a kind (server/models/model_options.py KINDS)
     device: str | None = None  # this model's devices; None = the server's --device
     revision: str | None = None  # hub models: branch, tag or commit; None = the default branch
     pooling: str | None = None  # a workers.contract.model_spec.Pooling value instead of the model's own

@@ -21,10 +21,10 @@ from ..api.auth import ApiKeyInterceptor, load_keys
 from ..api.compat import CompatService
 from ..api.handlers import add_servicer
 from ..api.service import EncoderService
+from ..base import systemd, tls, tracing
+from ..base.config import ServerConfig
+from ..base.startup import StartupError, any_free_port, check_ports
 from ..models.registry import ModelRegistry
-from . import systemd, tls, tracing
-from .config import ServerConfig
-from .startup import StartupError, any_free_port, check_ports
 
 log = logging.getLogger("encoderd")
 

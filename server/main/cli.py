@@ -21,6 +21,8 @@ from ...workers.contract.logs import configure_logging
 from ...workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 from ...workers.contract.model_spec import ModelLoadError, Pooling
 from ...workers.contract.protocol import HEARTBEAT_INTERVAL
+from ..base.config import WORKER_NICE, ModelConfig, ServerConfig
+from ..base.tls import TlsFiles
 from ..models.model_options import (
     DTYPES,
     ENGINES,
@@ -34,8 +36,6 @@ from ..models.model_options import (
     whole_number,
 )
 from ..models.models_file import ModelsFile, ModelsFileError, load_models_file
-from .config import WORKER_NICE, ModelConfig, ServerConfig
-from .tls import TlsFiles
 
 
 def _env_name(flag: str) -> str:
@@ -758,9 +758,9 @@ def _models_file(path: str | None) -> ModelsFile | None:
 def _startup_errors() -> tuple[type[Exception], ...]:
     from ...gateway.envoy import GatewayError
     from ...workers.contract.model_spec import ModelLoadError
+    from ..base.startup import StartupError
     from ..scheduling.placement import PlacementError
     from ..scheduling.worker_client import WorkerStartError
-    from .startup import StartupError
 
     return StartupError, ModelLoadError, WorkerStartError, GatewayError, PlacementError
 

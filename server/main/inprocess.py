@@ -1,5 +1,5 @@
 """The in-process API (`import encoderd`): the server's model registry and worker processes, driven from
-Python without gRPC. Options go through the server's own parser (server/ops/cli.py), so a model runs
+Python without gRPC. Options go through the server's own parser (server/main/flags.py), so a model runs
 with exactly the settings `encoderd serve` would give it, and results are post-processed by the
 same functions as the gRPC responses: the same numbers, as numpy arrays.
 
@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..base.config import ServerConfig
+from ..base.errors import EncoderdError, InvalidInput, echo
+from ..models import request_options
+from ..models.postprocess import QUANTIZERS, finish_requested, quantize, rank, scores
 from ..models.registry import ModelRegistry
-from ..ops.cli import build_parser, config_from_args
-from ..ops.config import ServerConfig
+from ..models.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..scheduling.scheduler import Priority
-from . import request_options
-from .errors import EncoderdError, InvalidInput, echo
-from .postprocess import QUANTIZERS, finish_requested, quantize, rank, scores
-from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
+from .cli import build_parser, config_from_args
 
 OUTPUT_DTYPES = ("float32", *QUANTIZERS)
 SIDES = ("right", "left")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ...v1 import encoderd_pb2 as pb
+from ..base.errors import InvalidInput
 from ..scheduling.scheduler import DEFAULT_PRIORITY, Priority
-from .errors import InvalidInput
 
 SIDES: dict[int, str] = {
     pb.TRUNCATION_DIRECTION_UNSPECIFIED: "right",

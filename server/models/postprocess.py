@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import InvalidInput
+from ..base.errors import InvalidInput
 
 if TYPE_CHECKING:
     from ...workers.contract.model_spec import ModelSpec
@@ -36,7 +36,7 @@ def finish_embeddings(
 
 
 def finish_requested(pooled: np.ndarray, spec: ModelSpec, options: EmbedOptions) -> np.ndarray:
-    """finish_embeddings as a request's EmbedOptions ask (server/api/request_options.py) of `spec`'s model."""
+    """finish_embeddings as a request's EmbedOptions ask (server/models/request_options.py) of `spec`'s model."""
     return finish_embeddings(
         pooled,
         normalize=options.normalizes(spec.normalize),

@@ -1,1 +1,0 @@
-"""Operations: the CLI, configuration, the gRPC app, TLS, tracing, metrics, systemd, start-up checks."""
