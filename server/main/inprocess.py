@@ -26,7 +26,8 @@ from ..models.postprocess import QUANTIZERS, finish_requested, quantize, rank, s
 from ..models.registry import ModelRegistry
 from ..models.request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from ..scheduling.scheduler import Priority
-from .cli import build_parser, config_from_args
+from .configure import config_from_args
+from .flags import build_parser
 
 OUTPUT_DTYPES = ("float32", *QUANTIZERS)
 SIDES = ("right", "left")

@@ -1,5 +1,5 @@
 """Per-model settings, one table for every way to give them: a models file's keys
-(server/models/models_file.py) and the `--FLAG [NAME=]VALUE` flags (server/main/cli.py) go through the same
+(server/models/models_file.py) and the `--FLAG [NAME=]VALUE` flags (server/main/flags.py) go through the same
 value parsers, so both build the same ModelConfig and refuse a bad value with the same words."""
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class ModelOption:
 
 
 # Keyed by the flag's name: `--max-length m=128` is `max-length = 128` in a model's table. The models
-# file takes every key; PER_MODEL_FLAGS in server/main/cli.py lists the ones with a `[NAME=]VALUE` flag.
+# file takes every key; PER_MODEL_FLAGS in server/main/flag_env.py lists the ones with a `[NAME=]VALUE` flag.
 MODEL_OPTIONS: dict[str, ModelOption] = {
     "kind": ModelOption("kind", choice(KINDS, "kind")),
     "device": ModelOption("device", device_list),
@@ -99,7 +99,7 @@ MODEL_OPTIONS: dict[str, ModelOption] = {
 }
 
 
-# ------------------------------------------------- the `[NAME=]VALUE` flags (server/main/cli.py)
+# ------------------------------------------------- the `[NAME=]VALUE` flags (server/main/flag_env.py)
 def parse_per_model(flag: str, parse_value: Callable[[str], object]) -> Callable[[str], tuple[str | None, object]]:
     """The argparse type of a per-model flag: `[NAME=]VALUE` -> (NAME or None for every model, value)."""
 
@@ -141,7 +141,7 @@ class NameableValue(argparse.Action):
             )
 
 
-# Nameable number flags whose bare 0 leaves the value to the host (cli.py's help says so for each).
+# Nameable number flags whose bare 0 leaves the value to the host (server/main/flags.py: the help says so for each).
 ZERO_MEANS_CHOSEN = ("--replicas", "--cpu-threads", "--batch-size")
 
 

@@ -8,7 +8,8 @@ import pytest
 from test_hardware import host
 
 from encoderd.server.base.config import WORKER_NICE
-from encoderd.server.main.cli import build_parser, config_from_args
+from encoderd.server.main.configure import config_from_args
+from encoderd.server.main.flags import build_parser
 from encoderd.server.scheduling import placement
 from encoderd.workers.contract.cpu_cores import CpuBudget, choose_cpu_layout, parse_cgroup_v1, parse_cgroup_v2
 from encoderd.workers.contract.hardware import choose_cpu_dtype, explicit_dtype_note

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from encoderd.server.main.cli import _env_name, build_parser
+from encoderd.server.main.flag_env import env_name
+from encoderd.server.main.flags import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMD = ROOT / "deploy" / "systemd"
@@ -41,7 +42,7 @@ def cli_env_variables() -> dict[str, str]:
     for action in commands.choices["serve"]._actions:
         flags = [f for f in action.option_strings if f.startswith("--") and f != "--help"]
         if flags:
-            found[_env_name(flags[0])] = flags[0]
+            found[env_name(flags[0])] = flags[0]
     return found
 
 

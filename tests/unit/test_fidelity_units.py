@@ -347,7 +347,8 @@ def test_auto_keeps_float32_where_the_check_cannot_measure(monkeypatch, minilm_s
     [([], {}, False), (["--allow-low-fidelity"], {}, True), ([], {"ENCODERD_ALLOW_LOW_FIDELITY": "1"}, True)],
 )
 def test_allow_low_fidelity_flag_and_env(monkeypatch, argv, env, allowed):
-    from encoderd.server.main.cli import build_parser, config_from_args
+    from encoderd.server.main.configure import config_from_args
+    from encoderd.server.main.flags import build_parser
 
     monkeypatch.delenv("ENCODERD_ALLOW_LOW_FIDELITY", raising=False)
     for name, value in env.items():

@@ -186,7 +186,7 @@ def test_the_torch_engine_runs_float8_on_the_gpu_padding_free(tmp_path):
 
 def test_serve_help_names_float8_and_says_which_gpu_engines_never_ran_on_a_gpu():
     """Issue 41.4: the onnx, tensorrt and ctranslate2 CUDA rows are built, not verified; --help says so."""
-    from encoderd.server.main.cli import build_parser
+    from encoderd.server.main.flags import build_parser
 
     parser = build_parser()
     serve = next(a for a in parser._subparsers._group_actions if a.choices).choices["serve"]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from support.model_repos import build_hub_cache
 
-from encoderd.server.main.cli import build_parser, config_from_args
+from encoderd.server.main.configure import config_from_args
+from encoderd.server.main.flags import build_parser
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path, resolve_model_path
 from encoderd.workers.contract.model_spec import ModelKind, ModelLoadError, Pooling
 from encoderd.workers.contract.spec_reader import load_model_spec, require_known_architectures

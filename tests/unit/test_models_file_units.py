@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from encoderd.server.main.cli import build_parser, config_from_args
+from encoderd.server.main.configure import config_from_args
+from encoderd.server.main.flags import build_parser
 
 MODELS = """\
     # two models, each with its own engine and precision

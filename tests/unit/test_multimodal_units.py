@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from encoderd.server.base.errors import InvalidInput
-from encoderd.server.main.cli import parse_model
+from encoderd.server.main.flag_values import parse_model
 from encoderd.server.models.media import Content, MediaLimits, data_uri_bytes, media_bytes
 from encoderd.server.models.multimodal import maxsim_scores, sparsify
 from encoderd.server.scheduling.batching import BatchLimits, MediaItem, WorkItem, pack, take_batch
