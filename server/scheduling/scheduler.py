@@ -22,6 +22,8 @@ decides *when* and *where* to send:
     every interactive input and before bulk work, computed like bulk work (in
     the worker's bulk lane, which a query preempts), so one maximum-size call
     does not hold other callers' queries behind it.
+
+Over 400 lines for now: issue #42 is reworking admission here; splitting the queues from the dispatch waits for it.
 """
 
 from __future__ import annotations
