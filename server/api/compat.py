@@ -37,6 +37,7 @@ from .rest import (
     embedding_inputs,
     json_body,
     media_inputs,
+    reject_set,
     render_embeddings,
     render_multivectors,
     rerank_documents,
@@ -244,7 +245,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         return await tei.rerank(self, request)
 
     async def _infinity_rerank(self, request: cpb.RootRerankRequest) -> httpbody_pb2.HttpBody:
-        tei.reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
+        reject_set(request, ("return_text", "truncate", "truncation_direction"), "with `documents` (Infinity)")
         options = RerankOptions.for_call(
             raw_scores=request.raw_scores, top_n=positive(request, "top_n"), return_documents=request.return_documents
         )

@@ -1,5 +1,6 @@
 """What every REST dialect of the Compat service shares (OpenAI, Infinity, Cohere, TEI): the JSON
-values of a request read from their google.protobuf.Value, and answers rendered as JSON bytes.
+values of a request read from their google.protobuf.Value, another API's fields refused, and answers
+rendered as JSON bytes.
 
 Dialect-neutral: server/api/compat.py (OpenAI, Infinity and Cohere rerank), tei.py and
 cohere_embed.py import these; this module imports none of them.
@@ -103,6 +104,17 @@ def string_list(value: struct_pb2.Value, what: str) -> list[str]:
     if not items or any(v.WhichOneof("kind") != "string_value" for v in items):
         raise InvalidInput(f"`{what}` is required and must be a string or a non-empty list of strings")
     return [v.string_value for v in items]
+
+
+def reject_set(request, fields: tuple[str, ...], context: str) -> None:
+    """Fields of another API's shape that cannot apply here: a 400, never silently ignored."""
+    for field in fields:
+        descriptor = request.DESCRIPTOR.fields_by_name[field]
+        is_set = (
+            request.HasField(field) if descriptor.has_presence else getattr(request, field) != descriptor.default_value
+        )
+        if is_set:
+            raise InvalidInput(f"`{field}` does not apply {context}")
 
 
 # ----------------------------------------------------------------- responses
