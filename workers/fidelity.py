@@ -121,7 +121,7 @@ def min_cosine(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def served_scores(logits: np.ndarray, activation: ScoreActivation) -> np.ndarray:
-    """What the frontend serves for these logits (server/api/postprocess.py scores): a sigmoid per
+    """What the frontend serves for these logits (server/models/postprocess.py scores): a sigmoid per
     logit, a softmax over the labels, or the logits themselves."""
     logits = logits.astype(np.float64)
     if activation == ScoreActivation.IDENTITY:

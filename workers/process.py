@@ -306,7 +306,7 @@ def is_out_of_memory(exc: Exception) -> bool:
 
 
 def error_code(exc: Exception) -> ErrorCode:
-    """What a failed batch tells the frontend (server/api/errors.py maps it to a gRPC status)."""
+    """What a failed batch tells the frontend (server/base/errors.py maps it to a gRPC status)."""
     if isinstance(exc, WorkerError):
         return exc.code
     return ErrorCode.OUT_OF_MEMORY if is_out_of_memory(exc) else ErrorCode.INTERNAL

@@ -3,7 +3,7 @@ them), run once in the worker for every engine, in float32 on the CPU.
 
 A Dense module is activation(x @ W.T + b), plus `x` (or `x @ R.T`) with use_residual, exactly as
 sentence-transformers computes it; the weights come from the module's own directory. A Normalize
-after the last Dense stays the frontend's (server/api/postprocess.py), where a request may turn it off.
+after the last Dense stays the frontend's (server/models/postprocess.py), where a request may turn it off.
 Torch is imported only for models with Dense modules: the activations are torch.nn's own classes.
 """
 

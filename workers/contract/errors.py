@@ -1,7 +1,7 @@
 """Why a batch failed, as the worker tells the frontend: a code on the wire, not only a message.
 
 The worker sends each failed batch's code in its ResultHeader (protocol.py); the frontend maps
-the code to a gRPC status in one table (server/api/errors.py: WORKER_FAILURES). An engine raises one
+the code to a gRPC status in one table (server/base/errors.py: WORKER_FAILURES). An engine raises one
 of the exceptions below where it can name the failure; the worker classifies the rest
 (workers/process.py: error_code).
 """

@@ -37,7 +37,7 @@ def new_ipc_address(tag: str) -> str:
     return "ipc://" + path
 
 
-# The frontend's gRPC socket for its own Envoy when TLS is on (server/ops/app.py): in the same private
+# The frontend's gRPC socket for its own Envoy when TLS is on (server/main/app.py): in the same private
 # directory, under a fixed name, so that workers outliving a SIGKILLed frontend remove it too.
 FRONTEND_GRPC_SOCKET = "frontend-grpc.sock"
 # Its Envoy's admin interface (gateway/process.py drains Envoy through it), beside it for the same reasons.

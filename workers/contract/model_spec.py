@@ -132,7 +132,7 @@ class ModelSpec(msgspec.Struct, frozen=True):
     model_type: str = ""  # config.json's: the family engines claim or refuse (bert, qwen3, ...)
     pad_token_id: int = 0  # what padded engines fill with: decoder classifiers score the last non-pad token
     # config_sentence_transformers.json's truncate_dim (0: none): the served width, cut after the
-    # model's normalization and not re-normalized, as sentence-transformers does (server/api/postprocess.py)
+    # model's normalization and not re-normalized, as sentence-transformers does (server/models/postprocess.py)
     truncate_dim: int = 0
 
     def served_width(self, computed: int) -> int:

@@ -4,7 +4,7 @@ configs, each served as it applies it or refused at start naming the key and its
 config_sentence_transformers.json (SentenceTransformer / CrossEncoder `_parse_model_config`):
   prompts, default_prompt_name   served (prefixed to the text)
   truncate_dim                   served: the embedding is cut after the model's Normalize, not
-                                 re-normalized (server/api/postprocess.py); embedding models only
+                                 re-normalized (server/models/postprocess.py); embedding models only
   activation_fn                  served (a reranker's or classifier's score; spec_reader.py)
   similarity_fn_name             changes no vector (only SentenceTransformer.similarity)
   keep_in_fp32_modules           a CrossEncoder's reduced-precision hint: --dtype float32 computes every
