@@ -102,17 +102,9 @@ LAYERS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 SERVER_LAYERS = tuple(name for name, _ in LAYERS["encoderd.server"])
 WORKERS_LAYERS = tuple(name for name, _ in LAYERS["encoderd.workers"])
 
-# (file, imported module) imports left out of the cycle search, each with its reason.
-CYCLE_EXCEPTIONS: set[tuple[str, str]] = {
-    # Issue 46, the workers' half (branch refactor-workers), not yet merged here: the packed skeleton
-    # imports its per-family pieces while they import it, and config.py / model_spec.py / st_config.py
-    # import each other. test_every_cycle_exception_is_still_needed drops these once they are gone.
-    ("workers/backends/packed_encoder.py", "encoderd.workers.backends.packed_bert"),
-    ("workers/backends/packed_encoder.py", "encoderd.workers.backends.packed_modernbert"),
-    ("workers/backends/packed_encoder.py", "encoderd.workers.backends.packed_qwen3"),
-    ("workers/contract/model_spec.py", "encoderd.workers.contract.config"),
-    ("workers/contract/model_spec.py", "encoderd.workers.contract.st_config"),
-}
+# (file, imported module) imports left out of the cycle search, each with its reason. None today: the
+# workers' two cycles (the packed skeleton and its families; config / model_spec / st_config) are gone.
+CYCLE_EXCEPTIONS: set[tuple[str, str]] = set()
 
 
 def _within(module: str, package: str) -> bool:
