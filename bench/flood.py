@@ -1,6 +1,8 @@
 """Refusal under a flood (issue 16, finding 2; issue 42, item 2): how fast a probe hears
 RESOURCE_EXHAUSTED while many clients keep the server overloaded, how long the calls it accepted
 took, and whether health checks were answered meanwhile.
+Over 400 lines on purpose: one benchmark (servers, flood clients, probes, report) that one command
+runs end to end; nothing else imports it.
 
     python -m encoderd.bench.flood [--clients 640] [--inputs 4] [--seconds 20] [--own-connections]
                                    [--compare-ref REF] [--front MAX_REQUESTS] [--gateway MAX_IN_FLIGHT]

@@ -4,6 +4,9 @@ The REST surface is entirely Envoy's grpc_json_transcoder reading the
 google.api.http rules of protos/encoderd/v1/*.proto; this module only writes
 the files Envoy needs, for `encoderd serve` (its own child) and for operators
 (`encoderd gateway render --out DIR`).
+
+Over 400 lines on purpose: each function renders one fragment of the single envoy.yaml (listeners,
+routes, CORS, TLS, limits) from the same GatewaySettings; the fragments only make sense together.
 """
 
 from __future__ import annotations
