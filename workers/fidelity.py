@@ -293,18 +293,17 @@ def _retrieval_reference_entry(spec: ModelSpec, options, processor=None):
     )
 
 
-def _retrieval_outputs(backend, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Served and reference rows (every query's, then every page's), and whether the reference was cached."""
+def _retrieval_served(backend, spec: ModelSpec) -> np.ndarray:
+    """The served rows of the calibration set: every query's, then every page's."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(spec.path, trust_remote_code=backend.options.trust_remote_code)
-    entry = _retrieval_reference_entry(spec, backend.options, processor)
     queries, pages = calibration.retrieval_queries(), calibration.pages()
     served = [
         backend.forward(calibration.retrieval_query_batch(processor, queries)),
         backend.forward_media(calibration.retrieval_page_batch(processor, pages)),
     ]
-    return np.concatenate([rows.values for rows in served]), np.load(entry.path / REFERENCE_FILE), entry.hit
+    return np.concatenate([rows.values for rows in served])
 
 
 def _retrieval_reference(spec: ModelSpec, processor, queries: list[str], pages: list, trust: bool) -> np.ndarray:
@@ -325,32 +324,47 @@ def _retrieval_reference(spec: ModelSpec, processor, queries: list[str], pages: 
 
 
 # ---------------------------------------------------------------- the check
-def prepare_reference(spec: ModelSpec, options) -> bool:
-    """Compute and cache the float32 reference before the served model loads; whether it was cached.
+@dataclass(frozen=True)
+class Reference:
+    """The float32 reference of the calibration set, as prepare_reference found or made it."""
 
-    The reference loads its own float32 copy of the weights. Made beside the served model, a
-    start-up held both: a Qwen2-VL-2B-sized ColQwen2 peaked at ~18 GB in float32. Made first, and
-    its copy freed (and the heap trimmed) before the served one loads, the peak is one copy."""
+    rows: np.ndarray
+    cached: bool  # found in the cache, not computed at this start
+    batches: tuple[TokenBatch, ...] = ()  # the calibration batches it is of (colpali builds its own)
+
+
+def prepare_reference(spec: ModelSpec, options) -> Reference | None:
+    """The float32 reference (None for a kind the set does not cover), computed and cached on a miss.
+
+    The worker calls it before the served model loads: the reference loads its own float32 copy of
+    the weights, and made beside the served model a start-up held both (a Qwen2-VL-2B-sized ColQwen2
+    peaked at ~18 GB in float32). Made first, and its copy freed (and the heap trimmed) before the
+    served one loads, the peak is one copy. self_check takes what it returns, so the model files are
+    hashed and the set tokenized once a start."""
     if spec.kind not in CHECKED_KINDS:
-        return True
+        return None
     if spec.kind == ModelKind.COLPALI:
-        hit = _retrieval_reference_entry(spec, options).hit
+        entry = _retrieval_reference_entry(spec, options)
+        prepared = Reference(np.load(entry.path / REFERENCE_FILE), entry.hit)
     else:
         batches = calibration.batches(spec, options.max_batch_size, options.trust_remote_code)
-        hit = reference(spec, batches, options.cache_dir, options.trust_remote_code)[1]
-    if not hit:
+        rows, hit = reference(spec, batches, options.cache_dir, options.trust_remote_code)
+        prepared = Reference(rows, hit, tuple(batches))
+    if not prepared.cached:
         gc.collect()
         memory.trim_heap()
-    return hit
+    return prepared
 
 
-def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "", reference_cached: bool = True) -> Report:
+def self_check(
+    backend, spec: ModelSpec, allow_low: bool, fallback: str = "", prepared: Reference | None = None
+) -> Report:
     """Run the calibration set through `backend`, compare with the reference, log the verdict.
 
     Below a floor: with `fallback` (a dtype the server chose itself, not the operator) it warns
     that it falls back to that and reports LOW; else raises LowFidelity unless `allow_low` (then
-    it warns and reports LOW). `reference_cached`: what prepare_reference found at this start
-    (the report says "computed" when it made the reference, though self_check then reads it cached)."""
+    it warns and reports LOW). `prepared`: the reference prepare_reference made before the model
+    loaded (else it is prepared here)."""
     what = f"{spec.name} ({backend.engine} {backend.options.dtype} on {backend.options.device})"
     if spec.kind not in CHECKED_KINDS:
         log.info(
@@ -361,17 +375,17 @@ def self_check(backend, spec: ModelSpec, allow_low: bool, fallback: str = "", re
         )
         return Report(UNCHECKED, ())
     started = time.perf_counter()
+    prepared = prepared or prepare_reference(spec, backend.options)
+    assert prepared is not None  # a checked kind always has one
     if spec.kind == ModelKind.COLPALI:
-        got, want, cached = _retrieval_outputs(backend, spec)
-        inputs = len(calibration.retrieval_queries()) + len(calibration.PAGES)  # want holds their rows
+        got = _retrieval_served(backend, spec)
+        inputs = len(calibration.retrieval_queries()) + len(calibration.PAGES)  # the rows are theirs
     else:
-        batches = calibration.batches(spec, backend.options.max_batch_size, backend.options.trust_remote_code)
-        want, cached = reference(spec, batches, backend.options.cache_dir, backend.options.trust_remote_code)
-        got = np.concatenate([backend.forward(batch) for batch in batches])
-        inputs = len(want)
-    figures = judge(measure(spec, got, want), backend.options.dtype)
+        got = np.concatenate([backend.forward(batch) for batch in prepared.batches])
+        inputs = len(prepared.rows)
+    figures = judge(measure(spec, got, prepared.rows), backend.options.dtype)
     status = PASSED if all(f.passed for f in figures) else LOW
-    report = Report(status, figures, inputs, time.perf_counter() - started, cached and reference_cached)
+    report = Report(status, figures, inputs, time.perf_counter() - started, prepared.cached)
     _log_verdict(report, what, allow_low, fallback)
     return report
 

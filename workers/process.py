@@ -276,7 +276,7 @@ def _load(config: WorkerConfig) -> tuple:
         config.options.dtype,
     )
     # The float32 reference first: its copy of the weights is gone before the served one loads.
-    reference_cached = fidelity.prepare_reference(config.spec, config.options)
+    prepared = fidelity.prepare_reference(config.spec, config.options)
     backend = create_backend(config.engine, config.spec, config.options)
     backend.load()
     log.info("loaded in %.1fs; warming up", time.perf_counter() - started)
@@ -287,7 +287,7 @@ def _load(config: WorkerConfig) -> tuple:
     # one the operator named is refused (LowFidelity) or, with --allow-low-fidelity, served.
     chosen = config.options.dtype == "auto" and backend.options.dtype != "float32"
     fallback = "float32" if chosen else ""
-    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity, fallback, reference_cached)
+    check = fidelity.self_check(backend, config.spec, config.allow_low_fidelity, fallback, prepared)
     if chosen and check.status == fidelity.LOW:
         del backend
         return _load(msgspec.structs.replace(config, options=msgspec.structs.replace(config.options, dtype="float32")))
