@@ -16,7 +16,8 @@ decides *when* and *where* to send:
     rerank runs on all of them at once; a batch lost with a dying replica is
     queued again for the others;
   * a call is admitted by the time it would wait (admission.py: the work ahead
-    of it at each replica's measured drain rate), not only by the queue's size;
+    of it at each replica's measured drain rate), not only by the queue's size:
+    interactive calls within --max-queue-wait, bulk calls within their deadline;
   * an interactive request bigger than SPLIT_BATCHES batches is cut (`split_large`): its
     first batch runs as interactive work, the rest in the SPLIT queue, after
     every interactive input and before bulk work, computed like bulk work (in
@@ -131,7 +132,7 @@ class ModelScheduler:
         self.max_queued = max_queued
         self.max_queued_tokens = max_queued_tokens
         self.max_in_flight = max_in_flight
-        self.max_queue_wait = max_queue_wait  # seconds; 0 = admitted by the queue's size only
+        self.max_queue_wait = max_queue_wait  # seconds an interactive call may wait; 0 = no bound
         # An interactive request over SPLIT_BATCHES batches runs as bulk-lane work past its first batch.
         self.split_large = split_large
         self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
@@ -203,14 +204,16 @@ class ModelScheduler:
             )
 
     def _refuse_if_slow(self, own_tokens: int, priority: Priority) -> None:
-        """The time bound: refused when the work ahead would hold the call past --max-queue-wait or
-        its own deadline (admission.py)."""
+        """The time bound: refused when the work ahead would hold the call past its own deadline or,
+        for interactive work (a split request's rest included), past --max-queue-wait (admission.py).
+        A bulk call is bounded by its deadline and the memory bounds only: an ingestion job wants
+        throughput, and a refusal every few seconds cost `encoderd bench`'s bulk clients ~15 %."""
         deadline = CALL_DEADLINE.get()
         refusal = admission(
             self.tokens_ahead(priority),
             own_tokens,
             self.tokens_per_s,
-            self.max_queue_wait,
+            0.0 if priority == Priority.BULK else self.max_queue_wait,
             None if deadline is None else deadline - time.monotonic(),
         )
         if refusal:

@@ -1,7 +1,9 @@
-"""Issue 42, item 2: a call that would wait longer than --max-queue-wait is refused at once,
-RESOURCE_EXHAUSTED with a `retry-after` trailer over gRPC, 429 with Retry-After over REST, while
-health is answered. The real server, its workers and Envoy; the queue is held full by stopping the
-workers (SIGSTOP) under one bulk call of 2,048 inputs, so nothing drains until the test lets it."""
+"""Issue 42, item 2: an interactive call that would wait longer than --max-queue-wait is refused at
+once, RESOURCE_EXHAUSTED with a `retry-after` trailer over gRPC, 429 with Retry-After over REST,
+while health is answered; a bulk call is not (its deadline and the queue's size bound it). The real
+server, its workers and Envoy; the queue is held full by stopping the workers (SIGSTOP) under one
+interactive call of 2,048 inputs (split: all but its first batch wait in the SPLIT queue), so
+nothing drains until the test lets it."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 # ~200,000 tokens: at any CPU's rate (tens of thousands of tokens/s) far more than the default
 # 2 s of --max-queue-wait, and within --max-request-tokens.
 HELD = sentences(2048, min_words=60, max_words=70, seed=42)
+# Over SPLIT_BATCHES (4) batches of the default 64 inputs: its rest waits behind HELD's.
+BIG = ["one more"] * 300
 
 
 def _worker_pids(stub) -> list[int]:
@@ -72,7 +76,7 @@ def _refuse_while_held(server) -> None:
     try:
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
-        held = pool.submit(stub.Embed, pb.EmbedRequest(inputs=HELD, priority=pb.PRIORITY_BULK), timeout=300)
+        held = pool.submit(stub.Embed, pb.EmbedRequest(inputs=HELD), timeout=300)
         _until(
             lambda: held.done() or total(scrape(server), "encoderd_queue_depth") > 0,
             120,
@@ -82,7 +86,7 @@ def _refuse_while_held(server) -> None:
 
         started = time.monotonic()
         try:
-            stub.Embed(pb.EmbedRequest(inputs=["one more"], priority=pb.PRIORITY_BULK), timeout=60)
+            stub.Embed(pb.EmbedRequest(inputs=BIG), timeout=60)
             raise AssertionError("admitted behind ~10 s of work")
         except grpc.RpcError as exc:
             refused_in = time.monotonic() - started
@@ -92,13 +96,24 @@ def _refuse_while_held(server) -> None:
             assert int(retry_after) >= 1
         assert refused_in < 10  # at once, not at the client's 60 s deadline (generous: a loaded host)
 
-        status, headers, body = _rest_embed(server, {"inputs": ["one more"], "priority": "PRIORITY_BULK"})
+        status, headers, body = _rest_embed(server, {"inputs": BIG})
         assert status == 429, body
         assert headers["retry-after"] == retry_after  # the server's estimate (Envoy's own refusals say 1)
         assert body["error"]["code"] == "resource_exhausted" and "--max-queue-wait" in body["error"]["message"]
         assert "grpc-status" not in {k.lower() for k in headers}
 
-        # Interactive work goes before the queued bulk work: not refused for it (it waits for the
+        # A bulk call is not refused for --max-queue-wait: it queues behind everything (and waits
+        # for the stopped workers).
+        depth = total(scrape(server), "encoderd_queue_depth")
+        bulk = pool.submit(stub.Embed, pb.EmbedRequest(inputs=["one more"], priority=pb.PRIORITY_BULK), timeout=300)
+        _until(
+            lambda: bulk.done() or total(scrape(server), "encoderd_queue_depth") > depth,
+            60,
+            "the bulk call was queued",
+        )
+        assert not bulk.done(), bulk.exception()
+
+        # A query goes before the big call's queued rest: not refused for it (it waits for the
         # stopped workers like everything else), and health is answered throughout.
         interactive = pool.submit(stub.Embed, pb.EmbedRequest(inputs=["a query"]), timeout=300)
         with grpc.insecure_channel(server.address) as channel:
@@ -112,6 +127,7 @@ def _refuse_while_held(server) -> None:
             os.kill(pid, signal.SIGCONT)
     assert len(held.result(timeout=300).embeddings) == len(HELD)
     assert len(interactive.result(timeout=300).embeddings) == 1
-    # Drained: the same call is served now.
-    assert len(stub.Embed(pb.EmbedRequest(inputs=["one more"], priority=pb.PRIORITY_BULK), timeout=60).embeddings) == 1
+    assert len(bulk.result(timeout=300).embeddings) == 1
+    # Drained: the refused call is served now.
+    assert len(stub.Embed(pb.EmbedRequest(inputs=BIG), timeout=60).embeddings) == len(BIG)
     pool.shutdown()

@@ -144,15 +144,39 @@ async def held():
 
 async def test_a_call_that_would_wait_too_long_is_refused_at_once(held):
     scheduler, worker = held
+    queued = [request(range(10 * k, 10 * k + 10), length=100) for k in range(3)]  # 3,000 tokens: 3 s
+    calls = [asyncio.create_task(scheduler.run(items, pending)) for pending, items in queued]
+    await until(lambda: len(worker.batches) == 2, "the replica's two slots taken")
+    with pytest.raises(Overloaded) as refused:
+        scheduler.refuse_if_full(1)
+    assert refused.value.retry_after == 1  # ceil(3.0 - 2.0)
+    assert "wait about 3.0 s" in str(refused.value)
+    worker.release.set()
+    assert [len(await call) for call in calls] == [10, 10, 10]
+
+
+async def test_bulk_calls_wait_past_max_queue_wait_within_their_deadline(held):
+    scheduler, worker = held
     pending, items = request(range(30), length=100)  # 3,000 tokens: 3 s at 1,000 tokens/s
     big = asyncio.create_task(scheduler.run(items, pending, Priority.BULK))
     await until(lambda: worker.batches, "the first batch reached the worker")
-    with pytest.raises(Overloaded) as refused:
-        scheduler.refuse_if_full(1, Priority.BULK)
-    assert refused.value.retry_after == 1  # ceil(3.0 - 2.0)
-    assert "wait about 3.0 s" in str(refused.value)
-    # Interactive work goes before queued bulk work: only the batch computing is ahead of it.
+    # An ingestion job wants throughput: --max-queue-wait (2 s) bounds interactive callers only.
+    scheduler.refuse_if_full(1, Priority.BULK)
+    with scheduler.reserve(1, 10, Priority.BULK):
+        pass
+    # Its own deadline still bounds it.
+    token = CALL_DEADLINE.set(asyncio.get_running_loop().time() + 1.0)
+    try:
+        with pytest.raises(Overloaded, match="its deadline leaves"):
+            scheduler.refuse_if_full(1, Priority.BULK)
+    finally:
+        CALL_DEADLINE.reset(token)
+    # Interactive work goes before queued bulk work, and preempts the bulk batch computing:
+    # nothing is ahead of it.
+    assert scheduler.tokens_ahead(Priority.INTERACTIVE) == 0
     scheduler.refuse_if_full(1, Priority.INTERACTIVE)
+    # The rest of a big interactive request counts the bulk batch computing, not the queued ones.
+    assert scheduler.tokens_ahead(Priority.SPLIT) == 400
     worker.release.set()
     assert len(await big) == 30
 
@@ -231,9 +255,11 @@ async def test_a_big_request_still_tokenizing_does_not_count_ahead_of_a_query(he
     scheduler, _ = held
     with scheduler.reserve(2048, 200_000):  # 200 s at 1,000 tokens/s, all but its first batch in SPLIT
         scheduler.refuse_if_full(1)  # a query goes before it
+        assert scheduler.tokens_ahead(Priority.INTERACTIVE) < 1000  # at most its first batch
+        assert scheduler.tokens_ahead(Priority.BULK) == 200_000  # bulk work goes after it
         with pytest.raises(Overloaded):
-            scheduler.refuse_if_full(1, Priority.BULK)  # bulk work goes after it
-    scheduler.refuse_if_full(1, Priority.BULK)
+            scheduler.refuse_if_full(2048)  # as does another big one, past --max-queue-wait
+    assert scheduler.tokens_ahead(Priority.BULK) == 0
 
 
 # ------------------------------------------------------------------ predicted waits against served ones
@@ -285,11 +311,11 @@ async def test_a_request_notes_its_predicted_wait_and_its_first_batchs_return_fe
 async def test_admission_counts_with_the_rate_the_served_waits_show(held):
     scheduler, worker = held
     pending, items = request(range(12), length=100)  # 1,200 tokens ahead: 1.2 s at the measured rate
-    queued = asyncio.create_task(scheduler.run(items, pending, Priority.BULK))
+    queued = asyncio.create_task(scheduler.run(items, pending))
     await until(lambda: worker.batches, "the first batch reached the worker")
-    scheduler.refuse_if_full(1, Priority.BULK)  # within --max-queue-wait's 2 s
+    scheduler.refuse_if_full(1)  # within --max-queue-wait's 2 s
     scheduler.calibration.observe(1.0, served_s=2.0, now=0.0)  # waits came out twice as long
     with pytest.raises(Overloaded, match=r"wait about 2\.4 s"):
-        scheduler.refuse_if_full(1, Priority.BULK)
+        scheduler.refuse_if_full(1)
     worker.release.set()
     await queued
