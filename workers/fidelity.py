@@ -104,6 +104,10 @@ class Report:
     inputs: int = 0
     seconds: float = 0.0
     reference_cached: bool = False
+    # The served model's speed on the calibration batches (real text, batched as the frontend
+    # batches it, after the warm-up): what the frontend's admission counts with until it has
+    # measured the worker under load (server/scheduling/admission.py). 0: not measured.
+    tokens_per_s: float = 0.0
 
 
 # ------------------------------------------------------------------ metrics
@@ -381,18 +385,28 @@ def self_check(
         got = _retrieval_served(backend, spec)
         inputs = len(calibration.retrieval_queries()) + len(calibration.PAGES)  # the rows are theirs
     else:
-        got = np.concatenate([backend.forward(batch) for batch in prepared.batches])
+        got, tokens_per_s = _served_timed(backend, prepared.batches)
         inputs = len(prepared.rows)
     figures = judge(measure(spec, got, prepared.rows), backend.options.dtype)
     status = PASSED if all(f.passed for f in figures) else LOW
-    report = Report(status, figures, inputs, time.perf_counter() - started, prepared.cached)
+    report = Report(status, figures, inputs, time.perf_counter() - started, prepared.cached, tokens_per_s)
     _log_verdict(report, what, allow_low, fallback)
     return report
+
+
+def _served_timed(backend, batches: tuple[TokenBatch, ...]) -> tuple[np.ndarray, float]:
+    """The served rows of the calibration batches, and the tokens per second they took."""
+    started = time.perf_counter()
+    got = np.concatenate([backend.forward(batch) for batch in batches])
+    seconds = time.perf_counter() - started
+    return got, sum(len(batch.input_ids) for batch in batches) / seconds if seconds > 0 else 0.0
 
 
 def _log_verdict(report: Report, what: str, allow_low: bool, fallback: str = "") -> None:
     reference = "cached" if report.reference_cached else "computed"
     timing = f"{report.inputs} inputs, {report.seconds:.1f}s, reference {reference}"
+    if report.tokens_per_s:
+        timing += f", served {report.tokens_per_s:,.0f} tokens/s"
     if report.status == PASSED:
         log.info("fidelity self-check passed: %s: %s [%s]", what, describe(report.figures), timing)
         return

@@ -212,6 +212,7 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
                 check.figures,
                 lanes,
                 tokenizer,
+                check.tokens_per_s,
             )
         )
     )

@@ -19,9 +19,17 @@ import contextvars
 import math
 from dataclasses import dataclass
 
-# A replica's drain rate before it has computed anything: a small CPU model's figure (MiniLM-L6, one
-# Zen 5 core, does 15-30k tokens/s). It counts only until the first batch returns.
+# A replica's drain rate before it has computed anything, where its worker measured none at load (a
+# kind the fidelity self-check does not cover): a small CPU model's figure (MiniLM-L6, one Zen 5 core,
+# does 10-30k tokens/s). It counts only until the first batch returns.
 COLD_TOKENS_PER_S = 10_000.0
+# What a worker's own figure at load (its self-check's calibration batches, with a core to itself) is
+# worth before the frontend has measured it: a flood's first burst is admitted with it, and under a
+# flood the frontend's tokenizing and refusing take the cores the figure was measured with (MiniLM-L6
+# on 2 shared Zen 5 cores: 5-9k tokens/s per worker under bench.flood where ~11k alone). Erring low
+# refuses a few calls of the first burst with a retry-after; erring high admits them into waits past
+# --max-queue-wait.
+COLD_SHARE = 0.5
 # How fast the estimate follows a change (another model loading the host, a longer-text workload):
 # a measurement 2 s old weighs 1/e of a new one, whatever the batch sizes.
 RATE_MEMORY_S = 2.0
@@ -39,7 +47,8 @@ class DrainRate:
     which is what a long queue drains at. A batch sent to an idle replica also carries the round
     trip and a batch's fixed cost (a lone query: ~3 ms for 10 tokens): an underestimate, used only
     until a backlog has been measured (a guess would be worse: on a busy shared host the cold
-    figure admitted a flood's first calls into 15 s waits). Samples are averaged weighted by their
+    figure admitted a flood's first calls into 15 s waits). Before any batch has returned, the
+    estimate is the worker's own figure at load, discounted (`seed`). Samples are averaged weighted by their
     duration (exponentially, RATE_MEMORY_S): the estimate is tokens done over time busy, not the
     mean of small and large batches' rates."""
 
@@ -72,6 +81,13 @@ class DrainRate:
         if estimate is None:
             return sample
         return estimate + (1.0 - math.exp(-busy / self.memory_s)) * (sample - estimate)
+
+    def seed(self, measured_at_load: float) -> None:
+        """The worker's own tokens/s at load (0: none), COLD_SHARE of it counted until this replica
+        has computed: the model's scale (a GPU drains a hundred times a CPU core, a large model a
+        tenth of a small one), which no fixed guess has."""
+        if measured_at_load > 0:
+            self.cold = COLD_SHARE * measured_at_load
 
     def forget_backlog(self) -> None:
         """The replica restarted: its next batch does not queue behind one of the old process."""

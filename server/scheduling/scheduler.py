@@ -138,6 +138,8 @@ class ModelScheduler:
         self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
         self.load = {replica: ReplicaLoad() for replica in replicas}
         self.drain = {replica: DrainRate() for replica in replicas}
+        for replica in replicas:
+            self._seed_drain(replica)
         self.calibration = WaitCalibration()  # predicted waits against served ones
         self._queued_tokens = dict.fromkeys(Priority, 0)
         # Admitted requests still tokenizing: their inputs, and their estimated tokens by the queue
@@ -474,9 +476,15 @@ class ModelScheduler:
             await replica.state_changed.wait()
             replica.state_changed.clear()
             self.drain[replica].forget_backlog()  # a new process: its first batch queues behind none
+            self._seed_drain(replica)
             if not self.ready:
                 self._fail_queued(Unavailable(f"model {self.model} is unavailable (its worker crashed; restarting)"))
             self._wake.set()
+
+    def _seed_drain(self, replica: WorkerClient) -> None:
+        """A ready replica's drain rate starts from what its worker measured at load."""
+        if replica.ready_info is not None:
+            self.drain[replica].seed(replica.ready_info.tokens_per_s)
 
     def _fail_queued(self, error: Exception) -> None:
         for priority, queue in self.queues.items():

@@ -85,6 +85,12 @@ async def test_an_urgent_batch_does_not_wait_for_a_bulk_batch(worker, lane):
     np.testing.assert_allclose(paused_bulk, await worker.compute(batch(BULK, urgent=False)), atol=1e-6)
 
 
+async def test_the_ready_message_carries_the_speed_measured_at_load(worker):
+    # The self-check's calibration batches, timed: the frontend's first drain-rate estimate
+    # (server/scheduling/admission.py DrainRate.seed). MiniLM on one thread: thousands of tokens/s.
+    assert worker.ready_info.tokens_per_s > 100
+
+
 async def test_without_urgency_batches_run_in_arrival_order(worker):
     """The control: the same two batches, neither urgent, finish in the order they came."""
     _, _, finished = await query_during_bulk(worker, query_urgent=False)

@@ -14,6 +14,7 @@ from encoderd.server.base.errors import Overloaded
 from encoderd.server.scheduling.admission import (
     CALIBRATION_RANGE,
     CALL_DEADLINE,
+    COLD_SHARE,
     DrainRate,
     WaitCalibration,
     admission,
@@ -21,6 +22,7 @@ from encoderd.server.scheduling.admission import (
 )
 from encoderd.server.scheduling.batching import BatchLimits, WorkItem
 from encoderd.server.scheduling.scheduler import ModelScheduler, PendingRequest, Priority
+from encoderd.workers.contract.protocol import WorkerReady
 
 # ------------------------------------------------------------------ the drain rate
 
@@ -53,6 +55,16 @@ def test_samples_are_weighted_by_their_duration():
     assert rate.tokens_per_s == pytest.approx(10_000 + short_weight * 30_000)
     rate.observe(40_000, sent=0.5, done=2.01)  # a whole second at 40k tokens/s
     assert rate.tokens_per_s > 20_000
+
+
+def test_a_replica_starts_from_its_workers_figure_at_load_discounted():
+    rate = DrainRate(cold=10_000)
+    rate.seed(0.0)  # the worker measured nothing (a kind the self-check does not cover)
+    assert rate.tokens_per_s == 10_000
+    rate.seed(30_000.0)
+    assert rate.tokens_per_s == pytest.approx(COLD_SHARE * 30_000)
+    rate.observe(2000, sent=0.0, done=0.1)  # then what this replica really does
+    assert rate.tokens_per_s == pytest.approx(20_000)
 
 
 def test_a_restarted_replica_forgets_its_old_backlog():
@@ -99,6 +111,7 @@ class HeldWorker:
     def __init__(self):
         self.label = "held"
         self.ready = True
+        self.ready_info = None  # what a worker says when ready: no figure measured at load
         self.state_changed = asyncio.Event()
         self.batches = []
         self.release = asyncio.Event()
@@ -260,6 +273,30 @@ async def test_a_big_request_still_tokenizing_does_not_count_ahead_of_a_query(he
         with pytest.raises(Overloaded):
             scheduler.refuse_if_full(2048)  # as does another big one, past --max-queue-wait
     assert scheduler.tokens_ahead(Priority.BULK) == 0
+
+
+def ready(tokens_per_s: float) -> WorkerReady:
+    return WorkerReady(1, 384, "torch", "cpu", "float32", False, tokens_per_s=tokens_per_s)
+
+
+async def test_a_flood_on_a_fresh_replica_is_admitted_at_its_workers_own_figure():
+    worker = HeldWorker()
+    worker.ready_info = ready(2000.0)  # its self-check's batches: 2,000 tokens/s; counted at 1,000
+    scheduler = ModelScheduler("m", [worker], BatchLimits(4, 1000), batch_delay=0, max_queue_wait=2.0)
+    scheduler.start()
+    try:
+        assert scheduler.tokens_per_s == pytest.approx(COLD_SHARE * 2000)
+        with scheduler.reserve(10, 1500):  # 1.5 s ahead at 1,000 tokens/s: admitted
+            scheduler.refuse_if_full(1)
+            with scheduler.reserve(10, 1000), pytest.raises(Overloaded, match=r"wait about 2\.5 s"):
+                scheduler.refuse_if_full(1)  # where the fixed guess of 10,000 would have admitted it
+        # A restarted worker's new figure is its replica's until it has computed.
+        worker.ready_info = ready(8000.0)
+        worker.state_changed.set()
+        await until(lambda: scheduler.tokens_per_s == pytest.approx(COLD_SHARE * 8000), "the replica reseeded")
+    finally:
+        worker.release.set()
+        await scheduler.stop()
 
 
 # ------------------------------------------------------------------ predicted waits against served ones

@@ -261,6 +261,7 @@ def test_self_check_passes_a_faithful_backend(fake_reference, minilm_spec):
     report = fidelity.self_check(_Backend(fake_reference, 0.0, "float32"), minilm_spec, allow_low=False)
     assert report.status == fidelity.PASSED and report.inputs == len(fake_reference)
     assert [f.metric for f in report.figures] == ["min_cosine"] and report.figures[0].value == pytest.approx(1.0)
+    assert report.tokens_per_s > 0  # its speed on the calibration batches: admission's first estimate
 
 
 def test_self_check_refuses_below_the_floor_with_one_clear_line(fake_reference, minilm_spec, caplog):

@@ -94,6 +94,9 @@ class WorkerReady(msgspec.Struct, array_like=True, gc=False):
     urgent_lane: bool = False  # urgent batches computed on their own thread (workers/process.py)
     # The tokenizer every request is tokenized with, as the worker built it (workers/contract/tokenizer.py).
     tokenizer_json: str = ""
+    # Tokens per second on the fidelity self-check's calibration batches (0: not measured): the
+    # frontend's first drain-rate estimate (server/scheduling/admission.py).
+    tokens_per_s: float = 0.0
 
 
 class WorkerFatal(msgspec.Struct, array_like=True, gc=False):
