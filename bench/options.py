@@ -101,6 +101,13 @@ def build_parser(prog: str = "encoderd bench") -> argparse.ArgumentParser:
         "optimum-intel 2.2, openvino 2026.4): at OpenVINO's own precision (bfloat16 on CPUs with it) and "
         "int8 (optimum-intel's static quantization), each only above its fidelity floor vs float32",
     )
+    p.add_argument(
+        "--bulk-priority",
+        choices=("bulk", "interactive"),
+        default="bulk",
+        help="the priority encoderd's bulk clients ask for over gRPC (default: bulk, what an ingestion job "
+        "should send; REST calls run at the API key's priority, interactive here)",
+    )
     p.add_argument("--stream", action="store_true", help="also run bulk through one gRPC EmbedStream (ingestion)")
     p.add_argument("--no-st", action="store_true", help="skip the in-process sentence-transformers reference")
     p.add_argument(

@@ -160,7 +160,7 @@ class Bench:
         ]
         probe = CpuProbe(encoderd_probe_groups(server, models, embed.id, rerank))
         self.info["pids"] = {"encoderd": sorted({p for pids in probe.groups.values() for p in pids})}
-        grpc_client = GrpcTarget(address, embed.id, rerank)
+        grpc_client = GrpcTarget(address, embed.id, rerank, args.bulk_priority)
         self.stack.callback(grpc_client.close)
         targets = [
             {

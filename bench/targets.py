@@ -14,12 +14,14 @@ class GrpcTarget:
 
     protocol = "grpc"
 
-    def __init__(self, address: str, embed_model: str, rerank_model: str | None):
+    def __init__(self, address: str, embed_model: str, rerank_model: str | None, bulk_priority: str = "bulk"):
         import grpc
 
         from ..v1 import encoderd_pb2, encoderd_pb2_grpc
 
         self.address, self.embed_model, self.rerank_model = address, embed_model, rerank_model
+        # The bulk clients' calls: PRIORITY_BULK, as an ingestion pipeline should send them.
+        self.bulk_priority = encoderd_pb2.Priority.Value(f"PRIORITY_{bulk_priority.upper()}")
         self._grpc, self._pb, self._pb_grpc = grpc, encoderd_pb2, encoderd_pb2_grpc
         self._channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
         self._stub = encoderd_pb2_grpc.EncoderStub(self._channel)
@@ -43,11 +45,12 @@ class GrpcTarget:
 
     @contextlib.asynccontextmanager
     async def session(self):
-        """An async embed function for bulk clients."""
+        """An async embed function for bulk clients, at `bulk_priority`."""
         async with self.aio_stub() as (stub, pb):
 
             async def embed(texts: list[str]) -> int:
-                reply = await stub.Embed(pb.EmbedRequest(model=self.embed_model, inputs=texts), timeout=600)
+                request = pb.EmbedRequest(model=self.embed_model, inputs=texts, priority=self.bulk_priority)
+                reply = await stub.Embed(request, timeout=600)
                 return len(reply.embeddings)
 
             yield embed
