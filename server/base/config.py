@@ -66,7 +66,7 @@ class ServerConfig:
     batch_delay_ms: float = 5.0
     max_queued_inputs: int = 16384
     max_queued_tokens: int = 0  # 0 = bounded by inputs only
-    max_queue_wait: float = 2.0  # seconds a call may expect to wait in its model's queue; 0 = no bound
+    max_queue_wait: float = 2.0  # seconds an interactive call may expect to wait in its queue; 0 = no bound
     bulk_batch_tokens: int = 0  # bulk batch budget while interactive work is around; 0 = full (workers/pacing.py)
     cache_size: int = 0  # recent results kept per model (0 = no cache; dedup is always on)
     prompts: tuple[tuple[str, str], ...] = ()  # --prompt NAME=TEXT, for every embedding model

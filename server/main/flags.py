@@ -169,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         serve,
         "--max-queue-wait",
-        "seconds a call may expect to wait for the work queued ahead of it (estimated from each worker's "
-        "measured tokens/s); a call that would wait longer, or past its own deadline, gets "
-        "RESOURCE_EXHAUSTED (REST: 429 with Retry-After) at once (0 = admitted by queue size only)",
+        "seconds an interactive call may expect to wait for the work queued ahead of it (estimated from "
+        "each worker's measured tokens/s); one that would wait longer gets RESOURCE_EXHAUSTED (REST: 429 "
+        "with Retry-After) at once (0 = no bound). Bulk-priority calls are bounded by their own deadline "
+        "and the queue bounds only, as every call is",
         ServerConfig.max_queue_wait,
         non_negative_float,
     )
