@@ -9,6 +9,9 @@ For each dtype (a faster and a slower "host" for the same code) and each policy:
   cut256    bulk batches cut to 256 tokens while live traffic is around, a pause after each layer
             (what the scheduler did before the pacer: --bulk-batch-tokens 256);
   paced     full bulk batches cut by workers/pacing.py (steps of about one urgent batch's time);
+  quiet     the same while no query has come for pacing.QUIET_S (steps of pacing.MAX_STEP_S): what
+            a lone bulk workload gets;
+  whole     full batches in one forward each, as urgent (interactive) batches are computed;
 it reports the urgent batch's own time (a short query), the p95 and longest bulk step (what an
 arriving query waits for, at most), both also as multiples of the query's time, and bulk tokens
 per CPU second relative to `layer`. Host-independent means: the paced rows' step/query ratio is
@@ -64,6 +67,12 @@ def cpu_steps(backend, batch: TokenBatch) -> list[float]:
         times.append(time.process_time() - started)
 
 
+def cpu_forward(backend, batch: TokenBatch) -> float:
+    started = time.process_time()
+    backend.forward(batch)
+    return time.process_time() - started
+
+
 def run(dtype: str, seqs: list[np.ndarray], query: TokenBatch) -> list[dict]:
     spec = load_model_spec("bench", default_model_path())
     backend = create_backend("torch", spec, BackendOptions(dtype=dtype, threads=1))
@@ -82,13 +91,20 @@ def run(dtype: str, seqs: list[np.ndarray], query: TokenBatch) -> list[dict]:
         for t in cpu_steps(backend, b):
             pacer.timed_step(len(b.input_ids), t)
     policies = {"layer": full, "cut256": batches(seqs, CUT_TOKENS)}
+    quiet = Pacer(fixed_ms=None)  # no query yet: steps of MAX_STEP_S
+    quiet.step_per_token = pacer.step_per_token
+    policies["quiet"] = [part for b in full for part in quiet.cut(b)]
     for factor in FACTORS:
         pacer.factor = factor
         pacer.timed_urgent(u)  # live: a query has just run
         policies[f"paced{factor:g}"] = [part for b in full for part in pacer.cut(b)]
     rows, tokens = [], sum(len(s) for s in seqs)
-    for name, work in policies.items():
-        steps = [t for b in work for t in cpu_steps(backend, b)]
+    for name, work in [*policies.items(), ("whole", full)]:
+        steps = (
+            [cpu_forward(backend, b) for b in work]
+            if name == "whole"
+            else [t for b in work for t in cpu_steps(backend, b)]
+        )
         rows.append(
             {
                 "dtype": dtype,
