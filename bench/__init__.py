@@ -7,8 +7,10 @@ one target after the other so they share the machine's conditions):
   bulk    C clients, each sending B inputs per request back to back, until the corpus has
           been embedded once (timed from the first request to the last answer; or a fixed
           time window): inputs/s, real tokens/s, request latency, padding ratio, FLOP
-          utilisation, CPU use per process (worker busy fraction). --stream adds the same
-          work through one gRPC EmbedStream (the ingestion path).
+          utilisation, CPU use per process (worker busy fraction). encoderd's gRPC clients
+          ask for bulk priority, as an ingestion job should (--bulk-priority interactive:
+          the default priority of a unary call). --stream adds the same work through one
+          gRPC EmbedStream (the ingestion path).
   single  one short query at a time, N sequential calls: p50/p95/p99.
   rerank  a query + 50 passages per call, sequential: p50/p95.
   recovery  (only when asked: --modes recovery) cold start to the first embedding, and kill -9 of
