@@ -7,11 +7,11 @@ runs end to end; nothing else imports it.
     python -m encoderd.bench.flood [--clients 640] [--inputs 4] [--seconds 20] [--own-connections]
                                    [--compare-ref REF] [--front MAX_REQUESTS] [--gateway MAX_IN_FLIGHT]
                                    [--flood-nice N] [--rest] [--max-queued-inputs N (0: the server's)]
-                                   [--honour-retry-after]
+                                   [--honour-retry-after] [--client-processes N]
 
 Issue 42's floods, with the server's default flags:
     python -m encoderd.bench.flood --max-queued-inputs 0 --clients 600 --inputs 32
-    python -m encoderd.bench.flood --max-queued-inputs 0 --clients 500 --inputs 32 --rest
+    python -m encoderd.bench.flood --max-queued-inputs 0 --clients 500 --inputs 32 --rest --client-processes 4
 
 It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
 exported to a temporary folder) and, for each server in turn:
@@ -37,7 +37,10 @@ the others passed its limit and the server refused them.
 --flood-nice N runs the flood's process N nicer, as clients on other machines would not take
 the server's cores (on one small host they do).
 With --rest the flood (and the probe) send OpenAI `POST /v1/embeddings` calls through the server's
-Envoy, REST on with its default --rest-max-in-flight: a refusal is HTTP 429.
+Envoy, REST on with its default --rest-max-in-flight: a refusal is HTTP 429. Each REST flood client
+holds a connection (an httpx client) of its own; --client-processes N spreads the flood's clients
+over N processes, an event loop each (one Python loop driving 500 REST clients, not the server, set
+the pace: a refusal "took" seconds while Envoy had 7 requests in flight).
 By default a refused flood client calls again at once, as issue 42's flood does: N such clients
 keep the frontend busy refusing, and a refusal then takes about N / (refusals per second) (Little's
 law), whatever one refusal costs. With --honour-retry-after each waits what the refusal's
@@ -45,7 +48,11 @@ retry-after trailer (REST: Retry-After header) asks, plus up to half again, as t
 RetryPolicy does: the refusal rate falls to about N / retry-after, and so does the loop's queue.
 Every flood call's latency is kept by its outcome: the report gives the accepted calls' p50/p99/max
 and the refused ones' p50/p99 as the flood's clients saw them (their own event loop's delay
-included), beside the probe's. A health checker (gRPC Health/Check; REST: GET /health) asks every
+included), beside the probe's; "steady": the refusals of the calls sent after the flood's first
+burst (every client's first call at once), while the probe ran. REST: how long Envoy waited for
+the frontend's refusals (x-envoy-upstream-service-time), so the hop's share is seen. The frontend's
+CPU time (and its Envoy's) per flood call, whatever its outcome, is steadier than a latency on a
+shared host. A health checker (gRPC Health/Check; REST: GET /health) asks every
 100 ms during the flood: how many it asked, how many were answered SERVING / 200, their p99.
 Phases alternate between the servers (ref, this, ref, this), so both see the same machine load.
 A benchmark, not a test: it prints a table and asserts nothing.
@@ -55,11 +62,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing
 import os
 import random
 import shlex
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -88,8 +97,10 @@ def _texts(n: int, seed: int) -> list[str]:
 
 
 def _count(counts: dict, outcome: str, started: float) -> None:
+    """One flood call's outcome: counted, and kept as (when it was sent, from the flood's start;
+    its latency), so the report can tell the flood's first burst from its steady state."""
     counts[outcome] = counts.get(outcome, 0) + 1
-    counts["latency"].setdefault(outcome, []).append(time.monotonic() - started)
+    counts["latency"].setdefault(outcome, []).append((started - counts["began"], time.monotonic() - started))
 
 
 # A client that honours retry-after waits what the server asked, plus up to this share of it more
@@ -104,6 +115,19 @@ async def _back_off(retry_after: float | None, honour: bool, stop_at: float) -> 
         await asyncio.sleep(max(0.0, min(delay, stop_at - time.monotonic())))
 
 
+def _refused(counts: dict, retry_after: float | None) -> None:
+    """Counts a refusal that said when to come back (a retry-after trailer, REST's Retry-After)."""
+    if retry_after is not None:
+        counts["with retry-after"] = counts.get("with retry-after", 0) + 1
+
+
+def _next_texts(counts: dict, texts: list[str]) -> list[str]:
+    """The next call's inputs, distinct from every other call's of every flood process (identical
+    inputs would be computed once)."""
+    counts["sent"] += 1
+    return [f"{counts['tag']}.{counts['sent']} {t}" for t in texts]
+
+
 async def _flood_client(
     address: str, stop_at: float, texts: list[str], counts: dict, own_connection: bool, honour: bool
 ) -> None:
@@ -111,14 +135,15 @@ async def _flood_client(
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         stub = encoderd_pb2_grpc.EncoderStub(channel)
         while time.monotonic() < stop_at:
-            counts["sent"] += 1  # distinct texts: identical ones would be computed once
-            n = counts["sent"]
+            request = pb.EmbedRequest(inputs=_next_texts(counts, texts))
             started = time.monotonic()
             try:
-                await stub.Embed(pb.EmbedRequest(inputs=[f"{n} {t}" for t in texts]), timeout=30)
+                await stub.Embed(request, timeout=30)
                 _count(counts, "OK", started)
             except grpc.aio.AioRpcError as exc:
                 _count(counts, exc.code().name, started)
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    _refused(counts, retry_after(exc))
                 await _back_off(retry_after(exc), honour, stop_at)
 
 
@@ -126,22 +151,41 @@ async def _flood_client(
 HTTP_OUTCOMES = {200: "OK", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
 
 
-async def _rest_flood_client(client, url: str, stop_at: float, texts: list[str], counts: dict, honour: bool) -> None:
+async def _rest_flood_client(
+    rest_url: str, stop_at: float, texts: list[str], counts: dict, honour: bool, tls: ssl.SSLContext
+) -> None:
+    """One REST caller on a connection of its own: an httpx client each, since one client's pool
+    holding hundreds of connections scans them all on every request (under a 500-client flood, 4
+    processes of 125 spent 65 % of their time there: the bench, not the server, set the pace).
+    `tls`: one context for all of a process's clients (each loading the CA store took ~100 ms)."""
     import httpx
 
-    while time.monotonic() < stop_at:
-        counts["sent"] += 1
-        n = counts["sent"]
-        started = time.monotonic()
-        try:
-            response = await client.post(url, json={"input": [f"{n} {t}" for t in texts]}, timeout=30)
-            _count(counts, HTTP_OUTCOMES.get(response.status_code, f"HTTP {response.status_code}"), started)
-            if response.status_code in (429, 503):
-                await _back_off(_seconds(response.headers.get("retry-after")), honour, stop_at)
-        except httpx.TimeoutException:
-            _count(counts, "client timeout", started)
-        except httpx.HTTPError as exc:
-            _count(counts, type(exc).__name__, started)
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    async with httpx.AsyncClient(base_url=rest_url, limits=limits, trust_env=False, verify=tls) as client:
+        while time.monotonic() < stop_at:
+            body = {"input": _next_texts(counts, texts)}
+            started = time.monotonic()
+            try:
+                response = await client.post("/v1/embeddings", json=body, timeout=30)
+                _count(counts, HTTP_OUTCOMES.get(response.status_code, f"HTTP {response.status_code}"), started)
+                if response.status_code in (429, 503):
+                    asked = _seconds(response.headers.get("retry-after"))
+                    if response.status_code == 429:
+                        _refused(counts, asked)
+                        _upstream_time(counts, response.headers.get("x-envoy-upstream-service-time"))
+                    await _back_off(asked, honour, stop_at)
+            except httpx.TimeoutException:
+                _count(counts, "client timeout", started)
+            except httpx.HTTPError as exc:
+                _count(counts, type(exc).__name__, started)
+
+
+def _upstream_time(counts: dict, header: str | None) -> None:
+    """Keeps how long Envoy waited for the frontend's refusal (its x-envoy-upstream-service-time,
+    ms), as a latency of the outcome "upstream": the rest of the refusal's time was spent in
+    Envoy, the network and the client's own event loop. Refusals Envoy made itself have none."""
+    if header and header.isdigit():
+        counts["latency"].setdefault("upstream", []).append((0.0, int(header) / 1000))
 
 
 def _seconds(header: str | None) -> float | None:
@@ -152,42 +196,68 @@ def _seconds(header: str | None) -> float | None:
         return None
 
 
-def _flood_process(
-    address: str,
-    clients: int,
-    seconds: float,
-    own_connections: bool,
-    nice: int,
-    inputs: int,
-    rest_url: str,
-    honour: bool,
-    out,
-) -> None:
-    """C clients on one event loop, in a process of their own; sends its counts back. With
-    `rest_url`, REST clients on a connection each; with `honour`, each waits what a refusal's
+@dataclasses.dataclass(frozen=True)
+class Flood:
+    """What a flood sends: `clients` callers in all, run on `processes` event loops (processes of
+    their own), each sending `inputs`-input calls back to back from `began` (time.monotonic(), the
+    same clock in every process) until `stop_at`; over REST (`rest_url`) or gRPC (`address`)."""
+
+    address: str
+    clients: int
+    began: float
+    stop_at: float
+    inputs: int
+    rest_url: str = ""
+    honour: bool = False
+    own_connections: bool = False
+    nice: int = 0
+    processes: int = 1
+
+    def share(self, index: int) -> int:
+        """How many of the clients process `index` runs."""
+        return self.clients // self.processes + (index < self.clients % self.processes)
+
+
+def _flood_process(flood: Flood, index: int, out) -> None:
+    """Process `index`'s share of the flood's clients on one event loop; sends its counts back.
+    With `rest_url`, REST clients on a connection each; with `honour`, each waits what a refusal's
     retry-after asks before its next call."""
-    os.nice(nice)
-    counts: dict = {"sent": 0, "latency": {}}
-    stop_at = time.monotonic() + seconds
-    texts = _texts(inputs, seed=5)
+    os.nice(flood.nice)
+    counts: dict = {"sent": 0, "tag": index, "began": flood.began, "latency": {}}
+    texts = _texts(flood.inputs, seed=5)
+    clients = flood.share(index)
+    tls = ssl.create_default_context()
 
     async def main():
-        if rest_url:
-            import httpx
-
-            limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-            async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-                url = rest_url + "/v1/embeddings"
-                await asyncio.gather(
-                    *(_rest_flood_client(client, url, stop_at, texts, counts, honour) for _ in range(clients))
+        if flood.rest_url:
+            await asyncio.gather(
+                *(
+                    _rest_flood_client(flood.rest_url, flood.stop_at, texts, counts, flood.honour, tls)
+                    for _ in range(clients)
                 )
+            )
         else:
             await asyncio.gather(
-                *(_flood_client(address, stop_at, texts, counts, own_connections, honour) for _ in range(clients))
+                *(
+                    _flood_client(flood.address, flood.stop_at, texts, counts, flood.own_connections, flood.honour)
+                    for _ in range(clients)
+                )
             )
 
     asyncio.run(main())
+    del counts["tag"], counts["began"]
     out.put(counts)
+
+
+def _merged(parts: list[dict]) -> dict:
+    """The flood processes' counts as one: numbers added, latency lists joined."""
+    merged: dict = {"latency": {}}
+    for part in parts:
+        for outcome, values in part.pop("latency").items():
+            merged["latency"].setdefault(outcome, []).extend(values)
+        for key, value in part.items():
+            merged[key] = merged.get(key, 0) + value
+    return merged
 
 
 # What both Envoys say when they refuse past their limit of calls in flight (gateway/envoy.py,
@@ -195,12 +265,20 @@ def _flood_process(
 ENVOY_REFUSAL = "in flight is reached"
 
 
-def _embed_one(stub, rest_url: str, text: str) -> tuple[str, str]:
-    """(outcome, message) of a one-input call: over gRPC, or REST's POST /v1/embeddings."""
-    if rest_url:
-        import httpx
+def _rest_client(rest_url: str):
+    """An httpx client that keeps its connection (None without REST): a new client per call would
+    load the CA store and connect again each time, ~50-100 ms that the REST probe and health
+    checker counted as the server's."""
+    import httpx
 
-        response = httpx.post(rest_url + "/v1/embeddings", json={"input": [text]}, timeout=30, trust_env=False)
+    return httpx.Client(base_url=rest_url, trust_env=False) if rest_url else None
+
+
+def _embed_one(stub, rest, text: str) -> tuple[str, str]:
+    """(outcome, message) of a one-input call: over gRPC, or with `rest` (an httpx client), REST's
+    POST /v1/embeddings."""
+    if rest:
+        response = rest.post("/v1/embeddings", json={"input": [text]}, timeout=30)
         message = response.json().get("error", {}).get("message", "") if response.status_code != 200 else ""
         return HTTP_OUTCOMES.get(response.status_code, f"HTTP {response.status_code}"), message
     try:
@@ -211,7 +289,7 @@ def _embed_one(stub, rest_url: str, text: str) -> tuple[str, str]:
 
 
 def _probe(
-    stub, seconds: float, pause: float, rest_url: str = ""
+    stub, seconds: float, pause: float, rest=None
 ) -> tuple[list[float], list[float], list[float], dict[str, int]]:
     """(refusal latencies, those of the refusals Envoy answered, served latencies, other answers by
     status) of one-input calls sent every `pause` seconds."""
@@ -224,7 +302,7 @@ def _probe(
     while time.monotonic() < deadline:
         i += 1
         started = time.perf_counter()
-        outcome, message = _embed_one(stub, rest_url, f"probe {i} {time.time()}")
+        outcome, message = _embed_one(stub, rest, f"probe {i} {time.time()}")
         if outcome == "OK":
             served.append(time.perf_counter() - started)
         elif outcome == "RESOURCE_EXHAUSTED":
@@ -247,62 +325,106 @@ class HealthChecker(threading.Thread):
         self.answered: list[float] = []  # latencies of SERVING / 200 answers
         self.asked = 0
 
-    def _healthy(self, health) -> bool:
-        if self.rest_url:
-            import httpx
-
-            return httpx.get(self.rest_url + "/health", timeout=5, trust_env=False).status_code == 200
+    def _healthy(self, health, rest) -> bool:
+        if rest:
+            return rest.get("/health", timeout=5).status_code == 200
         return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
 
     def run(self) -> None:
+        rest = _rest_client(self.rest_url)
         with grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             while not self.stop.wait(self.pause):
                 self.asked += 1
                 started = time.perf_counter()
                 try:
-                    if self._healthy(health):
+                    if self._healthy(health, rest):
                         self.answered.append(time.perf_counter() - started)
                 except Exception:  # noqa: BLE001 - an unanswered check is what this counts
                     pass
+        if rest:
+            rest.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _processes_to_watch(server_pid: int) -> dict[str, int]:
+    """The frontend (the server's own process) and, where REST is on, its Envoy (a descendant named
+    envoy): the CPU each spends per flood call is what a refusal costs it, steadier than latency
+    on a shared host."""
+    found = {"frontend": server_pid}
+    children: dict[int, list[tuple[int, str]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, rest = stat.read_text().split(" (", 1)
+            command, _, fields = rest.rpartition(") ")
+            children.setdefault(int(fields.split()[1]), []).append((int(head), command))
+        except (OSError, ValueError, IndexError):
+            continue
+    todo = [server_pid]
+    while todo:
+        for child, command in children.get(todo.pop(), []):
+            todo.append(child)
+            if command == "envoy":
+                found["envoy"] = child
+    return found
 
 
 def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q) * 1000), 1) if values else None
 
 
-def measure(
-    address: str,
-    clients: int,
-    seconds: float,
-    own_connections: bool = False,
-    flood_nice: int = 0,
-    inputs: int = 4,
-    rest_url: str = "",
-    honour_retry_after: bool = False,
-) -> dict:
+# The flood runs this long before the probe starts: its connections open and the queue fills. Its
+# calls sent from then on are its steady state, after the first burst of every client at once.
+SETTLE_S = 5.0
+
+
+def _latencies(timed: list[tuple[float, float]], since: float = 0.0) -> list[float]:
+    """The latencies of the calls sent `since` seconds into the flood or later."""
+    return [latency for sent_at, latency in timed if sent_at >= since]
+
+
+def measure(address: str, seconds: float, flood: Flood, server_pid: int = 0) -> dict:
+    """One flood phase: the probe idle, then the flood (its processes), the probe and the health
+    checker together; the flood's clients, probe and checker ask `address` (REST: `flood.rest_url`)."""
+    rest_url = flood.rest_url
     channel = grpc.insecure_channel(address)
     stub = encoderd_pb2_grpc.EncoderStub(channel)
-    _, _, idle, _ = _probe(stub, 3, 0.02, rest_url)
+    rest = _rest_client(rest_url)
+    _, _, idle, _ = _probe(stub, 3, 0.02, rest)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    flood = ctx.Process(
-        target=_flood_process,
-        args=(address, clients, seconds + 6, own_connections, flood_nice, inputs, rest_url, honour_retry_after, out),
-        daemon=True,
-    )
+    began = time.monotonic()
+    flood = dataclasses.replace(flood, began=began, stop_at=began + SETTLE_S + seconds + 1)
+    processes = [ctx.Process(target=_flood_process, args=(flood, i, out), daemon=True) for i in range(flood.processes)]
     health = HealthChecker(address, rest_url)
-    flood.start()
+    watched = _processes_to_watch(server_pid) if server_pid else {}
+    cpu_before = {name: _cpu_seconds(pid) for name, pid in watched.items()}
+    for process in processes:
+        process.start()
     health.start()
-    time.sleep(5)  # the flood's connections open and the queue fills
-    refused, by_envoy, served, other = _probe(stub, seconds, 0.02, rest_url)
-    counts = out.get(timeout=seconds + 120)
+    time.sleep(SETTLE_S)
+    refused, by_envoy, served, other = _probe(stub, seconds, 0.02, rest)
+    counts = _merged([out.get(timeout=seconds + 120) for _ in processes])
+    cpu = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in watched.items()}
     health.stop.set()
     health.join(30)
-    flood.join(30)
+    for process in processes:
+        process.join(30)
     channel.close()
+    if rest:
+        rest.close()
     latency = counts.pop("latency")
     accepted, turned_away = latency.get("OK", []), latency.get("RESOURCE_EXHAUSTED", [])
+    steady = _latencies(turned_away, SETTLE_S)
+    upstream = _latencies(latency.get("upstream", []))
     return {
         "idle_p50_ms": _pct(idle, 50),
         "idle_p99_ms": _pct(idle, 99),
@@ -316,11 +438,19 @@ def measure(
         "by_envoy": len(by_envoy),  # the rest passed Envoy's limit and the server refused them
         "by_envoy_p99_ms": _pct(by_envoy, 99),
         "flood": counts,
-        "flood_ok_p50_ms": _pct(accepted, 50),
-        "flood_ok_p99_ms": _pct(accepted, 99),
-        "flood_ok_max_ms": _pct(accepted, 100),
-        "flood_refused_p50_ms": _pct(turned_away, 50),
-        "flood_refused_p99_ms": _pct(turned_away, 99),
+        "flood_ok_p50_ms": _pct(_latencies(accepted), 50),
+        "flood_ok_p99_ms": _pct(_latencies(accepted), 99),
+        "flood_ok_max_ms": _pct(_latencies(accepted), 100),
+        "flood_refused_p50_ms": _pct(_latencies(turned_away), 50),
+        "flood_refused_p99_ms": _pct(_latencies(turned_away), 99),
+        # after the first burst (every client's first call at once): the refusals sent while the probe ran
+        "steady_refused": len(steady),
+        "steady_refused_p50_ms": _pct(steady, 50),
+        "steady_refused_p99_ms": _pct(steady, 99),
+        "upstream_p50_ms": _pct(upstream, 50),  # REST: of the refusals, the time Envoy waited for the frontend
+        "upstream_p99_ms": _pct(upstream, 99),
+        # CPU per flood call (ms), whatever its outcome: the frontend's, and its Envoy's (REST on)
+        **{f"{name}_cpu_ms_per_call": round(1000 * used / max(1, counts["sent"]), 3) for name, used in cpu.items()},
         "health_asked": health.asked,
         "health_answered": len(health.answered),
         "health_p99_ms": _pct(health.answered, 99),
@@ -388,16 +518,37 @@ def report(rows: list[dict]) -> None:
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     print(
         f"\n{'server':<22} {'flood OK':>8} {'OK p50':>8} {'OK p99':>8} {'OK max':>8} {'refused':>8} "
-        f"{'ref p50':>8} {'ref p99':>8} {'health answered':>15} {'its p99':>7}"
+        f"{'ref p50':>8} {'ref p99':>8} {'steady':>8} {'its p50':>8} {'its p99':>8} {'retry-after':>11} "
+        f"{'timeouts':>8} {'health answered':>15} {'its p99':>7}"
     )
     for r in rows:
         c = r["flood"]
         health = f"{r['health_answered']}/{r['health_asked']}"
+        timeouts = c.get("DEADLINE_EXCEEDED", 0) + c.get("client timeout", 0)
         print(
             f"{r['server']:<22} {c.get('OK', 0):>8} {f(r['flood_ok_p50_ms']):>8} {f(r['flood_ok_p99_ms']):>8} "
             f"{f(r['flood_ok_max_ms']):>8} {c.get('RESOURCE_EXHAUSTED', 0):>8} {f(r['flood_refused_p50_ms']):>8} "
-            f"{f(r['flood_refused_p99_ms']):>8} {health:>15} {f(r['health_p99_ms']):>7}"
+            f"{f(r['flood_refused_p99_ms']):>8} {r['steady_refused']:>8} {f(r['steady_refused_p50_ms']):>8} "
+            f"{f(r['steady_refused_p99_ms']):>8} {c.get('with retry-after', 0):>11} {timeouts:>8} "
+            f"{health:>15} {f(r['health_p99_ms']):>7}"
         )
+    print(
+        "steady: the flood's refusals sent after its first burst (while the probe ran); retry-after: "
+        "its refusals that said when to come back; timeouts: DEADLINE_EXCEEDED and client timeouts"
+    )
+    for r in rows:
+        cpu = [
+            f"{name} {r[f'{name}_cpu_ms_per_call']:.3f} ms"
+            for name in ("frontend", "envoy")
+            if f"{name}_cpu_ms_per_call" in r
+        ]
+        if cpu:
+            print(f"{r['server']}: CPU per flood call: {', '.join(cpu)}")
+        if r.get("upstream_p50_ms") is not None:
+            print(
+                f"{r['server']}: of its refusals' time, Envoy waited for the frontend p50 "
+                f"{r['upstream_p50_ms']:.1f} ms, p99 {r['upstream_p99_ms']:.1f} ms (x-envoy-upstream-service-time)"
+            )
 
 
 def report_probe(rows: list[dict]) -> None:
@@ -434,16 +585,19 @@ def _flood_one_server(args, label: str, path: str | None, serve_args: list[str],
                 f"[flood] {target}: {args.clients} clients x {args.inputs} inputs, {how}, {args.seconds:g}s",
                 file=sys.stderr,
             )
-            row = measure(
+            flood = Flood(
                 at,
                 args.clients,
-                args.seconds,
-                args.own_connections,
-                args.flood_nice,
-                args.inputs,
-                rest_url,
-                args.honour_retry_after,
+                began=0.0,
+                stop_at=0.0,  # measure() sets both when it starts the flood
+                inputs=args.inputs,
+                rest_url=rest_url,
+                honour=args.honour_retry_after,
+                own_connections=args.own_connections,
+                nice=args.flood_nice,
+                processes=args.client_processes,
             )
+            row = measure(at, args.seconds, flood, server.pid)
             rows.append({"server": target, **row})
     finally:
         if front:
@@ -471,6 +625,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="flood clients wait what a refusal's retry-after / Retry-After asks (plus up to half again) "
         "before their next call, as the Python client does; default: they call again at once",
+    )
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        help="run the flood's clients in this many processes, an event loop each (default: %(default)s; "
+        "one loop driving 500 REST connections is itself the bottleneck)",
     )
     parser.add_argument(
         "--own-connections", action="store_true", help="one TCP connection per flood client (default: one shared)"
