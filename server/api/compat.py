@@ -35,6 +35,7 @@ from ..scheduling.scheduler import Priority
 from . import cohere_embed, openapi, tei
 from .rest import (
     embedding_inputs,
+    input_count,
     json_body,
     media_inputs,
     reject_set,
@@ -166,6 +167,10 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             dimensions=0 if zero_is_full and request.dimensions == 0 else positive(request, "dimensions")
         )
         model = self.registry.get(request.model, EMBEDDINGS_KINDS, prefer=_preferred_kinds(modality))
+        # Under a flood, refused before its inputs are read (as compute.run refuses a gRPC call
+        # before validating them): walking 32 JSON strings cost a REST refusal more than the check.
+        if count := input_count(request.input):
+            model.scheduler.refuse_if_full(count, options.priority)
         if model.spec.kind in MULTI_VECTOR_KINDS:
             return await self._multivectors(model, request, modality, encoding_format, options)
         if modality != "text":

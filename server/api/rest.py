@@ -42,6 +42,21 @@ def embedding_inputs(value: struct_pb2.Value) -> tuple[list[str] | None, list[li
     raise InvalidInput(f"`input` mixes element types; it must be {INPUT_SHAPES}")
 
 
+def input_count(value: struct_pb2.Value) -> int:
+    """How many inputs an `input` value (texts, token ids, media strings) holds, read without
+    converting them, for the refusal that comes before: a string or a single token list is one
+    input, a list of strings or of token lists one each. Never more than embedding_inputs or
+    media_inputs find, so a call is never refused for inputs it does not hold; 0 where they would
+    refuse it as malformed anyway (no input, or an empty list)."""
+    kind = value.WhichOneof("kind")
+    if kind != "list_value":
+        return 1 if kind == "string_value" else 0
+    items = value.list_value.values
+    if not items:
+        return 0
+    return 1 if items[0].WhichOneof("kind") == "number_value" else len(items)
+
+
 def _token_ids(values, index: int) -> list[float]:
     if not values:
         raise InvalidInput(f"input[{index}] is an empty token list")
