@@ -3,10 +3,11 @@ as a gRPC call already was (compute.run refuses before it validates): the refusa
 answer, and reading 32 JSON strings first cost a REST refusal more than the check itself.
 
 The real server, its workers and Envoy. The queue is held by stopping the workers (SIGSTOP) under
-one bulk call of 2,048 inputs; calls with the bulk API key then wait behind it past
---max-queue-wait and are refused. A call whose `input` is malformed past its first element is the
-witness: refused (429, Retry-After) while the queue is held, so its inputs were never walked; once
-the queue has drained, the same call is a 400 naming the problem, so nothing skips validation."""
+one interactive call of 2,048 inputs (split: its rest waits in the SPLIT queue); a call of 300
+inputs, whose own rest would wait behind it past --max-queue-wait, is refused. One whose `input` is
+malformed past its first element is the witness: refused (429, Retry-After) while the queue is
+held, so its inputs were never walked; once the queue has drained, the same call is a 400 naming
+the problem, so nothing skips validation."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import signal
 import grpc
 import httpx
 from support.server import ServerProcess
-from test_admission import HELD, _until
+from test_admission import HELD, _until, _worker_pids
 from test_metrics import scrape, total
 
 from encoderd.v1 import encoderd_pb2 as pb
 
-USER, INGEST = "user-key", "ingest-key"
-# Valid in its first element, malformed after it: only reading every input finds the fault.
-MIXED = {"input": ["a query", 7]}
+# Over SPLIT_BATCHES (4) batches of 64 inputs, valid in its first element and malformed in its last:
+# only reading every input finds the fault.
+MIXED = {"input": ["one more"] * 299 + [7]}
 
 
 def test_rest_embeddings_are_refused_before_their_inputs_are_read(tmp_path, minilm_path):
@@ -33,10 +34,6 @@ def test_rest_embeddings_are_refused_before_their_inputs_are_read(tmp_path, mini
         minilm_path,
         "--worker-stall-timeout",
         "600",  # a stopped worker must not be taken for a hung one
-        "--api-key",
-        USER,
-        "--bulk-api-key",
-        INGEST,
         rest=True,
         log_path=tmp_path / "s.log",
     ).start()
@@ -50,16 +47,13 @@ def test_rest_embeddings_are_refused_before_their_inputs_are_read(tmp_path, mini
 
 def _refused_while_held(server) -> None:
     stub = server.stub()
-    ingest = (("authorization", f"Bearer {INGEST}"),)
-    pids = [r.pid for m in stub.ListModels(pb.ListModelsRequest(), metadata=ingest).models for r in m.replicas]
-    pool = cf.ThreadPoolExecutor(2)
-    rest = httpx.Client(
-        base_url=server.rest_url, timeout=60, trust_env=False, headers={"Authorization": f"Bearer {INGEST}"}
-    )
+    pids = _worker_pids(stub)
+    pool = cf.ThreadPoolExecutor(1)
+    rest = httpx.Client(base_url=server.rest_url, timeout=60, trust_env=False)
     try:
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
-        held = pool.submit(stub.Embed, pb.EmbedRequest(inputs=HELD), metadata=ingest, timeout=300)
+        held = pool.submit(stub.Embed, pb.EmbedRequest(inputs=HELD), timeout=300)
         _until(
             lambda: held.done() or total(scrape(server), "encoderd_queue_depth") > 0,
             120,
@@ -73,7 +67,7 @@ def _refused_while_held(server) -> None:
         assert "--max-queue-wait" in refused.json()["error"]["message"]
         # gRPC answers the same call the same way (an empty text is malformed there).
         try:
-            stub.Embed(pb.EmbedRequest(inputs=["a query", ""]), metadata=ingest, timeout=60)
+            stub.Embed(pb.EmbedRequest(inputs=["one more"] * 299 + [""]), timeout=60)
             raise AssertionError("admitted behind ~10 s of work")
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
