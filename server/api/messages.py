@@ -2,12 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
+
 from ...v1 import encoderd_pb2 as pb
 from ..models import postprocess
 
+# Field numbers of what float32 vectors are written into (read from the schema, not copied).
+_EMBEDDINGS_FIELD = pb.EmbedResponse.DESCRIPTOR.fields_by_name["embeddings"].number
+_VALUES_FIELD = pb.Embedding.DESCRIPTOR.fields_by_name["values"].number
+_LENGTH_DELIMITED = 2  # the wire type of messages and packed repeated fields
 
-def embeddings_message(vectors, output_dtype: str) -> list[pb.Embedding]:
+
+def embeddings_message(vectors, output_dtype: str) -> Sequence[pb.Embedding]:
     """`output_dtype`: float32 (values) or a postprocess.QUANTIZERS name (packed bytes)."""
     if output_dtype == "float32":
-        return [pb.Embedding(values=v) for v in vectors.tolist()]
+        return float_embeddings(np.asarray(vectors))
     return [pb.Embedding(data=row.tobytes()) for row in postprocess.quantize(vectors, output_dtype)]
+
+
+def float_embeddings(vectors: np.ndarray) -> Sequence[pb.Embedding]:
+    """One Embedding of `values` per row, parsed from its wire format written with numpy: the same
+    messages as pb.Embedding(values=row.tolist()), without a Python float per value. Built on the
+    event loop, the slow way held it 57-70 ms for a 2,048 x 384 answer (every other caller's query
+    waited behind it, bench/fair.py); this way 1-3 ms."""
+    rows, width = vectors.shape
+    inner = _tag(_VALUES_FIELD) + _varint(4 * width)  # the packed `values` field's header
+    head = _tag(_EMBEDDINGS_FIELD) + _varint(len(inner) + 4 * width) + inner  # an Embedding's, before it
+    wire = np.empty((rows, len(head) + 4 * width), dtype=np.uint8)
+    wire[:, : len(head)] = np.frombuffer(head, dtype=np.uint8)
+    wire[:, len(head) :] = np.ascontiguousarray(vectors, dtype="<f4").view(np.uint8).reshape(rows, 4 * width)
+    return pb.EmbedResponse.FromString(wire.tobytes()).embeddings
+
+
+def _tag(field: int) -> bytes:
+    return _varint(field << 3 | _LENGTH_DELIMITED)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

@@ -1,0 +1,43 @@
+"""The float32 embeddings written from their wire format (server/api/messages.py) are the messages
+protobuf itself builds from the same values, for every shape and value a model can give."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from encoderd.server.api.messages import embeddings_message
+from encoderd.v1 import encoderd_pb2 as pb
+
+
+def built_by_protobuf(vectors: np.ndarray) -> pb.EmbedResponse:
+    return pb.EmbedResponse(embeddings=[pb.Embedding(values=row) for row in vectors.tolist()])
+
+
+@pytest.mark.parametrize("shape", [(2048, 384), (1, 1024), (3, 1), (0, 384), (2, 0), (2, 40_000)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_float_embeddings_are_the_messages_protobuf_builds(shape, dtype):
+    vectors = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+    if vectors.size:
+        vectors.flat[: min(4, vectors.size)] = [-0.0, np.inf, -np.inf, 1e-45][: min(4, vectors.size)]
+    expected = built_by_protobuf(vectors)
+    got = pb.EmbedResponse(embeddings=embeddings_message(vectors, "float32"))
+    assert got.SerializeToString() == expected.SerializeToString()
+    assert [list(e.values) for e in got.embeddings] == [list(e.values) for e in expected.embeddings]
+
+
+def test_nan_survives_bit_for_bit_and_each_embedding_stands_alone():
+    vectors = np.array([[np.nan, 1.5], [2.0, -3.25]], dtype=np.float32)
+    embeddings = embeddings_message(vectors, "float32")
+    assert len(embeddings) == 2
+    # A streamed answer takes one embedding at a time (streaming.py): a copy with its own values.
+    answer = pb.EmbedStreamResponse(id="7", embedding=embeddings[1])
+    assert list(answer.embedding.values) == [2.0, -3.25]
+    assert np.isnan(embeddings[0].values[0]) and embeddings[0].values[1] == 1.5
+    assert embeddings[0].SerializeToString() == pb.Embedding(values=vectors[0].tolist()).SerializeToString()
+
+
+def test_a_non_contiguous_view_is_written_row_by_row():
+    vectors = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]  # strided columns
+    got = pb.EmbedResponse(embeddings=embeddings_message(vectors, "float32"))
+    assert got.SerializeToString() == built_by_protobuf(vectors).SerializeToString()
