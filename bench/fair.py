@@ -13,6 +13,16 @@ Each round runs solo then shared, so the two see the same machine; --rounds N gi
 the report puts each round's ratios side by side: query p99 shared / idle p99, big inputs/s shared
 / solo. Every big call's texts are new (a counter in each), so no result cache or in-flight
 sharing shortens one. A benchmark, not a test: it prints a table and asserts nothing.
+
+Where a slow query's time went, per round (a second table):
+  * when: the shared queries by when each started against the big call (the first BOUNDARY_S of
+    it: tokenizing it, its first batch; the last BOUNDARY_S and after: its answer assembled and
+    sent; the middle: its pieces computing), each window's p99 and how many queries took over 2x
+    the idle p99 there;
+  * cores: what each part of the server used in the solo and the shared phase (as bench.mixed:
+    the frontend, the workers' bulk lanes, their other threads with the urgent lanes);
+  * with --loop-probe, health checks beside the queries (answered by the frontend alone, no
+    worker): their p99 idle and shared is the frontend's own lag (its event loop, its cores).
 """
 
 from __future__ import annotations
@@ -28,14 +38,16 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from .flood import export_ref
-from .mixed import QUERIES, QUERY_GAP_S, query_latencies
-from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
+from .mixed import QUERIES, QUERY_GAP_S, query_latencies, server_cpu
+from .processes import CpuProbe, Managed, free_port, grpc_serving, serve_command, wait_until
 
 BIG_INPUTS = 2048  # --max-inputs-per-request's default
+BOUNDARY_S = 0.5  # the start and end windows of a big call in the "when" table
 WORDS = "a maximum size request must not hold the single queries of other callers behind all of its work".split()
 
 
@@ -45,38 +57,49 @@ def big_texts(call: int, n: int = BIG_INPUTS, seed: int = 0) -> list[str]:
     return [f"{call} {i} " + " ".join(rng.choice(WORDS, size=int(rng.integers(40, 90)))) for i in range(n)]
 
 
-def big_calls(stub, calls: int, first: int) -> list[float]:
-    """Seconds each of `calls` big Embed calls took, one after the other."""
-    took = []
+def big_calls(stub, calls: int, first: int) -> list[tuple[float, float]]:
+    """When each of `calls` big Embed calls, one after the other, started and ended (perf_counter)."""
+    spans = []
     for k in range(calls):
         texts = big_texts(first + k)
         started = time.perf_counter()
         stub.Embed(pb.EmbedRequest(inputs=texts), timeout=600)
-        took.append(time.perf_counter() - started)
-    return took
+        spans.append((started, time.perf_counter()))
+    return spans
+
+
+def took(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in spans)
 
 
 class Queries(threading.Thread):
-    """Single queries in a closed loop until stopped, as mixed.query_latencies sends them (their own
-    channel: their own connection); a refused query is counted, not timed."""
+    """Single queries (or, `health`, health checks) in a closed loop until stopped, as
+    mixed.query_latencies sends them (their own channel: their own connection); a refused query is
+    counted, not timed."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, health: bool = False):
         super().__init__(daemon=True)
-        self.address = address
+        self.address, self.health = address, health
         self.stop = threading.Event()
         self.latencies: list[float] = []
+        self.started: list[float] = []  # perf_counter when each timed one was sent
         self.refused: dict[str, int] = {}
 
     def run(self) -> None:
         with grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             stub = encoderd_pb2_grpc.EncoderStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
             i = 0
             while not self.stop.is_set():
                 i += 1
                 started = time.perf_counter()
                 try:
-                    stub.Embed(pb.EmbedRequest(inputs=[f"{QUERIES[i % len(QUERIES)]} {i}"]), timeout=60)
+                    if self.health:
+                        health.Check(health_pb2.HealthCheckRequest(), timeout=60)
+                    else:
+                        stub.Embed(pb.EmbedRequest(inputs=[f"{QUERIES[i % len(QUERIES)]} {i}"]), timeout=60)
                     self.latencies.append(time.perf_counter() - started)
+                    self.started.append(started)
                 except grpc.RpcError as exc:
                     self.refused[exc.code().name] = self.refused.get(exc.code().name, 0) + 1
                 time.sleep(QUERY_GAP_S)
@@ -86,22 +109,67 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q) * 1000) if values else float("nan")
 
 
-def measure(address: str, rounds: int, calls: int, idle_s: float) -> dict:
+def when(queries: Queries, spans: list[tuple[float, float]], slow_s: float) -> dict:
+    """The shared queries by when each started against the big call running then: "start" (its
+    first BOUNDARY_S), "end" (its last BOUNDARY_S, and the gap to the next call or the end), or
+    "middle"; each window's count, p99, and queries over `slow_s`."""
+    windows: dict[str, list[float]] = {"start": [], "middle": [], "end": []}
+    for started, latency in zip(queries.started, queries.latencies, strict=True):
+        # The big call this query met: the last one that started before the query ended.
+        start, end = next(((a, b) for a, b in reversed(spans) if a <= started + latency), spans[0])
+        window = "start" if 0 <= started - start < BOUNDARY_S else "middle" if started < end - BOUNDARY_S else "end"
+        windows[window].append(latency)
+    return {
+        name: {"n": len(values), "p99_ms": pct(values, 99), "slow": sum(v > slow_s for v in values)}
+        for name, values in windows.items()
+    }
+
+
+def per_cycle(row: dict) -> float | None:
+    """The big call's inputs per CPU second of the bulk lanes, shared over solo: 1 when it lost only
+    the cycles the queries took (their compute, the frontend, the client), below 1 when each cycle
+    it kept did less (smaller batches, gaps, cache misses)."""
+    solo, shared = row["cores_solo"].get("bulk lanes"), row["cores_shared"].get("bulk lanes")
+    if not solo or not shared:
+        return None
+    return (row["shared_inputs_per_s"] / shared) / (row["solo_inputs_per_s"] / solo)
+
+
+def shared_phase(address: str, stub, calls: int, first: int, loop_probe: bool):
+    """The big calls beside the query loop (and the health loop): their spans and the loops."""
+    loops = [Queries(address)] + ([Queries(address, health=True)] if loop_probe else [])
+    for loop in loops:
+        loop.start()
+    time.sleep(0.5)  # the query loop runs before the big call starts
+    spans = big_calls(stub, calls, first)
+    for loop in loops:
+        loop.stop.set()
+    for loop in loops:
+        loop.join(60)
+    return spans, loops[0], loops[1] if loop_probe else None
+
+
+def measure(address: str, rounds: int, calls: int, idle_s: float, cpu: CpuProbe, loop_probe: bool) -> dict:
     stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
     query_latencies(stub, 2)  # warm up
     big_calls(stub, 1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
     idle = query_latencies(stub, idle_s, QUERY_GAP_S)
     out: dict = {"idle_p50_ms": pct(idle, 50), "idle_p99_ms": pct(idle, 99), "idle_n": len(idle), "rounds": []}
+    if loop_probe:
+        health = Queries(address, health=True)
+        health.start()
+        time.sleep(idle_s / 2)
+        health.stop.set()
+        health.join(60)
+        out["idle_health_p99_ms"] = pct(health.latencies, 99)
     for r in range(rounds):
+        before = cpu.snapshot()
         solo = big_calls(stub, calls, first=100 * r)
-        queries = Queries(address)
-        queries.start()
-        time.sleep(0.5)  # the query loop runs before the big call starts
-        shared = big_calls(stub, calls, first=100 * r + 50)
-        queries.stop.set()
-        queries.join(60)
+        middle = cpu.snapshot()
+        spans, queries, health = shared_phase(address, stub, calls, 100 * r + 50, loop_probe)
+        after = cpu.snapshot()
         q = queries.latencies
-        solo_rate, shared_rate = BIG_INPUTS * calls / sum(solo), BIG_INPUTS * calls / sum(shared)
+        solo_rate, shared_rate = BIG_INPUTS * calls / took(solo), BIG_INPUTS * calls / took(spans)
         out["rounds"].append(
             {
                 "solo_inputs_per_s": solo_rate,
@@ -112,8 +180,13 @@ def measure(address: str, rounds: int, calls: int, idle_s: float) -> dict:
                 "query_p99_vs_idle": pct(q, 99) / out["idle_p99_ms"],
                 "queries": len(q),
                 "queries_failed": queries.refused,
+                "when": when(queries, spans, 2 * out["idle_p99_ms"] / 1000),
+                "cores_solo": CpuProbe.cores(before, middle),
+                "cores_shared": CpuProbe.cores(middle, after),
+                "health_p99_ms": pct(health.latencies, 99) if health else None,
             }
         )
+        out["rounds"][-1]["big_per_bulk_cycle"] = per_cycle(out["rounds"][-1])
     return out
 
 
@@ -132,6 +205,22 @@ def report(label: str, result: dict) -> None:
             f"{row['query_p99_vs_idle']:9.2f} {row['solo_inputs_per_s']:13.1f} {row['shared_inputs_per_s']:15.1f} "
             f"{row['big_shared_vs_solo']:11.2f}  {row['queries_failed'] or '-'}"
         )
+    print(
+        f"  where the time went (slow: over 2x the idle p99; start / end: the big call's first / last {BOUNDARY_S} s)"
+    )
+    if "idle_health_p99_ms" in result:
+        print(f"  health checks (the frontend alone): idle p99 {result['idle_health_p99_ms']:.1f} ms")
+    for i, row in enumerate(result["rounds"], start=1):
+        windows = "  ".join(
+            f"{name} {w['n']} q p99 {w['p99_ms']:.1f} ms, {w['slow']} slow" for name, w in row["when"].items()
+        )
+        health = f"; health p99 {row['health_p99_ms']:.1f} ms" if row["health_p99_ms"] is not None else ""
+        print(f"  {i}: {windows}{health}")
+        for phase in ("solo", "shared"):
+            cores = ", ".join(f"{k} {v:.2f}" for k, v in row[f"cores_{phase}"].items())
+            print(f"     cores {phase:>6}: {cores}")
+        if row["big_per_bulk_cycle"] is not None:
+            print(f"     big inputs per bulk-lane CPU second, shared / solo: {row['big_per_bulk_cycle']:.2f}")
 
 
 def run_server(label: str, checkout: str | None, serve_args: list[str], logs: Path, args) -> dict:
@@ -142,7 +231,7 @@ def run_server(label: str, checkout: str | None, serve_args: list[str], logs: Pa
     try:
         wait_until(lambda: grpc_serving(address), label, server, timeout=300)
         print(f"[fair] {label}: {args.rounds} rounds of {args.big_calls} big calls", file=sys.stderr)
-        return measure(address, args.rounds, args.big_calls, args.idle_seconds)
+        return measure(address, args.rounds, args.big_calls, args.idle_seconds, server_cpu(server.pid), args.loop_probe)
     finally:
         server.stop()
 
@@ -154,6 +243,9 @@ def main(argv=None) -> int:
     parser.add_argument("--idle-seconds", type=float, default=10, help="length of the idle query phase")
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
     parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
+    parser.add_argument(
+        "--loop-probe", action="store_true", help="health checks beside the queries: the frontend's own lag"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="encoderd-fair-"))
