@@ -18,11 +18,12 @@ decides *when* and *where* to send:
   * a call is admitted by the time it would wait (admission.py: the work ahead
     of it at each replica's measured drain rate), not only by the queue's size:
     interactive calls within --max-queue-wait, bulk calls within their deadline;
-  * an interactive request bigger than SPLIT_BATCHES batches is cut (`split_large`): its
-    first batch runs as interactive work, the rest in the SPLIT queue, after
-    every interactive input and before bulk work, computed like bulk work (in
-    the worker's bulk lane, which a query preempts), so one maximum-size call
-    does not hold other callers' queries behind it.
+  * an interactive request bigger than SPLIT_BATCHES batches is cut (`split_large`):
+    all of it waits in the SPLIT queue, after every interactive input and before
+    bulk work, and is computed like bulk work (in the worker's bulk lane, which a
+    query preempts), so one maximum-size call does not hold other callers'
+    queries behind it; interactive work goes to the replica with the least
+    interactive work in flight, so a query does not queue behind another's.
 
 Over 400 lines for now: issue #42 is reworking admission here; splitting the queues from the dispatch waits for it.
 """
@@ -61,8 +62,8 @@ SPLIT_BATCHES = 4
 
 class Priority(enum.IntEnum):
     """A queue of the scheduler's, in the order it serves them. Only INTERACTIVE and BULK are asked
-    for; SPLIT holds what is left of interactive requests too big to run whole (`split_large`):
-    served before bulk work, computed like it (in the worker's bulk lane, which a query preempts)."""
+    for; SPLIT holds interactive requests too big to run whole (`split_large`): served before bulk
+    work, computed like it (in the worker's bulk lane, which a query preempts)."""
 
     INTERACTIVE = 1
     SPLIT = 2
@@ -133,7 +134,7 @@ class ModelScheduler:
         self.max_queued_tokens = max_queued_tokens
         self.max_in_flight = max_in_flight
         self.max_queue_wait = max_queue_wait  # seconds an interactive call may wait; 0 = no bound
-        # An interactive request over SPLIT_BATCHES batches runs as bulk-lane work past its first batch.
+        # An interactive request over SPLIT_BATCHES batches runs as bulk-lane work (the SPLIT queue).
         self.split_large = split_large
         self.queues: dict[Priority, deque[WorkItem]] = {p: deque() for p in Priority}
         self.load = {replica: ReplicaLoad() for replica in replicas}
@@ -258,34 +259,21 @@ class ModelScheduler:
     def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
         """Queue a request's inputs, or refuse at once when over a memory bound (the wait was
         judged at admission: a request tokenized by then is not thrown away for it). A split request
-        (`split_large`) queues its first batch's inputs at its priority, the rest in SPLIT."""
+        (`split_large`) queues all its inputs in SPLIT: none of it runs as urgent work, which a
+        query cannot preempt (a first batch of 16 x 128 tokens there held queries on its replica
+        ~0.1 s, bench/fair.py's start window)."""
         tokens = sum(item.length for item in items)
         self._refuse_if_full(len(items), tokens)
         now = time.monotonic()
         for item in items:
             item.enqueued = now
-        if self._runs_as(priority, len(items), tokens) != priority:
-            self._predict_wait(items[0], Priority.INTERACTIVE)
-            cut = self._first_piece(items)
-            self._enqueue(items[:cut], Priority.INTERACTIVE)
-            self._enqueue(items[cut:], Priority.SPLIT)
-        else:
-            if priority == Priority.INTERACTIVE:
-                self._interactive_seen = now
-            self._predict_wait(items[0], priority)
-            self._enqueue(items, priority)
+        waits_in = self._runs_as(priority, len(items), tokens)
+        if waits_in == Priority.INTERACTIVE:
+            self._interactive_seen = now
+        self._predict_wait(items[0], waits_in)
+        self._enqueue(items, waits_in)
         self._queue_changed()
         self._wake.set()
-
-    def _first_piece(self, items: list[WorkItem]) -> int:
-        """How many of a split request's first inputs fit one interactive batch (at least one)."""
-        one_batch = self.limits[Priority.INTERACTIVE]
-        total = 0
-        for i, item in enumerate(items[: one_batch.max_batch_size]):
-            total += item.length
-            if total > one_batch.max_batch_tokens:
-                return max(i, 1)
-        return min(len(items), one_batch.max_batch_size)
 
     def _enqueue(self, items: list[WorkItem], priority: Priority) -> None:
         self.queues[priority].extend(items)
@@ -373,7 +361,13 @@ class ModelScheduler:
             and self.load[r].batches < self.max_in_flight
             and (priority == Priority.INTERACTIVE or self.load[r].bulk_batches < bulk_cap)
         ]
-        return min(free, key=lambda r: self.load[r].tokens) if free else None
+        if not free:
+            return None
+        if priority == Priority.INTERACTIVE:
+            # A query preempts bulk-lane work but waits for urgent work: the replica with the least
+            # urgent work in flight, then the least in all.
+            return min(free, key=lambda r: (self.load[r].tokens - self.load[r].bulk_tokens, self.load[r].tokens))
+        return min(free, key=lambda r: self.load[r].tokens)
 
     def _should_close(self, queue: deque[WorkItem], limits: BatchLimits) -> bool:
         if queued_cost_reaches_budget(queue, limits):
