@@ -33,14 +33,16 @@ PROXY_RETURNS_ID_KEY = "x-encoderd-proxy-returns-id"
 
 @contextlib.asynccontextmanager
 async def _observed(service, name: str, model_name: str, context: grpc.aio.ServicerContext):
-    """Around every call: request id, bulk-key priority, trace span, error -> status, metrics.
+    """Around every call: request id, bulk-key priority, caller, trace span, error -> status, metrics.
     Yields the metadata that carries the request id back to the client, and whether the proxy in
     front returns it for us (`_proxy_returns_id`)."""
     started = time.perf_counter()
     rpc_label = f"{type(service).__name__.removesuffix('Service')}/{name}"  # Encoder/Rerank vs Compat/Rerank
     metadata = context.invocation_metadata()
     rid = logs.bind_request_id(metadata)
-    request_options.bind_key_priority(presented_key(metadata), service.registry.config.bulk_api_keys)
+    key = presented_key(metadata)
+    request_options.bind_key_priority(key, service.registry.config.bulk_api_keys)
+    request_options.bind_caller(key, context.peer())
     remaining = context.time_remaining()  # admission refuses a call its deadline cannot wait for
     CALL_DEADLINE.set(None if remaining is None else time.monotonic() + remaining)
     rid_metadata = ((logs.REQUEST_ID_KEY, rid),)

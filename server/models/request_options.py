@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ...v1 import encoderd_pb2 as pb
 from ..base.errors import InvalidInput
-from ..scheduling.scheduler import DEFAULT_PRIORITY, Priority
+from ..scheduling.scheduler import CALLER, DEFAULT_PRIORITY, Priority
 
 SIDES: dict[int, str] = {
     pb.TRUNCATION_DIRECTION_UNSPECIFIED: "right",
@@ -43,6 +43,13 @@ OUTPUT_DTYPES: dict[int, str] = {
 def bind_key_priority(key: str, bulk_keys: Collection[str]) -> None:
     """At the start of every call (its task only): a --bulk-api-key's calls default to bulk."""
     DEFAULT_PRIORITY.set(Priority.BULK if key and key in bulk_keys else Priority.INTERACTIVE)
+
+
+def bind_caller(key: str, peer: str) -> None:
+    """At the start of every call (its task only): who it comes from, for the scheduler's turns
+    between big requests (scheduler.CALLER): its API key (behind Envoy's pooled connections the
+    only handle on a REST caller; a hash, the key itself is not kept), else its connection."""
+    CALLER.set(("key", hash(key)) if key else ("peer", peer))
 
 
 def key_priority() -> Priority:

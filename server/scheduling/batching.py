@@ -9,8 +9,9 @@ arrival order while batches stay tight.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol, cast
 
@@ -43,6 +44,8 @@ class WorkItem:
     predicted_wait: float | None = None
     # An embedding model's token states (TEI's /embed_all), not its pooled vector: batched apart.
     token_states: bool = False
+    # Who sent it, where callers take turns (the SPLIT queue: interleave_callers); None: unknown.
+    caller: Hashable | None = None
     modality: ClassVar[str] = "text"  # a batch holds one modality (MediaItem overrides it)
 
     @property
@@ -127,6 +130,27 @@ def _chunk_holding(order: list[int], window: list[WorkItem], limits: BatchLimits
         chunk.append(i)
         total += length
     return chunk
+
+
+def interleave_callers(queue: deque[WorkItem], items: list[WorkItem], turn: int) -> deque[WorkItem]:
+    """`queue` with `items` added so that its callers take turns of `turn` inputs each, in the order
+    they first appear (the head's caller goes on first): a second caller's big request starts
+    within a round instead of after all of the first one's, and each caller's own inputs keep
+    their order (one caller's two requests still run one after the other)."""
+    lanes: dict[Hashable | None, list[WorkItem]] = {}
+    for item in itertools.chain(queue, items):
+        lanes.setdefault(item.caller, []).append(item)
+    if len(lanes) == 1:
+        queue.extend(items)
+        return queue
+    merged: deque[WorkItem] = deque()
+    for start in itertools.count(0, turn):
+        turns = [lane[start : start + turn] for lane in lanes.values() if start < len(lane)]
+        if not turns:
+            return merged
+        for piece in turns:
+            merged.extend(piece)
+    return merged  # unreachable: count() never ends; mypy wants a return
 
 
 def queued_cost_reaches_budget(queue: deque[WorkItem], limits: BatchLimits) -> bool:

@@ -23,7 +23,10 @@ decides *when* and *where* to send:
     bulk work, and is computed like bulk work (in the worker's bulk lane, which a
     query preempts), so one maximum-size call does not hold other callers'
     queries behind it; interactive work goes to the replica with the least
-    interactive work in flight, so a query does not queue behind another's.
+    interactive work in flight, so a query does not queue behind another's;
+    different callers' split requests (CALLER: API key, else connection) take
+    turns of a batch each in SPLIT, so a second big call does not wait for all of
+    the first.
 
 Over 400 lines for now: issue #42 is reworking admission here; splitting the queues from the dispatch waits for it.
 """
@@ -39,6 +42,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +50,7 @@ import numpy as np
 from ..base import metrics
 from ..base.errors import Overloaded, Unavailable
 from .admission import CALL_DEADLINE, DrainRate, WaitCalibration, admission, expected_wait
-from .batching import BatchLimits, WorkItem, pack, queued_cost_reaches_budget, take_batch
+from .batching import BatchLimits, WorkItem, interleave_callers, pack, queued_cost_reaches_budget, take_batch
 from .worker_client import WorkerClient
 
 log = logging.getLogger("encoderd.scheduler")
@@ -75,6 +79,12 @@ class Priority(enum.IntEnum):
 DEFAULT_PRIORITY: contextvars.ContextVar[Priority] = contextvars.ContextVar(
     "default_priority", default=Priority.INTERACTIVE
 )
+
+
+# Who the current call comes from (set per call by the service layer, request_options.bind_caller:
+# its API key, else its connection): big requests of different callers take turns in the SPLIT
+# queue instead of running one after the other; None (in-process callers) is one caller.
+CALLER: contextvars.ContextVar[Hashable | None] = contextvars.ContextVar("caller", default=None)
 
 
 class PendingRequest:
@@ -276,7 +286,14 @@ class ModelScheduler:
         self._wake.set()
 
     def _enqueue(self, items: list[WorkItem], priority: Priority) -> None:
-        self.queues[priority].extend(items)
+        if priority == Priority.SPLIT:  # callers take turns of a batch each (CALLER)
+            caller = CALLER.get()
+            for item in items:
+                item.caller = caller
+            turn = self.limits[Priority.SPLIT].max_batch_size
+            self.queues[priority] = interleave_callers(self.queues[priority], items, turn)
+        else:
+            self.queues[priority].extend(items)
         metrics.QUEUED_INPUTS.labels(self.model, priority.name.lower()).inc(len(items))
         self._queued_tokens[priority] += sum(item.length for item in items)
 

@@ -4,12 +4,15 @@ the order is made explicit with held stand-in workers, never by timing."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
+from collections import deque
 
 import numpy as np
 import pytest
 
-from encoderd.server.scheduling.batching import BatchLimits, WorkItem
-from encoderd.server.scheduling.scheduler import ModelScheduler, PendingRequest, Priority
+from encoderd.server.models import request_options
+from encoderd.server.scheduling.batching import BatchLimits, WorkItem, interleave_callers
+from encoderd.server.scheduling.scheduler import CALLER, ModelScheduler, PendingRequest, Priority
 
 
 class HeldWorker:
@@ -98,3 +101,67 @@ async def test_a_query_is_sent_at_once_while_a_big_request_holds_both_replicas(t
         worker.release.set()
     assert (await query_task)[0, 0] == 7
     assert list((await big_call)[:, 0]) == list(range(1000, 1040))
+
+
+# ------------------------------------------------------------------ callers take turns (CALLER)
+
+
+def items_of(caller, first_ids):
+    """Queued inputs of one caller (batching is pure: no request behind them is needed)."""
+    return [WorkItem(np.full(3, v, dtype=np.int32), None, None, i, caller=caller) for i, v in enumerate(first_ids)]
+
+
+def test_callers_take_turns_of_a_batch_each_and_keep_their_own_order():
+    queue = deque(items_of("a", range(10)))
+    queue = interleave_callers(queue, items_of("b", range(100, 105)), turn=4)
+    queue = interleave_callers(queue, items_of("a", range(20, 22)), turn=4)  # a's second request: after its first
+    queue = interleave_callers(queue, items_of("c", [500]), turn=4)
+    order = [int(item.ids[0]) for item in queue]
+    assert order == [0, 1, 2, 3, 100, 101, 102, 103, 500, 4, 5, 6, 7, 104, 8, 9, 20, 21]
+
+
+def test_one_caller_keeps_the_queue_as_it_is():
+    queue = deque(items_of(None, range(3)))
+    same = interleave_callers(queue, items_of(None, range(3, 6)), turn=2)
+    assert same is queue and [int(i.ids[0]) for i in same] == list(range(6))
+
+
+async def test_two_callers_big_requests_interleave(two_replicas):
+    """Two 40-input calls from different callers, the second sent while the first holds both
+    replicas: the second's batches run between the first's, not after all of them."""
+    scheduler, workers = two_replicas
+
+    async def call(caller, first_ids):
+        CALLER.set(caller)  # as the service layer does at the start of each call (its own task)
+        pending, items = request(first_ids)
+        return await scheduler.run(items, pending)
+
+    first = asyncio.create_task(call(("key", 1), range(1000, 1040)))
+    await until(lambda: all(w.batches for w in workers), "the first call holds both replicas")
+    second = asyncio.create_task(call(("key", 2), range(2000, 2040)))
+    await until(lambda: scheduler.queues[Priority.SPLIT] and scheduler.queued == 32 + 40, "the second call queued")
+    for worker in workers:
+        worker.release.set()
+    await asyncio.gather(first, second)
+    batches = sorted(
+        ((i, b) for w in workers for i, b in enumerate(w.batches)), key=lambda ib: ib[0]
+    )  # the order each replica took them: round by round
+    seconds_first = min(i for i, b in batches if b.input_ids[0] >= 2000)
+    firsts_last = max(i for i, b in batches if b.input_ids[0] < 2000)
+    assert seconds_first < firsts_last  # on the old code the second call waited for all of the first
+
+
+def test_a_caller_is_its_api_key_else_its_connection():
+    def caller_of(key: str, peer: str):
+        def call():
+            request_options.bind_caller(key, peer)
+            return CALLER.get()
+
+        return contextvars.copy_context().run(call)
+
+    # Behind Envoy one pooled connection carries many callers: the key tells them apart.
+    assert caller_of("k1", "ipv4:127.0.0.1:1") == caller_of("k1", "ipv4:127.0.0.1:2")
+    assert caller_of("k1", "ipv4:127.0.0.1:1") != caller_of("k2", "ipv4:127.0.0.1:1")
+    assert caller_of("", "ipv4:127.0.0.1:1") != caller_of("", "ipv4:127.0.0.1:2")
+    assert "k1" not in repr(caller_of("k1", "x"))  # the key itself is not kept
+    assert CALLER.get() is None  # each call's own context only
