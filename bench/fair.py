@@ -10,9 +10,11 @@ exported to a temporary folder) with its default flags, and measures on each ser
   shared  the same big calls while a client sends single queries as in `idle` (a closed loop, on
           its own channel and thread): the queries' p50/p99 and the big calls' inputs/s.
 Each round runs solo then shared, so the two see the same machine; --rounds N gives N pairs, and
-the report puts each round's ratios side by side: query p99 shared / idle p99, big inputs/s shared
-/ solo. Every big call's texts are new (a counter in each), so no result cache or in-flight
-sharing shortens one. A benchmark, not a test: it prints a table and asserts nothing.
+with --compare-ref both servers run at once, their rounds alternated (one of each, then the next),
+so both meet about the same load on a shared host; the report puts each round's ratios side by
+side: query p99 shared / idle p99, big inputs/s shared / solo. Every big call's texts are new (a
+counter in each), so no result cache or in-flight sharing shortens one. A benchmark, not a test:
+it prints a table and asserts nothing.
 
 Where a slow query's time went, per round (a second table):
   * when: the shared queries by when each started against the big call (the first BOUNDARY_S of
@@ -149,45 +151,52 @@ def shared_phase(address: str, stub, calls: int, first: int, loop_probe: bool):
     return spans, loops[0], loops[1] if loop_probe else None
 
 
-def measure(address: str, rounds: int, calls: int, idle_s: float, cpu: CpuProbe, loop_probe: bool) -> dict:
-    stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
-    query_latencies(stub, 2)  # warm up
-    big_calls(stub, 1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
-    idle = query_latencies(stub, idle_s, QUERY_GAP_S)
-    out: dict = {"idle_p50_ms": pct(idle, 50), "idle_p99_ms": pct(idle, 99), "idle_n": len(idle), "rounds": []}
-    if loop_probe:
-        health = Queries(address, health=True)
-        health.start()
-        time.sleep(idle_s / 2)
-        health.stop.set()
-        health.join(60)
-        out["idle_health_p99_ms"] = pct(health.latencies, 99)
-    for r in range(rounds):
-        before = cpu.snapshot()
-        solo = big_calls(stub, calls, first=100 * r)
-        middle = cpu.snapshot()
-        spans, queries, health = shared_phase(address, stub, calls, 100 * r + 50, loop_probe)
-        after = cpu.snapshot()
-        q = queries.latencies
+class Bench:
+    """One server's measurements: `warm` (its warm-up and idle phase), then `round` after round."""
+
+    def __init__(self, address: str, cpu: CpuProbe, args):
+        self.address, self.cpu, self.args = address, cpu, args
+        self.stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
+        self.out: dict = {"rounds": []}
+
+    def warm(self) -> None:
+        query_latencies(self.stub, 2)
+        big_calls(self.stub, 1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
+        idle = query_latencies(self.stub, self.args.idle_seconds, QUERY_GAP_S)
+        self.out.update(idle_p50_ms=pct(idle, 50), idle_p99_ms=pct(idle, 99), idle_n=len(idle))
+        if self.args.loop_probe:
+            health = Queries(self.address, health=True)
+            health.start()
+            time.sleep(self.args.idle_seconds / 2)
+            health.stop.set()
+            health.join(60)
+            self.out["idle_health_p99_ms"] = pct(health.latencies, 99)
+
+    def round(self, r: int) -> None:
+        calls = self.args.big_calls
+        before = self.cpu.snapshot()
+        solo = big_calls(self.stub, calls, first=100 * r)
+        middle = self.cpu.snapshot()
+        spans, queries, health = shared_phase(self.address, self.stub, calls, 100 * r + 50, self.args.loop_probe)
+        after = self.cpu.snapshot()
+        q, idle_p99 = queries.latencies, self.out["idle_p99_ms"]
         solo_rate, shared_rate = BIG_INPUTS * calls / took(solo), BIG_INPUTS * calls / took(spans)
-        out["rounds"].append(
-            {
-                "solo_inputs_per_s": solo_rate,
-                "shared_inputs_per_s": shared_rate,
-                "big_shared_vs_solo": shared_rate / solo_rate,
-                "query_p50_ms": pct(q, 50),
-                "query_p99_ms": pct(q, 99),
-                "query_p99_vs_idle": pct(q, 99) / out["idle_p99_ms"],
-                "queries": len(q),
-                "queries_failed": queries.refused,
-                "when": when(queries, spans, 2 * out["idle_p99_ms"] / 1000),
-                "cores_solo": CpuProbe.cores(before, middle),
-                "cores_shared": CpuProbe.cores(middle, after),
-                "health_p99_ms": pct(health.latencies, 99) if health else None,
-            }
-        )
-        out["rounds"][-1]["big_per_bulk_cycle"] = per_cycle(out["rounds"][-1])
-    return out
+        row = {
+            "solo_inputs_per_s": solo_rate,
+            "shared_inputs_per_s": shared_rate,
+            "big_shared_vs_solo": shared_rate / solo_rate,
+            "query_p50_ms": pct(q, 50),
+            "query_p99_ms": pct(q, 99),
+            "query_p99_vs_idle": pct(q, 99) / idle_p99,
+            "queries": len(q),
+            "queries_failed": queries.refused,
+            "when": when(queries, spans, 2 * idle_p99 / 1000),
+            "cores_solo": CpuProbe.cores(before, middle),
+            "cores_shared": CpuProbe.cores(middle, after),
+            "health_p99_ms": pct(health.latencies, 99) if health else None,
+        }
+        row["big_per_bulk_cycle"] = per_cycle(row)
+        self.out["rounds"].append(row)
 
 
 def report(label: str, result: dict) -> None:
@@ -223,17 +232,31 @@ def report(label: str, result: dict) -> None:
             print(f"     big inputs per bulk-lane CPU second, shared / solo: {row['big_per_bulk_cycle']:.2f}")
 
 
-def run_server(label: str, checkout: str | None, serve_args: list[str], logs: Path, args) -> dict:
-    address = f"127.0.0.1:{free_port()}"
-    argv = [*serve_command(checkout), "--no-rest", "--grpc-port", address.rpartition(":")[2], *serve_args]
-    env = {"PYTHONPATH": checkout} if checkout else {}
-    server = Managed(label, argv, logs / f"{label.replace(' ', '-')}.log", env=env, cwd=checkout).start()
+def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], logs: Path, args) -> dict:
+    """All servers up at once, their rounds alternated (one round of each, then the next), so each
+    round of each meets about the same load on a shared host."""
+    started: dict[str, tuple[Managed, str]] = {}
     try:
-        wait_until(lambda: grpc_serving(address), label, server, timeout=300)
-        print(f"[fair] {label}: {args.rounds} rounds of {args.big_calls} big calls", file=sys.stderr)
-        return measure(address, args.rounds, args.big_calls, args.idle_seconds, server_cpu(server.pid), args.loop_probe)
+        for label, checkout in servers:
+            address = f"127.0.0.1:{free_port()}"
+            argv = [*serve_command(checkout), "--no-rest", "--grpc-port", address.rpartition(":")[2], *serve_args]
+            env = {"PYTHONPATH": checkout} if checkout else {}
+            log_path = logs / f"{label.replace(' ', '-')}.log"
+            started[label] = (Managed(label, argv, log_path, env=env, cwd=checkout).start(), address)
+        benches = {}
+        for label, (server, address) in started.items():
+            wait_until(lambda address=address: grpc_serving(address), label, server, timeout=300)
+            benches[label] = Bench(address, server_cpu(server.pid), args)
+        for bench in benches.values():
+            bench.warm()
+        for r in range(args.rounds):
+            for label, bench in benches.items():
+                print(f"[fair] {label}: round {r + 1} of {args.rounds} ({args.big_calls} big calls)", file=sys.stderr)
+                bench.round(r)
+        return {label: bench.out for label, bench in benches.items()}
     finally:
-        server.stop()
+        for server, _ in started.values():
+            server.stop()
 
 
 def main(argv=None) -> int:
@@ -253,7 +276,7 @@ def main(argv=None) -> int:
     servers: list[tuple[str, str | None]] = [("this checkout", None)]
     if args.compare_ref:
         servers.insert(0, (f"ref {args.compare_ref}", str(export_ref(args.compare_ref))))
-    results = {label: run_server(label, path, serve_args, logs, args) for label, path in servers}
+    results = run_servers(servers, serve_args, logs, args)
     for label, result in results.items():
         report(label, result)
     if args.json:
