@@ -4,7 +4,8 @@
 
 It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
 exported to a temporary folder) with its default flags, and measures on each server:
-  idle    sequential single short queries, nothing else running: p50/p99;
+  idle    sequential single short queries, nothing else running: p50/p99 (once after the warm-up,
+          and again at the start of each round: the round's ratio is against its own);
   solo    --big-calls Embed calls of --max-inputs-per-request (2,048) inputs, one after the other,
           alone: the big call's inputs/s;
   shared  the same big calls while a client sends single queries as in `idle` (a closed loop, on
@@ -173,15 +174,19 @@ class Bench:
             self.out["idle_health_p99_ms"] = pct(health.latencies, 99)
 
     def round(self, r: int) -> None:
+        """Idle queries, the big calls solo, then shared: the round's ratios are against its own idle
+        p99 and solo rate, taken minutes apart at most (the host's load drifts more than that)."""
         calls = self.args.big_calls
+        idle = query_latencies(self.stub, self.args.idle_seconds, QUERY_GAP_S)
         before = self.cpu.snapshot()
         solo = big_calls(self.stub, calls, first=100 * r)
         middle = self.cpu.snapshot()
         spans, queries, health = shared_phase(self.address, self.stub, calls, 100 * r + 50, self.args.loop_probe)
         after = self.cpu.snapshot()
-        q, idle_p99 = queries.latencies, self.out["idle_p99_ms"]
+        q, idle_p99 = queries.latencies, pct(idle, 99)
         solo_rate, shared_rate = BIG_INPUTS * calls / took(solo), BIG_INPUTS * calls / took(spans)
         row = {
+            "idle_p99_ms": idle_p99,
             "solo_inputs_per_s": solo_rate,
             "shared_inputs_per_s": shared_rate,
             "big_shared_vs_solo": shared_rate / solo_rate,
@@ -205,12 +210,13 @@ def report(label: str, result: dict) -> None:
         f"({result['idle_n']} queries)"
     )
     print(
-        f"{'round':>5} {'queries':>7} {'q p50 ms':>9} {'q p99 ms':>9} {'p99/idle':>9} "
+        f"{'round':>5} {'idle p99':>8} {'queries':>7} {'q p50 ms':>9} {'q p99 ms':>9} {'p99/idle':>9} "
         f"{'big solo in/s':>13} {'big shared in/s':>15} {'shared/solo':>11}  queries failed"
     )
     for i, row in enumerate(result["rounds"], start=1):
         print(
-            f"{i:>5} {row['queries']:>7} {row['query_p50_ms']:9.1f} {row['query_p99_ms']:9.1f} "
+            f"{i:>5} {row['idle_p99_ms']:8.1f} {row['queries']:>7} {row['query_p50_ms']:9.1f} "
+            f"{row['query_p99_ms']:9.1f} "
             f"{row['query_p99_vs_idle']:9.2f} {row['solo_inputs_per_s']:13.1f} {row['shared_inputs_per_s']:15.1f} "
             f"{row['big_shared_vs_solo']:11.2f}  {row['queries_failed'] or '-'}"
         )
