@@ -21,6 +21,7 @@ class HeldWorker:
     def __init__(self, label: str):
         self.label = label
         self.ready = True
+        self.ready_info = None  # what a worker says when ready: no figure measured at load
         self.state_changed = asyncio.Event()
         self.batches: list = []
         self.release = asyncio.Event()
