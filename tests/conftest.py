@@ -53,6 +53,11 @@ def server(tmp_path_factory, reranker_path, classifier_path):
         f"classifier={classifier_path}",
         "--max-inputs-per-request",
         "256",
+        # The tests on this server check answers under concurrency; admission by expected wait would
+        # turn a slow or busy host into refusals (a timing-dependent failure). Admission has its own
+        # servers, held by stopped workers (test_admission.py, test_refusal_order.py).
+        "--max-queue-wait",
+        "0",
         log_path=log,
     )
     proc.start()
