@@ -13,7 +13,16 @@ from .. import calibration
 from ..contract import hardware
 from ..contract.model_spec import ModelKind, Pooling, pooling_modes
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
-from . import float8_linear, int8_linear, packed_encoder, packed_linear, packed_pieces, retrieval, torch_heads
+from . import (
+    bf16_softmax,
+    float8_linear,
+    int8_linear,
+    packed_encoder,
+    packed_linear,
+    packed_pieces,
+    retrieval,
+    torch_heads,
+)
 from .base import Backend, from_pretrained, padded, run_to_end, token_states, wants_token_states
 
 log = logging.getLogger(__name__)
@@ -90,6 +99,8 @@ class TorchBackend(Backend):
             self.model = torch.compile(self.model, dynamic=True)
         elif self.device.type == "cpu":
             packed_linear.prepack_for_cpu(self.model, weights)
+            if self.packed is not None and weights == torch.bfloat16:
+                bf16_softmax.kernel()  # built now, logged, rather than in the first request
         self.projection = None
         if self.spec.kind == ModelKind.COLBERT:
             projection = torch_heads.load_colbert_projection(self.spec.path)
