@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import bf16_softmax, packed_linear
+from . import host_kernels, packed_linear
 
 # A transformers model or one of its submodules: which attributes it has (model.bert.encoder.layer,
 # model.layers, config.layer_types) depends on the architecture, which a type checker cannot see.
@@ -111,7 +111,7 @@ def _attend_by_products(q, k, v, out, window, scale) -> None:
     softmax, as transformers' eager attention rounds them (the flash kernel keeps them in float32);
     the fidelity self-check's bfloat16 floors hold (see tests/integration/test_packed_forward.py).
     Grouped-query attention: the heads sharing a key/value head are stacked as more query rows. The
-    bfloat16 softmax is bf16_softmax's, built for this CPU at load where a C compiler is found."""
+    bfloat16 softmax is host_kernels.py's, built for this CPU at load where a C compiler is found."""
     length, heads, dim = q.shape
     kv_heads = k.shape[1]
     queries = q.transpose(0, 1).reshape(kv_heads, heads // kv_heads * length, dim)
@@ -121,7 +121,7 @@ def _attend_by_products(q, k, v, out, window, scale) -> None:
     if window != FULL:
         hidden = ~_band(length, window, q.device)
         scores.view(kv_heads, -1, length, length).masked_fill_(hidden, -torch.inf)
-    probabilities = bf16_softmax.softmax_(scores) if q.dtype == torch.bfloat16 else torch.softmax(scores, dim=-1)
+    probabilities = host_kernels.softmax_(scores) if q.dtype == torch.bfloat16 else torch.softmax(scores, dim=-1)
     context = torch.bmm(probabilities, v.transpose(0, 1))  # (kv_heads, group * L, d)
     out.copy_(context.view(heads, length, dim).transpose(0, 1))
 

@@ -14,8 +14,8 @@ from ..contract import hardware
 from ..contract.model_spec import ModelKind, Pooling, pooling_modes
 from ..contract.protocol import MediaBatch, Ragged, TokenBatch
 from . import (
-    bf16_softmax,
     float8_linear,
+    host_kernels,
     int8_linear,
     packed_encoder,
     packed_linear,
@@ -100,7 +100,7 @@ class TorchBackend(Backend):
         elif self.device.type == "cpu":
             packed_linear.prepack_for_cpu(self.model, weights)
             if self.packed is not None and weights == torch.bfloat16:
-                bf16_softmax.kernel()  # built now, logged, rather than in the first request
+                host_kernels.kernels()  # built now, logged, rather than in the first request
         self.projection = None
         if self.spec.kind == ModelKind.COLBERT:
             projection = torch_heads.load_colbert_projection(self.spec.path)

@@ -1,11 +1,12 @@
-/* Softmax over the rows of a bfloat16 matrix, in place, on one thread (see fast_softmax.py).
+/* bfloat16 kernels of the packed forward on CPU, on one thread (see host_kernels.py, which builds this
+ * file at model load with the host's C compiler for the host's own instruction sets, -march=native).
  *
- * Built at model load by the host's C compiler for the host's own instruction sets (-march=native).
  * The arithmetic is written on GCC/Clang vectors of 16 floats, which the compiler lowers to what the
- * CPU has: one AVX-512 register, two AVX2 ones, four SSE ones. Each row is read as float32, its
- * maximum subtracted, exponentiated by exp_nonpositive (a polynomial, relative error under 2e-7
- * where bfloat16 keeps 4e-3), summed in float32 and scaled by one reciprocal; the result is rounded
- * to bfloat16 to nearest, ties to even, as torch rounds.
+ * CPU has: one AVX-512 register, two AVX2 ones, four SSE ones. Values are computed in float32 and
+ * rounded to bfloat16 to nearest, ties to even, as torch rounds.
+ *
+ *   softmax_rows_bf16   attention's softmax, in place
+ *   add_layer_norm_bf16 LayerNorm(a + b): a BERT layer's residual add and norm in one pass
  */
 #include <math.h>
 #include <stdint.h>
@@ -67,7 +68,9 @@ static inline floats exp_nonpositive(floats t) {
     return (floats)((ints)(p * scale) & live);
 }
 
-/* rows x cols bfloat16 values, row i at data + i * row_stride; work holds cols + LANES floats. A row is
+/* Softmax of each row: its maximum subtracted, exponentiated by exp_nonpositive, summed in float32 and
+ * scaled by one reciprocal.
+ * rows x cols bfloat16 values, row i at data + i * row_stride; work holds cols + LANES floats. A row is
  * read once into work as float32, padded with -inf to whole vectors (whose e^x is 0), so the exp pass
  * has no partial vector; only reading and writing the row do. */
 void softmax_rows_bf16(uint16_t *data, int64_t rows, int64_t cols, int64_t row_stride, float *work) {
@@ -99,6 +102,53 @@ void softmax_rows_bf16(uint16_t *data, int64_t rows, int64_t cols, int64_t row_s
             floats e;
             memcpy(&e, work + j, sizeof e);
             store_bf16(row + j, e * inverse, cols - j < LANES ? cols - j : LANES);
+        }
+    }
+}
+
+/* out = LayerNorm(a + b) over rows of `cols` values (a, b, out: rows x cols, contiguous; weight and
+ * bias: cols bfloat16; out may be a or b). a + b is rounded to bfloat16 first, as torch's add stores
+ * it; mean and variance (biased, two passes) in float32, as torch's bfloat16 layer_norm computes them.
+ * work holds cols + LANES floats. */
+void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *weight, const uint16_t *bias,
+                         uint16_t *out, int64_t rows, int64_t cols, float eps, float *work) {
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *x = a + i * cols, *y = b + i * cols;
+        floats sums = {0};
+        for (int64_t j = 0; j < cols; j += LANES) {
+            int64_t count = cols - j < LANES ? cols - j : LANES;
+            floats v = load_bf16(x + j, count, 0.0f) + load_bf16(y + j, count, 0.0f);
+            uint16_t rounded[LANES];
+            store_bf16(rounded, v, LANES);
+            v = load_bf16(rounded, count, 0.0f); /* the sum as torch's bfloat16 add leaves it; 0 past the row */
+            memcpy(work + j, &v, sizeof v);
+            sums += v;
+        }
+        float total = 0.0f;
+        for (int j = 0; j < LANES; j++)
+            total += sums[j];
+        float mean = total / (float)cols;
+        floats squares = {0};
+        for (int64_t j = 0; j < cols; j += LANES) {
+            floats v;
+            memcpy(&v, work + j, sizeof v);
+            int64_t count = cols - j < LANES ? cols - j : LANES;
+            floats d = v - mean;
+            for (int64_t k = count; k < LANES; k++)
+                d[k] = 0.0f; /* lanes past the row */
+            squares += d * d;
+        }
+        float variance = 0.0f;
+        for (int j = 0; j < LANES; j++)
+            variance += squares[j];
+        float inverse = 1.0f / sqrtf(variance / (float)cols + eps);
+        uint16_t *row = out + i * cols;
+        for (int64_t j = 0; j < cols; j += LANES) {
+            int64_t count = cols - j < LANES ? cols - j : LANES;
+            floats v;
+            memcpy(&v, work + j, sizeof v);
+            floats scaled = (v - mean) * inverse * load_bf16(weight + j, count, 0.0f) + load_bf16(bias + j, count, 0.0f);
+            store_bf16(row + j, scaled, count);
         }
     }
 }

@@ -1,0 +1,198 @@
+"""bfloat16 kernels for the packed forward on CPU, built for this host at model load (host_kernels.c).
+
+* softmax_: attention's softmax (packed_pieces._attend_by_products). torch's bfloat16 softmax was
+  14.6 % of MiniLM's packed forward on one thread (Zen 5), twice attention's whole FLOP share: each
+  element converted, exponentiated by a 1-ulp exp, converted back. host_kernels.c exponentiates in
+  float32 by a polynomial accurate to 2e-7 (bfloat16 keeps 4e-3): 1.8x torch.softmax over the bench
+  corpus's lengths.
+* add_layer_norm: LayerNorm(a + b), a BERT layer's residual add and norm in one pass over the tokens
+  instead of two (1.4-1.6x torch's add then layer_norm at hidden sizes 384 and 768).
+
+Both equal torch's operators but for an occasional last-bit rounding (tests/unit/test_host_kernels.py).
+
+The library is compiled when a bfloat16 packed model loads, by the host's C compiler (`$CC`, the one
+Python was built with, else cc, gcc or clang), for the instruction sets of the CPU it runs on
+(-march=native), then each kernel is checked against torch's operator on random input. No compiler, a
+compiler that cannot target this CPU, or a check that fails: torch's operators serve, and the log says
+why. The library is built in a temporary folder, loaded, and deleted (dlopen keeps it mapped), so
+nothing built for one CPU is ever reused on another.
+
+ENCODERD_BUILD_KERNELS=0 skips the build (torch's operators serve): to compare the two, or to rule the
+kernels out when diagnosing.
+
+One thread: the kernels run only where torch would run on one thread (a single-thread worker, the
+default on hosts of up to 4 cores, or a batch small enough to run on one); elsewhere torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("host_kernels.c")
+SWITCH_ENV = "ENCODERD_BUILD_KERNELS"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+LANES = 16  # host_kernels.c's vector width: its scratch rows are this much longer than a row
+_pointer, _size = ctypes.c_void_p, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """host_kernels.c's functions (ctypes: each call releases the GIL)."""
+
+    softmax_rows: Any
+    add_layer_norm: Any
+
+
+def softmax_(scores: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension; in place through the kernel where it serves, else torch's."""
+    built = _serving(scores)
+    if built is None or not scores.is_contiguous():
+        return torch.softmax(scores, dim=-1)
+    cols = scores.shape[-1]
+    scratch = torch.empty(cols + LANES, dtype=torch.float32)
+    rows = scores.numel() // cols
+    _run("encoderd::softmax", built.softmax_rows, scores.data_ptr(), rows, cols, cols, scratch.data_ptr())
+    return scores
+
+
+def add_layer_norm(norm: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """norm(a + b) for a torch.nn.LayerNorm over the last dimension; in one pass where the kernel serves."""
+    built = _serving(a)
+    if built is None or not isinstance(norm, torch.nn.LayerNorm) or not _one_pass(norm, a, b):
+        return norm(a + b)
+    out = torch.empty_like(a)
+    cols = a.shape[-1]
+    scratch = torch.empty(cols + LANES, dtype=torch.float32)
+    pointers = (t.data_ptr() for t in (a, b, norm.weight, norm.bias, out))
+    rows = a.numel() // cols
+    _run("encoderd::add_layer_norm", built.add_layer_norm, *pointers, rows, cols, norm.eps, scratch.data_ptr())
+    return out
+
+
+def _one_pass(norm: torch.nn.LayerNorm, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The kernel's case: bfloat16 a, b, weight and bias, alike and dense, normalized over the last dimension."""
+    if norm.weight is None or norm.bias is None or len(norm.normalized_shape) != 1:
+        return False
+    if norm.weight.dtype != torch.bfloat16 or norm.bias.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        return False
+    return a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
+
+
+def _serving(x: torch.Tensor) -> Kernels | None:
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.get_num_threads() != 1:
+        return None
+    return kernels()
+
+
+def _run(name: str, function, *args) -> None:
+    if torch._C._autograd._profiler_enabled():  # named for bench.breakdown (else counted as Python); 10 us a call
+        with torch.profiler.record_function(name):
+            function(*args)
+    else:
+        function(*args)
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """host_kernels.c built here for this CPU, or None (logged) where it cannot be."""
+    if os.environ.get(SWITCH_ENV, "1") == "0":
+        log.info("bfloat16 kernels: torch's operators (%s=0)", SWITCH_ENV)
+        return None
+    started = time.perf_counter()
+    compiler = find_compiler()
+    if compiler is None:
+        log.info("bfloat16 kernels: torch's operators (no C compiler found: $CC, cc, gcc, clang)")
+        return None
+    try:
+        built = _build(compiler)
+    except (OSError, subprocess.SubprocessError) as exc:
+        why = _first_line(exc)
+        log.info("bfloat16 kernels: torch's operators (%s could not build them for this CPU: %s)", compiler[0], why)
+        return None
+    if (difference := _check_softmax(built) or _check_add_layer_norm(built)) is not None:
+        log.warning("bfloat16 kernels: torch's operators (%s's build differs from torch: %s)", compiler[0], difference)
+        return None
+    elapsed = time.perf_counter() - started
+    flags = " ".join(FLAGS)
+    log.info("bfloat16 kernels (softmax, add + LayerNorm): built by %s %s in %.1f s", compiler[0], flags, elapsed)
+    return built
+
+
+def find_compiler() -> list[str] | None:
+    """The C compiler command: $CC, else the one Python was built with, else cc, gcc, clang on PATH."""
+    for candidate in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
+        command = shlex.split(candidate) if candidate else []
+        if command and shutil.which(command[0]):
+            return command
+    return None
+
+
+def _build(compiler: list[str]) -> Kernels:
+    with tempfile.TemporaryDirectory(prefix="encoderd-kernels-") as folder:
+        path = Path(folder) / "host_kernels.so"
+        command = [*compiler, *FLAGS, "-o", str(path), str(SOURCE)]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+        library = ctypes.CDLL(str(path))
+    softmax_rows = library.softmax_rows_bf16
+    softmax_rows.argtypes = [_pointer, _size, _size, _size, _pointer]
+    add_layer_norm = library.add_layer_norm_bf16
+    add_layer_norm.argtypes = [*[_pointer] * 5, _size, _size, ctypes.c_float, _pointer]
+    softmax_rows.restype = add_layer_norm.restype = None
+    return Kernels(softmax_rows, add_layer_norm)
+
+
+def _check_softmax(built: Kernels) -> str | None:
+    """None when the softmax agrees with the float32 softmax as closely as torch's own bfloat16 softmax
+    does (twice its error), over lengths with and without a vector tail and with masked (-inf) scores;
+    else what differs."""
+    generator = torch.Generator().manual_seed(0)
+    for length in (1, 7, 16, 33, 200):
+        scores = (torch.randn(3, length, length, generator=generator) * 6).bfloat16()
+        scores[0, :, length // 2 + 1 :] = -torch.inf
+        reference = torch.softmax(scores.float(), dim=-1)
+        mine, scratch = scores.clone(), torch.empty(length + LANES)  # held: the kernel writes into scratch
+        built.softmax_rows(mine.data_ptr(), 3 * length, length, length, scratch.data_ptr())
+        error = (mine.float() - reference).abs().max().item()
+        allowed = 2 * (torch.softmax(scores, dim=-1).float() - reference).abs().max().item() + 1e-6
+        if not error <= allowed:  # NaN fails too
+            return f"softmax of {length}-token scores off by {error:.3g} (torch's bfloat16: {allowed / 2:.3g})"
+    return None
+
+
+def _check_add_layer_norm(built: Kernels) -> str | None:
+    """The same for LayerNorm(a + b), at widths with and without a vector tail."""
+    generator = torch.Generator().manual_seed(1)
+    for width in (5, 64, 100):
+        sizes = ((9, width), (9, width), width, width)
+        a, b, weight, bias = (torch.randn(size, generator=generator).bfloat16() for size in sizes)
+        reference = torch.nn.functional.layer_norm((a + b).float(), (width,), weight.float(), bias.float(), 1e-12)
+        mine, scratch = torch.empty_like(a), torch.empty(width + LANES)
+        pointers = (t.data_ptr() for t in (a, b, weight, bias, mine))
+        built.add_layer_norm(*pointers, 9, width, 1e-12, scratch.data_ptr())
+        error = (mine.float() - reference).abs().max().item()
+        torch_norm = torch.nn.functional.layer_norm(a + b, (width,), weight, bias, 1e-12)
+        torch_error = (torch_norm.float() - reference).abs().max().item()
+        if not error <= 2 * torch_error + 1e-6:
+            return f"add + LayerNorm of width {width} off by {error:.3g} (torch's bfloat16: {torch_error:.3g})"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = getattr(exc, "stderr", None) or str(exc)
+    return text.strip().splitlines()[0] if text.strip() else type(exc).__name__
