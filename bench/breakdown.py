@@ -38,7 +38,20 @@ CATEGORIES = (
     ),
     (
         "element-wise",
-        ("layer_norm", "native_layer_norm", "gelu", "add", "add_", "mul", "div", "tanh", "relu", "embedding"),
+        # add_layer_norm: workers/backends/host_kernels.py's one-pass residual add + LayerNorm
+        (
+            "layer_norm",
+            "native_layer_norm",
+            "add_layer_norm",
+            "gelu",
+            "add",
+            "add_",
+            "mul",
+            "div",
+            "tanh",
+            "relu",
+            "embedding",
+        ),
     ),
     (
         "layout",
