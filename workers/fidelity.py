@@ -385,6 +385,7 @@ def self_check(
     if spec.kind == ModelKind.COLPALI:
         got = _retrieval_served(backend, spec)
         inputs = len(calibration.retrieval_queries()) + len(calibration.PAGES)  # the rows are theirs
+        tokens_per_s = 0.0  # queries and pages, not token batches: admission keeps its fixed first guess
     else:
         got, tokens_per_s = _served_timed(backend, prepared.batches)
         inputs = len(prepared.rows)
