@@ -9,6 +9,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from support.held_workers import HeldWorker, request, until
 
 from encoderd.server.base.errors import Overloaded
 from encoderd.server.scheduling.admission import (
@@ -20,8 +21,8 @@ from encoderd.server.scheduling.admission import (
     admission,
     expected_wait,
 )
-from encoderd.server.scheduling.batching import BatchLimits, WorkItem
-from encoderd.server.scheduling.scheduler import ModelScheduler, PendingRequest, Priority
+from encoderd.server.scheduling.batching import BatchLimits
+from encoderd.server.scheduling.scheduler import ModelScheduler, Priority
 from encoderd.workers.contract.protocol import WorkerReady
 
 # ------------------------------------------------------------------ the drain rate
@@ -103,37 +104,6 @@ def test_a_call_whose_deadline_cannot_cover_wait_and_compute_is_refused():
 
 
 # ------------------------------------------------------------------ in the scheduler
-
-
-class HeldWorker:
-    """Answers each sequence's first token id; every batch waits until the test releases it."""
-
-    def __init__(self):
-        self.label = "held"
-        self.ready = True
-        self.ready_info = None  # what a worker says when ready: no figure measured at load
-        self.state_changed = asyncio.Event()
-        self.batches = []
-        self.release = asyncio.Event()
-
-    async def compute(self, batch):
-        self.batches.append(batch)
-        await self.release.wait()
-        return batch.input_ids[batch.cu_seqlens[:-1]].astype(np.float32)[:, None]
-
-
-def request(first_ids, length=10):
-    pending = PendingRequest(len(first_ids))
-    return pending, [WorkItem(np.full(length, v, dtype=np.int32), None, pending, i) for i, v in enumerate(first_ids)]
-
-
-async def until(condition, what: str):
-    """Let the event loop run until `condition` holds (no wall-clock wait: a bounded number of turns)."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(what)
 
 
 @pytest.fixture

@@ -9,41 +9,11 @@ from collections import deque
 
 import numpy as np
 import pytest
+from support.held_workers import HeldWorker, request, until
 
 from encoderd.server.models import request_options
 from encoderd.server.scheduling.batching import BatchLimits, WorkItem, interleave_callers
-from encoderd.server.scheduling.scheduler import CALLER, ModelScheduler, PendingRequest, Priority
-
-
-class HeldWorker:
-    """Holds every batch until released; answers each input with its first token id."""
-
-    def __init__(self, label: str):
-        self.label = label
-        self.ready = True
-        self.ready_info = None  # what a worker says when ready: no figure measured at load
-        self.state_changed = asyncio.Event()
-        self.batches: list = []
-        self.release = asyncio.Event()
-
-    async def compute(self, batch):
-        self.batches.append(batch)
-        await self.release.wait()
-        return batch.input_ids[batch.cu_seqlens[:-1]].astype(np.float32)[:, None]
-
-
-def request(first_ids, length=10):
-    pending = PendingRequest(len(first_ids))
-    return pending, [WorkItem(np.full(length, v, dtype=np.int32), None, pending, i) for i, v in enumerate(first_ids)]
-
-
-async def until(condition, what: str):
-    """Let the event loop run until `condition` holds (a bounded number of turns, no clock)."""
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(what)
+from encoderd.server.scheduling.scheduler import CALLER, ModelScheduler, Priority
 
 
 @pytest.fixture
