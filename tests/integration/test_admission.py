@@ -8,6 +8,7 @@ nothing drains until the test lets it."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import signal
@@ -43,6 +44,44 @@ def _until(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def holdable_server(tmp_path, model_path: str) -> ServerProcess:
+    """Default flags (--max-queue-wait 2) and REST, but a stopped worker is not taken for a hung one."""
+    return ServerProcess(
+        "--model", model_path, "--worker-stall-timeout", "600", rest=True, log_path=tmp_path / "s.log"
+    ).start()
+
+
+def run_then_stop(server: ServerProcess, check) -> None:
+    """check(server), then a clean stop (the server is stopped, and its log shown, either way)."""
+    try:
+        check(server)
+    except BaseException:
+        server.stop()
+        raise
+    assert server.stop() == 0, server.log_text()
+
+
+@contextlib.contextmanager
+def held_queue(server, stub, pool: cf.Executor):
+    """Stops the workers under one interactive call of HELD (queued, never computed) until the block
+    ends; yields its future."""
+    pids = _worker_pids(stub)
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        held = pool.submit(stub.Embed, pb.EmbedRequest(inputs=HELD), timeout=300)
+        _until(
+            lambda: held.done() or total(scrape(server), "encoderd_queue_depth") > 0,
+            120,
+            "the held call's inputs were queued",
+        )
+        assert not held.done(), held.exception()
+        yield held
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
 def _rest_embed(server, body: dict) -> tuple[int, dict, dict]:
     request = urllib.request.Request(
         server.rest_url + "/v1/encoderd/embed",
@@ -57,33 +96,13 @@ def _rest_embed(server, body: dict) -> tuple[int, dict, dict]:
 
 
 def test_a_call_that_would_wait_past_max_queue_wait_is_refused_with_retry_after(tmp_path, minilm_path):
-    # Default flags (--max-queue-wait 2), but a stopped worker must not be taken for a hung one.
-    server = ServerProcess(
-        "--model", minilm_path, "--worker-stall-timeout", "600", rest=True, log_path=tmp_path / "s.log"
-    ).start()
-    try:
-        _refuse_while_held(server)
-    except BaseException:
-        server.stop()
-        raise
-    assert server.stop() == 0, server.log_text()
+    run_then_stop(holdable_server(tmp_path, minilm_path), _refuse_while_held)
 
 
 def _refuse_while_held(server) -> None:
     stub = server.stub()
-    pids = _worker_pids(stub)
     pool = cf.ThreadPoolExecutor(4)
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        held = pool.submit(stub.Embed, pb.EmbedRequest(inputs=HELD), timeout=300)
-        _until(
-            lambda: held.done() or total(scrape(server), "encoderd_queue_depth") > 0,
-            120,
-            "the held call's inputs were queued",
-        )
-        assert not held.done(), held.exception()
-
+    with held_queue(server, stub, pool) as held:
         started = time.monotonic()
         try:
             stub.Embed(pb.EmbedRequest(inputs=BIG), timeout=60)
@@ -122,9 +141,6 @@ def _refuse_while_held(server) -> None:
         assert server.rest_health() == 200
         rejected = scrape(server)
         assert total(rejected, "encoderd_rejected_requests_total", reason="queue_wait") >= 2
-    finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
     assert len(held.result(timeout=300).embeddings) == len(HELD)
     assert len(interactive.result(timeout=300).embeddings) == 1
     assert len(bulk.result(timeout=300).embeddings) == 1

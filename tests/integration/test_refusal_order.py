@@ -12,14 +12,10 @@ the problem, so nothing skips validation."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import signal
 
 import grpc
 import httpx
-from support.server import ServerProcess
-from test_admission import HELD, _until, _worker_pids
-from test_metrics import scrape, total
+from test_admission import HELD, held_queue, holdable_server, run_then_stop
 
 from encoderd.v1 import encoderd_pb2 as pb
 
@@ -29,38 +25,14 @@ MIXED = {"input": ["one more"] * 299 + [7]}
 
 
 def test_rest_embeddings_are_refused_before_their_inputs_are_read(tmp_path, minilm_path):
-    server = ServerProcess(
-        "--model",
-        minilm_path,
-        "--worker-stall-timeout",
-        "600",  # a stopped worker must not be taken for a hung one
-        rest=True,
-        log_path=tmp_path / "s.log",
-    ).start()
-    try:
-        _refused_while_held(server)
-    except BaseException:
-        server.stop()
-        raise
-    assert server.stop() == 0, server.log_text()
+    run_then_stop(holdable_server(tmp_path, minilm_path), _refused_while_held)
 
 
 def _refused_while_held(server) -> None:
     stub = server.stub()
-    pids = _worker_pids(stub)
     pool = cf.ThreadPoolExecutor(1)
     rest = httpx.Client(base_url=server.rest_url, timeout=60, trust_env=False)
-    try:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
-        held = pool.submit(stub.Embed, pb.EmbedRequest(inputs=HELD), timeout=300)
-        _until(
-            lambda: held.done() or total(scrape(server), "encoderd_queue_depth") > 0,
-            120,
-            "the held call's inputs were queued",
-        )
-        assert not held.done(), held.exception()
-
+    with held_queue(server, stub, pool) as held:
         refused = rest.post("/v1/embeddings", json=MIXED)
         assert refused.status_code == 429, refused.text  # the old code read the inputs first: 400
         assert int(refused.headers["retry-after"]) >= 1
@@ -71,9 +43,6 @@ def _refused_while_held(server) -> None:
             raise AssertionError("admitted behind ~10 s of work")
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-    finally:
-        for pid in pids:
-            os.kill(pid, signal.SIGCONT)
     assert len(held.result(timeout=300).embeddings) == len(HELD)
     # Drained: now the inputs are read, and the same call is refused for what it is.
     malformed = rest.post("/v1/embeddings", json=MIXED)
