@@ -121,8 +121,7 @@ def _attend_by_products(q, k, v, out, window, scale) -> None:
     if window != FULL:
         hidden = ~_band(length, window, q.device)
         scores.view(kv_heads, -1, length, length).masked_fill_(hidden, -torch.inf)
-    probabilities = host_kernels.softmax_(scores) if q.dtype == torch.bfloat16 else torch.softmax(scores, dim=-1)
-    context = torch.bmm(probabilities, v.transpose(0, 1))  # (kv_heads, group * L, d)
+    context = torch.bmm(host_kernels.softmax_(scores), v.transpose(0, 1))  # (kv_heads, group * L, d)
     out.copy_(context.view(heads, length, dim).transpose(0, 1))
 
 
