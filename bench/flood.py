@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -85,7 +86,7 @@ from ..gateway.envoy import find_envoy
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from .front import front_command, front_config
-from .processes import Managed, free_port, grpc_serving, serve_command, wait_until
+from .processes import Managed, cpu_seconds, free_port, grpc_serving, process_tree, serve_command, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = "refusal under load must arrive at once while the queue is full of other work".split()
@@ -346,34 +347,15 @@ class HealthChecker(threading.Thread):
             rest.close()
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _processes_to_watch(server_pid: int) -> dict[str, int]:
     """The frontend (the server's own process) and, where REST is on, its Envoy (a descendant named
     envoy): the CPU each spends per flood call is what a refusal costs it, steadier than latency
     on a shared host."""
     found = {"frontend": server_pid}
-    children: dict[int, list[tuple[int, str]]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            head, rest = stat.read_text().split(" (", 1)
-            command, _, fields = rest.rpartition(") ")
-            children.setdefault(int(fields.split()[1]), []).append((int(head), command))
-        except (OSError, ValueError, IndexError):
-            continue
-    todo = [server_pid]
-    while todo:
-        for child, command in children.get(todo.pop(), []):
-            todo.append(child)
-            if command == "envoy":
-                found["envoy"] = child
+    for pid in process_tree(server_pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "envoy":
+                found["envoy"] = pid
     return found
 
 
@@ -406,14 +388,14 @@ def measure(address: str, seconds: float, flood: Flood, server_pid: int = 0) -> 
     processes = [ctx.Process(target=_flood_process, args=(flood, i, out), daemon=True) for i in range(flood.processes)]
     health = HealthChecker(address, rest_url)
     watched = _processes_to_watch(server_pid) if server_pid else {}
-    cpu_before = {name: _cpu_seconds(pid) for name, pid in watched.items()}
+    cpu_before = {name: cpu_seconds(pid) for name, pid in watched.items()}
     for process in processes:
         process.start()
     health.start()
     time.sleep(SETTLE_S)
     refused, by_envoy, served, other = _probe(stub, seconds, 0.02, rest)
     counts = _merged([out.get(timeout=seconds + 120) for _ in processes])
-    cpu = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in watched.items()}
+    cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in watched.items()}
     health.stop.set()
     health.join(30)
     for process in processes:

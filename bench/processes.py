@@ -164,7 +164,7 @@ def thread_stats(pids: list[int], idle: bool) -> list[str]:
     return out
 
 
-def _cpu_seconds(member: int | str) -> float:
+def cpu_seconds(member: int | str) -> float:
     """CPU seconds of a process (a pid: all its threads) or of one thread (its stat file)."""
     fields = _stat_fields(member if isinstance(member, str) else f"/proc/{member}/stat")
     return 0.0 if fields is None else _cpu(fields)
@@ -200,7 +200,7 @@ class CpuProbe:
     def snapshot(self) -> dict:
         snap = {"t": time.monotonic(), "system": system_busy_seconds(), "client": time.process_time()}
         for name, members in self.groups.items():
-            snap[name] = sum(_cpu_seconds(m) for m in members)
+            snap[name] = sum(cpu_seconds(m) for m in members)
         return snap
 
     @staticmethod
