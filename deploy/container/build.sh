@@ -99,10 +99,17 @@ ls "$context/wheels"/torch-*+cpu-*.whl >/dev/null 2>&1 && [[ $variant == cpu ]] 
 echo "==> image $tag ($variant) with $engine"
 format=(); [[ $(basename "$engine") == podman ]] && format=(--format docker)   # OCI has no HEALTHCHECK
 revision=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+previous=$("$engine" image inspect --format '{{.Id}}' "$tag" 2>/dev/null || true)
 "$engine" build "${format[@]}" --network host -f "$ROOT/deploy/container/Containerfile" -t "$tag" \
   --build-arg BASE="$BASE" --build-arg VARIANT="$variant" --build-arg DEVICE="$variant" \
   --build-arg TORCH_INDEX_URL="$torch_index" --build-arg VERSION="$VERSION" --build-arg REVISION="$revision" \
   "$context"
 # The build stage's image is no use once the runtime stage has copied the venv out of it.
 "$engine" image prune -f --filter label=io.encoderd.stage=build >/dev/null
+# A rebuild moves the tag; the image it named before would stay behind unnamed (~1.3 GB each time).
+# rmi without -f leaves it where a container still uses it or another tag still names it.
+current=$("$engine" image inspect --format '{{.Id}}' "$tag")
+if [[ -n $previous && $previous != "$current" ]] && "$engine" rmi "$previous" >/dev/null 2>&1; then
+  echo "==> removed the image $tag named before (${previous:0:12})"
+fi
 echo "==> built $tag"
