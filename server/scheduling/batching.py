@@ -39,9 +39,6 @@ class WorkItem:
     index: int  # position among the request's inputs
     enqueued: float = 0.0  # monotonic time it was queued
     attempts: int = 0  # batches it rode in that were lost with their worker
-    # A request's first input only: the wait admission predicted when it was queued (admission.py's
-    # WaitCalibration compares it with the wait it got); None on the others.
-    predicted_wait: float | None = None
     # An embedding model's token states (TEI's /embed_all), not its pooled vector: batched apart.
     token_states: bool = False
     # Who sent it, where callers take turns (the SPLIT queue: interleave_callers); None: unknown.

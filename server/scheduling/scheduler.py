@@ -233,10 +233,12 @@ class ModelScheduler:
             metrics.REJECTED.labels(self.model, "deadline" if refusal.by_deadline else "queue_wait").inc()
             raise Overloaded(refusal.message(self.model), retry_after=refusal.retry_after_s)
 
-    def tokens_ahead(self, priority: Priority) -> int:
+    def tokens_ahead(self, priority: Priority, tokenizing: bool = True) -> int:
         """The work a call of this priority queues behind: queued work that goes before it, work
-        still tokenizing, and batches computing (an interactive call's batch preempts bulk-lane ones)."""
-        queued = sum(self._queued_tokens[p] + self._reserved_tokens[p] for p in Priority if p <= priority)
+        still `tokenizing` (admitted before it), and batches computing (an interactive call's batch
+        preempts bulk-lane ones)."""
+        reserved = self._reserved_tokens if tokenizing else dict.fromkeys(Priority, 0)
+        queued = sum(self._queued_tokens[p] + reserved[p] for p in Priority if p <= priority)
         preempted = priority == Priority.INTERACTIVE
         computing = sum(load.tokens - (load.bulk_tokens if preempted else 0) for load in self.load.values())
         return queued + computing
@@ -252,12 +254,13 @@ class ModelScheduler:
         """The model's drain rate: its ready replicas' together."""
         return sum(self.drain[r].tokens_per_s for r in self.replicas if r.ready)
 
-    def _predict_wait(self, first: WorkItem, priority: Priority) -> None:
-        """Note on a request's first input the wait the measured rate predicts for it now, before
-        it queues; _compute compares it (plus its batch's compute) with the time it took until its
-        batch came back. Uncalibrated: the calibration is what the two sums say, not a correction
-        of itself."""
-        first.predicted_wait = expected_wait(self.tokens_ahead(priority), self.measured_tokens_per_s)
+    def _predict_answer(self, tokens: int, priority: Priority) -> float:
+        """How long until a request of `tokens` queued now is answered at the measured rate: the work
+        queued and computing ahead of it, then its own. Requests still tokenizing are not counted (they
+        queue behind it). Uncalibrated: the calibration is what such predictions miss by, not a
+        correction of itself."""
+        ahead = self.tokens_ahead(priority, tokenizing=False)
+        return expected_wait(ahead + tokens, self.measured_tokens_per_s)
 
     def _runs_as(self, priority: Priority, inputs: int, tokens: int) -> Priority:
         """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits in SPLIT."""
@@ -266,24 +269,28 @@ class ModelScheduler:
         bigger = inputs > most_inputs or tokens > most_tokens
         return Priority.SPLIT if self.split_large and priority == Priority.INTERACTIVE and bigger else priority
 
-    def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> None:
+    def submit(self, items: list[WorkItem], priority: Priority = Priority.INTERACTIVE) -> float | None:
         """Queue a request's inputs, or refuse at once when over a memory bound (the wait was
         judged at admission: a request tokenized by then is not thrown away for it). A split request
         (`split_large`) queues all its inputs in SPLIT: none of it runs as urgent work, which a
         query cannot preempt (a first batch of 16 x 128 tokens there held queries on its replica
-        ~0.1 s, bench/fair.py's start window)."""
+        ~0.1 s, bench/fair.py's start window). Returns, for an interactive request, how long the
+        measured rate predicts until it is answered (None for the others: later interactive work
+        goes before them, so their waits say nothing of the bound admission keeps)."""
         tokens = sum(item.length for item in items)
         self._refuse_if_full(len(items), tokens)
         now = time.monotonic()
         for item in items:
             item.enqueued = now
         waits_in = self._runs_as(priority, len(items), tokens)
+        predicted = None
         if waits_in == Priority.INTERACTIVE:
             self._interactive_seen = now
-        self._predict_wait(items[0], waits_in)
+            predicted = self._predict_answer(tokens, waits_in)
         self._enqueue(items, waits_in)
         self._queue_changed()
         self._wake.set()
+        return predicted
 
     def _enqueue(self, items: list[WorkItem], priority: Priority) -> None:
         if priority == Priority.SPLIT:  # callers take turns of a batch each (CALLER)
@@ -300,12 +307,19 @@ class ModelScheduler:
     async def run(
         self, items: list[WorkItem], request: PendingRequest, priority: Priority = Priority.INTERACTIVE
     ) -> np.ndarray:
-        """Queue the inputs and wait for all their rows; cancellation drops queued ones."""
-        self.submit(items, priority)
+        """Queue the inputs and wait for all their rows; cancellation drops queued ones. The time the
+        rows took, against the time predicted, calibrates admission (admission.WaitCalibration):
+        counted to the last row, as the caller waits, not the first."""
+        queued_at = time.monotonic()
+        predicted = self.submit(items, priority)
         try:
-            return await request.future
+            rows = await request.future
         finally:
             request.future.cancel()  # no-op once done; makes take_batch drop queued inputs
+        if predicted is not None:
+            answered_at = time.monotonic()
+            self.calibration.observe(predicted, answered_at - queued_at, answered_at)
+        return rows
 
     # ------------------------------------------------------------- the loop
     async def _run(self) -> None:
@@ -448,22 +462,11 @@ class ModelScheduler:
             self._wake.set()
         done = time.monotonic()
         self.drain[replica].observe(tokens, sent, done)
-        self._calibrate(batch, tokens / self.drain[replica].tokens_per_s, done)
         metrics.observe_batch(
             self.model, replica.label, batch, self.limits[priority].padded, time.perf_counter() - started
         )
         for item, row in zip(batch, rows, strict=True):
             item.request.fill(item.index, row)
-
-    def _calibrate(self, batch: list[WorkItem], compute_s: float, done: float) -> None:
-        """A request's first input came back: its wait and its batch's compute, as predicted against
-        as served (admission.WaitCalibration). Counted to the batch's return, not to when it left
-        the queue: a replica holds a second batch while it computes the first, and that wait is
-        the caller's too."""
-        for item in batch:
-            if item.predicted_wait is not None:
-                self.calibration.observe(item.predicted_wait + compute_s, done - item.enqueued, done)
-                item.predicted_wait = None
 
     def _retry_or_fail(self, batch: list[WorkItem], priority: Priority, error: Exception) -> None:
         """A replica died under this batch: let another replica take it, within limits."""

@@ -272,14 +272,26 @@ async def test_a_flood_on_a_fresh_replica_is_admitted_at_its_workers_own_figure(
 # ------------------------------------------------------------------ predicted waits against served ones
 
 
-def test_the_calibration_is_served_over_predicted_with_old_samples_fading():
-    calibration = WaitCalibration(memory_s=4.0, floor_s=0.1)
+def test_the_calibration_is_the_ratio_most_predicted_time_was_served_within():
+    calibration = WaitCalibration(memory_s=4.0, floor_s=0.1, quantile=0.9)
     assert calibration.factor == 1.0  # nothing served yet
     calibration.observe(2.0, served_s=4.0, now=10.0)
     assert calibration.factor == pytest.approx(2.0)
-    calibration.observe(1.0, served_s=1.0, now=14.0)  # the first sample now weighs 1/e
-    keep = np.exp(-1.0)
-    assert calibration.factor == pytest.approx((4.0 * keep + 1.0) / (2.0 * keep + 1.0))
+    for _ in range(9):  # nine on time, each as long as the first: 90 % of the time within 1.0
+        calibration.observe(2.0, served_s=2.0, now=10.0)
+    assert calibration.factor == pytest.approx(1.0)
+    calibration.observe(2.0, served_s=3.0, now=10.0)  # 10 of 11 on time: no longer 90 %
+    assert calibration.factor == pytest.approx(1.5)
+
+
+def test_the_calibration_weighs_samples_by_length_and_age():
+    calibration = WaitCalibration(memory_s=4.0, floor_s=0.1, quantile=0.9)
+    calibration.observe(1.0, served_s=3.0, now=0.0)
+    calibration.observe(10.0, served_s=10.0, now=0.0)  # a long wait on time outweighs a short late one
+    assert calibration.factor == pytest.approx(1.0)
+    calibration.observe(1.0, served_s=1.0, now=40.0)  # ten memories later the first two weigh ~nothing
+    calibration.observe(1.0, served_s=2.0, now=40.0)
+    assert calibration.factor == pytest.approx(2.0)
 
 
 def test_short_predictions_teach_nothing_and_the_factor_is_bounded():
@@ -293,26 +305,33 @@ def test_short_predictions_teach_nothing_and_the_factor_is_bounded():
     assert calibration.factor == CALIBRATION_RANGE[0] == 1.0
 
 
-async def test_a_request_notes_its_predicted_wait_and_its_first_batchs_return_feeds_the_calibration(held):
-    scheduler, worker = held
-    blocker_pending, blocker = request(range(4), length=100)  # 400 tokens computing: 0.4 s at 1,000/s
+async def test_an_interactive_request_is_calibrated_from_queued_to_its_last_row(held):
+    scheduler, worker = held  # batches of at most 4 inputs, 1,000 tokens/s measured
+    blocker_pending, blocker = request(range(4), length=100)  # 400 tokens computing
     first = asyncio.create_task(scheduler.run(blocker, blocker_pending))
     await until(lambda: worker.batches, "the worker holds a batch")
-    pending, items = request(range(10, 14), length=100)
-    second = asyncio.create_task(scheduler.run(items, pending))
-    await until(lambda: len(worker.batches) == 2, "the second batch was sent")
-    assert items[0].predicted_wait == pytest.approx(0.4)  # the blocker's 400 tokens at 1,000/s
-    assert all(item.predicted_wait is None for item in items[1:])  # one sample per request
-    assert scheduler.calibration.predicted == 0  # nothing has come back yet
+    pending, items = request(range(10, 16), length=100)  # 600 tokens: two batches
     seen = []
-    scheduler.calibration.observe = lambda predicted, served, now: seen.append(predicted)
+    scheduler.calibration.observe = lambda predicted, served, now: seen.append((predicted, pending.done))
+    with scheduler.reserve(4, 400):  # another call still tokenizing: it will queue behind this one
+        second = asyncio.create_task(scheduler.run(items, pending))
+        await until(lambda: len(worker.batches) == 2, "the second request's first batch was sent")
     worker.release.set()
     await asyncio.gather(first, second)
-    # One sample per request, when its first batch came back, each its wait plus its batch's
-    # compute at the replica's rate: the blocker no wait and 0.4 s; the second its 0.4 s and
-    # some compute (at a rate the blocker's return has just re-measured). Then cleared.
-    assert len(seen) == 2 and seen[0] == pytest.approx(0.4) and seen[1] > 0.4
-    assert all(item.predicted_wait is None for item in blocker + items)
+    # The blocker: its own 400 tokens, nothing ahead. The second: the blocker's 400 and its own 600 at
+    # the rate measured when it queued (the tokenizing call's 400 not counted), observed once all its
+    # rows were back (the old code observed its first batch's return).
+    assert sorted(seen) == [(pytest.approx(0.4), False), (pytest.approx(1.0), True)]
+
+
+async def test_bulk_requests_do_not_calibrate_the_interactive_bound(held):
+    scheduler, worker = held
+    seen = []
+    scheduler.calibration.observe = lambda predicted, served, now: seen.append(predicted)
+    pending, items = request(range(4), length=100)
+    worker.release.set()
+    await scheduler.run(items, pending, Priority.BULK)
+    assert seen == []
 
 
 async def test_admission_counts_with_the_rate_the_served_waits_show(held):
