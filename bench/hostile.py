@@ -1,7 +1,8 @@
-"""Hostile-client probes of issue 42 (items 1 and 4), run against this checkout and, with
+"""Hostile-client probes of issue 42 (items 1, 3 and 4), run against this checkout and, with
 --compare-ref, the same command from git REF:
 
     python -m encoderd.bench.hostile [--runs 3] [--compare-ref REF] [--others 8] [--sends 20] [--length 65000]
+                                     [--probes echo,refuse,long-query]
 
   echo     --others REST clients (/v1/embeddings) and as many gRPC ones (Embed, through Envoy's
            gRPC port) call back to back, 32 texts a call (each answered once before the phase
@@ -11,6 +12,10 @@
   refuse   a rerank of 1,000 documents x 2,000 characters over --max-request-tokens (default
            262,144): the time until the refusal and the frontend's peak RSS above its level before
            (sampled every 5 ms from /proc), and whether the answer named the limit.
+  long-query  single short Embed queries, one after another, alone ("idle") and while another client
+           sends back to back reranks of one document with a --query-chars query (200,000: issue 42's
+           size; truncated to the model's 512 tokens, but tokenized whole): the queries' p50 and p99
+           in both phases, and the big calls made.
 Each server is started as `encoderd serve` runs by default (REST on, its Envoy on the gRPC port),
 serving the bundled MiniLM and a MiniLM reranker built from tests/support. A probe, not a test:
 it prints a table and asserts nothing.
@@ -19,12 +24,15 @@ it prints a table and asserts nothing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 from ..workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import _sentence
@@ -195,12 +203,59 @@ def refuse_probe(address: str, frontend: int, seed: int) -> dict:
     }
 
 
+def long_query_probe(address: str, query_chars: int, queries: int = 300) -> dict:
+    """Single queries' latency alone, then beside back-to-back reranks with a huge query."""
+    import grpc
+
+    from ..v1 import encoderd_pb2 as pb
+    from ..v1 import encoderd_pb2_grpc
+
+    query = ("which report was late and why " * (query_chars // 30 + 1))[:query_chars]
+    counter = itertools.count()
+    with grpc.insecure_channel(address) as channel, grpc.insecure_channel(address, options=_OWN) as big_channel:
+        stub, big_stub = encoderd_pb2_grpc.EncoderStub(channel), encoderd_pb2_grpc.EncoderStub(big_channel)
+
+        def single() -> float:
+            started = time.perf_counter()
+            stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[f"a short query {next(counter)}"]), timeout=60)
+            return time.perf_counter() - started
+
+        def big_calls(stop: threading.Event, made: list[int]) -> None:
+            while not stop.is_set():  # each query new, so no result cache answers it
+                request = pb.RerankRequest(model="reranker", query=f"{next(counter)} {query}", documents=["a report"])
+                big_stub.Rerank(request, timeout=120)
+                made[0] += 1
+
+        for _ in range(30):  # warm-up
+            single()
+        idle = [single() for _ in range(queries)]
+        stop, made = threading.Event(), [0]
+        caller = threading.Thread(target=big_calls, args=(stop, made))
+        caller.start()
+        try:
+            shared = [single() for _ in range(queries)]
+        finally:
+            stop.set()
+            caller.join()
+    ms = lambda values, q: float(np.percentile(values, q) * 1e3)  # noqa: E731
+    return {
+        "idle": (ms(idle, 50), ms(idle, 99)),
+        "shared": (ms(shared, 50), ms(shared, 99)),
+        "big_calls": made[0],
+    }
+
+
+_OWN = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own, as another client's
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m encoderd.bench.hostile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--others", type=int, default=8, help="other REST clients, and gRPC ones, in the echo probe")
     parser.add_argument("--sends", type=int, default=20, help="calls with a 65,000-character model per run")
     parser.add_argument("--length", type=int, default=65_000, help="characters of the long `model`")
+    parser.add_argument("--query-chars", type=int, default=200_000, help="characters of the long-query probe's query")
+    parser.add_argument("--probes", default="echo,refuse,long-query", help="which probes to run (comma-separated)")
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "encoderd-bench")
     args = parser.parse_args(argv)
@@ -210,28 +265,57 @@ def main(argv: list[str] | None = None) -> int:
     servers = [("this checkout", None)] + (
         [(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))] if args.compare_ref else []
     )
-    print(
-        f"{'server':<22} {'run':>3} {'others failed':>15} {'sender codes':<40} {'refusal s':>9} "
-        f"{'RSS +MiB':>8} {'code':<17} names limit"
-    )
+    probes = set(args.probes.split(","))
+    rows = []
     for label, path in reversed(servers):  # the reference first
         server, address, rest = _start(label, path, reranker, logs)
         try:
             for run in range(args.runs):
-                echo = echo_probe(address, rest, args.others, args.sends, args.length)
-                refused = refuse_probe(address, server.pid, seed=run)
-                failed = f"{echo['others_failed']}/{echo['others_calls']}"
-                print(
-                    f"{label:<22} {run + 1:>3} {failed:>15} {echo['sender_codes']!s:<16} "
-                    f"{refused['seconds']:>9.2f} {refused['rss_growth_mib']:>8.0f} {refused['code']:<17} "
-                    f"{refused['names_limit']}",
-                    flush=True,
-                )
+                row = {"label": label, "run": run + 1}
+                if "echo" in probes:
+                    row["echo"] = echo_probe(address, rest, args.others, args.sends, args.length)
+                if "refuse" in probes:
+                    row["refuse"] = refuse_probe(address, server.pid, seed=run)
+                if "long-query" in probes:
+                    row["long"] = long_query_probe(address, args.query_chars)
+                rows.append(row)
+                print(row, flush=True)
                 server.check_alive()
         finally:
             server.stop()
+    _report(rows)
     print(f"logs: {logs}")
     return 0
+
+
+def _report(rows: list[dict]) -> None:
+    if any("echo" in row or "refuse" in row for row in rows):
+        print(
+            f"\n{'server':<22} {'run':>3} {'others failed':>15} {'sender codes':<40} {'refusal s':>9} "
+            f"{'RSS +MiB':>8} {'code':<17} names limit"
+        )
+    for row in rows:
+        echo, refused = row.get("echo"), row.get("refuse")
+        if echo or refused:
+            failed = f"{echo['others_failed']}/{echo['others_calls']}" if echo else "-"
+            codes = str(echo["sender_codes"]) if echo else "-"
+            refusal = (
+                f"{refused['seconds']:>9.2f} {refused['rss_growth_mib']:>8.0f} {refused['code']:<17} "
+                f"{refused['names_limit']}"
+                if refused
+                else "-"
+            )
+            print(f"{row['label']:<22} {row['run']:>3} {failed:>15} {codes:<40} {refusal}")
+    if any("long" in row for row in rows):
+        head = f"{'idle p50/p99 ms':>16} {'beside p50/p99 ms':>18} {'p99 ratio':>9} big calls"
+        print(f"\n{'server':<22} {'run':>3} {head}")
+    for row in rows:
+        if long := row.get("long"):
+            idle, shared = long["idle"], long["shared"]
+            print(
+                f"{row['label']:<22} {row['run']:>3} {idle[0]:>7.1f} /{idle[1]:>7.1f} "
+                f"{shared[0]:>8.1f} /{shared[1]:>8.1f} {shared[1] / idle[1]:>9.2f} {long['big_calls']:>9}"
+            )
 
 
 if __name__ == "__main__":

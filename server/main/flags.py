@@ -402,8 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         serve,
         "--worker-nice",
-        "added to the workers' nice value (0-19): the frontend, at its own, keeps the CPU to tokenize, "
-        "batch and refuse a flood at once while the workers compute; 0 = the same share as the frontend",
+        "added to the nice value (0-19) of the workers and the frontend's tokenizer threads: the frontend's "
+        "event loop, at its own, keeps the CPU to answer queries and refuse a flood at once while they work; "
+        "0 = the same share as the frontend",
         WORKER_NICE,
         worker_nice,
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +46,21 @@ from .tokenization import ModelTokenizer
 log = logging.getLogger("encoderd.engine")
 
 
+def _niced_pool(threads: int, prefix: str, nice: int) -> ThreadPoolExecutor:
+    """A tokenizer pool whose threads run `nice` (--worker-nice) nicer than the event loop, as the
+    workers do: tokenizing a request is throughput work, and the loop keeps its core for live queries
+    (tokenized on the loop itself), answers and refusals. At the loop's own priority, a 200,000-character
+    rerank query sent back to back (~0.15 s of tokenizing each) took a core from the workers: other
+    callers' single queries went from p99 ~10 ms to 83-127 ms, 36-48 ms with the pool niced (2 shared
+    Zen 5 cores, `python -m encoderd.bench.hostile --probes long-query`). Linux nice values are per thread."""
+
+    def lower_this_thread() -> None:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+    return ThreadPoolExecutor(threads, thread_name_prefix=prefix, initializer=lower_this_thread if nice else None)
+
+
 class ModelRegistry:
     def __init__(self, config: ServerConfig, on_model_state=lambda name, ready: None):
         self.config = config
@@ -51,8 +68,8 @@ class ModelRegistry:
         self.loading = {m.name for m in config.models}  # configured, not yet served: calls get UNAVAILABLE
         self._on_model_state = on_model_state
         self._workers: list[WorkerClient] = []  # every worker started, so a failed start can stop them all
-        self._tokenizer_pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenizer")
-        self._bulk_tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer-bulk")
+        self._tokenizer_pool = _niced_pool(config.tokenizer_threads, "tokenizer", config.worker_nice)
+        self._bulk_tokenizer_pool = _niced_pool(1, "tokenizer-bulk", config.worker_nice)
         # Media decoding and preprocessing (server/models/media.py): blocking CPU work, off the event loop; URL
         # fetches wait on the network instead, in their own pool, so slow hosts never stall the decoding.
         self.media_pool = ThreadPoolExecutor(config.media_threads, thread_name_prefix="media")

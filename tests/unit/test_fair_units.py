@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
+import threading
 from collections import deque
 
 import numpy as np
 import pytest
 from support.held_workers import HeldWorker, request, until
 
+from encoderd.server.base.config import ServerConfig
 from encoderd.server.models import request_options
+from encoderd.server.models.registry import ModelRegistry
 from encoderd.server.scheduling.batching import BatchLimits, WorkItem, interleave_callers
 from encoderd.server.scheduling.scheduler import CALLER, ModelScheduler, Priority
 
@@ -136,3 +140,18 @@ def test_a_caller_is_its_api_key_else_its_connection():
     assert caller_of("", "ipv4:127.0.0.1:1") != caller_of("", "ipv4:127.0.0.1:2")
     assert "k1" not in repr(caller_of("k1", "x"))  # the key itself is not kept
     assert CALLER.get() is None  # each call's own context only
+
+
+def _thread_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.parametrize("worker_nice", [0, 7])
+def test_tokenizer_threads_yield_to_the_event_loop_as_the_workers_do(worker_nice):
+    """A huge request's tokenizing (a 200,000-character rerank query: ~0.15 s of a core) runs at the
+    workers' nice, not the event loop's, where live queries are tokenized and answered."""
+    registry = ModelRegistry(ServerConfig(models=(), worker_nice=worker_nice))
+    expected = min(19, _thread_nice() + worker_nice)
+    for pool in (registry._tokenizer_pool, registry._bulk_tokenizer_pool):
+        assert pool.submit(_thread_nice).result() == expected
+        pool.shutdown()
