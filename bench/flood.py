@@ -75,6 +75,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import grpc
@@ -155,30 +156,78 @@ HTTP_OUTCOMES = {200: "OK", 429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 504: 
 async def _rest_flood_client(
     rest_url: str, stop_at: float, texts: list[str], counts: dict, honour: bool, tls: ssl.SSLContext
 ) -> None:
-    """One REST caller on a connection of its own: an httpx client each, since one client's pool
-    holding hundreds of connections scans them all on every request (under a 500-client flood, 4
-    processes of 125 spent 65 % of their time there: the bench, not the server, set the pace).
-    `tls`: one context for all of a process's clients (each loading the CA store took ~100 ms)."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    async with httpx.AsyncClient(base_url=rest_url, limits=limits, trust_env=False, verify=tls) as client:
+    """One REST caller on a keep-alive HTTP/1.1 connection of its own, spoken over asyncio streams.
+    The flood's clients share the server's cores on one host, so what a call costs them is taken from
+    the server: an httpx client per caller spent ~1 ms of its process's CPU a call (and one client's
+    pool of hundreds of connections, scanned on every request, 65 % of it). `tls`: one context for all
+    of a process's clients (each loading the CA store took ~100 ms)."""
+    url = urllib.parse.urlsplit(rest_url)
+    connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+    try:
         while time.monotonic() < stop_at:
-            body = {"input": _next_texts(counts, texts)}
+            if connection is None:
+                connection = await asyncio.open_connection(
+                    url.hostname, url.port, ssl=tls if url.scheme == "https" else None
+                )
+            body = json.dumps({"input": _next_texts(counts, texts)}).encode()
             started = time.monotonic()
             try:
-                response = await client.post("/v1/embeddings", json=body, timeout=30)
-                _count(counts, HTTP_OUTCOMES.get(response.status_code, f"HTTP {response.status_code}"), started)
-                if response.status_code in (429, 503):
-                    asked = _seconds(response.headers.get("retry-after"))
-                    if response.status_code == 429:
-                        _refused(counts, asked)
-                        _upstream_time(counts, response.headers.get("x-envoy-upstream-service-time"))
-                    await _back_off(asked, honour, stop_at)
-            except httpx.TimeoutException:
+                status, headers = await asyncio.wait_for(
+                    http_exchange(*connection, _post(url.netloc, "/v1/embeddings", body)), 30
+                )
+            except TimeoutError:
                 _count(counts, "client timeout", started)
-            except httpx.HTTPError as exc:
+                _close(connection)
+                connection = None
+                continue
+            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 _count(counts, type(exc).__name__, started)
+                _close(connection)
+                connection = None
+                continue
+            _count(counts, HTTP_OUTCOMES.get(status, f"HTTP {status}"), started)
+            if headers.get("connection") == "close":
+                _close(connection)
+                connection = None
+            if status in (429, 503):
+                asked = _seconds(headers.get("retry-after"))
+                if status == 429:
+                    _refused(counts, asked)
+                    _upstream_time(counts, headers.get("x-envoy-upstream-service-time"))
+                await _back_off(asked, honour, stop_at)
+    finally:
+        _close(connection)
+
+
+def _post(host: str, path: str, body: bytes) -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+async def http_exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, dict]:
+    """Send one HTTP/1.1 request, read its whole response: the status and the headers (names in
+    lower case); the body is read (Content-Length or chunked) and dropped."""
+    writer.write(request)
+    status_line = await reader.readline()
+    if not status_line:
+        raise asyncio.IncompleteReadError(b"", None)
+    status = int(status_line.split()[1])
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding", "").lower() == "chunked":
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            await reader.readexactly(size + 2)  # the chunk and its CRLF
+        await reader.readline()  # the CRLF after the last (empty) chunk
+    return status, headers
+
+
+def _close(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None) -> None:
+    if connection is not None:
+        connection[1].close()
 
 
 def _upstream_time(counts: dict, header: str | None) -> None:
