@@ -113,6 +113,10 @@ CALIBRATION_RANGE = (1.0, 5.0)
 CALIBRATION_QUANTILE = 0.9
 # Samples kept; older ones weigh next to nothing after a few CALIBRATION_MEMORY_S anyway.
 CALIBRATION_SAMPLES = 256
+# With no answer this long, the factor is 1 again: weights decay only against newer samples, so one
+# stray slow answer would otherwise set it until traffic returned (a quiet server's next queue refused
+# at a fraction of --max-queue-wait).
+CALIBRATION_HORIZON_S = 5 * CALIBRATION_MEMORY_S
 
 
 class WaitCalibration:
@@ -137,7 +141,14 @@ class WaitCalibration:
         self.floor_s = floor_s
         self.quantile = quantile
         self.samples: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=CALIBRATION_SAMPLES)
-        self.factor = 1.0  # recomputed per sample: admission reads it on every call, a flood's refusals included
+        self.factor = 1.0  # as of the last sample: admission reads it on every call, a flood's refusals included
+
+    def factor_at(self, now: float) -> float:
+        """The factor admission scales predictions by now: 1 once no answer has been seen for
+        CALIBRATION_HORIZON_S."""
+        if not self.samples or now - self.samples[-1][0] > CALIBRATION_HORIZON_S:
+            return 1.0
+        return self.factor
 
     def observe(self, predicted_s: float, served_s: float, now: float) -> None:
         """A request predicted to be answered after `predicted_s` was answered after `served_s` (at `now`)."""

@@ -247,7 +247,7 @@ class ModelScheduler:
     def tokens_per_s(self) -> float:
         """The rate admission counts with: the measured one, slowed by how much longer than
         predicted the recent waits were (WaitCalibration)."""
-        return self.measured_tokens_per_s / self.calibration.factor
+        return self.measured_tokens_per_s / self.calibration.factor_at(time.monotonic())
 
     @property
     def measured_tokens_per_s(self) -> float:

@@ -6,6 +6,7 @@ every order asserted here is made by the test, not by timing.
 """
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from support.held_workers import HeldWorker, request, until
 
 from encoderd.server.base.errors import Overloaded
 from encoderd.server.scheduling.admission import (
+    CALIBRATION_HORIZON_S,
     CALIBRATION_RANGE,
     CALL_DEADLINE,
     COLD_SHARE,
@@ -294,6 +296,14 @@ def test_the_calibration_weighs_samples_by_length_and_age():
     assert calibration.factor == pytest.approx(2.0)
 
 
+def test_the_calibration_forgets_a_slow_answer_once_answers_stop():
+    calibration = WaitCalibration(memory_s=4.0, floor_s=0.1)
+    calibration.observe(1.0, served_s=3.0, now=100.0)  # a stray slow answer, then a quiet server
+    assert calibration.factor_at(100.0 + CALIBRATION_HORIZON_S) == pytest.approx(3.0)
+    assert calibration.factor_at(100.1 + CALIBRATION_HORIZON_S) == 1.0
+    assert WaitCalibration().factor_at(0.0) == 1.0
+
+
 def test_short_predictions_teach_nothing_and_the_factor_is_bounded():
     calibration = WaitCalibration(floor_s=0.1)
     calibration.observe(0.01, served_s=0.3, now=0.0)  # a near-empty queue: the event loop's delay
@@ -340,7 +350,7 @@ async def test_admission_counts_with_the_rate_the_served_waits_show(held):
     queued = asyncio.create_task(scheduler.run(items, pending))
     await until(lambda: worker.batches, "the first batch reached the worker")
     scheduler.refuse_if_full(1)  # within --max-queue-wait's 2 s
-    scheduler.calibration.observe(1.0, served_s=2.0, now=0.0)  # waits came out twice as long
+    scheduler.calibration.observe(1.0, served_s=2.0, now=time.monotonic())  # answers came twice as late
     with pytest.raises(Overloaded, match=r"wait about 2\.4 s"):
         scheduler.refuse_if_full(1)
     worker.release.set()
