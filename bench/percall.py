@@ -108,7 +108,8 @@ def run(servers: list[tuple[str, str | None]], serve_args: list[str], args) -> l
     targets: list[Target] = []
     try:
         for label, checkout in servers:
-            server, address, rest_url = start_server(label.replace(" ", "-"), checkout, serve_args, logs, rest=args.rest)
+            name = label.replace(" ", "-")
+            server, address, rest_url = start_server(name, checkout, serve_args, logs, rest=args.rest)
             targets.append(Target(label, server, address, rest_url))
         for target in targets:
             for _ in range(WARM_UP):
