@@ -48,7 +48,7 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
     rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
     model_resolver.RESOLVED.set("")  # this call's task only; set when the call resolves its model
     code = grpc.StatusCode.OK
-    in_flight = metrics.IN_FLIGHT.labels(rpc_label)
+    in_flight = metrics.series(metrics.IN_FLIGHT, rpc_label)
     with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
         try:
             in_flight.inc()
@@ -71,8 +71,8 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             if log.isEnabledFor(logging.DEBUG):  # an access log, for debugging only: it costs per call
                 log.debug("%s model=%s code=%s %.1fms", rpc_label, model, code.name, elapsed * 1000)
             tracing.finish(span, code, model)
-            metrics.REQUESTS.labels(model, rpc_label, code.name).inc()
-            metrics.REQUEST_SECONDS.labels(model, rpc_label).observe(elapsed)
+            metrics.series(metrics.REQUESTS, model, rpc_label, code.name).inc()
+            metrics.series(metrics.REQUEST_SECONDS, model, rpc_label).observe(elapsed)
 
 
 def _retry_after(exc: EncoderdError) -> tuple[tuple[str, str], ...]:

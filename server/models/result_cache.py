@@ -87,18 +87,18 @@ class ResultCache:
             cached = self._lru_get(key)
             if cached is not None:
                 rows[i], tokens[i] = cached
-                metrics.CACHE.labels(self.model, "hit").inc()
+                metrics.series(metrics.CACHE, self.model, "hit").inc()
             elif key in owned:
                 owned[key].append(i)  # a repeat within this request
             elif key in waiting:
                 waiting[key][1].append(i)
             elif key in self._inflight:
                 waiting[key] = (self._inflight[key], [i])
-                metrics.CACHE.labels(self.model, "inflight_hit").inc()
+                metrics.series(metrics.CACHE, self.model, "inflight_hit").inc()
             else:
                 owned[key] = [i]
                 if self.max_entries:
-                    metrics.CACHE.labels(self.model, "miss").inc()
+                    metrics.series(metrics.CACHE, self.model, "miss").inc()
         if owned:
             await self._compute_owned(owned, rows, tokens, compute, remember)
         retry = []

@@ -120,7 +120,7 @@ class ModelTokenizer:
         """encode_batch over the batch in pieces of bounded size: a cancelled or expired request
         stops between pieces (a running Rust call cannot be interrupted), and a huge request
         shares the pool with others instead of holding a thread for seconds."""
-        metrics.TOKENIZED_TEXTS.labels(self.model).inc(len(batch))
+        metrics.series(metrics.TOKENIZED_TEXTS, self.model).inc(len(batch))
         if not bulk and len(batch) <= INLINE_INPUTS and sum(map(_size, batch)) <= INLINE_CHARS:
             return encode_batch(batch, **kwargs)  # a live query: on the loop itself (see INLINE_CHARS)
         loop = asyncio.get_running_loop()

@@ -301,7 +301,7 @@ class ModelScheduler:
             self.queues[priority] = interleave_callers(self.queues[priority], items, turn)
         else:
             self.queues[priority].extend(items)
-        metrics.QUEUED_INPUTS.labels(self.model, priority.name.lower()).inc(len(items))
+        metrics.series(metrics.QUEUED_INPUTS, self.model, priority.name.lower()).inc(len(items))
         self._queued_tokens[priority] += sum(item.length for item in items)
 
     async def run(
@@ -418,7 +418,7 @@ class ModelScheduler:
             metrics.DROPPED.labels(self.model).inc(dropped)
         now = time.monotonic()
         for item in batch:
-            metrics.QUEUE_WAIT.labels(self.model).observe(now - item.enqueued)
+            metrics.series(metrics.QUEUE_WAIT, self.model).observe(now - item.enqueued)
         self._queued_tokens[priority] = (
             sum(item.length for item in queue)
             if dropped
@@ -509,4 +509,4 @@ class ModelScheduler:
         self._queue_changed()
 
     def _queue_changed(self) -> None:
-        metrics.QUEUE_DEPTH.labels(self.model).set(self.queued)
+        metrics.series(metrics.QUEUE_DEPTH, self.model).set(self.queued)
