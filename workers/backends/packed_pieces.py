@@ -37,10 +37,19 @@ class PackedBatch:
 
     @classmethod
     def of(cls, ids: torch.Tensor, cu_seqlens: torch.Tensor, types: torch.Tensor | None = None) -> PackedBatch:
+        """The batch of `ids` packed as `cu_seqlens` says, which starts at 0 (as every TokenBatch's does)."""
+        if len(cu_seqlens) == 2:  # one sequence (a live query): offsets 0..n-1 without four operators
+            return cls(ids, cu_seqlens, types, torch.arange(ids.shape[0], device=ids.device), ids.shape[0])
         lengths = cu_seqlens.diff()
         starts = torch.repeat_interleave(cu_seqlens[:-1].long(), lengths.long())
         offsets = torch.arange(ids.shape[0], device=ids.device) - starts
         return cls(ids, cu_seqlens, types, offsets, int(lengths.max()))
+
+    @functools.cached_property
+    def bounds(self) -> list[int]:
+        """cu_seqlens as Python ints, read once per batch rather than once per layer (the per-sequence
+        attention loops over them); never on CUDA, whose varlen kernel takes cu_seqlens itself."""
+        return self.cu_seqlens.tolist()
 
     @property
     def firsts(self) -> torch.Tensor:
@@ -77,7 +86,7 @@ def attend(
         return kernel(q, k, v, batch.cu_seqlens, batch.longest, window, scale)
     out = torch.empty_like(q)
     by_products = q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16)  # see _attend_by_products
-    for a, b in itertools.pairwise(batch.cu_seqlens.tolist()):
+    for a, b in itertools.pairwise(batch.bounds):
         if by_products and b - a > FLASH_UP_TO:
             _attend_by_products(q[a:b], k[a:b], v[a:b], out[a:b], window, scale)
         else:
