@@ -13,7 +13,10 @@ load on a shared host. Each block's CPU seconds come from /proc (utime + stime, 
   envoy     with --rest, its Envoy (JSON <-> gRPC), and the queries go to POST /v1/embeddings.
 Per call = the blocks' CPU seconds over their calls. Latency p50/p99 is the client's, each call
 timed alone. --gap seconds between calls (default 0: back to back; a gap lets caches go cold as
-a real query stream does). A benchmark, not a test: it prints a table and asserts nothing.
+a real query stream does). --varied pads the queries with 0-49 extra words in turn, so their token
+counts cycle over ~50 values, as real queries' do: the workers' GEMMs are built per token count
+(oneDNN primitives, workers/memory.py bounds their caches), and a stream of ever-new counts
+rebuilds them. A benchmark, not a test: it prints a table and asserts nothing.
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ from .mixed import QUERIES
 from .processes import Managed, cpu_seconds, process_tree
 
 WARM_UP = 200  # calls per server before measuring: first shapes, the drain-rate estimate
+VARIED_WORDS = 50  # --varied: 0..49 extra words per query, in turn
+FILLER = "and more about the same thing".split()
 
 
 class Target:
     """One running server: how to send it a query, and its processes by part."""
 
-    def __init__(self, label: str, server: Managed, address: str, rest_url: str):
-        self.label, self.server = label, server
+    def __init__(self, label: str, server: Managed, address: str, rest_url: str, varied: bool = False):
+        self.label, self.server, self.varied = label, server, varied
         self.stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
         self.rest = None
         if rest_url:
@@ -64,6 +69,9 @@ class Target:
     def query(self) -> None:
         self.sent += 1
         text = f"{QUERIES[self.sent % len(QUERIES)]} {self.sent}"
+        if self.varied:
+            extra = self.sent % VARIED_WORDS
+            text += "".join(f" {FILLER[k % len(FILLER)]}" for k in range(extra))
         if self.rest is not None:
             response = self.rest.post("/v1/embeddings", json={"input": [text]}, timeout=60)
             response.raise_for_status()
@@ -110,7 +118,7 @@ def run(servers: list[tuple[str, str | None]], serve_args: list[str], args) -> l
         for label, checkout in servers:
             name = label.replace(" ", "-")
             server, address, rest_url = start_server(name, checkout, serve_args, logs, rest=args.rest)
-            targets.append(Target(label, server, address, rest_url))
+            targets.append(Target(label, server, address, rest_url, args.varied))
         for target in targets:
             for _ in range(WARM_UP):
                 target.query()
@@ -151,6 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--block", type=int, default=100, help="calls per block (default: %(default)s)")
     parser.add_argument("--gap", type=float, default=0.0, help="seconds between calls (default: back to back)")
     parser.add_argument("--rest", action="store_true", help="POST /v1/embeddings through Envoy instead of gRPC")
+    parser.add_argument("--varied", action="store_true", help="queries of ~50 token counts in turn, not ~10 tokens")
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
     parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
     parser.add_argument("--json", type=Path, help="write the results here")
