@@ -210,7 +210,7 @@ class ModelScheduler:
         if queued + inputs > self.max_queued or (
             self.max_queued_tokens and queued_tokens + tokens > self.max_queued_tokens
         ):
-            metrics.REJECTED.labels(self.model, "queue_full").inc()
+            metrics.series(metrics.REJECTED, self.model, "queue_full").inc()
             raise Overloaded(
                 f"model {self.model} is overloaded ({queued} inputs, {queued_tokens} tokens "
                 f"queued or tokenizing); retry later"
@@ -230,7 +230,7 @@ class ModelScheduler:
             None if deadline is None else deadline - time.monotonic(),
         )
         if refusal:
-            metrics.REJECTED.labels(self.model, "deadline" if refusal.by_deadline else "queue_wait").inc()
+            metrics.series(metrics.REJECTED, self.model, "deadline" if refusal.by_deadline else "queue_wait").inc()
             raise Overloaded(refusal.message(self.model), retry_after=refusal.retry_after_s)
 
     def tokens_ahead(self, priority: Priority, tokenizing: bool = True) -> int:
@@ -415,7 +415,7 @@ class ModelScheduler:
         batch = take_batch(queue, limits)
         dropped = before - len(queue) - len(batch)
         if dropped:
-            metrics.DROPPED.labels(self.model).inc(dropped)
+            metrics.series(metrics.DROPPED, self.model).inc(dropped)
         now = time.monotonic()
         for item in batch:
             metrics.series(metrics.QUEUE_WAIT, self.model).observe(now - item.enqueued)
