@@ -47,24 +47,16 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
     CALL_DEADLINE.set(None if remaining is None else time.monotonic() + remaining)
     rid_metadata = ((logs.REQUEST_ID_KEY, rid),)
     model_resolver.RESOLVED.set("")  # this call's task only; set when the call resolves its model
-    code = grpc.StatusCode.OK
     in_flight = metrics.series(metrics.IN_FLIGHT, rpc_label)
     with tracing.rpc_span(rpc_label, metadata, {"encoderd.request_id": rid}) as span:
-        try:
-            in_flight.inc()
-            yield rid_metadata, _proxy_returns_id(metadata, rid)
-        except EncoderdError as exc:
-            code = exc.code
-            # errors: in the trailers, with the wait the server advises before a retry
-            await context.abort(exc.code, status_message(str(exc)), rid_metadata + _retry_after(exc))
-        except Exception:
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", name)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log", rid_metadata)
-        except BaseException:  # cancelled: the client's deadline passed, it hung up, or the server is stopping
-            code = _why_it_ended(context, rpc_label)
-            raise
-        finally:
+        ended: list[grpc.StatusCode] = []  # the call's code, once it is counted
+
+        def end(code: grpc.StatusCode) -> None:
+            """Count the call (once). An error is counted before abort sends its status: a client that
+            has its answer finds it in /metrics."""
+            if ended:
+                return
+            ended.append(code)
             in_flight.dec()
             elapsed = time.perf_counter() - started
             model = model_resolver.metrics_label(service.registry.models, model_name)
@@ -73,6 +65,23 @@ async def _observed(service, name: str, model_name: str, context: grpc.aio.Servi
             tracing.finish(span, code, model)
             metrics.series(metrics.REQUESTS, model, rpc_label, code.name).inc()
             metrics.series(metrics.REQUEST_SECONDS, model, rpc_label).observe(elapsed)
+
+        try:
+            in_flight.inc()
+            yield rid_metadata, _proxy_returns_id(metadata, rid)
+        except EncoderdError as exc:
+            end(exc.code)
+            # errors: in the trailers, with the wait the server advises before a retry
+            await context.abort(exc.code, status_message(str(exc)), rid_metadata + _retry_after(exc))
+        except Exception:
+            log.exception("%s failed", name)
+            end(grpc.StatusCode.INTERNAL)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}; see the server log", rid_metadata)
+        except BaseException:  # cancelled: the client's deadline passed, it hung up, or the server is stopping
+            end(_why_it_ended(context, rpc_label))
+            raise
+        finally:
+            end(grpc.StatusCode.OK)  # no-op where an error was counted
 
 
 def _retry_after(exc: EncoderdError) -> tuple[tuple[str, str], ...]:
