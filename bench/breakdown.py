@@ -34,7 +34,17 @@ CATEGORIES = (
     ("matmul", ("_linear_pointwise", "addmm", "mm", "linear", "matmul")),
     (
         "attention",
-        ("scaled_dot_product", "_flash_attention", "_efficient_attention", "softmax", "varlen", "bmm", "masked_fill"),
+        # attention: host_kernels' packed attention kernel (the profiler's encoderd::attention)
+        (
+            "scaled_dot_product",
+            "_flash_attention",
+            "_efficient_attention",
+            "softmax",
+            "varlen",
+            "bmm",
+            "masked_fill",
+            "attention",
+        ),
     ),
     (
         "element-wise",

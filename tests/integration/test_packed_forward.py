@@ -23,7 +23,7 @@ from support.corpus import sentences
 from support.families import build as build_family
 from support.models import build_classifier, build_reranker
 
-from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder, packed_pieces
+from encoderd.workers.backends import BackendOptions, create_backend, host_kernels, packed_encoder, packed_pieces
 from encoderd.workers.backends.torch_backend import pool
 from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.model_spec import ModelKind, Pooling
@@ -264,14 +264,40 @@ def _reference_attention(q, k, v, cu_seqlens, window):
     return out
 
 
+@contextlib.contextmanager
+def attention_kernel_served():
+    """A list that gets, for each attend() call, whether host_kernels' packed attention kernel served it."""
+    served: list[bool] = []
+    real = host_kernels.attend_full
+
+    def recording(*args):
+        context = real(*args)
+        served.append(context is not None)
+        return context
+
+    with mock.patch.object(host_kernels, "attend_full", recording):
+        yield served
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("window", [packed_pieces.FULL, packed_pieces.CAUSAL, (4, 4)], ids=["full", "causal", "band"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(12, 12, 32), (8, 2, 64)], ids=["mha", "gqa"])
-def test_cpu_attention_equals_sdpa_per_sequence(dtype, window, heads, kv_heads, dim):
+def test_cpu_attention_equals_sdpa_per_sequence(dtype, window, heads, kv_heads, dim, threads):
     """attend() on CPU, over packed sequences of mixed and equal lengths, against float32 SDPA on each
     sequence: within float32's rounding in float32, within bfloat16's (inputs rounded, scores and
     probabilities in bfloat16) otherwise. The windows are BERT's (full), Qwen3's (causal, grouped-query)
-    and ModernBERT's local layers (band)."""
+    and ModernBERT's local layers (band). On one thread in bfloat16, BERT's full window over equal
+    heads is host_kernels' packed attention kernel (where a C compiler built it); everything else is
+    per sequence, by three products past FLASH_UP_TO tokens in bfloat16."""
     generator = torch.Generator().manual_seed(5)
     cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(ATTENTION_LENGTHS)]), dtype=torch.int32)
     tokens = int(cu_seqlens[-1])
@@ -281,10 +307,12 @@ def test_cpu_attention_equals_sdpa_per_sequence(dtype, window, heads, kv_heads, 
     want = _reference_attention(q, k, v, cu_seqlens, window)
     batch = packed_pieces.PackedBatch.of(torch.zeros(tokens, dtype=torch.long), cu_seqlens)
     products = mock.patch.object(packed_pieces, "_attend_by_products", wraps=packed_pieces._attend_by_products)
-    with products as by_products:
+    with products as by_products, attention_kernel_served() as served:
         got = packed_pieces.attend(q.to(reduced), k.to(reduced), v.to(reduced), batch, window).float()
+    one_call = dtype == "bfloat16" and heads == kv_heads and threads == 1 and host_kernels.kernels() is not None
+    assert served == ([one_call] if window == packed_pieces.FULL else [])
     longer = sum(n > packed_pieces.FLASH_UP_TO for n in ATTENTION_LENGTHS)
-    assert by_products.call_count == (longer if dtype == "bfloat16" else 0)
+    assert by_products.call_count == (longer if dtype == "bfloat16" and not any(served) else 0)
     if dtype == "float32":
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     else:
@@ -308,9 +336,10 @@ BFLOAT16_CASES = [("bert", "embedding"), ("bert", "reranker"), *FAMILY_CASES]
 
 @pytest.mark.parametrize("family,kind", BFLOAT16_CASES, ids=["-".join(c) for c in BFLOAT16_CASES])
 def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind, family_models, reranker_path):
-    """Each packed family in bfloat16 on CPU (attention by products past FLASH_UP_TO tokens, SDPA below)
-    against transformers' padded float32 forward of the same weights: no further from it than twice
-    transformers' own padded bfloat16 forward is. (These seeded models' random heads put logits in the
+    """Each packed family in bfloat16 on CPU (BERT's attention by host_kernels' packed kernel; the other
+    windows by products past FLASH_UP_TO tokens, SDPA below) against transformers' padded float32
+    forward of the same weights: no further from it than twice transformers' own padded bfloat16
+    forward is. (These seeded models' random heads put logits in the
     tens, where bfloat16's own step is 0.125: an absolute bound would measure the head, not attention.
     A wrong mask, window or head grouping lands far outside twice.)"""
     if family == "bert":
@@ -324,7 +353,9 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
     assert packed.packed is not None and packed.options.dtype == "bfloat16"
     work = batches(spec, QUERY if kind == "reranker" else None)
     products = mock.patch.object(packed_pieces, "_attend_by_products", wraps=packed_pieces._attend_by_products)
-    with products as by_products:
+    with products as by_products, attention_kernel_served() as served:
         error = _worst_error(packed, reference, work, kind)
-    assert by_products.called
+    assert by_products.called or any(served)
+    if family == "bert" and host_kernels.kernels() is not None:
+        assert all(served) and served, "BERT's layers: the packed attention kernel serves every one"
     assert error <= 2 * _worst_error(padded, reference, work, kind), error

@@ -1,16 +1,20 @@
 """The bfloat16 kernels built for this host (workers/backends/host_kernels.py, host_kernels.c): softmax
-and add + LayerNorm equal to torch's operators within bfloat16's rounding wherever they serve, and
-torch's own operators wherever they cannot be built (no compiler, a compiler that fails,
-ENCODERD_BUILD_KERNELS=0)."""
+and add + LayerNorm equal to torch's operators within bfloat16's rounding wherever they serve, packed
+attention as close to float32 SDPA as torch's bfloat16 SDPA is, built for this CPU and for older
+targets (no AVX-512, plain x86-64), and torch's own operators wherever they cannot be built (no
+compiler, a compiler that fails, ENCODERD_BUILD_KERNELS=0)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import platform
 from unittest import mock
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from encoderd.workers.backends import host_kernels, packed_pieces
 
@@ -74,11 +78,11 @@ def test_kernel_softmax_is_in_place_and_torch_elsewhere(fresh_kernel, one_thread
 
 
 @needs_compiler
-def test_one_thread_attention_runs_the_kernel_and_matches_torch_softmax(fresh_kernel, one_thread):
-    """attend() in bfloat16 on one thread (the served default on small hosts), BERT's full window,
-    Qwen3's causal one and ModernBERT's band, over sequences longer than FLASH_UP_TO: the kernel is
-    called once per such sequence, and the attention output is what torch's softmax gives within
-    bfloat16's rounding."""
+def test_one_thread_attention_runs_the_kernels_and_matches_torch_operators(fresh_kernel, one_thread):
+    """attend() in bfloat16 on one thread (the served default on small hosts): BERT's full window is one
+    call of the attention kernel for the whole batch (no softmax of its own); Qwen3's causal window and
+    ModernBERT's band go sequence by sequence, the softmax kernel once per sequence longer than
+    FLASH_UP_TO. Either way the output is what torch's operators give within bfloat16's rounding."""
     lengths = [3, 40, 33, 100, 257]
     cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
     batch = packed_pieces.PackedBatch.of(torch.zeros(int(cu_seqlens[-1]), dtype=torch.long), cu_seqlens)
@@ -86,22 +90,152 @@ def test_one_thread_attention_runs_the_kernel_and_matches_torch_softmax(fresh_ke
     q, k, v = (torch.randn(int(cu_seqlens[-1]), 12, 32, generator=generator).bfloat16() for _ in range(3))
     built = host_kernels.kernels()
     assert built is not None
-    calls = []
+    softmaxes, attentions = [], []
 
-    def counted(*args):
-        calls.append(args[2])
+    def counted_softmax(*args):
+        softmaxes.append(args[2])
         return built.softmax_rows(*args)
 
-    counting = dataclasses.replace(built, softmax_rows=counted)
+    def counted_attention(*args):
+        attentions.append(args[7])  # the number of sequences
+        return built.attend_full(*args)
+
+    counting = dataclasses.replace(built, softmax_rows=counted_softmax, attend_full=counted_attention)
     for window in (packed_pieces.FULL, packed_pieces.CAUSAL, (4, 4)):
-        calls.clear()
+        softmaxes.clear(), attentions.clear()
         with mock.patch.object(host_kernels, "kernels", return_value=counting):
             got = packed_pieces.attend(q, k, v, batch, window)
         with mock.patch.object(host_kernels, "kernels", return_value=None):
             want = packed_pieces.attend(q, k, v, batch, window)
-        assert calls == [n for n in lengths if n > packed_pieces.FLASH_UP_TO]
+        if window == packed_pieces.FULL:
+            assert (softmaxes, attentions) == ([], [len(lengths)])
+        else:
+            assert (softmaxes, attentions) == ([n for n in lengths if n > packed_pieces.FLASH_UP_TO], [])
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         assert (got.float() - want.float()).abs().mean() < 1e-3
+
+
+# The attention kernel as built here (-march=native) and for targets without avx512_bf16: AVX2 on this
+# CPU (-mno-avx512f), and the x86-64 baseline (SSE2). Each must build and be as faithful.
+TARGETS = {
+    "native": host_kernels.FLAGS,
+    "no-avx512": (*host_kernels.FLAGS, "-mno-avx512f"),
+    "x86-64": ("-O3", "-march=x86-64", "-shared", "-fPIC"),
+}
+x86_only = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
+
+
+@functools.cache
+def _built_for(target: str) -> host_kernels.Kernels:
+    compiler = host_kernels.find_compiler()
+    assert compiler is not None
+    return host_kernels._build(compiler, TARGETS[target])
+
+
+def _packed_qkv(lengths: list[int], heads: int, dim: int, seed: int):
+    """q, k, v as strided views of one (tokens, 3, heads, dim) projection, as a BERT layer's fused QKV
+    linear leaves them, and cu_seqlens."""
+    generator = torch.Generator().manual_seed(seed)
+    fused = (torch.randn(sum(lengths), 3, heads, dim, generator=generator) * 2).bfloat16()
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    return (*fused.unbind(1), cu_seqlens)
+
+
+def _sdpa_each_sequence(q, k, v, cu_seqlens, dtype, scale=None) -> torch.Tensor:
+    """SDPA on each sequence alone in `dtype`, returned in float32."""
+    out = torch.empty(q.shape)
+    for a, b in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True):
+        queries, keys, values = (t[a:b].transpose(0, 1).to(dtype) for t in (q, k, v))
+        out[a:b] = F.scaled_dot_product_attention(queries, keys, values, scale=scale).float().transpose(0, 1)
+    return out
+
+
+ATTENTION_CASES = {  # (lengths, heads, head size)
+    "minilm": ([1, 2, 15, 16, 17, 33, 100, 257, 512], 12, 32),
+    "bge-base": ([512, 1, 64, 130, 5], 12, 64),
+    "narrow": ([1, 31, 32, 48], 4, 16),
+    "wide": ([7, 200], 2, 128),
+    "one-token-texts": ([1] * 9, 3, 32),
+}
+
+
+@needs_compiler
+@x86_only
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attend_full_is_as_close_to_float32_sdpa_as_torch_bfloat16(target, case, one_thread):
+    """The attention kernel over a packed batch (1-token to 512-token sequences; MiniLM's and bge-base's
+    heads, narrower and wider ones), q, k, v read strided in place: against float32 SDPA on each
+    sequence, no further than twice torch's own bfloat16 SDPA is (at most, and on average), for every
+    build target; the instruction set each target used is the one its flags allow."""
+    built = _built_for(target)
+    assert built.attention_products in ("avx512_bf16", "float32")
+    if target != "native":
+        assert built.attention_products == "float32"
+    lengths, heads, dim = ATTENTION_CASES[case]
+    q, k, v, cu_seqlens = _packed_qkv(lengths, heads, dim, seed=len(lengths) + dim)
+    with mock.patch.object(host_kernels, "kernels", return_value=built):
+        got = host_kernels.attend_full(q, k, v, cu_seqlens, max(lengths), None)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == q.shape and got.is_contiguous()
+    exact = _sdpa_each_sequence(q, k, v, cu_seqlens, torch.float32)
+    torch_own = _sdpa_each_sequence(q, k, v, cu_seqlens, torch.bfloat16)
+    error, torch_error = (got.float() - exact).abs(), (torch_own - exact).abs()
+    assert error.max() <= 2 * torch_error.max() + 1e-6, (error.max(), torch_error.max())
+    assert error.mean() <= 2 * torch_error.mean() + 1e-6, (error.mean(), torch_error.mean())
+
+
+@needs_compiler
+def test_attend_full_takes_the_scale_and_separate_dense_tensors(fresh_kernel, one_thread):
+    """A model's own scaling (not 1/sqrt(d)) and q, k, v as three dense tensors (not views of one
+    projection): as close to float32 SDPA at that scale as torch's bfloat16 SDPA is."""
+    q, k, v, cu_seqlens = _packed_qkv([9, 70, 1, 40], 6, 32, seed=4)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    got = host_kernels.attend_full(q, k, v, cu_seqlens, 70, 0.3)
+    assert got is not None
+    exact = _sdpa_each_sequence(q, k, v, cu_seqlens, torch.float32, scale=0.3)
+    torch_own = _sdpa_each_sequence(q, k, v, cu_seqlens, torch.bfloat16, scale=0.3)
+    assert (got.float() - exact).abs().max() <= 2 * (torch_own - exact).abs().max() + 1e-6
+
+
+@needs_compiler
+def test_attend_full_leaves_other_cases_to_the_operators(fresh_kernel, one_thread):
+    """Where the kernel does not serve, attend_full answers None and never calls it: two threads, float32,
+    grouped-query heads, a head size that is not a multiple of 16, q, k, v laid out differently,
+    int64 cu_seqlens, or cu_seqlens that do not cover the tokens."""
+    built = host_kernels.kernels()
+    assert built is not None
+    calls = []
+    counting = dataclasses.replace(built, attend_full=lambda *args: calls.append(args))
+    q, k, v, cu_seqlens = _packed_qkv([5, 40], 4, 32, seed=5)
+    narrow = _packed_qkv([5, 40], 4, 24, seed=5)
+    cases = {
+        "float32": (q.float(), k.float(), v.float(), cu_seqlens),
+        "grouped-query": (q, k[:, :2], v[:, :2], cu_seqlens),
+        "head size 24": narrow,
+        "dense q beside strided k, v": (q.contiguous(), k, v, cu_seqlens),
+        "int64 cu_seqlens": (q, k, v, cu_seqlens.long()),
+        "short cu_seqlens": (q, k, v, cu_seqlens[:-1]),
+    }
+    with mock.patch.object(host_kernels, "kernels", return_value=counting):
+        for name, (q_, k_, v_, cu_) in cases.items():
+            assert host_kernels.attend_full(q_, k_, v_, cu_, 40, None) is None, name
+        torch.set_num_threads(2)
+        assert host_kernels.attend_full(q, k, v, cu_seqlens, 40, None) is None
+    assert calls == []
+
+
+@needs_compiler
+def test_a_wrong_attention_kernel_is_refused_at_build(fresh_kernel):
+    """The check before the kernels serve compares attention with float32 SDPA: a build whose products
+    were off (here its scale doubled) is reported, so torch's operators would serve instead."""
+    built = host_kernels.kernels()
+    assert built is not None and host_kernels._check_attention(built) is None
+
+    def doubled_scale(*args):
+        return built.attend_full(*args[:10], args[10] * 2, args[11])
+
+    message = host_kernels._check_attention(dataclasses.replace(built, attend_full=doubled_scale))
+    assert message is not None and "attention with 32-wide heads off by" in message
 
 
 def test_no_compiler_leaves_torch_softmax(fresh_kernel, one_thread, monkeypatch, tmp_path):

@@ -152,3 +152,298 @@ void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *w
         }
     }
 }
+
+/* ------------------------------------------------------------------ attention over a packed batch
+ *
+ * attend_full_bf16: softmax(scale q k^T) v within each sequence of a packed batch, every key visible to
+ * every query of its sequence (BERT's full window), heads == key/value heads. One call for the whole
+ * batch of a layer: q, k and v are read where the fused QKV projection left them, (tokens, heads, dim)
+ * at any token and head stride (the same for the three), dim contiguous; the context is written into
+ * out, (tokens, heads, dim) dense.
+ *
+ * For each sequence and head, the keys and values are copied once into a layout the products stream
+ * through (key_pack, value_pack); then ROWS queries at a time: their scores against every key in
+ * float32 (scores_tile), softmax over each row in float32 (exponentials rounded to bfloat16 for the
+ * second product, normalised by their sum), and the context (context_tile), rounded to bfloat16 once.
+ * A sequence's keys and values (at most 512 tokens x 64 dims: 64 KiB each) and ROWS rows of scores
+ * stay in the core's cache; nothing of size tokens^2 is ever stored.
+ *
+ * The products use avx512_bf16's vdpbf16ps (16 float32 sums of 2 bfloat16 products, one instruction)
+ * where the compiler targets it (__AVX512BF16__, from -march=native on a CPU that has it); elsewhere
+ * they are float32 multiply-adds on the 16-float vectors above, which any x86-64 (or other) target
+ * lowers to what it has. Both sum the products in float32. */
+
+#define ROWS 8 /* queries per tile: ROWS x 2 score vectors, then ROWS x 2 context vectors, in registers */
+#define ALIGN 64
+
+static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+/* bfloat16 bits to float32 */
+static inline float widen(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A vector of 16 keys' scores, the first `first`: scaled, the lanes of keys past `length` (padding) set to
+ * -inf (their exponentials are then 0), stored at `to`; *top keeps the lanes' maxima. */
+static inline void keep_scores(floats s, float scale, int64_t first, int64_t length, float *to, floats *top) {
+    const ints lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    ints valid = lane < (int32_t)(length - first);
+    s = (floats)(((ints)(s * scale) & valid) | ((ints)((floats){0} - INFINITY) & ~valid));
+    memcpy(to, &s, sizeof s);
+    ints greater = s > *top;
+    *top = (floats)(((ints)s & greater) | ((ints)*top & ~greater));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+const char *attention_products(void) { return "avx512_bf16"; }
+
+typedef uint16_t weight_t; /* the softmax's exponentials, as the second product reads them */
+
+/* Keys as [block of 16 keys][dim / 2][16 keys][2 dims]: one 64-byte row per pair of dims holds that pair
+ * for 16 keys, vdpbf16ps's operand. Keys past `length` are zero. */
+static void key_pack(const uint16_t *k, int64_t stride, int64_t length, int64_t dim, uint16_t *packed) {
+    int64_t pairs = dim / 2;
+    uint32_t *to = (uint32_t *)packed;
+    memset(to + length / LANES * LANES * pairs, 0, LANES * pairs * 4); /* the last block's padding */
+    for (int64_t j = 0; j < length; j++) {
+        uint32_t *key = to + (j / LANES) * LANES * pairs + j % LANES;
+        for (int64_t p = 0; p < pairs; p++)
+            memcpy(key + p * LANES, k + j * stride + 2 * p, 4);
+    }
+}
+
+/* Values as [pair of keys][dim][2 keys]: vdpbf16ps sums two keys' values per dimension. A key past an
+ * odd `length` is zero (its weight is zero too; a zero value keeps 0 * garbage out of the sum). */
+static void value_pack(const uint16_t *v, int64_t stride, int64_t length, int64_t dim, uint16_t *packed) {
+    for (int64_t j = 0; j < length; j += 2) {
+        const uint16_t *even = v + j * stride, *odd = j + 1 < length ? even + stride : NULL;
+        uint32_t *to = (uint32_t *)packed + j / 2 * dim;
+        for (int64_t d = 0; d < dim; d++)
+            to[d] = even[d] | (odd ? (uint32_t)odd[d] << 16 : 0u);
+    }
+}
+
+/* scores[r][16 b + lane] = q_r . key (16 b + lane) for `blocks` (1 or 2) blocks of 16 keys from `block`. */
+static inline void scores_tile(const uint16_t *const q[ROWS], const uint16_t *keys, int64_t dim, int64_t block,
+                               int blocks, float scale, int64_t length, float *scores, int64_t scores_stride,
+                               floats top[ROWS]) {
+    __m512 sums[ROWS][2];
+    for (int r = 0; r < ROWS; r++)
+        sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+    const uint16_t *first = keys + block * LANES * dim;
+    for (int64_t p = 0; p < dim / 2; p++) {
+        __m512bh key[2];
+        for (int b = 0; b < blocks; b++)
+            key[b] = (__m512bh)_mm512_loadu_si512(first + b * LANES * dim + p * 2 * LANES);
+        for (int r = 0; r < ROWS; r++) {
+            int32_t pair;
+            memcpy(&pair, q[r] + 2 * p, 4);
+            __m512bh query = (__m512bh)_mm512_set1_epi32(pair);
+            for (int b = 0; b < blocks; b++)
+                sums[r][b] = _mm512_dpbf16_ps(sums[r][b], query, key[b]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < blocks; b++) {
+            floats sum;
+            memcpy(&sum, &sums[r][b], sizeof sum);
+            int64_t first = (block + b) * LANES;
+            keep_scores(sum, scale, first, length, scores + r * scores_stride + first, &top[r]);
+        }
+}
+
+/* out_r[16 c .. 16 (c + vectors)) = sum over keys of weight_r[j] value_j, times norm[r], rounded to bfloat16. */
+static inline void context_tile(const weight_t *weights, int64_t weights_stride, const uint16_t *values,
+                                int64_t length, int64_t dim, int64_t c, int vectors, const float norm[ROWS],
+                                uint16_t *const out[ROWS]) {
+    __m512 sums[ROWS][2];
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < vectors; i++)
+            sums[r][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < (length + 1) / 2; j++) {
+        __m512bh value[2];
+        for (int i = 0; i < vectors; i++)
+            value[i] = (__m512bh)_mm512_loadu_si512(values + j * 2 * dim + (c + i) * 2 * LANES);
+        for (int r = 0; r < ROWS; r++) {
+            int32_t pair;
+            memcpy(&pair, weights + r * weights_stride + 2 * j, 4);
+            __m512bh weight = (__m512bh)_mm512_set1_epi32(pair);
+            for (int i = 0; i < vectors; i++)
+                sums[r][i] = _mm512_dpbf16_ps(sums[r][i], weight, value[i]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < vectors; i++) {
+            floats sum;
+            memcpy(&sum, &sums[r][i], sizeof sum);
+            store_bf16(out[r] + (c + i) * LANES, sum * norm[r], LANES);
+        }
+}
+
+/* Exponentials as the second product reads them: rounded to bfloat16 (to nearest, ties to even). */
+static inline void keep_weights(floats e, weight_t *to) {
+    __m512 v;
+    memcpy(&v, &e, sizeof v);
+    _mm256_storeu_si256((__m256i *)to, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+#else /* float32 multiply-adds */
+
+const char *attention_products(void) { return "float32"; }
+
+typedef float weight_t;
+
+/* Keys as float32 [block of 16 keys][dim][16 keys]; keys past `length` are zero. */
+static void key_pack(const uint16_t *k, int64_t stride, int64_t length, int64_t dim, float *packed) {
+    for (int64_t j = 0; j < round_up(length, LANES); j++) {
+        const uint16_t *key = k + j * stride;
+        float *to = packed + (j / LANES) * LANES * dim + j % LANES;
+        for (int64_t d = 0; d < dim; d++)
+            to[d * LANES] = j < length ? widen(key[d]) : 0.0f;
+    }
+}
+
+/* Values as float32 [key][dim]. */
+static void value_pack(const uint16_t *v, int64_t stride, int64_t length, int64_t dim, float *packed) {
+    for (int64_t j = 0; j < length; j++)
+        for (int64_t d = 0; d < dim; d++)
+            packed[j * dim + d] = widen(v[j * stride + d]);
+}
+
+static inline void scores_tile(const uint16_t *const q[ROWS], const float *keys, int64_t dim, int64_t block,
+                               int blocks, float scale, int64_t length, float *scores, int64_t scores_stride,
+                               floats top[ROWS]) {
+    floats sums[ROWS][2] = {{{0}}};
+    const float *first = keys + block * LANES * dim;
+    for (int64_t d = 0; d < dim; d++) {
+        floats key[2];
+        for (int b = 0; b < blocks; b++)
+            memcpy(&key[b], first + b * LANES * dim + d * LANES, sizeof(floats));
+        for (int r = 0; r < ROWS; r++) {
+            float query = widen(q[r][d]);
+            for (int b = 0; b < blocks; b++)
+                sums[r][b] += query * key[b];
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int b = 0; b < blocks; b++) {
+            int64_t first = (block + b) * LANES;
+            keep_scores(sums[r][b], scale, first, length, scores + r * scores_stride + first, &top[r]);
+        }
+}
+
+static inline void context_tile(const weight_t *weights, int64_t weights_stride, const float *values,
+                                int64_t length, int64_t dim, int64_t c, int vectors, const float norm[ROWS],
+                                uint16_t *const out[ROWS]) {
+    floats sums[ROWS][2] = {{{0}}};
+    for (int64_t j = 0; j < length; j++) {
+        floats value[2];
+        for (int i = 0; i < vectors; i++)
+            memcpy(&value[i], values + j * dim + (c + i) * LANES, sizeof(floats));
+        for (int r = 0; r < ROWS; r++) {
+            float weight = weights[r * weights_stride + j];
+            for (int i = 0; i < vectors; i++)
+                sums[r][i] += weight * value[i];
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int i = 0; i < vectors; i++)
+            store_bf16(out[r] + (c + i) * LANES, sums[r][i] * norm[r], LANES);
+}
+
+static inline void keep_weights(floats e, weight_t *to) { memcpy(to, &e, sizeof e); }
+
+#endif
+
+/* Bytes of scratch attend_full_bf16 needs for sequences of up to `longest` tokens. */
+int64_t attention_scratch_bytes(int64_t longest, int64_t dim) {
+    int64_t keys = round_up(longest, LANES);
+    int64_t packed = round_up(keys * dim * 4, ALIGN);              /* keys or values, either layout */
+    int64_t rows = round_up(ROWS * keys * (4 + sizeof(weight_t)), ALIGN); /* scores and weights */
+    return 2 * packed + rows + ALIGN;
+}
+
+/* Softmax of ROWS rows of scores (scaled, padded with -inf to whole vectors; top[r]: the lanes' maxima
+ * of row r) into weights: the exponentials of the scores less the row's maximum, as the second product
+ * reads them; norm[r] = 1 / their sum. */
+static void softmax_tile(const float *scores, int64_t stride, int64_t length, const floats top[ROWS],
+                         weight_t *weights, float norm[ROWS]) {
+    int64_t padded = round_up(length, LANES);
+    for (int r = 0; r < ROWS; r++) {
+        float most = top[r][0];
+        for (int j = 1; j < LANES; j++)
+            most = top[r][j] > most ? top[r][j] : most;
+        floats sums = {0};
+        for (int64_t j = 0; j < padded; j += LANES) {
+            floats s;
+            memcpy(&s, scores + r * stride + j, sizeof s);
+            floats e = exp_nonpositive(s - most);
+            keep_weights(e, weights + r * stride + j);
+            sums += e;
+        }
+        float total = 0.0f;
+        for (int j = 0; j < LANES; j++)
+            total += sums[j];
+        norm[r] = 1.0f / total;
+    }
+}
+
+/* One sequence, one head: `length` tokens from q, k, v (rows `stride` apart) into out (rows out_stride apart). */
+static void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, uint16_t *out,
+                        int64_t out_stride, int64_t length, int64_t dim, float scale, char *work) {
+    int64_t keys = round_up(length, LANES);
+    int64_t packed = round_up(keys * dim * 4, ALIGN);
+    void *key_packed = work, *value_packed = work + packed;
+    float *scores = (float *)(work + 2 * packed);
+    weight_t *weights = (weight_t *)(scores + ROWS * keys);
+    key_pack(k, stride, length, dim, key_packed);
+    value_pack(v, stride, length, dim, value_packed);
+    for (int64_t i = 0; i < length; i += ROWS) {
+        const uint16_t *rows[ROWS];
+        uint16_t *outs[ROWS];
+        uint16_t spare[ROWS][dim]; /* the last tile's rows past the sequence: computed, not kept */
+        for (int r = 0; r < ROWS; r++) {
+            int64_t row = i + r < length ? i + r : length - 1;
+            rows[r] = q + row * stride;
+            outs[r] = i + r < length ? out + row * out_stride : spare[r];
+        }
+        floats top[ROWS];
+        for (int r = 0; r < ROWS; r++)
+            top[r] = (floats){0} - INFINITY;
+        int64_t block = 0;
+        for (; block + 2 <= keys / LANES; block += 2)
+            scores_tile(rows, key_packed, dim, block, 2, scale, length, scores, keys, top);
+        if (block < keys / LANES)
+            scores_tile(rows, key_packed, dim, block, 1, scale, length, scores, keys, top);
+        float norm[ROWS];
+        softmax_tile(scores, keys, length, top, weights, norm);
+        int64_t c = 0;
+        for (; c + 2 <= dim / LANES; c += 2)
+            context_tile(weights, keys, value_packed, length, dim, c, 2, norm, outs);
+        if (c < dim / LANES)
+            context_tile(weights, keys, value_packed, length, dim, c, 1, norm, outs);
+    }
+}
+
+/* The whole packed batch: sequence s is tokens cu_seqlens[s] .. cu_seqlens[s + 1]. q, k, v: element
+ * (t, h, d) at t * token_stride + h * head_stride + d; out: at t * heads * dim + h * dim + d. dim a
+ * multiple of 16; work: attention_scratch_bytes(longest sequence, dim) bytes, 64-byte aligned. */
+void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t token_stride,
+                      int64_t head_stride, uint16_t *out, const int32_t *cu_seqlens, int64_t sequences,
+                      int64_t heads, int64_t dim, float scale, void *work) {
+    for (int64_t s = 0; s < sequences; s++) {
+        int64_t first = cu_seqlens[s], length = cu_seqlens[s + 1] - first;
+        if (length <= 0)
+            continue;
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t at = first * token_stride + h * head_stride;
+            attend_head(q + at, k + at, v + at, token_stride, out + first * heads * dim + h * dim, heads * dim,
+                        length, dim, scale, work);
+        }
+    }
+}

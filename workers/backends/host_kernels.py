@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 import os
 import shlex
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ class Kernels:
 
     softmax_rows: Any
     add_layer_norm: Any
+    attend_full: Any
+    attention_scratch_bytes: Any
+    attention_products: str  # "avx512_bf16" (vdpbf16ps) or "float32" (multiply-adds): what this build targets
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -88,6 +93,42 @@ def add_layer_norm(norm: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> t
     pointers = (a.data_ptr(), b.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr())
     _run("encoderd::add_layer_norm", built.add_layer_norm, *pointers, rows, cols, norm.eps, scratch.data_ptr())
     return out
+
+
+def attend_full(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int, scale: float | None
+) -> torch.Tensor | None:
+    """Attention within each sequence of a packed batch, every key visible to every query of its sequence
+    (BERT's window), in one call for the whole batch: q, k, v (tokens, heads, dim) read in place (strided
+    views of the fused QKV projection serve as they are), scores and softmax in float32, the context
+    (tokens, heads, dim) a new dense tensor. None where the kernel does not serve (then packed_pieces'
+    per-sequence operators): not built, not one thread, not bfloat16, grouped-query heads, q, k and v
+    laid out differently, or a head size that is not a multiple of 16."""
+    built = _serving(q)
+    if built is None or not _kernel_attention(q, k, v, cu_seqlens):
+        return None
+    tokens, heads, dim = q.shape
+    out = torch.empty(tokens, heads, dim, dtype=q.dtype)
+    scratch = torch.empty(built.attention_scratch_bytes(longest, dim), dtype=torch.uint8)
+    sequences = cu_seqlens.shape[0] - 1
+    pointers = (t.data_ptr() for t in (q, k, v))
+    strides = q.stride()[:2]
+    scaling = dim**-0.5 if scale is None else scale
+    arguments = (*strides, out.data_ptr(), cu_seqlens.data_ptr(), sequences, heads, dim, scaling, scratch.data_ptr())
+    _run("encoderd::attention", built.attend_full, *pointers, *arguments)
+    return out
+
+
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    """The attention kernel's case: bfloat16 q, k, v of one shape and one layout (the head size dense and
+    a multiple of 16), int32 cu_seqlens covering every token (the kernel reads the tokens they name)."""
+    if not (q.dim() == 3 and q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride()):
+        return False
+    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or q.stride(2) != 1 or q.shape[2] % LANES != 0:
+        return False
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.device.type != "cpu" or not cu_seqlens.is_contiguous():
+        return False
+    return int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == q.shape[0]
 
 
 def _one_pass(norm: torch.nn.LayerNorm, weight, bias, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -130,12 +171,16 @@ def kernels() -> Kernels | None:
         why = _first_line(exc)
         log.info("bfloat16 kernels: torch's operators (%s could not build them for this CPU: %s)", compiler[0], why)
         return None
-    if (difference := _check_softmax(built) or _check_add_layer_norm(built)) is not None:
+    if (difference := _check_softmax(built) or _check_add_layer_norm(built) or _check_attention(built)) is not None:
         log.warning("bfloat16 kernels: torch's operators (%s's build differs from torch: %s)", compiler[0], difference)
         return None
     elapsed = time.perf_counter() - started
     flags = " ".join(FLAGS)
-    log.info("bfloat16 kernels (softmax, add + LayerNorm): built by %s %s in %.1f s", compiler[0], flags, elapsed)
+    products = built.attention_products
+    log.info(
+        "bfloat16 kernels (softmax, add + LayerNorm, attention by %s products): built by %s %s in %.1f s",
+        *(products, compiler[0], flags, elapsed),
+    )
     return built
 
 
@@ -148,18 +193,24 @@ def find_compiler() -> list[str] | None:
     return None
 
 
-def _build(compiler: list[str]) -> Kernels:
+def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS) -> Kernels:
+    """The library built by `compiler` with `flags` (the tests build it for older targets too)."""
     with tempfile.TemporaryDirectory(prefix="encoderd-kernels-") as folder:
         path = Path(folder) / "host_kernels.so"
-        command = [*compiler, *FLAGS, "-o", str(path), str(SOURCE)]
+        command = [*compiler, *flags, "-o", str(path), str(SOURCE)]
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
         library = ctypes.CDLL(str(path))
     softmax_rows = library.softmax_rows_bf16
     softmax_rows.argtypes = [_pointer, _size, _size, _size, _pointer]
     add_layer_norm = library.add_layer_norm_bf16
     add_layer_norm.argtypes = [*[_pointer] * 5, _size, _size, ctypes.c_float, _pointer]
-    softmax_rows.restype = add_layer_norm.restype = None
-    return Kernels(softmax_rows, add_layer_norm)
+    attend = library.attend_full_bf16
+    attend.argtypes = [*[_pointer] * 3, _size, _size, _pointer, _pointer, _size, _size, _size, ctypes.c_float, _pointer]
+    softmax_rows.restype = add_layer_norm.restype = attend.restype = None
+    scratch_bytes = library.attention_scratch_bytes
+    scratch_bytes.argtypes, scratch_bytes.restype = [_size, _size], _size
+    library.attention_products.restype = ctypes.c_char_p
+    return Kernels(softmax_rows, add_layer_norm, attend, scratch_bytes, library.attention_products().decode())
 
 
 def _check_softmax(built: Kernels) -> str | None:
@@ -195,6 +246,34 @@ def _check_add_layer_norm(built: Kernels) -> str | None:
         torch_error = (torch_norm.float() - reference).abs().max().item()
         if not error <= 2 * torch_error + 1e-6:
             return f"add + LayerNorm of width {width} off by {error:.3g} (torch's bfloat16: {torch_error:.3g})"
+    return None
+
+
+def _check_attention(built: Kernels) -> str | None:
+    """The same for attend_full against float32 SDPA on each sequence: q, k, v strided views of one fused
+    projection, sequences of 1 token to past two tiles of keys, head sizes 32 and 64; within twice the
+    error of torch's own bfloat16 SDPA."""
+    generator = torch.Generator().manual_seed(2)
+    lengths = [1, 5, 16, 33, 70]
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    for dim in (32, 64):
+        fused = torch.randn(sum(lengths), 3, 2, dim, generator=generator).bfloat16()
+        q, k, v = fused.unbind(1)
+        out = torch.empty(q.shape, dtype=torch.bfloat16)
+        scratch = torch.empty(built.attention_scratch_bytes(max(lengths), dim), dtype=torch.uint8)
+        pointers = (t.data_ptr() for t in (q, k, v))
+        arguments = (*q.stride()[:2], out.data_ptr(), cu_seqlens.data_ptr(), len(lengths), 2, dim, dim**-0.5)
+        built.attend_full(*pointers, *arguments, scratch.data_ptr())
+        mine, reference, torch_own = out.float(), torch.empty(q.shape), torch.empty(q.shape)
+        for a, b in itertools.pairwise(cu_seqlens.tolist()):
+            queries, keys, values = (t[a:b].transpose(0, 1) for t in (q, k, v))
+            exact = F.scaled_dot_product_attention(queries.float(), keys.float(), values.float())
+            reference[a:b] = exact.transpose(0, 1)
+            torch_own[a:b] = F.scaled_dot_product_attention(queries, keys, values).float().transpose(0, 1)
+        error = (mine - reference).abs().max().item()
+        allowed = 2 * (torch_own - reference).abs().max().item() + 1e-6
+        if not error <= allowed:
+            return f"attention with {dim}-wide heads off by {error:.3g} (torch's bfloat16 SDPA: {allowed / 2:.3g})"
     return None
 
 

@@ -80,10 +80,29 @@ def attend(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Attention within each sequence: q (tokens, heads, d), k and v (tokens, kv_heads, d), kv_heads
-    dividing heads (grouped-query). `window`: FULL, CAUSAL, or (before, after) tokens each query sees."""
+    dividing heads (grouped-query). `window`: FULL, CAUSAL, or (before, after) tokens each query sees.
+    On CUDA one variable-length FlashAttention call; on CPU in bfloat16 on one thread, BERT's full
+    window, one call of host_kernels.attend_full for the whole batch (scores in float32); else
+    attention one sequence at a time (attend_each_sequence)."""
     kernel = varlen_kernel() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     if kernel is not None:
         return kernel(q, k, v, batch.cu_seqlens, batch.longest, window, scale)
+    context = host_kernels.attend_full(q, k, v, batch.cu_seqlens, batch.longest, scale) if window == FULL else None
+    if context is not None:
+        return context
+    return attend_each_sequence(q, k, v, batch, window, scale)
+
+
+def attend_each_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: PackedBatch,
+    window: tuple[int, int] = FULL,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """attend() on CPU by torch's operators, a few per sequence: SDPA, or three products in bfloat16
+    and float16 past FLASH_UP_TO tokens (_attend_by_products)."""
     out = torch.empty_like(q)
     by_products = q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16)  # see _attend_by_products
     for a, b in itertools.pairwise(batch.bounds):
