@@ -30,13 +30,13 @@ SHAPES = {"minilm": (12, 32), "bge-base": (12, 64)}  # (heads, head size)
 
 def layer_inputs(length: int, tokens: int, heads: int, dim: int):
     """q, k, v as views of one (tokens, 3, heads, dim) projection, and the PackedBatch of its sequences."""
-    from ..workers.backends.packed_pieces import PackedBatch
+    from ..workers.backends import packed_pieces
 
     count = max(1, tokens // length)
     generator = torch.Generator().manual_seed(length)
     fused = torch.randn(count * length, 3, heads, dim, generator=generator).bfloat16()
     cu_seqlens = torch.arange(0, count * length + 1, length, dtype=torch.int32)
-    batch = PackedBatch.of(torch.zeros(count * length, dtype=torch.long), cu_seqlens)
+    batch = packed_pieces.PackedBatch.of(torch.zeros(count * length, dtype=torch.long), cu_seqlens)
     return (*fused.unbind(1), batch)
 
 

@@ -16,6 +16,7 @@ from encoderd.bench import breakdown
         ("aten::baddbmm", "attention"),
         ("aten::bmm", "attention"),
         ("aten::_softmax", "attention"),
+        ("encoderd::attention", "attention"),  # host_kernels' packed attention kernel
         ("aten::native_layer_norm", "element-wise"),
         ("aten::transpose", "layout"),
         ("aten::segment_reduce", "other ops"),

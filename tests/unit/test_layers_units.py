@@ -62,6 +62,8 @@ EXCEPTIONS = {
     ("bench/packed.py", "encoderd.workers.backends"),
     # `bench.breakdown`: a profile of the torch engine's own forward, in-process, no server.
     ("bench/breakdown.py", "encoderd.workers.backends"),
+    # `bench.attention`: the torch engine's packed attention kernel against its operators, in-process.
+    ("bench/attention.py", "encoderd.workers.backends"),
     # `bench --openvino`: a reference is judged by the server's own fidelity floors, kept in one place.
     ("bench/openvino.py", "encoderd.workers.fidelity"),
     # `bench.fidelity_holdout`: the worker's own self-check and engines, in-process, against a holdout corpus.
