@@ -156,6 +156,7 @@ ATTENTION_CASES = {  # (lengths, heads, head size)
     "narrow": ([1, 31, 32, 48], 4, 16),
     "wide": ([7, 200], 2, 128),
     "one-token-texts": ([1] * 9, 3, 32),
+    "heads-in-uneven-groups": ([130, 3, 300], 5, 64),  # packed 3 heads, then 2 (130 tokens); 1 by 1 (300)
 }
 
 

@@ -161,12 +161,14 @@ void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *w
  * at any token and head stride (the same for the three), dim contiguous; the context is written into
  * out, (tokens, heads, dim) dense.
  *
- * For each sequence and head, the keys and values are copied once into a layout the products stream
- * through (key_pack, value_pack); then ROWS queries at a time: their scores against every key in
- * float32 (scores_tile), softmax over each row in float32 (exponentials rounded to bfloat16 for the
- * second product, normalised by their sum), and the context (context_tile), rounded to bfloat16 once.
- * A sequence's keys and values (at most 512 tokens x 64 dims: 64 KiB each) and ROWS rows of scores
- * stay in the core's cache; nothing of size tokens^2 is ever stored.
+ * For each sequence, the keys and values of as many heads as fit PACK_BYTES are copied once into a
+ * layout the products stream through (key_pack, value_pack; read token by token, so a short sequence's
+ * heads come in as one run of memory, not one cache line per token and head); then for each head, ROWS
+ * queries at a time: their scores against every key in float32 (scores_tile), softmax over each row in
+ * float32 (exponentials rounded to bfloat16 for the second product, normalised by their sum), and the
+ * context (context_tile), rounded to bfloat16 once. A head's keys and values (at most 512 tokens x 64
+ * dims: 64 KiB each) and ROWS rows of scores stay in the core's cache; nothing of size tokens^2 is
+ * ever stored.
  *
  * The products use avx512_bf16's vdpbf16ps (16 float32 sums of 2 bfloat16 products, one instruction)
  * where the compiler targets it (__AVX512BF16__, from -march=native on a CPU that has it); elsewhere
@@ -177,6 +179,11 @@ void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *w
 #define ALIGN 64
 
 static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+/* Where `heads` consecutive heads of one sequence lie: in q, k, v (elements) and packed (bytes per head). */
+struct heads_layout {
+    int64_t token_stride, head_stride, heads, per_head;
+};
 
 /* bfloat16 bits to float32 */
 static inline float widen(uint16_t h) {
@@ -205,27 +212,32 @@ const char *attention_products(void) { return "avx512_bf16"; }
 typedef uint16_t weight_t; /* the softmax's exponentials, as the second product reads them */
 
 /* Keys as [block of 16 keys][dim / 2][16 keys][2 dims]: one 64-byte row per pair of dims holds that pair
- * for 16 keys, vdpbf16ps's operand. Keys past `length` are zero. */
-static void key_pack(const uint16_t *k, int64_t stride, int64_t length, int64_t dim, uint16_t *packed) {
+ * for 16 keys, vdpbf16ps's operand. Keys past `length` are zero. `heads` heads at once (see pack_heads),
+ * head h's at packed + h * per_head bytes. */
+static void key_pack(const uint16_t *k, const struct heads_layout *at, int64_t length, int64_t dim, char *packed) {
     int64_t pairs = dim / 2;
-    uint32_t *to = (uint32_t *)packed;
-    memset(to + length / LANES * LANES * pairs, 0, LANES * pairs * 4); /* the last block's padding */
-    for (int64_t j = 0; j < length; j++) {
-        uint32_t *key = to + (j / LANES) * LANES * pairs + j % LANES;
-        for (int64_t p = 0; p < pairs; p++)
-            memcpy(key + p * LANES, k + j * stride + 2 * p, 4);
-    }
+    for (int64_t h = 0; h < at->heads; h++) /* the last block's padding */
+        memset(packed + h * at->per_head + length / LANES * LANES * pairs * 4, 0, LANES * pairs * 4);
+    for (int64_t j = 0; j < length; j++)
+        for (int64_t h = 0; h < at->heads; h++) {
+            uint32_t *key = (uint32_t *)(packed + h * at->per_head) + (j / LANES) * LANES * pairs + j % LANES;
+            const uint16_t *from = k + j * at->token_stride + h * at->head_stride;
+            for (int64_t p = 0; p < pairs; p++)
+                memcpy(key + p * LANES, from + 2 * p, 4);
+        }
 }
 
 /* Values as [pair of keys][dim][2 keys]: vdpbf16ps sums two keys' values per dimension. A key past an
  * odd `length` is zero (its weight is zero too; a zero value keeps 0 * garbage out of the sum). */
-static void value_pack(const uint16_t *v, int64_t stride, int64_t length, int64_t dim, uint16_t *packed) {
-    for (int64_t j = 0; j < length; j += 2) {
-        const uint16_t *even = v + j * stride, *odd = j + 1 < length ? even + stride : NULL;
-        uint32_t *to = (uint32_t *)packed + j / 2 * dim;
-        for (int64_t d = 0; d < dim; d++)
-            to[d] = even[d] | (odd ? (uint32_t)odd[d] << 16 : 0u);
-    }
+static void value_pack(const uint16_t *v, const struct heads_layout *at, int64_t length, int64_t dim, char *packed) {
+    for (int64_t j = 0; j < length; j += 2)
+        for (int64_t h = 0; h < at->heads; h++) {
+            const uint16_t *even = v + j * at->token_stride + h * at->head_stride;
+            const uint16_t *odd = j + 1 < length ? even + at->token_stride : NULL;
+            uint32_t *to = (uint32_t *)(packed + h * at->per_head) + j / 2 * dim;
+            for (int64_t d = 0; d < dim; d++)
+                to[d] = even[d] | (odd ? (uint32_t)odd[d] << 16 : 0u);
+        }
 }
 
 /* scores[r][16 b + lane] = q_r . key (16 b + lane) for `blocks` (1 or 2) blocks of 16 keys from `block`. */
@@ -319,20 +331,25 @@ const char *attention_products(void) { return "float32"; }
 typedef float weight_t;
 
 /* Keys as float32 [block of 16 keys][dim][16 keys]; keys past `length` are zero. */
-static void key_pack(const uint16_t *k, int64_t stride, int64_t length, int64_t dim, float *packed) {
-    for (int64_t j = 0; j < round_up(length, LANES); j++) {
-        const uint16_t *key = k + j * stride;
-        float *to = packed + (j / LANES) * LANES * dim + j % LANES;
-        for (int64_t d = 0; d < dim; d++)
-            to[d * LANES] = j < length ? widen(key[d]) : 0.0f;
-    }
+static void key_pack(const uint16_t *k, const struct heads_layout *at, int64_t length, int64_t dim, char *packed) {
+    for (int64_t j = 0; j < round_up(length, LANES); j++)
+        for (int64_t h = 0; h < at->heads; h++) {
+            const uint16_t *key = k + j * at->token_stride + h * at->head_stride;
+            float *to = (float *)(packed + h * at->per_head) + (j / LANES) * LANES * dim + j % LANES;
+            for (int64_t d = 0; d < dim; d++)
+                to[d * LANES] = j < length ? widen(key[d]) : 0.0f;
+        }
 }
 
 /* Values as float32 [key][dim]. */
-static void value_pack(const uint16_t *v, int64_t stride, int64_t length, int64_t dim, float *packed) {
+static void value_pack(const uint16_t *v, const struct heads_layout *at, int64_t length, int64_t dim, char *packed) {
     for (int64_t j = 0; j < length; j++)
-        for (int64_t d = 0; d < dim; d++)
-            packed[j * dim + d] = widen(v[j * stride + d]);
+        for (int64_t h = 0; h < at->heads; h++) {
+            const uint16_t *value = v + j * at->token_stride + h * at->head_stride;
+            float *to = (float *)(packed + h * at->per_head) + j * dim;
+            for (int64_t d = 0; d < dim; d++)
+                to[d] = widen(value[d]);
+        }
 }
 
 static inline void scores_tile(const uint16_t *const q[ROWS], const float *keys, int64_t dim, int64_t block,
@@ -382,12 +399,24 @@ static inline floats exp_for_weights(floats t) { return exp_nonpositive(t); }
 
 #endif
 
+/* Bytes of one head's keys or values packed, for sequences of `length` tokens (either layout). */
+static int64_t packed_bytes(int64_t length, int64_t dim) { return round_up(round_up(length, LANES) * dim * 4, ALIGN); }
+
+/* A sequence's keys and values are packed for this many bytes of heads at once (at least one head): read
+ * token by token, each token's heads side by side, rather than head by head down the token stride. */
+#define PACK_BYTES (256 * 1024)
+
+static int64_t heads_at_once(int64_t length, int64_t dim, int64_t heads) {
+    int64_t fit = PACK_BYTES / (2 * packed_bytes(length, dim));
+    return fit < 1 ? 1 : fit < heads ? fit : heads;
+}
+
 /* Bytes of scratch attend_full_bf16 needs for sequences of up to `longest` tokens. */
 int64_t attention_scratch_bytes(int64_t longest, int64_t dim) {
+    int64_t packed = 2 * packed_bytes(longest, dim);
     int64_t keys = round_up(longest, LANES);
-    int64_t packed = round_up(keys * dim * 4, ALIGN);              /* keys or values, either layout */
     int64_t rows = round_up(ROWS * keys * (4 + sizeof(weight_t)), ALIGN); /* scores and weights */
-    return 2 * packed + rows + ALIGN;
+    return (packed > PACK_BYTES ? packed : PACK_BYTES) + rows + ALIGN;
 }
 
 /* Softmax of ROWS rows of scores (scaled, padded with -inf to whole vectors; top[r]: the lanes' maxima
@@ -415,16 +444,13 @@ static void softmax_tile(const float *scores, int64_t stride, int64_t length, co
     }
 }
 
-/* One sequence, one head: `length` tokens from q, k, v (rows `stride` apart) into out (rows out_stride apart). */
-static void attend_head(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t stride, uint16_t *out,
-                        int64_t out_stride, int64_t length, int64_t dim, float scale, char *work) {
+/* One sequence, one head: `length` queries from q (rows `stride` apart) against the keys and values
+ * packed, into out (rows out_stride apart); rows: scratch for ROWS rows of scores and weights. */
+static void attend_head(const uint16_t *q, int64_t stride, const void *key_packed, const void *value_packed,
+                        uint16_t *out, int64_t out_stride, int64_t length, int64_t dim, float scale, char *rows_work) {
     int64_t keys = round_up(length, LANES);
-    int64_t packed = round_up(keys * dim * 4, ALIGN);
-    void *key_packed = work, *value_packed = work + packed;
-    float *scores = (float *)(work + 2 * packed);
+    float *scores = (float *)rows_work;
     weight_t *weights = (weight_t *)(scores + ROWS * keys);
-    key_pack(k, stride, length, dim, key_packed);
-    value_pack(v, stride, length, dim, value_packed);
     for (int64_t i = 0; i < length; i += ROWS) {
         const uint16_t *rows[ROWS];
         uint16_t *outs[ROWS];
@@ -462,10 +488,16 @@ void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
         int64_t first = cu_seqlens[s], length = cu_seqlens[s + 1] - first;
         if (length <= 0)
             continue;
-        for (int64_t h = 0; h < heads; h++) {
-            int64_t at = first * token_stride + h * head_stride;
-            attend_head(q + at, k + at, v + at, token_stride, out + first * heads * dim + h * dim, heads * dim,
-                        length, dim, scale, work);
+        int64_t group = heads_at_once(length, dim, heads), packed = packed_bytes(length, dim);
+        char *keys = work, *values = keys + group * packed, *rows = values + group * packed;
+        for (int64_t g = 0; g < heads; g += group) {
+            struct heads_layout at = {token_stride, head_stride, g + group <= heads ? group : heads - g, packed};
+            int64_t from = first * token_stride + g * head_stride;
+            key_pack(k + from, &at, length, dim, keys);
+            value_pack(v + from, &at, length, dim, values);
+            for (int64_t h = 0; h < at.heads; h++)
+                attend_head(q + from + h * head_stride, token_stride, keys + h * packed, values + h * packed,
+                            out + first * heads * dim + (g + h) * dim, heads * dim, length, dim, scale, rows);
         }
     }
 }
