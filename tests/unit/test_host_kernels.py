@@ -201,7 +201,7 @@ def test_attend_full_takes_the_scale_and_separate_dense_tensors(fresh_kernel, on
 @needs_compiler
 def test_attend_full_leaves_other_cases_to_the_operators(fresh_kernel, one_thread):
     """Where the kernel does not serve, attend_full answers None and never calls it: two threads, float32,
-    grouped-query heads, a head size that is not a multiple of 16, q, k, v laid out differently,
+    grouped-query heads, a head size that is not a multiple of 16 or past 256, q, k, v laid out differently,
     int64 cu_seqlens, or cu_seqlens that do not cover the tokens."""
     built = host_kernels.kernels()
     assert built is not None
@@ -213,6 +213,7 @@ def test_attend_full_leaves_other_cases_to_the_operators(fresh_kernel, one_threa
         "float32": (q.float(), k.float(), v.float(), cu_seqlens),
         "grouped-query": (q, k[:, :2], v[:, :2], cu_seqlens),
         "head size 24": narrow,
+        "head size 272": _packed_qkv([5, 40], 1, 272, seed=5),
         "dense q beside strided k, v": (q.contiguous(), k, v, cu_seqlens),
         "int64 cu_seqlens": (q, k, v, cu_seqlens.long()),
         "short cu_seqlens": (q, k, v, cu_seqlens[:-1]),

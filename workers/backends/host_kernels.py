@@ -50,6 +50,7 @@ SOURCE = Path(__file__).with_name("host_kernels.c")
 SWITCH_ENV = "ENCODERD_BUILD_KERNELS"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 LANES = 16  # host_kernels.c's vector width: its scratch rows are this much longer than a row
+MAX_HEAD_SIZE = 256  # attention's head size: a tile's spare output rows live on the C stack (8 x 256 x 2 bytes)
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -103,7 +104,7 @@ def attend_full(
     views of the fused QKV projection serve as they are), scores and softmax in float32, the context
     (tokens, heads, dim) a new dense tensor. None where the kernel does not serve (then packed_pieces'
     per-sequence operators): not built, not one thread, not bfloat16, grouped-query heads, q, k and v
-    laid out differently, or a head size that is not a multiple of 16."""
+    laid out differently, or a head size that is not a multiple of 16 (or past MAX_HEAD_SIZE)."""
     built = _serving(q)
     if built is None or not _kernel_attention(q, k, v, cu_seqlens):
         return None
@@ -121,10 +122,13 @@ def attend_full(
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
     """The attention kernel's case: bfloat16 q, k, v of one shape and one layout (the head size dense and
-    a multiple of 16), int32 cu_seqlens covering every token (the kernel reads the tokens they name)."""
+    a multiple of 16 up to MAX_HEAD_SIZE), int32 cu_seqlens covering every token (the kernel reads the
+    tokens they name)."""
     if not (q.dim() == 3 and q.shape == k.shape == v.shape and q.stride() == k.stride() == v.stride()):
         return False
-    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or q.stride(2) != 1 or q.shape[2] % LANES != 0:
+    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or q.stride(2) != 1:
+        return False
+    if q.shape[2] % LANES != 0 or q.shape[2] > MAX_HEAD_SIZE:
         return False
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.device.type != "cpu" or not cu_seqlens.is_contiguous():
         return False
