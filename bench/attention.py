@@ -67,7 +67,7 @@ def per_layer(lengths: list[int], tokens: int, rounds: int) -> list[dict]:
         for length in lengths:
             q, k, v, batch = layer_inputs(length, tokens, heads, dim)
             calls = {
-                "kernel": functools.partial(host_kernels.attend_full, q, k, v, batch.cu_seqlens, batch.longest, None),
+                "kernel": functools.partial(host_kernels.attend_full, q, k, v, batch, None),
                 "operators": functools.partial(packed_pieces.attend_each_sequence, q, k, v, batch),
             }
             best = alternated(calls, rounds)

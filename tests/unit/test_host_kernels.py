@@ -141,6 +141,10 @@ def _packed_qkv(lengths: list[int], heads: int, dim: int, seed: int):
     return (*fused.unbind(1), cu_seqlens)
 
 
+def _batch(cu_seqlens: torch.Tensor) -> packed_pieces.PackedBatch:
+    return packed_pieces.PackedBatch.of(torch.zeros(int(cu_seqlens[-1]), dtype=torch.long), cu_seqlens)
+
+
 def _sdpa_each_sequence(q, k, v, cu_seqlens, dtype, scale=None) -> torch.Tensor:
     """SDPA on each sequence alone in `dtype`, returned in float32."""
     out = torch.empty(q.shape)
@@ -176,7 +180,7 @@ def test_attend_full_is_as_close_to_float32_sdpa_as_torch_bfloat16(target, case,
     lengths, heads, dim = ATTENTION_CASES[case]
     q, k, v, cu_seqlens = _packed_qkv(lengths, heads, dim, seed=len(lengths) + dim)
     with mock.patch.object(host_kernels, "kernels", return_value=built):
-        got = host_kernels.attend_full(q, k, v, cu_seqlens, max(lengths), None)
+        got = host_kernels.attend_full(q, k, v, _batch(cu_seqlens), None)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == q.shape and got.is_contiguous()
     exact = _sdpa_each_sequence(q, k, v, cu_seqlens, torch.float32)
     torch_own = _sdpa_each_sequence(q, k, v, cu_seqlens, torch.bfloat16)
@@ -191,7 +195,7 @@ def test_attend_full_takes_the_scale_and_separate_dense_tensors(fresh_kernel, on
     projection): as close to float32 SDPA at that scale as torch's bfloat16 SDPA is."""
     q, k, v, cu_seqlens = _packed_qkv([9, 70, 1, 40], 6, 32, seed=4)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    got = host_kernels.attend_full(q, k, v, cu_seqlens, 70, 0.3)
+    got = host_kernels.attend_full(q, k, v, _batch(cu_seqlens), 0.3)
     assert got is not None
     exact = _sdpa_each_sequence(q, k, v, cu_seqlens, torch.float32, scale=0.3)
     torch_own = _sdpa_each_sequence(q, k, v, cu_seqlens, torch.bfloat16, scale=0.3)
@@ -220,9 +224,9 @@ def test_attend_full_leaves_other_cases_to_the_operators(fresh_kernel, one_threa
     }
     with mock.patch.object(host_kernels, "kernels", return_value=counting):
         for name, (q_, k_, v_, cu_) in cases.items():
-            assert host_kernels.attend_full(q_, k_, v_, cu_, 40, None) is None, name
+            assert host_kernels.attend_full(q_, k_, v_, _batch(cu_), None) is None, name
         torch.set_num_threads(2)
-        assert host_kernels.attend_full(q, k, v, cu_seqlens, 40, None) is None
+        assert host_kernels.attend_full(q, k, v, _batch(cu_seqlens), None) is None
     assert calls == []
 
 

@@ -39,10 +39,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:  # packed_pieces imports this module
+    from .packed_pieces import PackedBatch
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ def add_layer_norm(norm: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> t
 
 
 def attend_full(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scale: float | None
 ) -> torch.Tensor | None:
     """Attention within each sequence of a packed batch, every key visible to every query of its sequence
     (BERT's window), in one call for the whole batch: q, k, v (tokens, heads, dim) read in place (strided
@@ -106,11 +109,12 @@ def attend_full(
     per-sequence operators): not built, not one thread, not bfloat16, grouped-query heads, q, k and v
     laid out differently, or a head size that is not a multiple of 16 (or past MAX_HEAD_SIZE)."""
     built = _serving(q)
-    if built is None or not _kernel_attention(q, k, v, cu_seqlens):
+    if built is None or not _kernel_attention(q, k, v, batch):
         return None
     tokens, heads, dim = q.shape
     out = torch.empty(tokens, heads, dim, dtype=q.dtype)
-    scratch = torch.empty(built.attention_scratch_bytes(longest, dim), dtype=torch.uint8)
+    scratch = torch.empty(built.attention_scratch_bytes(batch.longest, dim), dtype=torch.uint8)
+    cu_seqlens = batch.cu_seqlens
     sequences = cu_seqlens.shape[0] - 1
     pointers = (t.data_ptr() for t in (q, k, v))
     strides = q.stride()[:2]
@@ -120,7 +124,7 @@ def attend_full(
     return out
 
 
-def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch) -> bool:
     """The attention kernel's case: bfloat16 q, k, v of one shape and one layout (the head size dense and
     a multiple of 16 up to MAX_HEAD_SIZE), int32 cu_seqlens covering every token (the kernel reads the
     tokens they name)."""
@@ -130,9 +134,10 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         return False
     if q.shape[2] % LANES != 0 or q.shape[2] > MAX_HEAD_SIZE:
         return False
+    cu_seqlens = batch.cu_seqlens
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.device.type != "cpu" or not cu_seqlens.is_contiguous():
         return False
-    return int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == q.shape[0]
+    return batch.bounds[0] == 0 and batch.bounds[-1] == q.shape[0]  # Python ints, read once per batch
 
 
 def _one_pass(norm: torch.nn.LayerNorm, weight, bias, a: torch.Tensor, b: torch.Tensor) -> bool:

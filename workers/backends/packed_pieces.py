@@ -87,7 +87,7 @@ def attend(
     kernel = varlen_kernel() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
     if kernel is not None:
         return kernel(q, k, v, batch.cu_seqlens, batch.longest, window, scale)
-    context = host_kernels.attend_full(q, k, v, batch.cu_seqlens, batch.longest, scale) if window == FULL else None
+    context = host_kernels.attend_full(q, k, v, batch, scale) if window == FULL else None
     if context is not None:
         return context
     return attend_each_sequence(q, k, v, batch, window, scale)
