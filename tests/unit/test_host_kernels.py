@@ -132,6 +132,17 @@ def _built_for(target: str) -> host_kernels.Kernels:
     return host_kernels._build(compiler, TARGETS[target])
 
 
+@needs_compiler
+@x86_only
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_kernel_passes_its_load_check_on_every_target(target):
+    """The checks kernels() runs before anything serves (softmax, add + LayerNorm, attention against
+    torch and float32 SDPA) pass for the library built for this CPU and for the older targets."""
+    built = _built_for(target)
+    checks = (host_kernels._check_softmax, host_kernels._check_add_layer_norm, host_kernels._check_attention)
+    assert [check(built) for check in checks] == [None, None, None]
+
+
 def _packed_qkv(lengths: list[int], heads: int, dim: int, seed: int):
     """q, k, v as strided views of one (tokens, 3, heads, dim) projection, as a BERT layer's fused QKV
     linear leaves them, and cu_seqlens."""
