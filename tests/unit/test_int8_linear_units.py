@@ -55,6 +55,17 @@ def test_gelu_and_a_packed_source():
         assert relative_error(Int8Linear.from_linear(source)(x, activation="gelu"), want) < 0.03
 
 
+def test_bfloat16_in_bfloat16_out():
+    """Where the rest of an int8 model computes in bfloat16 (hardware.torch_int8_rest_dtype), the
+    linear takes and gives bfloat16, as accurate as the float32 path but for bfloat16's rounding."""
+    linear, x = linear_and_inputs()
+    layer = Int8Linear.from_linear(linear)
+    for activation, reference in (("none", linear(x)), ("gelu", torch.nn.functional.gelu(linear(x)))):
+        got = layer(x.bfloat16(), activation=activation)
+        assert got.dtype == torch.bfloat16 and got.shape == (3, 7, 160)
+        assert relative_error(got.float(), reference) < 0.03
+
+
 @pytest.mark.parametrize("recipe", [TORCH_INT8_EXACT, TORCH_INT8_7BIT], ids=lambda r: r.name)
 def test_quantize_swaps_every_linear_after_one_calibration(recipe):
     torch.manual_seed(0)
