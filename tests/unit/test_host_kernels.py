@@ -154,7 +154,9 @@ def test_rescale_rows_equals_torch(width, activation, dtype, fresh_kernel, one_t
         exact = products.double() * token_scale.double() * weight_scale.double()
         exact = exact + bias.double() if bias is not None else exact
         exact = torch.nn.functional.gelu(exact) if activation == "gelu" else exact
-        got = host_kernels.rescale_rows(products, token_scale, weight_scale, bias, activation, dtype)
+        out = torch.empty(300, width, dtype=dtype)
+        got = host_kernels.rescale_rows(products, token_scale, weight_scale, bias, activation, out)
+        assert got is out
         assert got.dtype == dtype and got.shape == (300, width)
         if dtype == torch.float32:
             torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)

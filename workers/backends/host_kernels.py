@@ -135,16 +135,17 @@ def rescale_rows(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     activation: str,
-    dtype: torch.dtype,
+    out: torch.Tensor,
 ) -> torch.Tensor:
     """products (rows, out) int32 x token_scale (rows, 1) x weight_scale (out,) + bias (out,), all
-    float32, then `activation` ("none", "gelu": exact erf GELU, "relu"), as a `dtype` matrix. Through
-    the kernel where it serves (bfloat16 or float32, no activation or GELU), else torch's operators."""
+    float32, then `activation` ("none", "gelu": exact erf GELU, "relu"), written into `out` (rows, out),
+    dense, of the layer's dtype; returns it. Through the kernel where it serves (bfloat16 or float32,
+    no activation or GELU), else torch's operators."""
     built = _serving_int8(products)
+    dtype = out.dtype
     if built is None or activation not in INT8_ACTIVATIONS or dtype not in (torch.bfloat16, torch.float32):
-        return _rescale_by_torch(products, token_scale, weight_scale, bias, activation).to(dtype)
+        return out.copy_(_rescale_by_torch(products, token_scale, weight_scale, bias, activation))
     rows, features = products.shape
-    out = torch.empty(rows, features, dtype=dtype)
     pointers = (t.data_ptr() if t is not None else None for t in (products, token_scale, weight_scale, bias))
     code, is_bf16 = INT8_ACTIVATIONS[activation], dtype == torch.bfloat16
     _run("encoderd::int8_rescale", built.rescale_rows, *pointers, rows, features, code, out.data_ptr(), is_bf16)

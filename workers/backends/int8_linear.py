@@ -40,6 +40,13 @@ from . import host_kernels, packed_linear
 
 log = logging.getLogger(__name__)
 
+# Tokens per quantize / GEMM / rescale pass. A whole 8,192-token batch makes the int32 products
+# (8,192 x 1,536 x 4 bytes: 50 MB for an FFN up-projection) miss every cache between the GEMM that
+# writes them and the rescale that reads them; 512 rows keep them within L2/L3. MiniLM's qkv, up and
+# down projections in bfloat16 on one thread (Zen 5, CPU time, shared host, three rounds each):
+# whole batch 0.47-0.55 s, 768 rows 0.27-0.29, 512 0.25-0.31, 384 0.27-0.29, 128 0.29-0.32.
+ROWS_PER_PASS = 512
+
 
 class Int8Linear(torch.nn.Module):
     def __init__(
@@ -80,11 +87,15 @@ class Int8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
         """x in float32 or bfloat16, the result in x's dtype. `activation` ("none", "gelu": exact erf
-        GELU, "relu") is applied as the int32 products are rescaled: no second pass over the output."""
-        rows = x.reshape(-1, self.in_features)
-        quantized, token_scale = host_kernels.quantize_rows(rows.contiguous(), self.input_scale)
-        products = torch._int_mm(quantized, self.weight_t)
-        out = host_kernels.rescale_rows(products, token_scale, self.weight_scale, self.bias, activation, x.dtype)
+        GELU, "relu") is applied as the int32 products are rescaled: no second pass over the output.
+        A long input runs ROWS_PER_PASS tokens at a time (see there)."""
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        for start in range(0, rows.shape[0], ROWS_PER_PASS):
+            part = slice(start, start + ROWS_PER_PASS)
+            quantized, token_scale = host_kernels.quantize_rows(rows[part], self.input_scale)
+            products = torch._int_mm(quantized, self.weight_t)
+            host_kernels.rescale_rows(products, token_scale, self.weight_scale, self.bias, activation, out[part])
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
