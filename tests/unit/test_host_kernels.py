@@ -137,10 +137,10 @@ def test_quantize_rows_equals_torch(width, dtype, fresh_kernel, one_thread):
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("activation", ["none", "gelu"])
+@pytest.mark.parametrize("activation", ["none", "gelu", "relu"])
 @pytest.mark.parametrize("width", [5, 16, 17, 384, 1536])
 def test_rescale_rows_equals_torch(width, activation, dtype, fresh_kernel, one_thread):
-    """int32 products x token scale x channel scale + bias (+ exact GELU), against the same computed in
+    """int32 products x token scale x channel scale + bias (+ exact GELU or ReLU), against the same computed in
     float64: within float32's rounding (the float32 result), and one bfloat16 step with almost every
     value the float64 one rounded (bfloat16); without a bias too. torch's own float32 GELU is no
     reference for the negative tail: 1 + erf(x / sqrt 2) cancels there (gelu(-5): torch -1.19e-6,
@@ -153,7 +153,7 @@ def test_rescale_rows_equals_torch(width, activation, dtype, fresh_kernel, one_t
     for bias in (torch.randn(width, generator=generator), None):
         exact = products.double() * token_scale.double() * weight_scale.double()
         exact = exact + bias.double() if bias is not None else exact
-        exact = torch.nn.functional.gelu(exact) if activation == "gelu" else exact
+        exact = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}.get(activation, lambda v: v)(exact)
         out = torch.empty(300, width, dtype=dtype)
         got = host_kernels.rescale_rows(products, token_scale, weight_scale, bias, activation, out)
         assert got is out

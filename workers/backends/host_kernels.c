@@ -252,7 +252,7 @@ static inline floats gelu(floats v) {
 }
 
 /* out = acc (rows x cols int32) x token_scale[i] x weight_scale[j] + bias[j] (bias NULL: none), then
- * the exact GELU if `activation` is 1, written as bfloat16 (is_bf16) or float32: an int8 linear's
+ * the exact GELU if `activation` is 1, ReLU if 2, written as bfloat16 (is_bf16) or float32: an int8 linear's
  * output in one pass over its int32 product instead of three or four. */
 void rescale_rows(const int32_t *acc, const float *token_scale, const float *weight_scale, const float *bias,
                   int64_t rows, int64_t cols, int activation, void *out, int is_bf16) {
@@ -274,6 +274,8 @@ void rescale_rows(const int32_t *acc, const float *token_scale, const float *wei
                 v += load_any(bias + j, 0, count, 0.0f);
             if (activation == 1)
                 v = gelu(v);
+            else if (activation == 2)
+                v = (floats)((ints)v & (ints)(v > 0.0f)); /* ReLU */
             store_any(to + j * width, is_bf16, v, count);
         }
     }

@@ -13,8 +13,8 @@ at min cosine 0.997 to float32 at 1.65x its tokens/s (the table in hardware.py).
 The layer takes and gives float32 or bfloat16 (hardware.torch_int8_rest_dtype: bfloat16 where the
 CPU computes it natively, so that attention, LayerNorm and the residual stream run as in a bfloat16
 model). The passes around the GEMM (input scale, per-token absmax and quantization; rescale, bias,
-GELU) run as one pass each in host_kernels.c on one thread: as torch operators they took 1.6x the
-int8 GEMMs' own time. Elsewhere (several threads, no C compiler) torch's operators compute the same.
+GELU) run as one pass each in host_kernels.c on one thread: as torch operators they took over twice
+the int8 GEMMs' own time. Elsewhere (several threads, no C compiler) torch's operators compute the same.
 
 Without VNNI, oneDNN's x86 int8 kernels sum pairs of u8 x s8 products in a saturating int16
 (`vpmaddubsw`; the s8 input is shifted to u8): 2 x 255 x 127 overflows it. Weights limited to 7 bits

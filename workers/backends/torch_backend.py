@@ -135,7 +135,7 @@ class TorchBackend(Backend):
             self.model.to(torch.bfloat16)
             if self.projection is not None:
                 self.projection.to(torch.bfloat16)
-            host_kernels.kernels()  # built now, logged, rather than in the first request
+        host_kernels.kernels()  # built now, logged, rather than in the first request
         described = hardware.cpu().describe()
         log.info("int8: %d linear layers quantized (%s, the rest in %s: %s)", count, recipe.name, rest, described)
 
