@@ -331,7 +331,7 @@ CPU_BF16_ENGINES = ("torch", "auto")
 # Since int8 computes the rest of the model in bfloat16 (torch_int8_rest_dtype) with its passes in
 # host_kernels.c, Zen 5 (avx512_bf16, VNNI), int8 / bfloat16 alternated in three rounds on a shared host:
 # through the server 1.05-1.51x the tokens/s (1.03-1.29x per worker CPU-second), and in-process on one
-# thread (bench.breakdown) 1.11-1.14x the tokens per CPU-second; its fidelity check min cosine 0.9937.
+# thread (bench.breakdown) 1.11-1.28x the tokens per CPU-second; its fidelity check min cosine 0.9937.
 # So `auto` keeps bfloat16 there for its fidelity; `--dtype int8` is served as asked, with a note.
 _BF16_OVER_INT8 = {
     "amx_bf16": "closer to float32 than int8 and measured faster (Xeon with AMX: bfloat16 2.6x float32 "
