@@ -163,6 +163,20 @@ def test_onnx_int8_recipe_follows_vnni(name, recipe):
     assert onnx_int8_recipe(host(name)) == recipe
 
 
+@pytest.mark.parametrize(
+    "name,mask,rest",
+    [
+        ("zen4", "", "bfloat16"),
+        ("spr", "", "bfloat16"),
+        ("zen3", "", "float32"),
+        ("alderlake", "", "float32"),  # VNNI without native bfloat16
+        ("zen4", "avx512_bf16,amx_bf16", "float32"),
+    ],
+)
+def test_torch_int8_computes_the_rest_in_bfloat16_only_where_it_is_native(name, mask, rest):
+    assert hardware.torch_int8_rest_dtype(host(name, mask)) == rest
+
+
 def test_masking_vnni_switches_the_onnx_recipe():
     assert onnx_int8_recipe(host("spr", mask="avx512_vnni,avx_vnni,amx_int8")) == hardware.ONNX_INT8_UNSIGNED
     assert onnx_int8_recipe(host("spr", mask="avx512_vnni,avx_vnni")) == hardware.ONNX_INT8_SIGNED  # AMX

@@ -1,8 +1,9 @@
-"""The bfloat16 kernels built for this host (workers/backends/host_kernels.py, host_kernels.c): softmax
-and add + LayerNorm equal to torch's operators within bfloat16's rounding wherever they serve, packed
-attention as close to float32 SDPA as torch's bfloat16 SDPA is, built for this CPU and for older
-targets (no AVX-512, plain x86-64), and torch's own operators wherever they cannot be built (no
-compiler, a compiler that fails, ENCODERD_BUILD_KERNELS=0)."""
+"""The kernels built for this host (workers/backends/host_kernels.py, host_kernels.c): softmax and
+add + LayerNorm (bfloat16) equal to torch's operators within bfloat16's rounding wherever they serve,
+packed attention as close to float32 SDPA as torch's bfloat16 SDPA is, an int8 linear's quantize and
+rescale (bfloat16 or float32) equal to torch's within the dtype's rounding; built for this CPU and (the
+attention kernel) for older targets (no AVX-512, plain x86-64), and torch's own operators wherever they
+cannot be built (no compiler, a compiler that fails, ENCODERD_BUILD_KERNELS=0)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from encoderd.workers.backends import host_kernels, packed_pieces
+from encoderd.workers.backends import host_kernels, int8_linear, packed_pieces
 
 HAS_COMPILER = host_kernels.find_compiler() is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this host: torch's softmax serves")
@@ -255,9 +256,108 @@ def test_a_wrong_attention_kernel_is_refused_at_build(fresh_kernel):
     assert message is not None and "attention with 32-wide heads off by" in message
 
 
+def _int8_rows(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Activations as a LayerNorm or GELU leaves them: most small, one loud channel, one loud token,
+    one all-zero token (the scale's floor)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=generator)
+    x[:, width // 2] *= 30
+    x[1] *= 100
+    x[2] = 0
+    return x.to(dtype)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("width", [5, 16, 17, 100, 384, 1536])
+def test_quantize_rows_equals_torch(width, dtype, fresh_kernel, one_thread):
+    """Per-token int8 from float32 and bfloat16, with and without a SmoothQuant input scale, at widths
+    with and without a vector tail: the token scales equal torch's, and the int8 values too but for
+    an occasional rounding tie (one level)."""
+    assert host_kernels.kernels() is not None
+    rows = _int8_rows(300, width, dtype, seed=width)
+    input_scale = torch.rand(width, generator=torch.Generator().manual_seed(1)) + 0.25
+    for scale in (None, input_scale):
+        got, got_scale = host_kernels.quantize_rows(rows, scale)
+        want, want_scale = host_kernels._quantize_by_torch(rows, scale)
+        assert got.dtype == torch.int8 and got.shape == (300, width) and got_scale.shape == (300, 1)
+        torch.testing.assert_close(got_scale, want_scale, rtol=1e-6, atol=0)
+        assert (got.int() - want.int()).abs().max() <= 1
+        assert (got != want).float().mean() < 1e-3
+        assert (got[2] == 0).all() and got.abs().max() == 127
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["none", "gelu", "relu"])
+@pytest.mark.parametrize("width", [5, 16, 17, 384, 1536])
+def test_rescale_rows_equals_torch(width, activation, dtype, fresh_kernel, one_thread):
+    """int32 products x token scale x channel scale + bias (+ exact GELU or ReLU), against the same computed in
+    float64: within float32's rounding (the float32 result), and one bfloat16 step with almost every
+    value the float64 one rounded (bfloat16); without a bias too. torch's own float32 GELU is no
+    reference for the negative tail: 1 + erf(x / sqrt 2) cancels there (gelu(-5): torch -1.19e-6,
+    exactly -1.4333e-6; the kernel's erfc keeps 1e-7 of it)."""
+    assert host_kernels.kernels() is not None
+    generator = torch.Generator().manual_seed(width)
+    products = torch.randint(-(2**20), 2**20, (300, width), generator=generator, dtype=torch.int32)
+    token_scale = torch.rand(300, 1, generator=generator) * 1e-3
+    weight_scale = torch.rand(width, generator=generator) * 1e-2
+    for bias in (torch.randn(width, generator=generator), None):
+        exact = products.double() * token_scale.double() * weight_scale.double()
+        exact = exact + bias.double() if bias is not None else exact
+        exact = {"gelu": torch.nn.functional.gelu, "relu": torch.relu}.get(activation, lambda v: v)(exact)
+        out = torch.empty(300, width, dtype=dtype)
+        got = host_kernels.rescale_rows(products, token_scale, weight_scale, bias, activation, out)
+        assert got is out
+        assert got.dtype == dtype and got.shape == (300, width)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
+        else:
+            torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)
+            assert (got != exact.bfloat16()).float().mean() < 0.01
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_linear_serves_through_the_kernels_as_through_torch(dtype, fresh_kernel, one_thread):
+    """An Int8Linear (SmoothQuant scale, bias, GELU) gives within its dtype's rounding what it gives on
+    torch's operators, and calls each kernel once per forward; on two threads torch's operators serve."""
+    generator = torch.Generator().manual_seed(5)
+    linear = torch.nn.Linear(384, 1536).requires_grad_(False)
+    ranges = torch.rand(384, generator=generator) * 10 + 0.1
+    layer = int8_linear.Int8Linear.from_linear(linear, 8, ranges, 0.5)
+    x = _int8_rows(64, 384, dtype, seed=6).view(4, 16, 384)
+    built = host_kernels.kernels()
+    assert built is not None
+    calls: list[str] = []
+
+    def counted(name, function):
+        return lambda *args: (calls.append(name), function(*args))[1]
+
+    counting = dataclasses.replace(
+        built,
+        quantize_rows=counted("quantize", built.quantize_rows),
+        rescale_rows=counted("rescale", built.rescale_rows),
+    )
+    with mock.patch.object(host_kernels, "kernels", return_value=counting):
+        got = layer(x, activation="gelu")
+        assert calls == ["quantize", "rescale"]
+        torch.set_num_threads(2)
+        calls.clear()
+        two_threads = layer(x, activation="gelu")
+        assert calls == []
+        torch.set_num_threads(1)
+    with mock.patch.object(host_kernels, "kernels", return_value=None):
+        want = layer(x, activation="gelu")
+    assert got.dtype == want.dtype == two_threads.dtype == dtype and got.shape == (4, 16, 1536)
+    assert torch.equal(two_threads, want)
+    step = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want.float(), rtol=step, atol=1e-5)
+
+
 def test_no_compiler_leaves_torch_softmax(fresh_kernel, one_thread, monkeypatch, tmp_path):
-    """No C compiler anywhere (PATH empty, $CC unset): kernels() is None, softmax_ is torch.softmax and
-    add_layer_norm is torch's add then LayerNorm."""
+    """No C compiler anywhere (PATH empty, $CC unset): kernels() is None, softmax_ is torch.softmax,
+    add_layer_norm is torch's add then LayerNorm, and quantize_rows torch's operators."""
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CC", raising=False)
     assert host_kernels.find_compiler() is None
@@ -266,6 +366,10 @@ def test_no_compiler_leaves_torch_softmax(fresh_kernel, one_thread, monkeypatch,
     assert torch.equal(host_kernels.softmax_(scores.clone()), torch.softmax(scores, dim=-1))
     norm, a, b = _norm_and_inputs(384, seed=2)
     assert torch.equal(host_kernels.add_layer_norm(norm, a, b), norm(a + b))
+    rows = _int8_rows(20, 64, torch.bfloat16, seed=2)
+    served, by_torch = host_kernels.quantize_rows(rows, None), host_kernels._quantize_by_torch(rows, None)
+    for got, want in zip(served, by_torch, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_a_compiler_that_fails_leaves_torch_softmax(fresh_kernel, one_thread, monkeypatch, caplog):

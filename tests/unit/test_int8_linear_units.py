@@ -55,6 +55,31 @@ def test_gelu_and_a_packed_source():
         assert relative_error(Int8Linear.from_linear(source)(x, activation="gelu"), want) < 0.03
 
 
+def test_bfloat16_in_bfloat16_out():
+    """Where the rest of an int8 model computes in bfloat16 (hardware.torch_int8_rest_dtype), the
+    linear takes and gives bfloat16, as accurate as the float32 path but for bfloat16's rounding."""
+    linear, x = linear_and_inputs()
+    layer = Int8Linear.from_linear(linear)
+    for activation, reference in (("none", linear(x)), ("gelu", torch.nn.functional.gelu(linear(x)))):
+        got = layer(x.bfloat16(), activation=activation)
+        assert got.dtype == torch.bfloat16 and got.shape == (3, 7, 160)
+        assert relative_error(got.float(), reference) < 0.03
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_long_input_runs_in_passes_that_change_no_row(dtype):
+    """More tokens than ROWS_PER_PASS (and not a multiple of it): each token's row is what it is alone
+    (its own scale, an exact int32 product), so the passes must give exactly the rows one at a time."""
+    linear, _ = linear_and_inputs()
+    layer = Int8Linear.from_linear(linear, 8, torch.rand(96) + 0.5)
+    count = 2 * int8_linear.ROWS_PER_PASS + 37
+    x = torch.randn(count, 96).to(dtype)
+    got = layer(x, activation="gelu")
+    assert got.shape == (count, 160) and got.dtype == dtype
+    one_by_one = torch.cat([layer(x[i : i + 1], activation="gelu") for i in range(count)])
+    assert torch.equal(got, one_by_one)
+
+
 @pytest.mark.parametrize("recipe", [TORCH_INT8_EXACT, TORCH_INT8_7BIT], ids=lambda r: r.name)
 def test_quantize_swaps_every_linear_after_one_calibration(recipe):
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""bfloat16 kernels for the packed forward on CPU, built for this host at model load (host_kernels.c).
+"""Kernels for the packed forward on CPU, built for this host at model load (host_kernels.c).
 
 * softmax_: attention's softmax (packed_pieces._attend_by_products). torch's bfloat16 softmax was
   14.6 % of MiniLM's packed forward on one thread (Zen 5), twice attention's whole FLOP share: each
@@ -7,11 +7,22 @@
   corpus's lengths.
 * add_layer_norm: LayerNorm(a + b), a BERT layer's residual add and norm in one pass over the tokens
   instead of two (1.4-1.6x torch's add then layer_norm at hidden sizes 384 and 768).
+* attend_full: a layer's attention over the whole packed batch in one call where every key is visible
+  to every query of its sequence (BERT's full window): scores and softmax in float32, avx512_bf16
+  products where the CPU has them (1.8-5.8x the per-sequence operators over 512 down to 16 tokens,
+  MiniLM's heads; bench/attention.py); as close to float32 SDPA as torch's bfloat16 SDPA is.
+* quantize_rows, rescale_rows: an int8 linear's (int8_linear.py) passes around torch._int_mm, in
+  bfloat16 or float32. Its input times the SmoothQuant scale, each token's max |x|, and the int8 values,
+  in one pass over the row instead of five torch operators; its output, int32 x token scale x channel
+  scale + bias (+ the exact GELU where the next operator is the activation), in one instead of three
+  or four. In torch these passes (aten::mul, copy_, gelu, ...) took over twice the time of the int8
+  GEMMs themselves (MiniLM, one thread, Zen 5: bench.breakdown, 43 % of the forward against 19 %).
 
-Both equal torch's operators but for an occasional last-bit rounding (tests/unit/test_host_kernels.py).
+All equal torch's operators but for an occasional last-bit rounding (tests/unit/test_host_kernels.py);
+GELU's erfc is a Chebyshev fit within 1.2e-7 of it, relative.
 
-The library is compiled when a bfloat16 packed model loads, by the host's C compiler (`$CC`, the one
-Python was built with, else cc, gcc or clang), for the instruction sets of the CPU it runs on
+The library is compiled when a bfloat16 packed model or an int8 model loads, by the host's C compiler
+(`$CC`, the one Python was built with, else cc, gcc or clang), for the instruction sets of the CPU it runs on
 (-march=native), then each kernel is checked against torch's operator on random input. No compiler, a
 compiler that cannot target this CPU, or a check that fails: torch's operators serve, and the log says
 why. The library is built in a temporary folder, loaded, and deleted (dlopen keeps it mapped), so
@@ -66,6 +77,8 @@ class Kernels:
     attend_full: Any
     attention_scratch_bytes: Any
     attention_products: str  # "avx512_bf16" (vdpbf16ps) or "float32" (multiply-adds): what this build targets
+    quantize_rows: Any
+    rescale_rows: Any
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -149,6 +162,87 @@ def _one_pass(norm: torch.nn.LayerNorm, weight, bias, a: torch.Tensor, b: torch.
     return a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
 
 
+INT8_ACTIVATIONS = {"none": 0, "gelu": 1, "relu": 2}  # rescale_rows' `activation` codes
+INT8_LEVELS = 127.0  # int8 activations are symmetric: -127..127
+
+
+def quantize_rows(rows: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, token scales (rows, 1) float32) of a (rows, features) bfloat16 or float32 matrix
+    times `input_scale` (features,) float32 if given: each row by its own symmetric scale, max |x| / 127.
+    Through the kernel where it serves, else torch's operators, in float32 either way."""
+    built = _serving_int8(rows)
+    if built is None:
+        return _quantize_by_torch(rows, input_scale)
+    count, features = rows.shape
+    quantized = torch.empty(count, features, dtype=torch.int8)
+    token_scale = torch.empty(count, 1, dtype=torch.float32)
+    scale = input_scale.data_ptr() if input_scale is not None else None
+    arguments = (rows.data_ptr(), rows.dtype == torch.bfloat16, scale, count, features)
+    _run("encoderd::int8_quantize", built.quantize_rows, *arguments, quantized.data_ptr(), token_scale.data_ptr())
+    return quantized, token_scale
+
+
+def rescale_rows(
+    products: torch.Tensor,
+    token_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """products (rows, out) int32 x token_scale (rows, 1) x weight_scale (out,) + bias (out,), all
+    float32, then `activation` ("none", "gelu": exact erf GELU, "relu"), written into `out` (rows, out),
+    dense, of the layer's dtype; returns it. Through the kernel where it serves (bfloat16 or float32),
+    else torch's operators."""
+    built = _serving_int8(products)
+    dtype = out.dtype
+    if built is None or activation not in INT8_ACTIVATIONS or dtype not in (torch.bfloat16, torch.float32):
+        return out.copy_(_rescale_by_torch(products, token_scale, weight_scale, bias, activation))
+    rows, features = products.shape
+    pointers = (t.data_ptr() if t is not None else None for t in (products, token_scale, weight_scale, bias))
+    code, is_bf16 = INT8_ACTIVATIONS[activation], dtype == torch.bfloat16
+    _run("encoderd::int8_rescale", built.rescale_rows, *pointers, rows, features, code, out.data_ptr(), is_bf16)
+    return out
+
+
+def _quantize_by_torch(rows: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = rows.float()
+    if input_scale is not None:
+        rows = rows * input_scale
+    # max |x| per row from two read-only passes (x.abs() would write a copy of x)
+    peak = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg_()).clamp_(min=1e-12)
+    quantized = torch.mul(rows, INT8_LEVELS / peak).round_().to(torch.int8)
+    return quantized, peak.mul_(1 / INT8_LEVELS)
+
+
+def _rescale_by_torch(
+    products: torch.Tensor,
+    token_scale: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    out = products.float().mul_(token_scale)
+    if bias is None:
+        out.mul_(weight_scale)
+    else:
+        torch.addcmul(bias, out, weight_scale, out=out)
+    if activation == "gelu":
+        out = torch.nn.functional.gelu(out)
+    elif activation == "relu":
+        out.relu_()
+    return out
+
+
+def _serving_int8(x: torch.Tensor) -> Kernels | None:
+    """The kernels for an int8 linear's passes: bfloat16 or float32 (int32 products) dense on one CPU thread."""
+    if x.dtype not in (torch.bfloat16, torch.float32, torch.int32) or not x.is_contiguous():
+        return None
+    if x.device.type != "cpu" or torch.get_num_threads() != 1:
+        return None
+    return kernels()
+
+
 def _serving(x: torch.Tensor) -> Kernels | None:
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.get_num_threads() != 1:
         return None
@@ -167,29 +261,28 @@ def _run(name: str, function, *args) -> None:
 def kernels() -> Kernels | None:
     """host_kernels.c built here for this CPU, or None (logged) where it cannot be."""
     if os.environ.get(SWITCH_ENV, "1") == "0":
-        log.info("bfloat16 kernels: torch's operators (%s=0)", SWITCH_ENV)
+        log.info("host kernels: torch's operators (%s=0)", SWITCH_ENV)
         return None
     started = time.perf_counter()
     compiler = find_compiler()
     if compiler is None:
-        log.info("bfloat16 kernels: torch's operators (no C compiler found: $CC, cc, gcc, clang)")
+        log.info("host kernels: torch's operators (no C compiler found: $CC, cc, gcc, clang)")
         return None
     try:
         built = _build(compiler)
     except (OSError, subprocess.SubprocessError) as exc:
         why = _first_line(exc)
-        log.info("bfloat16 kernels: torch's operators (%s could not build them for this CPU: %s)", compiler[0], why)
+        log.info("host kernels: torch's operators (%s could not build them for this CPU: %s)", compiler[0], why)
         return None
-    if (difference := _check_softmax(built) or _check_add_layer_norm(built) or _check_attention(built)) is not None:
-        log.warning("bfloat16 kernels: torch's operators (%s's build differs from torch: %s)", compiler[0], difference)
+    checks = (_check_softmax, _check_add_layer_norm, _check_attention, _check_quantize_rows, _check_rescale_rows)
+    if (difference := next(filter(None, (check(built) for check in checks)), None)) is not None:
+        log.warning("host kernels: torch's operators (%s's build differs from torch: %s)", compiler[0], difference)
         return None
     elapsed = time.perf_counter() - started
     flags = " ".join(FLAGS)
     products = built.attention_products
-    log.info(
-        "bfloat16 kernels (softmax, add + LayerNorm, attention by %s products): built by %s %s in %.1f s",
-        *(products, compiler[0], flags, elapsed),
-    )
+    names = f"bfloat16 softmax, add + LayerNorm, attention by {products} products; int8 quantize, rescale"
+    log.info("host kernels (%s): built by %s %s in %.1f s", names, compiler[0], flags, elapsed)
     return built
 
 
@@ -215,11 +308,16 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS) -> Kernels:
     add_layer_norm.argtypes = [*[_pointer] * 5, _size, _size, ctypes.c_float, _pointer]
     attend = library.attend_full_bf16
     attend.argtypes = [*[_pointer] * 3, _size, _size, _pointer, _pointer, _size, _size, _size, ctypes.c_float, _pointer]
-    softmax_rows.restype = add_layer_norm.restype = attend.restype = None
     scratch_bytes = library.attention_scratch_bytes
     scratch_bytes.argtypes, scratch_bytes.restype = [_size, _size], _size
     library.attention_products.restype = ctypes.c_char_p
-    return Kernels(softmax_rows, add_layer_norm, attend, scratch_bytes, library.attention_products().decode())
+    quantize = library.quantize_rows
+    quantize.argtypes = [_pointer, ctypes.c_int, _pointer, _size, _size, _pointer, _pointer]
+    rescale = library.rescale_rows
+    rescale.argtypes = [*[_pointer] * 4, _size, _size, ctypes.c_int, _pointer, ctypes.c_int]
+    softmax_rows.restype = add_layer_norm.restype = attend.restype = quantize.restype = rescale.restype = None
+    products = library.attention_products().decode()
+    return Kernels(softmax_rows, add_layer_norm, attend, scratch_bytes, products, quantize, rescale)
 
 
 def _check_softmax(built: Kernels) -> str | None:
@@ -283,6 +381,53 @@ def _check_attention(built: Kernels) -> str | None:
         allowed = 2 * (torch_own - reference).abs().max().item() + 1e-6
         if not error <= allowed:
             return f"attention with {dim}-wide heads off by {error:.3g} (torch's bfloat16 SDPA: {allowed / 2:.3g})"
+    return None
+
+
+def _check_quantize_rows(built: Kernels) -> str | None:
+    """None when the kernel quantizes as torch does (each value within one int8 level, the token scales
+    to float32's rounding), from bfloat16 and float32, with and without an input scale, at widths with
+    and without a vector tail; else what differs."""
+    generator = torch.Generator().manual_seed(2)
+    for width, dtype, smoothed in ((5, torch.float32, True), (64, torch.bfloat16, False), (100, torch.bfloat16, True)):
+        rows = (torch.randn(9, width, generator=generator) * 3).to(dtype)
+        rows[0] = 0  # an all-zero row: the scale's floor, no division by zero
+        input_scale = torch.rand(width, generator=generator) + 0.5 if smoothed else None
+        want, want_scale = _quantize_by_torch(rows, input_scale)
+        got, got_scale = torch.empty_like(want), torch.empty_like(want_scale)
+        scale = input_scale.data_ptr() if input_scale is not None else None
+        arguments = (rows.data_ptr(), dtype == torch.bfloat16, scale, 9, width, got.data_ptr(), got_scale.data_ptr())
+        built.quantize_rows(*arguments)
+        levels = (got.int() - want.int()).abs().max().item()
+        if levels > 1 or not torch.allclose(got_scale, want_scale, rtol=1e-6, atol=0):
+            return f"int8 quantization of width {width} off by {levels} levels (scales: {got_scale.flatten()})"
+    return None
+
+
+def _check_rescale_rows(built: Kernels) -> str | None:
+    """The same for the rescale (+ GELU or ReLU) against torch's float32, to float32's rounding (1e-5) and,
+    in bfloat16, to one bfloat16 step."""
+    generator = torch.Generator().manual_seed(3)
+    cases = (
+        (5, torch.float32, "gelu"),
+        (64, torch.bfloat16, "none"),
+        (100, torch.bfloat16, "gelu"),
+        (17, torch.float32, "relu"),
+    )
+    for width, dtype, activation in cases:
+        products = torch.randint(-20000, 20000, (9, width), generator=generator, dtype=torch.int32)
+        token_scale = torch.rand(9, 1, generator=generator) * 1e-2
+        weight_scale = torch.rand(width, generator=generator) * 1e-2
+        bias = torch.randn(width, generator=generator) if activation != "none" else None
+        want = _rescale_by_torch(products, token_scale, weight_scale, bias, activation)
+        got = torch.empty(9, width, dtype=dtype)
+        pointers = (t.data_ptr() if t is not None else None for t in (products, token_scale, weight_scale, bias))
+        code = INT8_ACTIVATIONS[activation]
+        built.rescale_rows(*pointers, 9, width, code, got.data_ptr(), dtype == torch.bfloat16)
+        step = 2**-8 if dtype == torch.bfloat16 else 1e-5
+        error = ((got.float() - want).abs() / (want.abs() + 1)).max().item()
+        if not error <= step:  # NaN fails too
+            return f"int8 rescale ({activation}) of width {width} to {dtype} off by {error:.3g} (allowed {step:.3g})"
     return None
 
 

@@ -5,11 +5,16 @@ down-projection reads the GELU output, whose outliers move from token to token, 
 tensor leaves most tokens a few levels of int8 (min cosine 0.92 to float32 on the broad corpus).
 Here each row (token) gets its own symmetric scale, each output channel of the weight its own, and
 the int8 x int8 -> int32 product runs in `torch._int_mm` (oneDNN's s8s8 GEMM on x86, 3.8x the
-pre-packed float32 GEMM on a Zen 5 with VNNI at MiniLM shapes, one thread). The float32 result is
-then int32 x token scale x channel scale + bias. SmoothQuant (hardware.TorchInt8Recipe) moves
-the remaining per-channel outliers of LayerNorm outputs into the weights: the model then stays
-at min cosine 0.997 to float32 at 1.65x its tokens/s (the table in hardware.py). Plain torch ops,
-no compiler at run time; the quantize and rescale passes cost about a third of the int8 GEMMs.
+pre-packed float32 GEMM on a Zen 5 with VNNI at MiniLM shapes, one thread). The result is then
+int32 x token scale x channel scale + bias (+ the FFN's GELU). SmoothQuant (hardware.TorchInt8Recipe)
+moves the remaining per-channel outliers of LayerNorm outputs into the weights: the model then stays
+at min cosine 0.997 to float32 at 1.65x its tokens/s (the table in hardware.py).
+
+The layer takes and gives float32 or bfloat16 (hardware.torch_int8_rest_dtype: bfloat16 where the
+CPU computes it natively, so that attention, LayerNorm and the residual stream run as in a bfloat16
+model). The passes around the GEMM (input scale, per-token absmax and quantization; rescale, bias,
+GELU) run as one pass each in host_kernels.c on one thread: as torch operators they took over twice
+the int8 GEMMs' own time. Elsewhere (several threads, no C compiler) torch's operators compute the same.
 
 Without VNNI, oneDNN's x86 int8 kernels sum pairs of u8 x s8 products in a saturating int16
 (`vpmaddubsw`; the s8 input is shifted to u8): 2 x 255 x 127 overflows it. Weights limited to 7 bits
@@ -29,14 +34,19 @@ import sys
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..contract.hardware import TorchInt8Recipe
-from . import packed_linear
+from . import host_kernels, packed_linear
 
 log = logging.getLogger(__name__)
 
-ACTIVATION_LEVELS = 127.0
+# Tokens per quantize / GEMM / rescale pass. A whole 8,192-token batch makes the int32 products
+# (8,192 x 1,536 x 4 bytes: 50 MB for an FFN up-projection) miss every cache between the GEMM that
+# writes them and the rescale that reads them; 512 rows keep them within L2/L3. MiniLM's qkv, up and
+# down projections in bfloat16 on one thread (Zen 5, CPU time, shared host, three rounds each):
+# whole batch 0.47-0.55 s, 768 rows 0.27-0.29, 512 0.25-0.31, 384 0.27-0.29, 128 0.29-0.32. The whole
+# int8 forward (bench corpus, 8,192-token batches, three rounds alternated): 12.5k -> 14.0k tokens per CPU-second.
+ROWS_PER_PASS = 512
 
 
 class Int8Linear(torch.nn.Module):
@@ -77,22 +87,16 @@ class Int8Linear(torch.nn.Module):
         return cls(weight.to_dense() if weight.is_mkldnn else weight, bias, weight_bits, input_range, alpha)
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.input_scale is not None:
-            rows = rows * self.input_scale
-        # max |x| per row from two read-only passes (x.abs() would write a copy of x)
-        peak = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg_()).clamp_(min=1e-12)
-        quantized = torch.mul(rows, ACTIVATION_LEVELS / peak).round_().to(torch.int8)
-        out = torch._int_mm(quantized, self.weight_t).float()
-        out.mul_(peak.mul_(1 / ACTIVATION_LEVELS))  # the token scale
-        if self.bias is None:
-            out.mul_(self.weight_scale)
-        else:
-            torch.addcmul(self.bias, out, self.weight_scale, out=out)
-        if activation == "gelu":
-            out = F.gelu(out)
-        elif activation == "relu":
-            out.relu_()
+        """x in float32 or bfloat16, the result in x's dtype. `activation` ("none", "gelu": exact erf
+        GELU, "relu") is applied as the int32 products are rescaled: no second pass over the output.
+        A long input runs ROWS_PER_PASS tokens at a time (see there)."""
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        for start in range(0, rows.shape[0], ROWS_PER_PASS):
+            part = slice(start, start + ROWS_PER_PASS)
+            quantized, token_scale = host_kernels.quantize_rows(rows[part], self.input_scale)
+            products = torch._int_mm(quantized, self.weight_t)
+            host_kernels.rescale_rows(products, token_scale, self.weight_scale, self.bias, activation, out[part])
         return out.reshape(*x.shape[:-1], self.out_features)
 
 

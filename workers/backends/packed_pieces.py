@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import host_kernels, packed_linear
+from . import host_kernels, int8_linear, packed_linear
 
 # A transformers model or one of its submodules: which attributes it has (model.bert.encoder.layer,
 # model.layers, config.layer_types) depends on the architecture, which a type checker cannot see.
@@ -214,8 +214,8 @@ def fuse_linears(linears: list[HFModule]) -> torch.nn.Module:
 
 def activated(dense: torch.nn.Module, x: torch.Tensor, activation: str) -> torch.Tensor:
     """dense(x) then the activation ("gelu": exact erf GELU, or "relu"): in the GEMM's epilogue when
-    the linear is pre-packed for oneDNN (no second pass over the (tokens, intermediate) matrix)."""
-    if isinstance(dense, packed_linear.PackedLinear):
+    the linear is pre-packed for oneDNN or int8 (no second pass over the (tokens, intermediate) matrix)."""
+    if isinstance(dense, (packed_linear.PackedLinear, int8_linear.Int8Linear)):
         return dense(x, activation=activation)
     return (F.gelu if activation == "gelu" else F.relu)(dense(x))
 

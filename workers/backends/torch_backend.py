@@ -130,7 +130,14 @@ class TorchBackend(Backend):
 
         owners = [self.packed.pieces] if self.packed is not None else []
         count = int8_linear.quantize(self.model, owners, recipe, calibrate)
-        log.info("int8: %d linear layers quantized (%s: %s)", count, recipe.name, hardware.cpu().describe())
+        rest = hardware.torch_int8_rest_dtype()
+        if rest == "bfloat16":  # the Int8Linears keep their int8 weights and float32 scales
+            self.model.to(torch.bfloat16)
+            if self.projection is not None:
+                self.projection.to(torch.bfloat16)
+        host_kernels.kernels()  # built now, logged, rather than in the first request
+        described = hardware.cpu().describe()
+        log.info("int8: %d linear layers quantized (%s, the rest in %s: %s)", count, recipe.name, rest, described)
 
     @property
     def output_dim(self) -> int:
