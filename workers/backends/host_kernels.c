@@ -7,6 +7,7 @@
  *
  *   softmax_rows_bf16   attention's softmax, in place
  *   add_layer_norm_bf16 LayerNorm(a + b): a BERT layer's residual add and norm in one pass
+ *   attend_full_bf16    attention over a packed batch, BERT's full window, one call per layer
  *   quantize_rows       an int8 linear's input: SmoothQuant scale, per-token absmax, int8, in one pass
  *   rescale_rows        an int8 linear's output: int32 x token scale x channel scale + bias (+ GELU)
  * The last two take and give bfloat16 or float32 (int8_linear.py); they are not bfloat16-only.
@@ -152,6 +153,131 @@ void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *w
             memcpy(&v, work + j, sizeof v);
             floats scaled = (v - mean) * inverse * load_bf16(weight + j, count, 0.0f) + load_bf16(bias + j, count, 0.0f);
             store_bf16(row + j, scaled, count);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ int8 linears (int8_linear.py) */
+
+typedef int8_t bytes __attribute__((vector_size(LANES)));
+
+/* LANES values from a row of bfloat16 (is_bf16) or float32 ones; lanes past `count` are `pad`. */
+static inline floats load_any(const void *from, int is_bf16, int64_t count, float pad) {
+    if (is_bf16)
+        return load_bf16(from, count, pad);
+    floats v;
+    if (count == LANES) {
+        memcpy(&v, from, sizeof v);
+        return v;
+    }
+    for (int64_t j = 0; j < LANES; j++)
+        v[j] = j < count ? ((const float *)from)[j] : pad;
+    return v;
+}
+
+static inline void store_any(void *to, int is_bf16, floats v, int64_t count) {
+    if (is_bf16)
+        store_bf16(to, v, count);
+    else
+        memcpy(to, &v, 4 * count);
+}
+
+/* Rounded to the nearest integer, ties to even (as torch.round), for |v| < 2^22. */
+static inline floats round_even(floats v) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (v + magic) - magic;
+}
+
+/* Each row of x (rows x cols, bfloat16 if is_bf16 else float32) times input_scale (cols floats; NULL:
+ * none), then quantized to int8 by its own symmetric scale: q = round(v * (127 / peak)), peak = the
+ * row's max |v| (at least 1e-12); token_scale[i] = peak * (1 / 127). The same float32 operations, in
+ * the same order, as int8_linear.Int8Linear's torch path, in one read of the row for the peak and one
+ * for the quantization instead of five passes over the matrix. */
+void quantize_rows(const void *x, int is_bf16, const float *input_scale, int64_t rows, int64_t cols, int8_t *q,
+                   float *token_scale) {
+    const int64_t width = is_bf16 ? 2 : 4;
+    for (int64_t i = 0; i < rows; i++) {
+        const char *row = (const char *)x + i * cols * width;
+        floats top = {0};
+        for (int64_t j = 0; j < cols; j += LANES) {
+            int64_t count = cols - j < LANES ? cols - j : LANES;
+            floats v = load_any(row + j * width, is_bf16, count, 0.0f);
+            if (input_scale)
+                v *= load_any(input_scale + j, 0, count, 0.0f);
+            floats magnitude = (floats)((uints)v & 0x7FFFFFFFu);
+            ints greater = magnitude > top;
+            top = (floats)(((ints)magnitude & greater) | ((ints)top & ~greater));
+        }
+        float peak = 1e-12f;
+        for (int j = 0; j < LANES; j++)
+            peak = top[j] > peak ? top[j] : peak;
+        float multiplier = 127.0f / peak;
+        for (int64_t j = 0; j < cols; j += LANES) {
+            int64_t count = cols - j < LANES ? cols - j : LANES;
+            floats v = load_any(row + j * width, is_bf16, count, 0.0f);
+            if (input_scale)
+                v *= load_any(input_scale + j, 0, count, 0.0f);
+            bytes b = __builtin_convertvector(__builtin_convertvector(round_even(v * multiplier), ints), bytes);
+            memcpy(q + i * cols + j, &b, count);
+        }
+        token_scale[i] = peak * (1.0f / 127.0f);
+    }
+}
+
+/* erfc(z) for z >= 0 to a relative error under 1.2e-7 everywhere (a Chebyshev fit: t e^(-z^2 + P(t)),
+ * t = 1 / (1 + z / 2)), so GELU's small negative tail (x/2 erfc(|x| / sqrt 2)) keeps float32's relative
+ * precision too. P(0)... = 0 to 3e-8 at z = 0: the exponent is clamped to <= 0 for exp_nonpositive. */
+static inline floats erfc_nonnegative(floats z) {
+    floats t = 1.0f / (1.0f + 0.5f * z);
+    floats p = t * 0.17087277f - 0.82215223f;
+    p = p * t + 1.48851587f;
+    p = p * t - 1.13520398f;
+    p = p * t + 0.27886807f;
+    p = p * t - 0.18628806f;
+    p = p * t + 0.09678418f;
+    p = p * t + 0.37409196f;
+    p = p * t + 1.00002368f;
+    p = p * t - 1.26551223f;
+    floats exponent = p - z * z;
+    ints positive = exponent > 0.0f;
+    exponent = (floats)((ints)exponent & ~positive);
+    return t * exp_nonpositive(exponent);
+}
+
+/* The exact (erf) GELU: x/2 (1 + erf(x / sqrt 2)) = x (1 - erfc(z) / 2) for x >= 0, x erfc(z) / 2 below. */
+static inline floats gelu(floats v) {
+    floats half_erfc = 0.5f * erfc_nonnegative((floats)((uints)v & 0x7FFFFFFFu) * 0.70710678f);
+    ints negative = v < 0.0f;
+    floats factor = (floats)(((ints)half_erfc & negative) | ((ints)(1.0f - half_erfc) & ~negative));
+    return v * factor;
+}
+
+/* out = acc (rows x cols int32) x token_scale[i] x weight_scale[j] + bias[j] (bias NULL: none), then
+ * the exact GELU if `activation` is 1, ReLU if 2, written as bfloat16 (is_bf16) or float32: an int8 linear's
+ * output in one pass over its int32 product instead of three or four. */
+void rescale_rows(const int32_t *acc, const float *token_scale, const float *weight_scale, const float *bias,
+                  int64_t rows, int64_t cols, int activation, void *out, int is_bf16) {
+    const int64_t width = is_bf16 ? 2 : 4;
+    for (int64_t i = 0; i < rows; i++) {
+        const int32_t *from = acc + i * cols;
+        char *to = (char *)out + i * cols * width;
+        float scale = token_scale[i];
+        for (int64_t j = 0; j < cols; j += LANES) {
+            int64_t count = cols - j < LANES ? cols - j : LANES;
+            ints products;
+            if (count == LANES)
+                memcpy(&products, from + j, sizeof products);
+            else
+                for (int64_t k = 0; k < LANES; k++)
+                    products[k] = k < count ? from[j + k] : 0;
+            floats v = __builtin_convertvector(products, floats) * scale * load_any(weight_scale + j, 0, count, 0.0f);
+            if (bias)
+                v += load_any(bias + j, 0, count, 0.0f);
+            if (activation == 1)
+                v = gelu(v);
+            else if (activation == 2)
+                v = (floats)((ints)v & (ints)(v > 0.0f)); /* ReLU */
+            store_any(to + j * width, is_bf16, v, count);
         }
     }
 }
@@ -501,128 +627,6 @@ void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
             for (int64_t h = 0; h < at.heads; h++)
                 attend_head(q + from + h * head_stride, token_stride, keys + h * packed, values + h * packed,
                             out + first * heads * dim + (g + h) * dim, heads * dim, length, dim, scale, rows);
-
-/* ------------------------------------------------------------------ int8 linears (int8_linear.py) */
-
-typedef int8_t bytes __attribute__((vector_size(LANES)));
-
-/* LANES values from a row of bfloat16 (is_bf16) or float32 ones; lanes past `count` are `pad`. */
-static inline floats load_any(const void *from, int is_bf16, int64_t count, float pad) {
-    if (is_bf16)
-        return load_bf16(from, count, pad);
-    floats v;
-    if (count == LANES) {
-        memcpy(&v, from, sizeof v);
-        return v;
-    }
-    for (int64_t j = 0; j < LANES; j++)
-        v[j] = j < count ? ((const float *)from)[j] : pad;
-    return v;
-}
-
-static inline void store_any(void *to, int is_bf16, floats v, int64_t count) {
-    if (is_bf16)
-        store_bf16(to, v, count);
-    else
-        memcpy(to, &v, 4 * count);
-}
-
-/* Rounded to the nearest integer, ties to even (as torch.round), for |v| < 2^22. */
-static inline floats round_even(floats v) {
-    const float magic = 12582912.0f; /* 1.5 * 2^23 */
-    return (v + magic) - magic;
-}
-
-/* Each row of x (rows x cols, bfloat16 if is_bf16 else float32) times input_scale (cols floats; NULL:
- * none), then quantized to int8 by its own symmetric scale: q = round(v * (127 / peak)), peak = the
- * row's max |v| (at least 1e-12); token_scale[i] = peak * (1 / 127). The same float32 operations, in
- * the same order, as int8_linear.Int8Linear's torch path, in one read of the row for the peak and one
- * for the quantization instead of five passes over the matrix. */
-void quantize_rows(const void *x, int is_bf16, const float *input_scale, int64_t rows, int64_t cols, int8_t *q,
-                   float *token_scale) {
-    const int64_t width = is_bf16 ? 2 : 4;
-    for (int64_t i = 0; i < rows; i++) {
-        const char *row = (const char *)x + i * cols * width;
-        floats top = {0};
-        for (int64_t j = 0; j < cols; j += LANES) {
-            int64_t count = cols - j < LANES ? cols - j : LANES;
-            floats v = load_any(row + j * width, is_bf16, count, 0.0f);
-            if (input_scale)
-                v *= load_any(input_scale + j, 0, count, 0.0f);
-            floats magnitude = (floats)((uints)v & 0x7FFFFFFFu);
-            ints greater = magnitude > top;
-            top = (floats)(((ints)magnitude & greater) | ((ints)top & ~greater));
-        }
-        float peak = 1e-12f;
-        for (int j = 0; j < LANES; j++)
-            peak = top[j] > peak ? top[j] : peak;
-        float multiplier = 127.0f / peak;
-        for (int64_t j = 0; j < cols; j += LANES) {
-            int64_t count = cols - j < LANES ? cols - j : LANES;
-            floats v = load_any(row + j * width, is_bf16, count, 0.0f);
-            if (input_scale)
-                v *= load_any(input_scale + j, 0, count, 0.0f);
-            bytes b = __builtin_convertvector(__builtin_convertvector(round_even(v * multiplier), ints), bytes);
-            memcpy(q + i * cols + j, &b, count);
-        }
-        token_scale[i] = peak * (1.0f / 127.0f);
-    }
-}
-
-/* erfc(z) for z >= 0 to a relative error under 1.2e-7 everywhere (a Chebyshev fit: t e^(-z^2 + P(t)),
- * t = 1 / (1 + z / 2)), so GELU's small negative tail (x/2 erfc(|x| / sqrt 2)) keeps float32's relative
- * precision too. P(0)... = 0 to 3e-8 at z = 0: the exponent is clamped to <= 0 for exp_nonpositive. */
-static inline floats erfc_nonnegative(floats z) {
-    floats t = 1.0f / (1.0f + 0.5f * z);
-    floats p = t * 0.17087277f - 0.82215223f;
-    p = p * t + 1.48851587f;
-    p = p * t - 1.13520398f;
-    p = p * t + 0.27886807f;
-    p = p * t - 0.18628806f;
-    p = p * t + 0.09678418f;
-    p = p * t + 0.37409196f;
-    p = p * t + 1.00002368f;
-    p = p * t - 1.26551223f;
-    floats exponent = p - z * z;
-    ints positive = exponent > 0.0f;
-    exponent = (floats)((ints)exponent & ~positive);
-    return t * exp_nonpositive(exponent);
-}
-
-/* The exact (erf) GELU: x/2 (1 + erf(x / sqrt 2)) = x (1 - erfc(z) / 2) for x >= 0, x erfc(z) / 2 below. */
-static inline floats gelu(floats v) {
-    floats half_erfc = 0.5f * erfc_nonnegative((floats)((uints)v & 0x7FFFFFFFu) * 0.70710678f);
-    ints negative = v < 0.0f;
-    floats factor = (floats)(((ints)half_erfc & negative) | ((ints)(1.0f - half_erfc) & ~negative));
-    return v * factor;
-}
-
-/* out = acc (rows x cols int32) x token_scale[i] x weight_scale[j] + bias[j] (bias NULL: none), then
- * the exact GELU if `activation` is 1, ReLU if 2, written as bfloat16 (is_bf16) or float32: an int8 linear's
- * output in one pass over its int32 product instead of three or four. */
-void rescale_rows(const int32_t *acc, const float *token_scale, const float *weight_scale, const float *bias,
-                  int64_t rows, int64_t cols, int activation, void *out, int is_bf16) {
-    const int64_t width = is_bf16 ? 2 : 4;
-    for (int64_t i = 0; i < rows; i++) {
-        const int32_t *from = acc + i * cols;
-        char *to = (char *)out + i * cols * width;
-        float scale = token_scale[i];
-        for (int64_t j = 0; j < cols; j += LANES) {
-            int64_t count = cols - j < LANES ? cols - j : LANES;
-            ints products;
-            if (count == LANES)
-                memcpy(&products, from + j, sizeof products);
-            else
-                for (int64_t k = 0; k < LANES; k++)
-                    products[k] = k < count ? from[j + k] : 0;
-            floats v = __builtin_convertvector(products, floats) * scale * load_any(weight_scale + j, 0, count, 0.0f);
-            if (bias)
-                v += load_any(bias + j, 0, count, 0.0f);
-            if (activation == 1)
-                v = gelu(v);
-            else if (activation == 2)
-                v = (floats)((ints)v & (ints)(v > 0.0f)); /* ReLU */
-            store_any(to + j * width, is_bf16, v, count);
         }
     }
 }

@@ -50,13 +50,24 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:  # packed_pieces imports this module
-    from .packed_pieces import PackedBatch
+
+class PackedSequences(Protocol):
+    """What attend_full reads of a packed batch (packed_pieces.PackedBatch, which imports this module)."""
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor: ...  # int32, sequences + 1
+
+    @property
+    def longest(self) -> int: ...
+
+    @property
+    def bounds(self) -> list[int]: ...  # cu_seqlens as Python ints
+
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +124,7 @@ def add_layer_norm(norm: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> t
 
 
 def attend_full(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedSequences, scale: float | None
 ) -> torch.Tensor | None:
     """Attention within each sequence of a packed batch, every key visible to every query of its sequence
     (BERT's window), in one call for the whole batch: q, k, v (tokens, heads, dim) read in place (strided
@@ -137,7 +148,7 @@ def attend_full(
     return out
 
 
-def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch) -> bool:
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedSequences) -> bool:
     """The attention kernel's case: bfloat16 q, k, v of one shape and one layout (the head size dense and
     a multiple of 16 up to MAX_HEAD_SIZE), int32 cu_seqlens covering every token (the kernel reads the
     tokens they name)."""
