@@ -4,7 +4,7 @@ One server with an embedder (the default MiniLM), a reranker and a classifier (t
 built from that MiniLM), the dtype left to the server (--dtype auto: float16 on CUDA). Checked:
   * every model's fidelity self-check passed, each replica on the device asked for;
   * Embed against sentence-transformers float32 on the same weights (min cosine per the dtype's floor);
-  * EmbedStream gives the same vectors as Embed, each under its own id;
+  * EmbedStream gives the same vectors as Embed (to the dtype's rounding), each under its own id;
   * Rerank orders as the sentence-transformers CrossEncoder does (Kendall tau), Classify's best label
     agrees with it on most inputs;
   * kill -9 of the embedder's worker: the supervisor restarts it (new pid, ready) and Embed answers
@@ -134,8 +134,11 @@ def check_stream(stub, vectors: np.ndarray) -> None:
         pb.EmbedStreamRequest(model="embed" if i == 0 else "", id=f"t{i}", input=t) for i, t in enumerate(TEXTS)
     )
     streamed = {r.id: np.array(r.embedding.values) for r in stub.EmbedStream(requests, timeout=120)}
+    # Equal to the dtype's rounding: the stream's first text rides in a batch of its own, and a reduced
+    # dtype's products round differently with a batch's rows (oneDNN blocks by them): bfloat16 on a
+    # Zen 5 CPU gave cosine 0.99998 for it, 1.0 for the others (which rode together as in Embed).
     same = len(streamed) == len(TEXTS) and all(
-        cosines(streamed[f"t{i}"][None], vectors[i][None])[0] > 0.99999 for i in range(len(TEXTS))
+        cosines(streamed[f"t{i}"][None], vectors[i][None])[0] > 0.9999 for i in range(len(TEXTS))
     )
     check(same, f"EmbedStream: {len(streamed)} answers, each equal to Embed's")
 
