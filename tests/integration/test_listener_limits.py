@@ -35,10 +35,15 @@ MAX_IN_FLIGHT = 2
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory, minilm_path):
+    """Envoy's limits alone: --max-queue-wait 0, or the server's admission might refuse the second of
+    two long calls itself (its wait predicted at 2.5 s on a loaded host) before Envoy's in-flight limit
+    is what answers."""
     log = tmp_path_factory.mktemp("limits") / "server.log"
     server = ServerProcess(
         "--model",
         f"m={minilm_path}",
+        "--max-queue-wait",
+        "0",
         "--rest-header-timeout",
         str(HEADER_TIMEOUT),
         "--rest-idle-timeout",
