@@ -175,13 +175,9 @@ async def _rest_flood_client(
                 status, headers = await asyncio.wait_for(
                     http_exchange(*connection, _post(url.netloc, "/v1/embeddings", body)), 30
                 )
-            except TimeoutError:
-                _count(counts, "client timeout", started)
-                _close(connection)
-                connection = None
-                continue
-            except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
-                _count(counts, type(exc).__name__, started)
+            except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+                # wait_for's TimeoutError is counted by what it means, not as an OSError.
+                _count(counts, "client timeout" if isinstance(exc, TimeoutError) else type(exc).__name__, started)
                 _close(connection)
                 connection = None
                 continue

@@ -237,8 +237,10 @@ class ModelScheduler:
         """The work a call of this priority queues behind: queued work that goes before it, work
         still `tokenizing` (admitted before it), and batches computing (an interactive call's batch
         preempts bulk-lane ones)."""
-        reserved = self._reserved_tokens if tokenizing else dict.fromkeys(Priority, 0)
-        queued = sum(self._queued_tokens[p] + reserved[p] for p in Priority if p <= priority)
+        ahead = [p for p in Priority if p <= priority]
+        queued = sum(self._queued_tokens[p] for p in ahead)
+        if tokenizing:
+            queued += sum(self._reserved_tokens[p] for p in ahead)
         preempted = priority == Priority.INTERACTIVE
         computing = sum(load.tokens - (load.bulk_tokens if preempted else 0) for load in self.load.values())
         return queued + computing
