@@ -89,28 +89,32 @@ def _quiet_multiprocessing_locks() -> None:
 
 
 class Inbox:
-    """Received batches, urgent and bulk, each in arrival order. Taken by one lane (`get`: urgent
-    first) or by two (`get_urgent` and `get_bulk`, one thread each)."""
+    """Received batches, urgent and bulk, each in arrival order; bulk-lane batches marked
+    `ahead_of_bulk` (a split request's) go before the bulk batches queued (the scheduler sends a
+    bulk batch ahead while no live work is around). Taken by one lane (`get`: urgent first) or by two
+    (`get_urgent` and `get_bulk`, one thread each)."""
 
     def __init__(self):
         self._urgent: collections.deque = collections.deque()
+        self._ahead: collections.deque = collections.deque()
         self._bulk: collections.deque = collections.deque()
         self._arrived = threading.Condition()
 
     def put(self, batch) -> None:
-        urgent = isinstance(batch, protocol.TokenBatch) and batch.urgent
+        text = isinstance(batch, protocol.TokenBatch)
+        queue = self._urgent if text and batch.urgent else self._ahead if text and batch.ahead_of_bulk else self._bulk
         with self._arrived:
-            (self._urgent if urgent else self._bulk).append(batch)
+            queue.append(batch)
             self._arrived.notify_all()
 
     def get(self):
-        return self._wait_and_pop(self._urgent, self._bulk)
+        return self._wait_and_pop(self._urgent, self._ahead, self._bulk)
 
     def get_urgent(self):
         return self._wait_and_pop(self._urgent)
 
     def get_bulk(self):
-        return self._wait_and_pop(self._bulk)
+        return self._wait_and_pop(self._ahead, self._bulk)
 
     def _wait_and_pop(self, *queues: collections.deque):
         """The first batch of the first non-empty queue, waiting for one to arrive."""
@@ -119,7 +123,7 @@ class Inbox:
             return next(q for q in queues if q).popleft()
 
     def empty(self) -> bool:
-        return not (self._urgent or self._bulk)
+        return not (self._urgent or self._ahead or self._bulk)
 
     def take_urgent(self):
         """The next urgent batch, or None without waiting."""

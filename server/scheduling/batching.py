@@ -157,9 +157,12 @@ def queued_cost_reaches_budget(queue: deque[WorkItem], limits: BatchLimits) -> b
     return sum(item.length for item in queue) >= limits.max_batch_tokens
 
 
-def pack(batch: list[WorkItem], batch_id: int, urgent: bool = False) -> TokenBatch | MediaBatch:
+def pack(
+    batch: list[WorkItem], batch_id: int, urgent: bool = False, ahead_of_bulk: bool = False
+) -> TokenBatch | MediaBatch:
     """Concatenate a batch's token ids into the wire format's packed arrays; `urgent` marks
-    interactive text work, which the worker may run between the layers of a bulk batch."""
+    interactive text work, which the worker may run between the layers of a bulk batch;
+    `ahead_of_bulk`, bulk-lane text work the worker takes before the bulk batches queued there."""
     if batch[0].modality != "text":  # one modality per batch: all media items
         return pack_media(cast("list[MediaItem]", batch), batch_id)
     types = None
@@ -167,6 +170,7 @@ def pack(batch: list[WorkItem], batch_id: int, urgent: bool = False) -> TokenBat
         types = [item.type_ids if item.type_ids is not None else np.zeros_like(item.ids) for item in batch]
     packed = TokenBatch.from_sequences(batch_id, [item.ids for item in batch], types)
     packed.urgent = urgent
+    packed.ahead_of_bulk = ahead_of_bulk
     packed.token_states = batch[0].token_states  # one output per batch (take_batch)
     return packed
 

@@ -97,6 +97,27 @@ async def test_without_urgency_batches_run_in_arrival_order(worker):
     assert finished == ["bulk", "query"]
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["split", "control"])
+async def test_a_split_batch_goes_before_the_bulk_batches_queued_at_the_worker(worker, ahead):
+    """The scheduler keeps a bulk batch queued at the worker behind the one it computes; a split
+    request's batch (ahead_of_bulk) sent after both runs before the queued one, whenever the worker
+    took the first. Unmarked (the control), the three run in arrival order."""
+    finished = []
+
+    async def compute(name, work):
+        await worker.compute(work)
+        finished.append(name)
+
+    split = batch(BULK[:4], urgent=False)
+    split.ahead_of_bulk = ahead
+    first, queued = batch(BULK[:8], urgent=False), batch(BULK[:8], urgent=False)
+    await asyncio.gather(compute("bulk", first), compute("queued", queued), compute("split", split))  # sent in order
+    if ahead:
+        assert finished.index("split") < finished.index("queued")
+    else:
+        assert finished == ["bulk", "queued", "split"]
+
+
 async def test_the_bulk_lane_runs_nicer_than_the_urgent_lane(worker, lane):
     threads = thread_priorities(worker.ready_info.pid)
     own = (threads[0][0], os.SCHED_OTHER)

@@ -59,6 +59,7 @@ class BatchHeader(msgspec.Struct, array_like=True, gc=False):
     token_states: bool = False  # an embedding model's unpooled last hidden states (TokenBatch.token_states)
     has_tokens: bool = False  # a media batch: each input's token sequence follows (MediaBatch.token_ids)
     has_grids: bool = False  # a media batch of patch rows: each input's grid follows (MediaBatch.grids)
+    ahead_of_bulk: bool = False  # bulk-lane work taken before queued bulk batches (TokenBatch.ahead_of_bulk)
 
 
 class ResultHeader(msgspec.Struct, array_like=True, gc=False):
@@ -119,6 +120,9 @@ class TokenBatch(msgspec.Struct, gc=False):
     # Embedding models: per input, every token's last hidden state (a Ragged of (tokens, hidden)),
     # not pooled, no Dense modules (TEI's /embed_all). A batch holds one kind of output.
     token_states: bool = False
+    # A split interactive request's batch (server/scheduling/scheduler.py, Priority.SPLIT): computed in
+    # the bulk lane like bulk work, but taken before the bulk batches queued there (prefetched ones).
+    ahead_of_bulk: bool = False
 
     @property
     def size(self) -> int:
@@ -147,6 +151,7 @@ class TokenBatch(msgspec.Struct, gc=False):
             None if types is None else types[:cut],
             self.urgent,
             self.token_states,
+            self.ahead_of_bulk,
         )
         rest = TokenBatch(
             self.batch_id,
@@ -155,6 +160,7 @@ class TokenBatch(msgspec.Struct, gc=False):
             None if types is None else types[cut:],
             self.urgent,
             self.token_states,
+            self.ahead_of_bulk,
         )
         return first, rest
 
@@ -249,7 +255,11 @@ def encode_batch(batch: TokenBatch | MediaBatch) -> list:
     if isinstance(batch, MediaBatch):
         return _encode_media_batch(batch)
     header = BatchHeader(
-        batch.batch_id, batch.token_type_ids is not None, urgent=batch.urgent, token_states=batch.token_states
+        batch.batch_id,
+        batch.token_type_ids is not None,
+        urgent=batch.urgent,
+        token_states=batch.token_states,
+        ahead_of_bulk=batch.ahead_of_bulk,
     )
     frames = [
         _type_frame(MessageType.BATCH),
@@ -344,6 +354,7 @@ def batch_from_frames(header: BatchHeader, frames: list) -> TokenBatch | MediaBa
         types,
         header.urgent,
         header.token_states,
+        header.ahead_of_bulk,
     )
 
 
