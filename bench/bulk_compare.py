@@ -76,8 +76,8 @@ def describe(row: Row) -> str:
     return (
         f"{row.engine:<14} {row.tokens_per_s:>9.0f} tok/s  {per_worker_cpu_second(row):>8.0f} tok/worker-CPU-s  "
         f"peak share {share:>7}  workers {row.cpu_cores.get('worker', 0):.2f} cores  "
-        f"frontend {row.cpu_cores.get('frontend', 0):.2f}  others {row.cpu_cores.get('foreign', 0):.2f}"
-        + (f"  errors {row.errors}" if row.errors else "")
+        f"frontend {row.cpu_cores.get('frontend', 0):.2f} ({row.frontend_ms_per_input or 0:.3f} ms/input)  "
+        f"others {row.cpu_cores.get('foreign', 0):.2f}" + (f"  errors {row.errors}" if row.errors else "")
     )
 
 
@@ -101,9 +101,14 @@ def report(servers: list[Server]) -> None:
         pairs = list(zip(this.runs, ref.runs, strict=True))
         tokens = [a.tokens_per_s / b.tokens_per_s for a, b in pairs]
         per_cpu = [per_worker_cpu_second(a) / per_worker_cpu_second(b) for a, b in pairs]
+        front = [(a.frontend_ms_per_input or 0) / (b.frontend_ms_per_input or 1) for a, b in pairs]
         print(f"{this.label} / {ref.label}, per round: tok/s " + " ".join(f"{x:.3f}" for x in tokens))
         print(f"{this.label} / {ref.label}, per round: tok/worker-CPU-s " + " ".join(f"{x:.3f}" for x in per_cpu))
-        print(f"medians: tok/s {statistics.median(tokens):.3f}x, tok/worker-CPU-s {statistics.median(per_cpu):.3f}x")
+        print(f"{this.label} / {ref.label}, per round: frontend CPU/input " + " ".join(f"{x:.3f}" for x in front))
+        print(
+            f"medians: tok/s {statistics.median(tokens):.3f}x, tok/worker-CPU-s {statistics.median(per_cpu):.3f}x, "
+            f"frontend CPU per input {statistics.median(front):.3f}x"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
