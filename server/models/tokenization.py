@@ -113,7 +113,7 @@ class ModelTokenizer:
             documents = cast("list[str]", texts)  # pairs_with: the inputs are single texts (documents)
             return await self._encode_pairs(template, pairs_with, documents, truncate, side, bulk)
         batch = [(pairs_with, t) for t in texts] if pairs_with is not None else list(texts)
-        encodings = await self._in_chunks(self._by_side[side].encode_batch, batch, bulk)
+        encodings = await self._in_chunks(ids_only(self._by_side[side]), batch, bulk)
         return self._collect(encodings, truncate, any(isinstance(item, tuple) for item in batch))
 
     async def _in_chunks(self, encode_batch, batch: list, bulk: bool, **kwargs) -> list[Encoding]:
@@ -136,7 +136,7 @@ class ModelTokenizer:
         """(query, document) pairs with the query tokenized once, not once per document: each
         pair is assembled from ids with the tokenizer's own pair template and truncation
         (longest_first, see pair_lengths), which tests check against tokenizer.encode(q, d)."""
-        plain = functools.partial(self.untruncated.encode_batch, add_special_tokens=False)
+        plain = functools.partial(ids_only(self.untruncated), add_special_tokens=False)
         (query_ids,) = [e.ids for e in await self._in_chunks(plain, [query], bulk)]
         doc_ids = [e.ids for e in await self._in_chunks(plain, documents, bulk)]
         budget = self.max_length - template.added
@@ -184,6 +184,14 @@ class ModelTokenizer:
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
         return await self._in_chunks(self.untruncated.encode_batch, texts, False, add_special_tokens=add_special_tokens)
+
+
+def ids_only(tokenizer: Tokenizer):
+    """`encode_batch` without character offsets, which nothing served reads (the Tokenize RPC,
+    which returns them, keeps `encode_batch`): the same ids, type ids and overflow. The bench corpus
+    (2,048 texts, MiniLM, 64 a call) on Zen 5: 0.28 s of CPU against 0.34 s. `encode_batch_fast`
+    came in tokenizers 0.21; older ones compute the offsets."""
+    return getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 
 
 CHUNK_INPUTS = 64  # inputs per tokenizer call ...

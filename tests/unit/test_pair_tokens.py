@@ -97,3 +97,20 @@ def test_a_live_query_is_tokenized_on_the_loop_and_the_rest_in_the_pool():
         long_text = "word " * 400  # over INLINE_CHARS
         assert ids([long_text])[0][:5] == reference.encode(long_text).ids[:5] and counting.calls == 2
         assert len(ids([query] * 8)) == 8 and counting.calls == 3  # over INLINE_INPUTS
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_texts_are_the_tokenizers_own_encoding_without_its_offsets(side, pool):
+    """The text path encodes without character offsets (tokenization.ids_only): the same ids,
+    truncated on the side asked, and an over-long input still refused with truncation off."""
+    tokenizer = ModelTokenizer(load_tokenizer(default_model_path()), 32, pool)
+    reference = Tokenizer.from_file(f"{default_model_path()}/tokenizer.json")
+    reference.no_padding()
+    reference.enable_truncation(32, direction=side)
+    rnd = random.Random(7)
+    texts = [_text(rnd, rnd.randrange(1, 60)) for _ in range(200)]
+    got = asyncio.run(tokenizer.encode(texts, side=side, bulk=True))
+    assert [list(ids) for ids in got.ids] == [e.ids for e in reference.encode_batch(texts)]
+    assert any(e.overflowing for e in reference.encode_batch(texts))  # so some are refused with truncation off
+    with pytest.raises(InvalidInput, match="truncation is off"):
+        asyncio.run(tokenizer.encode(texts, truncate=False))
