@@ -101,8 +101,8 @@ class Inbox:
         self._arrived = threading.Condition()
 
     def put(self, batch) -> None:
-        text = isinstance(batch, protocol.TokenBatch)
-        queue = self._urgent if text and batch.urgent else self._ahead if text and batch.ahead_of_bulk else self._bulk
+        urgent = isinstance(batch, protocol.TokenBatch) and batch.urgent  # media batches are never urgent
+        queue = self._urgent if urgent else self._ahead if batch.ahead_of_bulk else self._bulk
         with self._arrived:
             queue.append(batch)
             self._arrived.notify_all()

@@ -164,7 +164,9 @@ def pack(
     interactive text work, which the worker may run between the layers of a bulk batch;
     `ahead_of_bulk`, bulk-lane text work the worker takes before the bulk batches queued there."""
     if batch[0].modality != "text":  # one modality per batch: all media items
-        return pack_media(cast("list[MediaItem]", batch), batch_id)
+        media = pack_media(cast("list[MediaItem]", batch), batch_id)
+        media.ahead_of_bulk = ahead_of_bulk
+        return media
     types = None
     if any(item.type_ids is not None for item in batch):  # a classifier's text pairs batched with single texts
         types = [item.type_ids if item.type_ids is not None else np.zeros_like(item.ids) for item in batch]

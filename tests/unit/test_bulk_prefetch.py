@@ -12,7 +12,7 @@ from support.held_workers import HeldWorker, request, until
 from encoderd.server.scheduling.batching import BatchLimits
 from encoderd.server.scheduling.scheduler import ModelScheduler, Priority
 from encoderd.workers.contract import protocol
-from encoderd.workers.contract.protocol import TokenBatch
+from encoderd.workers.contract.protocol import MediaBatch, TokenBatch
 from encoderd.workers.process import Inbox
 
 
@@ -130,10 +130,25 @@ def test_the_worker_takes_split_batches_before_queued_bulk_ones():
         assert order == ([4, 3, 5, 1, 2] if take == "get" else [3, 5, 1, 2])
 
 
+def _over_the_wire(batch):
+    frames = [bytes(memoryview(f)) for f in protocol.encode_batch(batch)]
+    return protocol.batch_from_frames(*protocol.decode(frames)[1:])
+
+
 def test_the_mark_crosses_the_wire_and_survives_a_split():
     packed = TokenBatch.from_sequences(7, [np.arange(3), np.arange(5)])
     packed.ahead_of_bulk = True
-    frames = [bytes(memoryview(f)) for f in protocol.encode_batch(packed)]
-    got = protocol.batch_from_frames(*protocol.decode(frames)[1:])
+    got = _over_the_wire(packed)
     assert got.ahead_of_bulk and not got.urgent
     assert all(half.ahead_of_bulk for half in got.split(1))
+
+
+def test_a_split_media_batch_goes_ahead_too():
+    image = MediaBatch(3, "image", np.zeros((2, 3, 4, 4), np.float32))
+    image.ahead_of_bulk = True
+    got = _over_the_wire(image)
+    assert got.ahead_of_bulk and not _over_the_wire(MediaBatch(4, "image", image.features)).ahead_of_bulk
+    inbox = Inbox()
+    inbox.put(MediaBatch(1, "image", image.features))
+    inbox.put(got)
+    assert [inbox.get_bulk().batch_id for _ in range(2)] == [3, 1]

@@ -188,6 +188,7 @@ class MediaBatch(msgspec.Struct, gc=False):
     token_ids: np.ndarray | None = None  # int32, each input's token sequence back to back (ColPali, ColQwen2)
     token_cu: np.ndarray | None = None  # int32 (n + 1) offsets into token_ids
     grids: np.ndarray | None = None  # int32 (n, 3): each input's patch grid; its features are rows
+    ahead_of_bulk: bool = False  # a split request's batch, as TokenBatch.ahead_of_bulk
 
     @property
     def size(self) -> int:
@@ -282,6 +283,7 @@ def _encode_media_batch(batch: MediaBatch) -> list:
         batch.flags is not None,
         has_tokens=batch.token_ids is not None,
         has_grids=batch.grids is not None,
+        ahead_of_bulk=batch.ahead_of_bulk,
     )
     frames = [_type_frame(MessageType.BATCH), _encoder.encode(header), features]
     if batch.flags is not None:
@@ -366,7 +368,9 @@ def _media_batch(header: BatchHeader, frames: list) -> MediaBatch:
     if header.has_tokens:
         token_ids, token_cu = _array(next(rest), np.int32), _array(next(rest), np.int32)
     grids = _array(next(rest), np.int32).reshape(-1, 3) if header.has_grids else None
-    return MediaBatch(header.batch_id, header.modality, features, flags, token_ids, token_cu, grids)
+    return MediaBatch(
+        header.batch_id, header.modality, features, flags, token_ids, token_cu, grids, header.ahead_of_bulk
+    )
 
 
 def result_array(header: ResultHeader, frames: list) -> np.ndarray | list:
