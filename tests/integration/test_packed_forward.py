@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from support.corpus import sentences
 from support.families import build as build_family
 from support.models import build_classifier, build_reranker
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from encoderd.workers.backends import BackendOptions, create_backend, host_kernels, packed_encoder, packed_pieces
 from encoderd.workers.backends.torch_backend import pool
@@ -359,3 +360,54 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
     if family == "bert" and host_kernels.kernels() is not None:
         assert all(served) and served, "BERT's layers: the packed attention kernel serves every one"
     assert error <= 2 * _worst_error(padded, reference, work, kind), error
+
+
+class _GemmRows(TorchDispatchMode):
+    """The row counts (M) of the matrix products run under it: packed oneDNN linears, int8's, torch's."""
+
+    PRODUCTS = ("_linear_pointwise", "_int_mm", "addmm", "mm", "linear")
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in self.PRODUCTS:
+            self.rows.append(args[1].shape[0] if func.__name__.startswith("addmm") else args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+ROWS_CASES = [
+    *(("bert", "embedding", dtype) for dtype in ("bfloat16", "float32", "int8")),
+    *((family, kind, "bfloat16") for family, kind in (("xlm-roberta", "reranker"), ("modernbert", "classifier"))),
+    ("qwen3", "embedding", "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("family,kind,dtype", ROWS_CASES, ids=["-".join(c) for c in ROWS_CASES])
+def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype, family_models, monkeypatch):
+    """On CPU every GEMM of the packed forward runs on a multiple of GEMM_ROWS_MULTIPLE rows (oneDNN builds a
+    primitive per row count: live queries of many lengths rebuilt them), the filler sequence changes no real
+    row's bits, and never reaches pooling or the head: single queries of 2-40 tokens and the corpus batches
+    equal the forward without filler exactly."""
+    path = default_model_path() if family == "bert" else family_models(family, kind)
+    spec = load_model_spec(kind, path, ModelKind(kind))
+    backend = load_backend(spec, BackendOptions(dtype=dtype, threads=1))
+    assert backend.packed is not None
+    query = QUERY if kind == "reranker" else None
+    work = batches(spec, query) + [
+        TokenBatch.from_sequences(100 + n, [list(range(5, 5 + n))], [[0] * n] if query else None) for n in range(2, 41)
+    ]
+    products, layer = _GemmRows(), backend.packed.pieces.layer
+
+    def counted_layer(*args):
+        with products:
+            return layer(*args)
+
+    monkeypatch.setattr(backend.packed.pieces, "layer", counted_layer)  # the layers' GEMMs, not the head's
+    rounded = [backend.forward(batch) for batch in work]
+    assert products.rows and all(m % packed_encoder.GEMM_ROWS_MULTIPLE == 0 for m in products.rows), products.rows
+    monkeypatch.setattr(packed_encoder, "GEMM_ROWS_MULTIPLE", 1)
+    for batch, got in zip(work, rounded, strict=True):
+        want = backend.forward(batch)
+        assert got.shape == want.shape and np.array_equal(got, want), (batch.lengths, np.abs(got - want).max())

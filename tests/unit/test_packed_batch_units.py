@@ -25,3 +25,21 @@ def test_one_sequence_keeps_its_token_types():
     types = torch.zeros(4, dtype=torch.long)
     batch = PackedBatch.of(torch.arange(4), torch.tensor([0, 4], dtype=torch.int32), types)
     assert batch.types is types
+
+
+@pytest.mark.parametrize("lengths,multiple,filler", [([10], 8, 6), ([3, 5], 8, 0), ([1], 8, 7), ([5, 1, 12], 16, 14)])
+def test_with_filler_rounds_the_tokens_up_by_one_more_sequence(lengths, multiple, filler):
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = sum(lengths)
+    batch = PackedBatch.of(torch.arange(1, tokens + 1), cu_seqlens, torch.ones(tokens, dtype=torch.long))
+    rounded, added = batch.with_filler(multiple)
+    assert added == filler and rounded.ids.shape[0] == tokens + filler and rounded.ids.shape[0] % multiple == 0
+    if not filler:
+        assert rounded is batch
+        return
+    assert rounded.bounds == [*cu_seqlens.tolist(), tokens + filler]  # the filler is a sequence of its own
+    assert rounded.cu_seqlens.dtype == torch.int32
+    assert torch.equal(rounded.ids[:tokens], batch.ids) and not rounded.ids[tokens:].any()
+    assert torch.equal(rounded.types[:tokens], batch.types) and not rounded.types[tokens:].any()
+    assert torch.equal(rounded.offsets, torch.cat([batch.offsets, torch.arange(filler)]))
+    assert rounded.longest == max(*lengths, filler)

@@ -45,6 +45,21 @@ class PackedBatch:
         offsets = torch.arange(ids.shape[0], device=ids.device) - starts
         return cls(ids, cu_seqlens, types, offsets, int(lengths.max()))
 
+    def with_filler(self, multiple: int) -> tuple[PackedBatch, int]:
+        """This batch with its token count rounded up to a multiple of `multiple` by one more sequence
+        of filler tokens (id 0, offsets 0, 1, ...), and how many filler tokens that is (0: `self`).
+        The filler attends only to itself, as any sequence does, so it changes no other sequence's
+        rows: see packed_encoder.GEMM_ROWS_MULTIPLE for why."""
+        tokens = self.ids.shape[0]
+        filler = -tokens % multiple
+        if filler == 0:
+            return self, 0
+        ids = torch.cat([self.ids, self.ids.new_zeros(filler)])
+        cu_seqlens = torch.cat([self.cu_seqlens, self.cu_seqlens.new_full((1,), tokens + filler)])
+        types = None if self.types is None else torch.cat([self.types, self.types.new_zeros(filler)])
+        offsets = torch.cat([self.offsets, torch.arange(filler, device=self.ids.device)])
+        return PackedBatch(ids, cu_seqlens, types, offsets, max(self.longest, filler)), filler
+
     @functools.cached_property
     def bounds(self) -> list[int]:
         """cu_seqlens as Python ints, read once per batch rather than once per layer (the per-sequence
