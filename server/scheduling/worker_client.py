@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import os
 from collections.abc import Callable
+from typing import cast
 
 import msgspec
 import numpy as np
@@ -64,8 +65,8 @@ class WorkerClient:
         self._process: multiprocessing.process.BaseProcess | ForkedWorker | None = None
         self._exit_waiter: asyncio.Future | None = None  # the one future that owns the sentinel's reader
         self._batches: zmq.asyncio.Socket | None = None
-        self._results: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._results: zmq.Socket | None = None  # a plain socket, read by _read_results (see there)
+        self._results_fd: int | None = None  # its file descriptor while the event loop watches it
         self._stopping = False
         self.ready_info: protocol.WorkerReady | None = None
         self.state_changed = asyncio.Event()
@@ -115,7 +116,7 @@ class WorkerClient:
         self._open_sockets()
         self._process = await self._start_process(self._make_config(self._batch_address, self._result_address))
         ready = asyncio.get_running_loop().create_future()
-        self._reader = asyncio.create_task(self._read_results(ready), name=f"results[{self.label}]")
+        self._watch_results(ready)
         died = self._process_exit()
         done, _ = await asyncio.wait({ready, died}, timeout=self._start_timeout, return_when=asyncio.FIRST_COMPLETED)
         if ready in done and ready.exception() is None:
@@ -157,7 +158,7 @@ class WorkerClient:
         batches.setsockopt(zmq.SNDHWM, 64)  # admission bounds traffic; this is a backstop
         batches.setsockopt(zmq.LINGER, 0)
         batches.bind(self._batch_address)
-        self._results = results = self._zmq.socket(zmq.PULL)
+        self._results = results = zmq.Socket(self._zmq, zmq.PULL)
         results.setsockopt(zmq.LINGER, 0)
         results.bind(self._result_address)
 
@@ -228,8 +229,7 @@ class WorkerClient:
 
     async def _teardown(self) -> None:
         self._mark_down(Unavailable(f"model worker {self.label} is unavailable (crashed or restarting)"))
-        if self._reader:
-            self._reader.cancel()
+        self._unwatch_results()  # before its socket closes: its descriptor number may be reused at once
         for sock in (self._batches, self._results):
             if sock is not None:
                 sock.close(linger=0)
@@ -280,22 +280,47 @@ class WorkerClient:
             sending.cancel()  # no-op once sent
             self._pending.pop(batch.batch_id, None)
 
-    async def _read_results(self, ready: asyncio.Future) -> None:
-        results = self._results
-        assert results is not None  # opened before the reader starts
-        while True:
-            frames = await results.recv_multipart(copy=False)
-            _, header, rest = protocol.decode(frames)
-            self._last_heartbeat = asyncio.get_running_loop().time()  # any message shows it alive
-            if isinstance(header, protocol.ResultHeader):
-                future = self._pending.get(header.batch_id)
-                if future is None or future.done():
-                    continue  # its request was cancelled meanwhile
-                if header.error:
-                    future.set_exception(worker_failure(header.code, f"model {self.label}: {header.error}"))
-                else:
-                    future.set_result(protocol.result_array(header, rest))
-            elif isinstance(header, protocol.WorkerReady) and not ready.done():
-                ready.set_result(header)
-            elif isinstance(header, protocol.WorkerFatal) and not ready.done():
-                ready.set_exception(WorkerStartError(header.message))
+    # The results are read by a callback of the event loop on the socket's descriptor, not by a task
+    # awaiting zmq.asyncio's recv_multipart: that creates a future and a timer per message, adds and
+    # removes the descriptor's reader (two epoll_ctl calls) around each, and wakes the reading task
+    # before the request's own, on the path of every live query (issue 42 item 3).
+    def _watch_results(self, ready: asyncio.Future) -> None:
+        assert self._results is not None  # opened before the worker starts
+        loop = asyncio.get_running_loop()
+        self._results_fd = self._results.FD
+        loop.add_reader(self._results_fd, self._read_results, self._results, ready)
+        loop.call_soon(self._read_results, self._results, ready)  # what came before: the descriptor signals changes
+
+    def _unwatch_results(self) -> None:
+        if self._results_fd is not None:
+            asyncio.get_running_loop().remove_reader(self._results_fd)
+            self._results_fd = None
+
+    def _read_results(self, results: zmq.Socket, ready: asyncio.Future) -> None:
+        """Every message waiting on the results socket. ZeroMQ's descriptor is edge-triggered: it
+        signals again only once the socket has been read until it reports nothing more to read, so a
+        message that fails to decode is logged and skipped, never left to stop the reading."""
+        if results is not self._results or results.closed:
+            return  # torn down (and perhaps restarted) after this read was scheduled
+        while cast(int, results.get(zmq.EVENTS)) & zmq.POLLIN:
+            frames = results.recv_multipart(zmq.NOBLOCK, copy=False)
+            try:
+                self._take_result(frames, ready)
+            except Exception:
+                log.exception("worker %s: a message on the results socket could not be read", self.label)
+
+    def _take_result(self, frames: list, ready: asyncio.Future) -> None:
+        _, header, rest = protocol.decode(frames)
+        self._last_heartbeat = asyncio.get_running_loop().time()  # any message shows it alive
+        if isinstance(header, protocol.ResultHeader):
+            future = self._pending.get(header.batch_id)
+            if future is None or future.done():
+                return  # its request was cancelled meanwhile
+            if header.error:
+                future.set_exception(worker_failure(header.code, f"model {self.label}: {header.error}"))
+            else:
+                future.set_result(protocol.result_array(header, rest))
+        elif isinstance(header, protocol.WorkerReady) and not ready.done():
+            ready.set_result(header)
+        elif isinstance(header, protocol.WorkerFatal) and not ready.done():
+            ready.set_exception(WorkerStartError(header.message))
