@@ -11,6 +11,7 @@ import logging
 import numpy as np
 import pytest
 import zmq
+import zmq.asyncio
 
 from encoderd.server.scheduling.worker_client import WorkerClient
 from encoderd.workers.contract import protocol
@@ -25,8 +26,8 @@ async def client_and_worker():
     client._open_sockets()
     ready = asyncio.get_running_loop().create_future()
     client._watch_results(ready)
-    context = zmq.Context.instance()
-    batches, results = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    batches = zmq.asyncio.Context.instance().socket(zmq.PULL)  # the worker's: awaited by the test
+    results = zmq.Context.instance().socket(zmq.PUSH)
     batches.connect(client._batch_address)
     results.connect(client._result_address)
     info = protocol.WorkerReady(pid=1, output_dim=4, engine="torch", device="cpu", dtype="float32", is_padded=False)
@@ -44,11 +45,9 @@ def _batch(ids: list[int]) -> protocol.TokenBatch:
     return protocol.TokenBatch.from_sequences(0, [ids])
 
 
-async def _received_batch_id(batches: zmq.Socket) -> int:
-    """The id the client gave the next batch it sent (read without blocking the event loop)."""
-    while not batches.poll(0):
-        await asyncio.sleep(0)
-    _, header, _ = protocol.decode(batches.recv_multipart())
+async def _received_batch_id(batches: zmq.asyncio.Socket) -> int:
+    """The id the client gave the next batch it sent."""
+    _, header, _ = protocol.decode(await batches.recv_multipart())
     return header.batch_id
 
 
