@@ -7,6 +7,7 @@ cannot be built (no compiler, a compiler that fails, ENCODERD_BUILD_KERNELS=0)."
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import platform
@@ -142,6 +143,17 @@ def test_every_kernel_passes_its_load_check_on_every_target(target):
     built = _built_for(target)
     checks = (host_kernels._check_softmax, host_kernels._check_add_layer_norm, host_kernels._check_attention)
     assert [check(built) for check in checks] == [None, None, None]
+
+
+@needs_compiler
+@x86_only
+@pytest.mark.parametrize("target", ["no-avx512", "x86-64"])
+def test_builds_without_vnni_keep_torch_int_mm(target):
+    """The VNNI GEMM is compiled only where the target has avx512_vnni: the older targets build, say they
+    have no int8 GEMM (int8 linears keep torch._int_mm), and their load check passes by having none."""
+    built = _built_for(target)
+    assert built.int8_gemm is False
+    assert host_kernels._check_int8_linear_rows(built) is None
 
 
 def _packed_qkv(lengths: list[int], heads: int, dim: int, seed: int):
@@ -321,7 +333,8 @@ def test_rescale_rows_equals_torch(width, activation, dtype, fresh_kernel, one_t
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_int8_linear_serves_through_the_kernels_as_through_torch(dtype, fresh_kernel, one_thread):
     """An Int8Linear (SmoothQuant scale, bias, GELU) gives within its dtype's rounding what it gives on
-    torch's operators, and calls each kernel once per forward; on two threads torch's operators serve."""
+    torch's operators, and calls each kernel once per forward (quantize, then the VNNI GEMM with its epilogue
+    where the build has it, else rescale after torch._int_mm); on two threads torch's operators serve."""
     generator = torch.Generator().manual_seed(5)
     linear = torch.nn.Linear(384, 1536).requires_grad_(False)
     ranges = torch.rand(384, generator=generator) * 10 + 0.1
@@ -338,10 +351,11 @@ def test_int8_linear_serves_through_the_kernels_as_through_torch(dtype, fresh_ke
         built,
         quantize_rows=counted("quantize", built.quantize_rows),
         rescale_rows=counted("rescale", built.rescale_rows),
+        int8_linear_rows=counted("int8 linear", built.int8_linear_rows),
     )
     with mock.patch.object(host_kernels, "kernels", return_value=counting):
         got = layer(x, activation="gelu")
-        assert calls == ["quantize", "rescale"]
+        assert calls == (["quantize", "int8 linear"] if built.int8_gemm else ["quantize", "rescale"])
         torch.set_num_threads(2)
         calls.clear()
         two_threads = layer(x, activation="gelu")
@@ -353,6 +367,106 @@ def test_int8_linear_serves_through_the_kernels_as_through_torch(dtype, fresh_ke
     assert torch.equal(two_threads, want)
     step = 2**-7 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), want.float(), rtol=step, atol=1e-5)
+
+
+needs_vnni_gemm = pytest.mark.skipif(
+    not HAS_COMPILER or (host_kernels.kernels() is None or not host_kernels.kernels().int8_gemm),
+    reason="the int8 GEMM kernel is built only for a CPU with avx512_vnni",
+)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("width", [5, 384])
+def test_unsigned_quantization_is_the_signed_one_shifted(width, dtype, fresh_kernel, one_thread):
+    """to_unsigned gives q + 128 as uint8 for every value (the VNNI GEMM's input) and the same token scales."""
+    assert host_kernels.kernels() is not None
+    rows = _int8_rows(40, width, dtype, seed=width)
+    signed, signed_scale = host_kernels.quantize_rows(rows, None)
+    unsigned, unsigned_scale = host_kernels.quantize_rows(rows, None, to_unsigned=True)
+    assert unsigned.dtype == torch.uint8
+    assert torch.equal(unsigned.int() - 128, signed.int()) and torch.equal(unsigned_scale, signed_scale)
+
+
+def _int8_layer(rows: int, k: int, n: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    inputs = _int8_rows(rows, k, torch.float32, seed=seed)
+    token_scale = torch.rand(rows, 1, generator=generator) * 1e-3
+    weight_scale = torch.rand(n, generator=generator) * 1e-2
+    return weight, inputs, token_scale, weight_scale, torch.randn(n, generator=generator)
+
+
+@needs_vnni_gemm
+@pytest.mark.parametrize(
+    ("rows", "k", "n"),
+    [(3, 384, 1152), (7, 4, 16), (9, 64, 40), (300, 384, 1536), (257, 1536, 384), (33, 100, 5)],
+)
+def test_vnni_gemm_products_equal_torch_int_mm(rows, k, n, fresh_kernel, one_thread):
+    """The u8 x s8 GEMM with the weights' compensation gives exactly torch._int_mm's int32 products (read back
+    through unit scales in float32, exact below 2^24): tiles of 1 to 8 rows, 1 to 3 vectors, a partial last
+    vector, more rows than a row block (256), K from 4 to 1,536."""
+    weight, inputs, *_ = _int8_layer(rows, k, n, seed=rows + k + n)
+    packed = host_kernels.pack_int8(weight, torch.ones(n), None)
+    assert packed is not None
+    unsigned, _ = host_kernels.quantize_rows(inputs, None, to_unsigned=True)
+    signed, _ = host_kernels.quantize_rows(inputs, None)
+    out = torch.empty(rows, n)
+    host_kernels.int8_linear(unsigned, torch.ones(rows, 1), packed, "none", out)
+    want = torch._int_mm(signed, weight.t()) if rows > 16 else signed.int() @ weight.t().int()
+    assert torch.equal(out, want.float())
+
+
+@needs_vnni_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["none", "gelu", "relu"])
+@pytest.mark.parametrize(("k", "n"), [(384, 1536), (64, 40)])
+def test_vnni_gemm_epilogue_equals_int_mm_then_rescale(k, n, activation, dtype, fresh_kernel, one_thread):
+    """The GEMM's epilogue (token scale x channel scale + bias, GELU or ReLU, to float32 or bfloat16) gives
+    what torch._int_mm then rescale_rows give: within float32's rounding, one bfloat16 step; no bias too."""
+    weight, inputs, token_scale, weight_scale, bias = _int8_layer(100, k, n, seed=k + n)
+    signed, _ = host_kernels.quantize_rows(inputs, None)
+    unsigned, _ = host_kernels.quantize_rows(inputs, None, to_unsigned=True)
+    products = torch._int_mm(signed, weight.t())
+    for with_bias in (bias, None):
+        packed = host_kernels.pack_int8(weight, weight_scale, with_bias)
+        assert packed is not None
+        got = host_kernels.int8_linear(unsigned, token_scale, packed, activation, torch.empty(100, n, dtype=dtype))
+        want = host_kernels.rescale_rows(
+            products, token_scale, weight_scale, with_bias, activation, torch.empty(100, n, dtype=dtype)
+        )
+        step = 2**-8 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(got.float(), want.float(), rtol=step, atol=1e-6)
+
+
+@needs_vnni_gemm
+def test_a_wrong_vnni_gemm_is_refused_at_build(fresh_kernel):
+    """The load check compares the GEMM's integers with torch._int_mm's: a build whose compensation were
+    off (here the packing's compensation doubled) is reported, so torch._int_mm would serve instead."""
+    built = host_kernels.kernels()
+    assert built is not None and host_kernels._check_int8_linear_rows(built) is None
+
+    def doubled_compensation(weight, n, k, packed, compensation):
+        built.pack_int8_weights(weight, n, k, packed, compensation)
+        values = (ctypes.c_int32 * (-(-n // 16) * 16)).from_address(compensation)
+        for j in range(len(values)):
+            values[j] *= 2
+
+    message = host_kernels._check_int8_linear_rows(dataclasses.replace(built, pack_int8_weights=doubled_compensation))
+    assert message is not None and "differ from torch._int_mm's" in message
+
+
+@needs_compiler
+def test_an_odd_width_keeps_torch_int_mm(fresh_kernel, one_thread):
+    """in_features not a multiple of 4 (the GEMM reads 4 bytes of a row at a time): no packed weights, and the
+    layer serves by torch._int_mm as before."""
+    linear = torch.nn.Linear(6, 8).requires_grad_(False)
+    layer = int8_linear.Int8Linear.from_linear(linear)
+    assert layer.packed is None
+    x = _int8_rows(4, 6, torch.float32, seed=3)
+    with mock.patch.object(host_kernels, "kernels", return_value=None):
+        want = layer(x)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_no_compiler_leaves_torch_softmax(fresh_kernel, one_thread, monkeypatch, tmp_path):

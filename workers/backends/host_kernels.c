@@ -192,9 +192,11 @@ static inline floats round_even(floats v) {
  * none), then quantized to int8 by its own symmetric scale: q = round(v * (127 / peak)), peak = the
  * row's max |v| (at least 1e-12); token_scale[i] = peak * (1 / 127). The same float32 operations, in
  * the same order, as int8_linear.Int8Linear's torch path, in one read of the row for the peak and one
- * for the quantization instead of five passes over the matrix. */
+ * for the quantization instead of five passes over the matrix. to_unsigned: q + 128 stored as uint8
+ * (int8_linear_rows' input) instead. */
 void quantize_rows(const void *x, int is_bf16, const float *input_scale, int64_t rows, int64_t cols, int8_t *q,
-                   float *token_scale) {
+                   float *token_scale, int to_unsigned) {
+    const bytes shift = (bytes){0} + (int8_t)(to_unsigned ? -128 : 0); /* q ^ 0x80 = q + 128 as uint8 */
     const int64_t width = is_bf16 ? 2 : 4;
     for (int64_t i = 0; i < rows; i++) {
         const char *row = (const char *)x + i * cols * width;
@@ -217,7 +219,7 @@ void quantize_rows(const void *x, int is_bf16, const float *input_scale, int64_t
             floats v = load_any(row + j * width, is_bf16, count, 0.0f);
             if (input_scale)
                 v *= load_any(input_scale + j, 0, count, 0.0f);
-            bytes b = __builtin_convertvector(__builtin_convertvector(round_even(v * multiplier), ints), bytes);
+            bytes b = __builtin_convertvector(__builtin_convertvector(round_even(v * multiplier), ints), bytes) ^ shift;
             memcpy(q + i * cols + j, &b, count);
         }
         token_scale[i] = peak * (1.0f / 127.0f);
@@ -281,6 +283,172 @@ void rescale_rows(const int32_t *acc, const float *token_scale, const float *wei
         }
     }
 }
+
+/* ------------------------------------------------------------------ int8 GEMM with its epilogue (avx512_vnni)
+ *
+ * int8_linear_rows: an int8 linear's whole output for a block of rows in one call, where torch._int_mm
+ * (oneDNN's s8 x s8 GEMM, whose compensation for the signed input costs a pass) then rescale_rows (a
+ * pass over the int32 products) took two. The activations come in as uint8, q + 128 (quantize_rows'
+ * to_unsigned), the operand vpdpbusd takes unsigned: each instruction sums 4 u8 x s8 products into each
+ * of 16 int32 lanes, in exact integer arithmetic (4 x 255 x 127 is far from int32's range). The shift
+ * adds 128 x (the column's sum of weights) to every product, subtracted again from `compensation`
+ * (computed once at load by pack_int8_weights), so the integers equal torch._int_mm's exactly. Each
+ * tile of GEMM_ROWS rows x GEMM_VECTORS x 16 columns stays in registers over the whole K, then is
+ * rescaled (x token scale x channel scale + bias, GELU or ReLU) and stored as bfloat16 or float32:
+ * the int32 products never reach memory.
+ *
+ * The weights are packed at load into panels of 16 columns: for each 4 consecutive k, the 16 columns'
+ * 4 bytes side by side (64 bytes: one vector), the layout vpdpbusd reads. A panel (K x 16 bytes: 6 KiB
+ * at K = 384, 24 KiB at 1,536) is read from L1/L2 by each row tile; a tile's rows (K bytes each) stay in
+ * L1 while the tile's panels stream past them.
+ *
+ * Built only where the compiler targets avx512_vnni (-march=native on a CPU that has it);
+ * int8_gemm_available() says whether this build has it (elsewhere int8_linear.py keeps torch._int_mm). */
+#define GEMM_ROWS 8    /* rows of a register tile */
+#define GEMM_VECTORS 3 /* 16-column vectors of a register tile: 8 x 3 accumulators + 3 weights + 1 input */
+#define GEMM_ROW_BLOCK 256 /* rows whose inputs stay in L2 while every panel passes them */
+
+/* Weights w (n x k int8, row-major: the layer's out x in) packed for int8_linear_rows into `packed`
+ * (round_up(n, 16) / 16 panels of k / 4 x 64 bytes; k a multiple of 4; columns past n zero), and
+ * compensation[j] = 128 x sum_k w[j][k] (round_up(n, 16) int32; 0 past n). */
+void pack_int8_weights(const int8_t *w, int64_t n, int64_t k, int8_t *packed, int32_t *compensation) {
+    int64_t panels = (n + 15) / 16, groups = k / 4;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t c = 0; c < 16; c++) {
+            int64_t j = p * 16 + c;
+            int32_t sum = 0;
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t r = 0; r < 4; r++) {
+                    int8_t value = j < n ? w[j * k + g * 4 + r] : 0;
+                    packed[(p * groups + g) * 64 + c * 4 + r] = value;
+                    sum += value;
+                }
+            compensation[j] = 128 * sum;
+        }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+int int8_gemm_available(void) { return 1; }
+
+/* Loops over a tile's constant rows and vectors, unrolled so that its accumulators are registers, not an array. */
+#define UNROLLED _Pragma("GCC unroll 8")
+
+/* Everything a tile's epilogue reads. */
+struct gemm_epilogue {
+    const int32_t *compensation;
+    const float *token_scale, *weight_scale, *bias;
+    int64_t n;
+    int activation, is_bf16;
+    char *out;
+};
+
+/* One register tile: `rows` (<= GEMM_ROWS) rows of a (row stride k) times `vectors` (<= GEMM_VECTORS)
+ * panels from `panel` on, columns from `column`; always inlined with constant rows and vectors, so the
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void gemm_tile(const uint8_t *a, int64_t k, const int8_t *panel,
+                                                            int64_t row, int64_t column, int rows, int vectors,
+                                                            const struct gemm_epilogue *e) {
+    __m512i acc[GEMM_ROWS][GEMM_VECTORS];
+    UNROLLED for (int i = 0; i < rows; i++)
+        UNROLLED for (int v = 0; v < vectors; v++)
+            acc[i][v] = _mm512_setzero_si512();
+    const int64_t panel_bytes = k * 16;
+    for (int64_t g = 0; g < k; g += 4) {
+        __m512i weights[GEMM_VECTORS];
+        UNROLLED for (int v = 0; v < vectors; v++)
+            weights[v] = _mm512_loadu_si512(panel + v * panel_bytes + g * 16);
+        UNROLLED for (int i = 0; i < rows; i++) {
+            int32_t four;
+            memcpy(&four, a + i * k + g, 4);
+            __m512i inputs = _mm512_set1_epi32(four);
+            UNROLLED for (int v = 0; v < vectors; v++)
+                acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], inputs, weights[v]);
+        }
+    }
+    const int64_t width = e->is_bf16 ? 2 : 4;
+    UNROLLED for (int v = 0; v < vectors; v++) {
+        int64_t j = column + v * 16;
+        int64_t count = e->n - j < LANES ? e->n - j : LANES;
+        __m512i compensation = _mm512_loadu_si512(e->compensation + j);
+        floats weight_scale, bias = {0};
+        memcpy(&weight_scale, e->weight_scale + j, sizeof weight_scale);
+        if (e->bias)
+            memcpy(&bias, e->bias + j, sizeof bias);
+        UNROLLED for (int i = 0; i < rows; i++) {
+            floats products = (floats)_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][v], compensation));
+            floats x = products * e->token_scale[row + i] * weight_scale;
+            if (e->bias)
+                x += bias;
+            if (e->activation == 1)
+                x = gelu(x);
+            else if (e->activation == 2)
+                x = (floats)((ints)x & (ints)(x > 0.0f));
+            store_any(e->out + ((row + i) * e->n + j) * width, e->is_bf16, x, count);
+        }
+    }
+}
+
+#define GEMM_TILE_CASE(r, vs)                                                                                        \
+    case r:                                                                                                          \
+        gemm_tile(a, k, panel, row, column, r, vs, e);                                                               \
+        break;
+
+static void gemm_tiles(const uint8_t *a, int64_t k, const int8_t *panel, int64_t row, int64_t column, int rows,
+                       int vectors, const struct gemm_epilogue *e) {
+#define GEMM_TILE_ROWS(vs)                                                                                           \
+    switch (rows) {                                                                                                  \
+        GEMM_TILE_CASE(1, vs)                                                                                        \
+        GEMM_TILE_CASE(2, vs)                                                                                        \
+        GEMM_TILE_CASE(3, vs)                                                                                        \
+        GEMM_TILE_CASE(4, vs)                                                                                        \
+        GEMM_TILE_CASE(5, vs)                                                                                        \
+        GEMM_TILE_CASE(6, vs)                                                                                        \
+        GEMM_TILE_CASE(7, vs)                                                                                        \
+        GEMM_TILE_CASE(8, vs)                                                                                        \
+    }
+    if (vectors == 3)
+        GEMM_TILE_ROWS(3)
+    else if (vectors == 2)
+        GEMM_TILE_ROWS(2)
+    else
+        GEMM_TILE_ROWS(1)
+#undef GEMM_TILE_ROWS
+}
+
+/* out (rows x n, bfloat16 if is_bf16 else float32) = activation((a x w - compensation) x token_scale[i] x
+ * weight_scale[j] + bias[j]) for a (rows x k uint8, q + 128), w packed by pack_int8_weights; weight_scale,
+ * bias (NULL: none) and compensation hold round_up(n, 16) values. */
+void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, const int32_t *compensation,
+                      int64_t n, const float *token_scale, const float *weight_scale, const float *bias,
+                      int activation, void *out, int is_bf16) {
+    struct gemm_epilogue e = {compensation, token_scale, weight_scale, bias, n, activation, is_bf16, out};
+    int64_t panels = (n + 15) / 16;
+    for (int64_t block = 0; block < rows; block += GEMM_ROW_BLOCK) {
+        int64_t block_end = block + GEMM_ROW_BLOCK < rows ? block + GEMM_ROW_BLOCK : rows;
+        for (int64_t p = 0; p < panels; p += GEMM_VECTORS) {
+            int vectors = panels - p < GEMM_VECTORS ? (int)(panels - p) : GEMM_VECTORS;
+            for (int64_t row = block; row < block_end; row += GEMM_ROWS) {
+                int tile_rows = block_end - row < GEMM_ROWS ? (int)(block_end - row) : GEMM_ROWS;
+                gemm_tiles(a + row * k, k, packed + p * k * 16, row, p * 16, tile_rows, vectors, &e);
+            }
+        }
+    }
+}
+
+#else /* no avx512_vnni in this build: int8_linear.py keeps torch._int_mm */
+
+int int8_gemm_available(void) { return 0; }
+
+void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, const int32_t *compensation,
+                      int64_t n, const float *token_scale, const float *weight_scale, const float *bias,
+                      int activation, void *out, int is_bf16) {
+    (void)a, (void)rows, (void)k, (void)packed, (void)compensation, (void)n, (void)token_scale;
+    (void)weight_scale, (void)bias, (void)activation, (void)out, (void)is_bf16;
+}
+
+#endif
 
 /* ------------------------------------------------------------------ attention over a packed batch
  *

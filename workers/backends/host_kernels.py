@@ -90,6 +90,9 @@ class Kernels:
     attention_products: str  # "avx512_bf16" (vdpbf16ps) or "float32" (multiply-adds): what this build targets
     quantize_rows: Any
     rescale_rows: Any
+    pack_int8_weights: Any
+    int8_linear_rows: Any
+    int8_gemm: bool  # int8_linear_rows computes (built for avx512_vnni); else int8 linears keep torch._int_mm
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -177,19 +180,25 @@ INT8_ACTIVATIONS = {"none": 0, "gelu": 1, "relu": 2}  # rescale_rows' `activatio
 INT8_LEVELS = 127.0  # int8 activations are symmetric: -127..127
 
 
-def quantize_rows(rows: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    rows: torch.Tensor, input_scale: torch.Tensor | None, to_unsigned: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values, token scales (rows, 1) float32) of a (rows, features) bfloat16 or float32 matrix
     times `input_scale` (features,) float32 if given: each row by its own symmetric scale, max |x| / 127.
-    Through the kernel where it serves, else torch's operators, in float32 either way."""
+    Through the kernel where it serves, else torch's operators, in float32 either way. to_unsigned: the
+    values + 128 as uint8 (int8_linear's input; the kernel only, which must then serve)."""
     built = _serving_int8(rows)
     if built is None:
+        if to_unsigned:
+            raise RuntimeError("unsigned int8 rows come from the host kernel only")
         return _quantize_by_torch(rows, input_scale)
     count, features = rows.shape
-    quantized = torch.empty(count, features, dtype=torch.int8)
+    quantized = torch.empty(count, features, dtype=torch.uint8 if to_unsigned else torch.int8)
     token_scale = torch.empty(count, 1, dtype=torch.float32)
     scale = input_scale.data_ptr() if input_scale is not None else None
     arguments = (rows.data_ptr(), rows.dtype == torch.bfloat16, scale, count, features)
-    _run("encoderd::int8_quantize", built.quantize_rows, *arguments, quantized.data_ptr(), token_scale.data_ptr())
+    pointers = (quantized.data_ptr(), token_scale.data_ptr(), to_unsigned)
+    _run("encoderd::int8_quantize", built.quantize_rows, *arguments, *pointers)
     return quantized, token_scale
 
 
@@ -213,6 +222,73 @@ def rescale_rows(
     pointers = (t.data_ptr() if t is not None else None for t in (products, token_scale, weight_scale, bias))
     code, is_bf16 = INT8_ACTIVATIONS[activation], dtype == torch.bfloat16
     _run("encoderd::int8_rescale", built.rescale_rows, *pointers, rows, features, code, out.data_ptr(), is_bf16)
+    return out
+
+
+@dataclass(frozen=True)
+class PackedInt8Weights:
+    """An int8 weight (out x in) laid out for int8_linear_rows, with what its epilogue reads, each padded
+    to whole 16-column vectors: the columns' compensation (128 x their sums), scales and bias."""
+
+    packed: torch.Tensor  # int8, (out / 16 panels) x in / 4 x 64
+    compensation: torch.Tensor  # int32
+    weight_scale: torch.Tensor  # float32
+    bias: torch.Tensor | None  # float32
+    in_features: int
+    out_features: int
+
+
+def pack_int8(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> PackedInt8Weights | None:
+    """weight (out, in) int8 with its per-channel scales and bias packed for int8_linear; None where the
+    kernel does not compute here (no kernels, a build without avx512_vnni, in_features not a multiple of 4):
+    the layer keeps torch._int_mm."""
+    built = kernels()
+    out_features, in_features = weight.shape
+    if built is None or not built.int8_gemm or in_features % 4:
+        return None
+    width = -(-out_features // LANES) * LANES
+    packed = torch.empty(width * in_features, dtype=torch.int8)
+    compensation = torch.empty(width, dtype=torch.int32)
+    weight = weight.contiguous()
+    built.pack_int8_weights(weight.data_ptr(), out_features, in_features, packed.data_ptr(), compensation.data_ptr())
+
+    def padded(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values.float(), values.new_zeros(width - out_features, dtype=torch.float32)])
+
+    bias = None if bias is None else padded(bias)
+    return PackedInt8Weights(packed, compensation, padded(weight_scale), bias, in_features, out_features)
+
+
+def int8_linear_serves(rows: torch.Tensor, activation: str) -> bool:
+    """Whether int8_linear computes a layer on `rows` (its input, dense): one CPU thread, the kernels
+    built with the VNNI GEMM, bfloat16 or float32, an activation it knows."""
+    built = _serving_int8(rows)
+    return built is not None and built.int8_gemm and rows.dtype != torch.int32 and activation in INT8_ACTIVATIONS
+
+
+def int8_linear(
+    quantized: torch.Tensor, token_scale: torch.Tensor, weights: PackedInt8Weights, activation: str, out: torch.Tensor
+) -> torch.Tensor:
+    """out (rows, out_features) bfloat16 or float32 = activation(rows x weights, rescaled by token_scale (rows, 1)
+    and the weights' channel scales, + bias): the int8 GEMM and rescale_rows' epilogue in one kernel call.
+    quantized: quantize_rows(..., to_unsigned=True). Only where pack_int8 gave the weights and the kernels serve."""
+    built = _serving_int8(out)
+    if built is None or activation not in INT8_ACTIVATIONS or quantized.dtype != torch.uint8:
+        raise RuntimeError("int8_linear runs on the host kernel only (int8_linear.py checks where it serves)")
+    rows = quantized.shape[0]
+    bias = weights.bias.data_ptr() if weights.bias is not None else None
+    arguments = (quantized.data_ptr(), rows, weights.in_features, weights.packed.data_ptr())
+    epilogue = (weights.compensation.data_ptr(), weights.out_features, token_scale.data_ptr())
+    scales = (weights.weight_scale.data_ptr(), bias, INT8_ACTIVATIONS[activation])
+    _run(
+        "encoderd::int8_linear",
+        built.int8_linear_rows,
+        *arguments,
+        *epilogue,
+        *scales,
+        out.data_ptr(),
+        out.dtype == torch.bfloat16,
+    )
     return out
 
 
@@ -285,14 +361,22 @@ def kernels() -> Kernels | None:
         why = _first_line(exc)
         log.info("host kernels: torch's operators (%s could not build them for this CPU: %s)", compiler[0], why)
         return None
-    checks = (_check_softmax, _check_add_layer_norm, _check_attention, _check_quantize_rows, _check_rescale_rows)
+    checks = (
+        _check_softmax,
+        _check_add_layer_norm,
+        _check_attention,
+        _check_quantize_rows,
+        _check_rescale_rows,
+        _check_int8_linear_rows,
+    )
     if (difference := next(filter(None, (check(built) for check in checks)), None)) is not None:
         log.warning("host kernels: torch's operators (%s's build differs from torch: %s)", compiler[0], difference)
         return None
     elapsed = time.perf_counter() - started
     flags = " ".join(FLAGS)
     products = built.attention_products
-    names = f"bfloat16 softmax, add + LayerNorm, attention by {products} products; int8 quantize, rescale"
+    gemm = "int8 GEMM by avx512_vnni with its rescale" if built.int8_gemm else "torch's int8 GEMM (no avx512_vnni)"
+    names = f"bfloat16 softmax, add + LayerNorm, attention by {products} products; int8 quantize, rescale; {gemm}"
     log.info("host kernels (%s): built by %s %s in %.1f s", names, compiler[0], flags, elapsed)
     return built
 
@@ -323,12 +407,31 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS) -> Kernels:
     scratch_bytes.argtypes, scratch_bytes.restype = [_size, _size], _size
     library.attention_products.restype = ctypes.c_char_p
     quantize = library.quantize_rows
-    quantize.argtypes = [_pointer, ctypes.c_int, _pointer, _size, _size, _pointer, _pointer]
+    quantize.argtypes = [_pointer, ctypes.c_int, _pointer, _size, _size, _pointer, _pointer, ctypes.c_int]
     rescale = library.rescale_rows
     rescale.argtypes = [*[_pointer] * 4, _size, _size, ctypes.c_int, _pointer, ctypes.c_int]
-    softmax_rows.restype = add_layer_norm.restype = attend.restype = quantize.restype = rescale.restype = None
+    pack = library.pack_int8_weights
+    pack.argtypes = [_pointer, _size, _size, _pointer, _pointer]
+    gemm = library.int8_linear_rows
+    gemm.argtypes = [
+        _pointer,
+        _size,
+        _size,
+        _pointer,
+        _pointer,
+        _size,
+        *[_pointer] * 3,
+        ctypes.c_int,
+        _pointer,
+        ctypes.c_int,
+    ]
+    for function in (softmax_rows, add_layer_norm, attend, quantize, rescale, pack, gemm):
+        function.restype = None
     products = library.attention_products().decode()
-    return Kernels(softmax_rows, add_layer_norm, attend, scratch_bytes, products, quantize, rescale)
+    int8_gemm = bool(library.int8_gemm_available())
+    return Kernels(
+        softmax_rows, add_layer_norm, attend, scratch_bytes, products, quantize, rescale, pack, gemm, int8_gemm
+    )
 
 
 def _check_softmax(built: Kernels) -> str | None:
@@ -408,7 +511,7 @@ def _check_quantize_rows(built: Kernels) -> str | None:
         got, got_scale = torch.empty_like(want), torch.empty_like(want_scale)
         scale = input_scale.data_ptr() if input_scale is not None else None
         arguments = (rows.data_ptr(), dtype == torch.bfloat16, scale, 9, width, got.data_ptr(), got_scale.data_ptr())
-        built.quantize_rows(*arguments)
+        built.quantize_rows(*arguments, False)
         levels = (got.int() - want.int()).abs().max().item()
         if levels > 1 or not torch.allclose(got_scale, want_scale, rtol=1e-6, atol=0):
             return f"int8 quantization of width {width} off by {levels} levels (scales: {got_scale.flatten()})"
@@ -439,6 +542,45 @@ def _check_rescale_rows(built: Kernels) -> str | None:
         error = ((got.float() - want).abs() / (want.abs() + 1)).max().item()
         if not error <= step:  # NaN fails too
             return f"int8 rescale ({activation}) of width {width} to {dtype} off by {error:.3g} (allowed {step:.3g})"
+    return None
+
+
+def _check_int8_linear_rows(built: Kernels) -> str | None:
+    """Where the build has the VNNI GEMM: None when its integer products equal torch._int_mm's exactly
+    (read back with unit scales, float32, no activation: exact below 2^24) and its epilogue (bias, GELU,
+    ReLU, to bfloat16 or float32) rescales them as _check_rescale_rows allows, over row counts and widths
+    with and without a partial tile or vector; else what differs."""
+    if not built.int8_gemm:
+        return None
+    generator = torch.Generator().manual_seed(4)
+    for rows, k, n, dtype, activation in (
+        (9, 64, 40, torch.float32, "none"),
+        (17, 128, 100, torch.bfloat16, "gelu"),
+        (3, 32, 16, torch.float32, "relu"),
+    ):
+        weight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+        signed = torch.randint(-127, 128, (rows, k), generator=generator, dtype=torch.int8)
+        unsigned = (signed.view(torch.uint8) ^ 0x80).contiguous()
+        width = -(-n // LANES) * LANES
+        packed, compensation = torch.empty(width * k, dtype=torch.int8), torch.empty(width, dtype=torch.int32)
+        built.pack_int8_weights(weight.data_ptr(), n, k, packed.data_ptr(), compensation.data_ptr())
+        products = torch._int_mm(signed, weight.t())
+        for exact in (True, False):
+            token_scale = torch.ones(rows, 1) if exact else torch.rand(rows, 1, generator=generator) * 1e-3
+            weight_scale = torch.ones(width) if exact else torch.rand(width, generator=generator) * 1e-3
+            bias = None if exact else torch.randn(width, generator=generator)
+            act, out_dtype = ("none", torch.float32) if exact else (activation, dtype)
+            got = torch.empty(rows, n, dtype=out_dtype)
+            pointers = (token_scale.data_ptr(), weight_scale.data_ptr(), bias.data_ptr() if bias is not None else None)
+            arguments = (unsigned.data_ptr(), rows, k, packed.data_ptr(), compensation.data_ptr(), n, *pointers)
+            built.int8_linear_rows(*arguments, INT8_ACTIVATIONS[act], got.data_ptr(), out_dtype == torch.bfloat16)
+            if exact and not torch.equal(got, products.float()):
+                return f"int8 GEMM {rows} x {k} x {n}: integer products differ from torch._int_mm's"
+            want = _rescale_by_torch(products, token_scale, weight_scale[:n], bias if bias is None else bias[:n], act)
+            step = 2**-8 if out_dtype == torch.bfloat16 else 1e-5
+            error = ((got.float() - want).abs() / (want.abs() + 1)).max().item()
+            if not error <= step:  # NaN fails too
+                return f"int8 GEMM {rows} x {k} x {n} ({act}) to {out_dtype} off by {error:.3g} (allowed {step:.3g})"
     return None
 
 

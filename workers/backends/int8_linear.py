@@ -72,6 +72,8 @@ class Int8Linear(torch.nn.Module):
         self.weight_t = torch.round(weight / scale[:, None]).to(torch.int8).t()
         self.weight_scale = scale
         self.bias = None if bias is None else bias.detach().float().clone()
+        # the same weights for host_kernels' VNNI GEMM with its epilogue, where this host builds it
+        self.packed = host_kernels.pack_int8(self.weight_t.t(), self.weight_scale, self.bias)
 
     @classmethod
     def from_linear(
@@ -92,6 +94,12 @@ class Int8Linear(torch.nn.Module):
         A long input runs ROWS_PER_PASS tokens at a time (see there)."""
         rows = x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        if self.packed is not None and host_kernels.int8_linear_serves(rows, activation):
+            for start in range(0, rows.shape[0], ROWS_PER_PASS):
+                part = slice(start, start + ROWS_PER_PASS)
+                quantized, token_scale = host_kernels.quantize_rows(rows[part], self.input_scale, to_unsigned=True)
+                host_kernels.int8_linear(quantized, token_scale, self.packed, activation, out[part])
+            return out.reshape(*x.shape[:-1], self.out_features)
         for start in range(0, rows.shape[0], ROWS_PER_PASS):
             part = slice(start, start + ROWS_PER_PASS)
             quantized, token_scale = host_kernels.quantize_rows(rows[part], self.input_scale)
