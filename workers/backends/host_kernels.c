@@ -188,6 +188,44 @@ static inline floats round_even(floats v) {
     return (v + magic) - magic;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAS_QUANTIZE_BF16_AVX512 1
+
+/* 16 bfloat16 values as float32, times the input scale's 16 (NULL: none). */
+static inline __m512 load_scaled_bf16(const uint16_t *from, const float *input_scale) {
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)from)), 16));
+    return input_scale ? _mm512_mul_ps(v, _mm512_loadu_ps(input_scale)) : v;
+}
+
+/* quantize_rows for bfloat16 rows of a multiple of 16 values (every BERT width), with the same float32
+ * operations: the row's peak over four running maxima (one was a chain of dependent vmaxps, 24 of them
+ * across a 384-wide row), vcvtps2dq rounding to nearest even as round_even does, vpmovdb to bytes. The
+ * generic loop (its scalar tails and lane masks inlined) took 17-21 cycles a vector on Zen 5. */
+static void quantize_rows_bf16_avx512(const uint16_t *x, const float *input_scale, int64_t rows, int64_t cols,
+                                      int8_t *q, float *token_scale, int to_unsigned) {
+    const __m128i shift = _mm_set1_epi8(to_unsigned ? (char)0x80 : 0);
+    const __m512 magnitude_bits = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t i = 0; i < rows; i++) {
+        const uint16_t *row = x + i * cols;
+        __m512 top[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t j = 0; j < cols; j += LANES) {
+            __m512 v = load_scaled_bf16(row + j, input_scale ? input_scale + j : NULL);
+            top[(j / LANES) & 3] = _mm512_max_ps(top[(j / LANES) & 3], _mm512_and_ps(v, magnitude_bits));
+        }
+        float peak = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
+        peak = peak > 1e-12f ? peak : 1e-12f;
+        const __m512 multiplier = _mm512_set1_ps(127.0f / peak);
+        for (int64_t j = 0; j < cols; j += LANES) {
+            __m512 v = _mm512_mul_ps(load_scaled_bf16(row + j, input_scale ? input_scale + j : NULL), multiplier);
+            __m128i b = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+            _mm_storeu_si128((void *)(q + i * cols + j), _mm_xor_si128(b, shift));
+        }
+        token_scale[i] = peak * (1.0f / 127.0f);
+    }
+}
+#endif
+
 /* Each row of x (rows x cols, bfloat16 if is_bf16 else float32) times input_scale (cols floats; NULL:
  * none), then quantized to int8 by its own symmetric scale: q = round(v * (127 / peak)), peak = the
  * row's max |v| (at least 1e-12); token_scale[i] = peak * (1 / 127). The same float32 operations, in
@@ -196,6 +234,12 @@ static inline floats round_even(floats v) {
  * (int8_linear_rows' input) instead. */
 void quantize_rows(const void *x, int is_bf16, const float *input_scale, int64_t rows, int64_t cols, int8_t *q,
                    float *token_scale, int to_unsigned) {
+#ifdef HAS_QUANTIZE_BF16_AVX512
+    if (is_bf16 && cols % LANES == 0) {
+        quantize_rows_bf16_avx512(x, input_scale, rows, cols, q, token_scale, to_unsigned);
+        return;
+    }
+#endif
     const bytes shift = (bytes){0} + (int8_t)(to_unsigned ? -128 : 0); /* q ^ 0x80 = q + 128 as uint8 */
     const int64_t width = is_bf16 ? 2 : 4;
     for (int64_t i = 0; i < rows; i++) {
