@@ -405,6 +405,13 @@ def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype,
             return layer(*args)
 
     monkeypatch.setattr(backend.packed.pieces, "layer", counted_layer)  # the layers' GEMMs, not the head's
+    int8_gemm = host_kernels.int8_linear  # int8's VNNI GEMM is a host kernel, not a torch operator
+
+    def counted_int8_gemm(quantized, *args):
+        products.rows.append(quantized.shape[0])
+        return int8_gemm(quantized, *args)
+
+    monkeypatch.setattr(host_kernels, "int8_linear", counted_int8_gemm)
     rounded = [backend.forward(batch) for batch in work]
     assert products.rows and all(m % packed_encoder.GEMM_ROWS_MULTIPLE == 0 for m in products.rows), products.rows
     monkeypatch.setattr(packed_encoder, "GEMM_ROWS_MULTIPLE", 1)
