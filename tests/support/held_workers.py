@@ -41,3 +41,13 @@ async def until(condition, what: str):
             return
         await asyncio.sleep(0)
     raise AssertionError(what)
+
+
+async def release_and_stop(scheduler, workers, *calls):
+    """Release every batch the workers hold, wait for `calls` (tasks) and stop the scheduler: the calls'
+    results, in order."""
+    for worker in workers:
+        worker.release.set()
+    results = [await call for call in calls]
+    await scheduler.stop()
+    return results

@@ -7,7 +7,7 @@ the prefetching. The stand-in workers hold every batch, so each order here is ma
 import asyncio
 
 import numpy as np
-from support.held_workers import HeldWorker, request, until
+from support.held_workers import HeldWorker, release_and_stop, request, until
 
 from encoderd.server.scheduling.batching import BatchLimits
 from encoderd.server.scheduling.scheduler import ModelScheduler, Priority
@@ -46,10 +46,8 @@ async def test_a_deep_bulk_queue_keeps_a_second_batch_at_each_worker():
     await settled()
     assert len(a.batches) == 2 and len(b.batches) == 2  # one ahead, no more
     assert scheduler.queued == 40 - 16
-    a.release.set()
-    b.release.set()
-    assert len(await call) == 40
-    await scheduler.stop()
+    (rows,) = await release_and_stop(scheduler, (a, b), call)
+    assert len(rows) == 40
 
 
 async def test_the_last_bulk_batches_wait_for_whichever_replica_frees_first():
@@ -58,10 +56,8 @@ async def test_the_last_bulk_batches_wait_for_whichever_replica_frees_first():
     await until(lambda: len(a.batches) == 1 and len(b.batches) == 1, "one batch each")
     await settled()
     assert len(a.batches) == 1 and len(b.batches) == 1 and scheduler.queued == 4
-    a.release.set()
-    b.release.set()
-    assert len(await call) == 12
-    await scheduler.stop()
+    (rows,) = await release_and_stop(scheduler, (a, b), call)
+    assert len(rows) == 12
 
 
 async def test_no_bulk_batch_goes_ahead_while_queries_come():
@@ -73,10 +69,7 @@ async def test_no_bulk_batch_goes_ahead_while_queries_come():
     await settled()
     assert sorted(len(w.batches) for w in (a, b)) == [1, 2]  # the query, and one bulk batch per replica
     assert sum(not batch.urgent for w in (a, b) for batch in w.batches) == 2
-    a.release.set()
-    b.release.set()
-    await asyncio.gather(query, call)
-    await scheduler.stop()
+    await release_and_stop(scheduler, (a, b), query, call)
 
 
 async def test_a_query_still_finds_the_slot_bulk_leaves_free():
@@ -89,10 +82,7 @@ async def test_a_query_still_finds_the_slot_bulk_leaves_free():
     assert sent.urgent and firsts_of(sent) == [7]
     # It waits for no bulk work (the worker runs it beside the bulk lane): the next query counts it alone.
     assert scheduler.tokens_ahead(Priority.INTERACTIVE) == 10
-    a.release.set()
-    b.release.set()
-    await asyncio.gather(query, call)
-    await scheduler.stop()
+    await release_and_stop(scheduler, (a, b), query, call)
 
 
 async def test_a_split_request_goes_before_the_prefetched_bulk_batches():
@@ -110,10 +100,8 @@ async def test_a_split_request_goes_before_the_prefetched_bulk_batches():
     assert len(a.batches) == 3 and len(b.batches) == 3  # one split batch each, the rest waits in SPLIT
     # Its rest counts the bulk batches computing, not the prefetched ones it goes before.
     assert scheduler.tokens_ahead(Priority.SPLIT) == scheduler._queued_tokens[Priority.SPLIT] + 2 * 40 + 2 * 40
-    a.release.set()
-    b.release.set()
-    assert len(await big) == 20 and len(await call) == 40
-    await scheduler.stop()
+    big_rows, rows = await release_and_stop(scheduler, (a, b), big, call)
+    assert len(big_rows) == 20 and len(rows) == 40
 
 
 def test_the_worker_takes_split_batches_before_queued_bulk_ones():

@@ -11,7 +11,7 @@ from collections import deque
 
 import numpy as np
 import pytest
-from support.held_workers import HeldWorker, request, until
+from support.held_workers import HeldWorker, release_and_stop, request, until
 
 from encoderd.server.base.config import ServerConfig
 from encoderd.server.models import request_options
@@ -28,9 +28,7 @@ async def two_replicas():
     )
     scheduler.start()
     yield scheduler, workers
-    for worker in workers:
-        worker.release.set()
-    await scheduler.stop()
+    await release_and_stop(scheduler, workers)
 
 
 def firsts(worker: HeldWorker) -> list[list[int]]:
