@@ -55,19 +55,18 @@ static inline void store_bf16(uint16_t *to, floats v, int64_t count) {
 /* e^t for t <= 0: t = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^6 (error under 2e-7
  * relative), 2^n put into the exponent bits. Below -87 (float32's smallest normal is e^-87.3) the
  * result is 0, as it is for a masked -inf score. */
+static const float LOG2E = 1.44269504f, LN2_HI = 0.693145752f, LN2_LO = 1.42860677e-06f;
+/* e^r's Taylor series, highest power first (gelu_rows evaluates the same). */
+static const float EXP_TERMS[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+
 static inline floats exp_nonpositive(floats t) {
-    const float log2e = 1.44269504f, ln2_hi = 0.693145752f, ln2_lo = 1.42860677e-06f;
     const float round = 12582912.0f; /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
     ints live = t >= -87.0f;        /* lanes all ones where t is in range, zero below (and -inf) */
     floats clamped = (floats)(((ints)t & live) | ((ints)((floats){0} - 87.0f) & ~live));
-    floats n = (clamped * log2e + round) - round;
-    floats r = clamped - n * ln2_hi - n * ln2_lo;
-    floats p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    floats n = (clamped * LOG2E + round) - round;
+    floats r = clamped - n * LN2_HI - n * LN2_LO;
+    floats p = r * EXP_TERMS[0] + EXP_TERMS[1];
+    for (int k = 2; k < 7; k++) p = p * r + EXP_TERMS[k];
     floats scale = (floats)((__builtin_convertvector(n, ints) + 127) << 23);
     return (floats)((ints)(p * scale) & live);
 }
@@ -273,17 +272,13 @@ void quantize_rows(const void *x, int is_bf16, const float *input_scale, int64_t
 /* erfc(z) for z >= 0 to a relative error under 1.2e-7 everywhere (a Chebyshev fit: t e^(-z^2 + P(t)),
  * t = 1 / (1 + z / 2)), so GELU's small negative tail (x/2 erfc(|x| / sqrt 2)) keeps float32's relative
  * precision too. P(0)... = 0 to 3e-8 at z = 0: the exponent is clamped to <= 0 for exp_nonpositive. */
+static const float ERFC_TERMS[] = {0.17087277f, -0.82215223f, 1.48851587f, -1.13520398f, 0.27886807f,
+                                   -0.18628806f, 0.09678418f,  0.37409196f, 1.00002368f,  -1.26551223f};
+
 static inline floats erfc_nonnegative(floats z) {
     floats t = 1.0f / (1.0f + 0.5f * z);
-    floats p = t * 0.17087277f - 0.82215223f;
-    p = p * t + 1.48851587f;
-    p = p * t - 1.13520398f;
-    p = p * t + 0.27886807f;
-    p = p * t - 0.18628806f;
-    p = p * t + 0.09678418f;
-    p = p * t + 0.37409196f;
-    p = p * t + 1.00002368f;
-    p = p * t - 1.26551223f;
+    floats p = t * ERFC_TERMS[0] + ERFC_TERMS[1];
+    for (int k = 2; k < 10; k++) p = p * t + ERFC_TERMS[k];
     floats exponent = p - z * z;
     ints positive = exponent > 0.0f;
     exponent = (floats)((ints)exponent & ~positive);
@@ -386,29 +381,26 @@ int int8_gemm_available(void) { return 1; }
  * gelu(), to the last bit but below e^-87, where vscalefps keeps float32's subnormals where gelu() has 0. */
 static inline __attribute__((always_inline)) void gelu_rows(floats *v, int count) {
     const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-    static const float erfc_terms[] = {1.48851587f, -1.13520398f, 0.27886807f, -0.18628806f,
-                                       0.09678418f, 0.37409196f,  1.00002368f, -1.26551223f};
-    static const float exp_terms[] = {1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
     __m512 z[GEMM_ROWS], t[GEMM_ROWS], p[GEMM_ROWS], e[GEMM_ROWS], n[GEMM_ROWS];
     UNROLLED for (int q = 0; q < count; q++) {
         z[q] = _mm512_mul_ps(_mm512_abs_ps((__m512)v[q]), _mm512_set1_ps(0.70710678f));
         t[q] = _mm512_div_ps(one, _mm512_fmadd_ps(z[q], _mm512_set1_ps(0.5f), one));
-        p[q] = _mm512_fmadd_ps(t[q], _mm512_set1_ps(0.17087277f), _mm512_set1_ps(-0.82215223f));
+        p[q] = _mm512_fmadd_ps(t[q], _mm512_set1_ps(ERFC_TERMS[0]), _mm512_set1_ps(ERFC_TERMS[1]));
     }
-    UNROLLED for (int k = 0; k < 8; k++)
+    UNROLLED for (int k = 2; k < 10; k++)
         UNROLLED for (int q = 0; q < count; q++)
-            p[q] = _mm512_fmadd_ps(p[q], t[q], _mm512_set1_ps(erfc_terms[k]));
+            p[q] = _mm512_fmadd_ps(p[q], t[q], _mm512_set1_ps(ERFC_TERMS[k]));
     UNROLLED for (int q = 0; q < count; q++) { /* e^(p - z^2) by exp_nonpositive's series */
         e[q] = _mm512_min_ps(_mm512_fnmadd_ps(z[q], z[q], p[q]), zero);
-        n[q] = _mm512_roundscale_ps(_mm512_mul_ps(e[q], _mm512_set1_ps(1.44269504f)),
+        n[q] = _mm512_roundscale_ps(_mm512_mul_ps(e[q], _mm512_set1_ps(LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        e[q] = _mm512_fnmadd_ps(n[q], _mm512_set1_ps(0.693145752f), e[q]);
-        e[q] = _mm512_fnmadd_ps(n[q], _mm512_set1_ps(1.42860677e-06f), e[q]);
-        p[q] = _mm512_fmadd_ps(e[q], _mm512_set1_ps(1.0f / 720.0f), _mm512_set1_ps(1.0f / 120.0f));
+        e[q] = _mm512_fnmadd_ps(n[q], _mm512_set1_ps(LN2_HI), e[q]);
+        e[q] = _mm512_fnmadd_ps(n[q], _mm512_set1_ps(LN2_LO), e[q]);
+        p[q] = _mm512_fmadd_ps(e[q], _mm512_set1_ps(EXP_TERMS[0]), _mm512_set1_ps(EXP_TERMS[1]));
     }
-    UNROLLED for (int k = 0; k < 5; k++)
+    UNROLLED for (int k = 2; k < 7; k++)
         UNROLLED for (int q = 0; q < count; q++)
-            p[q] = _mm512_fmadd_ps(p[q], e[q], _mm512_set1_ps(exp_terms[k]));
+            p[q] = _mm512_fmadd_ps(p[q], e[q], _mm512_set1_ps(EXP_TERMS[k]));
     UNROLLED for (int q = 0; q < count; q++) {
         __m512 half_erfc = _mm512_mul_ps(_mm512_mul_ps(t[q], _mm512_set1_ps(0.5f)), _mm512_scalef_ps(p[q], n[q]));
         __mmask16 negative = _mm512_cmp_ps_mask((__m512)v[q], zero, _CMP_LT_OQ);
@@ -685,9 +677,9 @@ static inline floats exp_for_weights(floats t) {
     __m512 x;
     memcpy(&x, &t, sizeof x);
     __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
     __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 24.0f), _mm512_set1_ps(1.0f / 6.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
