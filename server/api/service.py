@@ -18,7 +18,7 @@ from ..base.errors import EncoderdError, InvalidInput, Overloaded, status_messag
 from ..models import model_resolver, multimodal, postprocess, request_options
 from ..models.media import Content
 from ..models.registry import ModelRegistry
-from ..scheduling.admission import CALL_DEADLINE
+from ..scheduling.admission import CALL_DEADLINE, CALL_STARTED
 from .auth import presented_key
 from .handlers import MalformedRequest
 from .messages import embeddings_message
@@ -125,6 +125,9 @@ def rpc(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        # Admission's calibration counts a unary call's wait from here (a stream's messages each
+        # queue long after the stream began: they count from their own submit).
+        CALL_STARTED.set(time.monotonic())
         async with _observed(self, method.__name__, getattr(request, "model", ""), context) as (rid_metadata, proxied):
             if isinstance(request, MalformedRequest):
                 raise InvalidInput(request.reason)

@@ -242,13 +242,16 @@ async def _work_items(
         batch: list = [inputs[j][0] for j in texts]
         estimated = ["".join(t) if isinstance(t, tuple) else t for t in batch]
         await registry.check_token_floor(model, estimated, truncate=truncate, pairs_with=pairs_with or "")
-        with registry.admit(model, estimated, truncate=truncate, pairs_with=pairs_with or "", priority=priority):
+        with registry.admit(
+            model, estimated, truncate=truncate, pairs_with=pairs_with or "", priority=priority
+        ) as tokenized:
             try:
                 tokens = await model.tokenizer.encode(
                     batch, truncate=truncate, side=side, pairs_with=pairs_with, bulk=priority == Priority.BULK
                 )
             except InputTooLong as too_long:  # named as the request names it, not by its place in this batch
                 raise InvalidInput(too_long.named([inputs[j][1] for j in texts])) from None
+            tokenized(tokens.total_tokens)
         n_tokens += tokens.total_tokens
         no_types: list[np.ndarray | None] = [None] * len(texts)
         types: Sequence[np.ndarray | None] = tokens.type_ids or no_types

@@ -9,7 +9,10 @@ with how long to wait before a retry. The work ahead and the drain rate are esti
 miss in the same direction under a flood (the frontend starves the workers of the cores they were
 measured with; requests still tokenizing are counted by their characters), so the times predicted
 are checked against the times served (WaitCalibration) and the prediction is scaled by how far they
-fell short (never the other way). The scheduler (scheduler.py) counts the work ahead; this file only
+fell short (never the other way). A call's answer is predicted, its own compute included, and it is
+admitted when what it would wait beyond that compute is within the bound: the slowest calls admitted
+near the bound finish within --max-queue-wait plus their compute, not after it plus their compute
+slowed by the same factor. The scheduler (scheduler.py) counts the work ahead; this file only
 estimates and decides.
 """
 
@@ -38,6 +41,10 @@ RATE_MEMORY_S = 2.0
 # The monotonic time by which the current call must be answered (its gRPC deadline), None without
 # one. Set per call by the service layer (service.py), read where the scheduler admits work.
 CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_deadline", default=None)
+# The monotonic time the current call reached the server's handler, None for in-process callers. Set
+# per call by the service layer; the calibration counts a call's wait from it, so the time it spent
+# being admitted and tokenized under a flood (up to 0.26 s in bench.flood) is part of what it learns.
+CALL_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_started", default=None)
 
 
 class DrainRate:
@@ -176,6 +183,38 @@ def _bounded(factor: float) -> float:
     return min(high, max(low, factor))
 
 
+# How fast the token estimate follows: each request tokenized weighs 1/ESTIMATE_MEMORY of the figure.
+ESTIMATE_MEMORY = 32
+
+
+class TokenEstimate:
+    """How many tokens a request's character estimate (registry.estimate_tokens) turns out to hold.
+
+    The estimate is deliberately low (8 characters a token, where English runs ~4), and bench.flood's
+    32 texts of 60 words are 1,260 estimated and 4,096 real tokens: counted as estimated, a flood's
+    first burst of calls still tokenizing was admitted at a third of its work (those calls were
+    answered after 2.3-2.5 s), and a call's own compute at a third of its length. Admission's
+    predictions scale the estimates by the ratio recent requests showed (real over estimated tokens,
+    summed, so a long request counts by its length); the memory bounds keep the estimate itself."""
+
+    def __init__(self, memory: int = ESTIMATE_MEMORY):
+        self.decay = 1.0 - 1.0 / memory
+        self._estimated = 0.0
+        self._real = 0.0
+
+    @property
+    def scale(self) -> float:
+        """Real tokens per estimated token; 1 until a request has been tokenized."""
+        return self._real / self._estimated if self._estimated > 0 else 1.0
+
+    def observe(self, estimated: int, real: int) -> None:
+        """A request estimated at `estimated` tokens held `real` once tokenized."""
+        if estimated <= 0 or real < 0:
+            return
+        self._estimated = self.decay * self._estimated + estimated
+        self._real = self.decay * self._real + real
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a call is refused, and when a retry may be served (whole seconds, for Retry-After)."""
@@ -207,15 +246,22 @@ def admission(
     tokens_per_s: float,
     max_wait_s: float,
     time_left_s: float | None = None,
+    factor: float = 1.0,
 ) -> Refusal | None:
-    """None to admit, else the Refusal. Refused: a wait longer than `max_wait_s` (0: no limit), or a
-    wait plus the call's own compute (`own_tokens`, 0 where not yet known) past its deadline. An
-    empty queue admits every call, whatever the rate says: a cold estimate never refuses the first."""
+    """None to admit, else the Refusal. `tokens_per_s` is the measured drain rate and `factor` the
+    calibration's (WaitCalibration: how much longer than predicted answers take). The call's answer
+    is predicted at the calibrated rate, the work ahead then its own (`own_tokens`, 0 where not yet
+    known). Refused: when it would wait longer than `max_wait_s` (0: no limit) beyond its own compute
+    at the measured rate (the part of its answer's time that is not its compute, including what the
+    calibration adds to that compute), or when its answer would come past its deadline. An empty
+    queue admits every call, whatever the rate says: a cold estimate never refuses the first."""
     if tokens_ahead <= 0:
         return None
-    wait = expected_wait(tokens_ahead, tokens_per_s)
+    calibrated = tokens_per_s / factor
+    answer = expected_wait(tokens_ahead + own_tokens, calibrated)
+    wait = answer - (own_tokens / tokens_per_s if tokens_per_s > 0 else 0.0)
     if max_wait_s and wait > max_wait_s:
         return Refusal(wait, max_wait_s, by_deadline=False)
-    if time_left_s is not None and wait + own_tokens / tokens_per_s > time_left_s:
-        return Refusal(wait, max(time_left_s, 0.0), by_deadline=True)
+    if time_left_s is not None and answer > time_left_s:
+        return Refusal(expected_wait(tokens_ahead, calibrated), max(time_left_s, 0.0), by_deadline=True)
     return None

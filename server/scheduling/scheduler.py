@@ -41,6 +41,7 @@ import contextlib
 import contextvars
 import dataclasses
 import enum
+import functools
 import itertools
 import logging
 import time
@@ -52,7 +53,15 @@ import numpy as np
 
 from ..base import metrics
 from ..base.errors import Overloaded, Unavailable
-from .admission import CALL_DEADLINE, DrainRate, WaitCalibration, admission, expected_wait
+from .admission import (
+    CALL_DEADLINE,
+    CALL_STARTED,
+    DrainRate,
+    TokenEstimate,
+    WaitCalibration,
+    admission,
+    expected_wait,
+)
 from .batching import BatchLimits, WorkItem, interleave_callers, pack, queued_cost_reaches_budget, take_batch
 from .worker_client import WorkerClient
 
@@ -172,6 +181,7 @@ class ModelScheduler:
         for replica in replicas:
             self._seed_drain(replica)
         self.calibration = WaitCalibration()  # predicted waits against served ones
+        self.token_estimate = TokenEstimate()  # real tokens per estimated one, for the predictions
         self._queued_tokens = dict.fromkeys(Priority, 0)
         # Admitted requests still tokenizing: their inputs, and their estimated tokens by the queue
         # they will wait in (a maximum-size call tokenizing must not count ahead of a query).
@@ -204,14 +214,15 @@ class ModelScheduler:
         """Admission before tokenization: refuse at once when the queue bounds, counting the
         requests still tokenizing, leave no room for `inputs` (~`tokens`, an estimate), or when the
         call would wait too long; else hold their place until the block ends (the request then
-        queues its real inputs by submit)."""
+        queues its real inputs by submit). Yields a function the caller gives the real token count
+        once tokenized: what the estimates turn out to hold scales admission's predictions."""
         self._refuse_if_full(inputs, tokens)
         waits_in = self._runs_as(priority, inputs, tokens)
-        self._refuse_if_slow(tokens, waits_in)
+        self._refuse_if_slow(round(tokens * self.token_estimate.scale), waits_in)
         self._reserved_inputs += inputs
         self._reserved_tokens[waits_in] += tokens
         try:
-            yield
+            yield functools.partial(self.token_estimate.observe, tokens)
         finally:
             self._reserved_inputs -= inputs
             self._reserved_tokens[waits_in] -= tokens
@@ -242,13 +253,14 @@ class ModelScheduler:
         for interactive work (a split request's rest included), past --max-queue-wait (admission.py).
         A bulk call is bounded by its deadline and the memory bounds only: an ingestion job wants
         throughput, and a refusal every few seconds cost `encoderd bench`'s bulk clients ~15 %."""
-        deadline = CALL_DEADLINE.get()
+        deadline, now = CALL_DEADLINE.get(), time.monotonic()
         refusal = admission(
             self.tokens_ahead(priority),
             own_tokens,
-            self.tokens_per_s,
+            self.measured_tokens_per_s,
             0.0 if priority == Priority.BULK else self.max_queue_wait,
-            None if deadline is None else deadline - time.monotonic(),
+            None if deadline is None else deadline - now,
+            factor=self.calibration.factor_at(now),
         )
         if refusal:
             metrics.series(metrics.REJECTED, self.model, "deadline" if refusal.by_deadline else "queue_wait").inc()
@@ -256,12 +268,13 @@ class ModelScheduler:
 
     def tokens_ahead(self, priority: Priority, tokenizing: bool = True) -> int:
         """The work a call of this priority queues behind: queued work that goes before it, work
-        still `tokenizing` (admitted before it), and batches computing (an interactive call's batch
-        preempts bulk-lane ones)."""
+        still `tokenizing` (admitted before it; its estimate scaled by what estimates held, so a
+        flood's first burst counts at its real length), and batches computing (an interactive
+        call's batch preempts bulk-lane ones)."""
         ahead = [p for p in Priority if p <= priority]
         queued = sum(self._queued_tokens[p] for p in ahead)
         if tokenizing:
-            queued += sum(self._reserved_tokens[p] for p in ahead)
+            queued += round(self.token_estimate.scale * sum(self._reserved_tokens[p] for p in ahead))
         return queued + round(sum(self._in_flight_ahead(load, priority) for load in self.load.values()))
 
     def _in_flight_ahead(self, load: ReplicaLoad, priority: Priority) -> float:
@@ -278,8 +291,8 @@ class ModelScheduler:
 
     @property
     def tokens_per_s(self) -> float:
-        """The rate admission counts with: the measured one, slowed by how much longer than
-        predicted the recent waits were (WaitCalibration)."""
+        """The calibrated rate: the measured one, slowed by how much longer than predicted the
+        recent waits were (WaitCalibration); admission counts the call's own compute apart."""
         return self.measured_tokens_per_s / self.calibration.factor_at(time.monotonic())
 
     @property
@@ -344,7 +357,9 @@ class ModelScheduler:
     ) -> np.ndarray:
         """Queue the inputs and wait for all their rows; cancellation drops queued ones. The time the
         rows took, against the time predicted, calibrates admission (admission.WaitCalibration):
-        counted to the last row, as the caller waits, not the first."""
+        counted to the last row, as the caller waits, not the first, and from when the call reached
+        the server (CALL_STARTED), not when it queued: what admitting and tokenizing it took under
+        load is time admission did not predict either."""
         queued_at = time.monotonic()
         predicted = self.submit(items, priority)
         try:
@@ -352,8 +367,9 @@ class ModelScheduler:
         finally:
             request.future.cancel()  # no-op once done; makes take_batch drop queued inputs
         if predicted is not None:
-            answered_at = time.monotonic()
-            self.calibration.observe(predicted, answered_at - queued_at, answered_at)
+            answered_at, started = time.monotonic(), CALL_STARTED.get()
+            served_since = queued_at if started is None else min(started, queued_at)
+            self.calibration.observe(predicted, answered_at - served_since, answered_at)
         return rows
 
     # ------------------------------------------------------------- the loop

@@ -17,8 +17,10 @@ from encoderd.server.scheduling.admission import (
     CALIBRATION_HORIZON_S,
     CALIBRATION_RANGE,
     CALL_DEADLINE,
+    CALL_STARTED,
     COLD_SHARE,
     DrainRate,
+    TokenEstimate,
     WaitCalibration,
     admission,
     expected_wait,
@@ -103,6 +105,45 @@ def test_a_call_whose_deadline_cannot_cover_wait_and_compute_is_refused():
     assert admission(10_000, 5_000, tokens_per_s=10_000, max_wait_s=5.0, time_left_s=2.0) is None
     refusal = admission(10_000, 5_000, tokens_per_s=10_000, max_wait_s=5.0, time_left_s=1.2)
     assert refusal and refusal.by_deadline and "its deadline leaves 1.2 s" in refusal.message("m")
+
+
+def test_a_call_is_admitted_by_its_wait_beyond_its_own_compute():
+    # Measured 10,000 tokens/s; answers have come 1.5x later than predicted. 1.2 s ahead at the
+    # calibrated rate, and 1,000 tokens of its own: 0.1 s of compute, answered after 0.15 s of it.
+    assert admission(8_000, 0, tokens_per_s=10_000, max_wait_s=2.0, factor=1.5) is None
+    assert admission(8_000, 1_000, tokens_per_s=10_000, max_wait_s=2.0, factor=1.5) is None  # 1.25 s
+    # 1.95 s ahead (the old rule admitted it): its own compute slowed by the same 1.5x is 2.2 s past
+    # its compute alone, and the slowest such calls were answered past --max-queue-wait + compute.
+    refusal = admission(13_000, 5_000, tokens_per_s=10_000, max_wait_s=2.0, factor=1.5)
+    assert refusal and not refusal.by_deadline and refusal.wait_s == pytest.approx(2.2)
+
+
+def test_a_call_longer_than_the_bound_is_still_admitted_behind_a_short_queue():
+    # Its own compute (10 s) is not a wait: a big call is bounded by the work ahead of it, not refused
+    # whenever anything is queued.
+    assert admission(5_000, 100_000, tokens_per_s=10_000, max_wait_s=2.0) is None
+    assert admission(5_000, 100_000, tokens_per_s=10_000, max_wait_s=2.0, factor=1.2) is not None  # +2.1 s
+
+
+def test_a_deadline_counts_the_answer_at_the_calibrated_rate():
+    # 1 s ahead and 0.5 s of its own at the measured rate; answers come 1.5x late: 2.25 s.
+    assert admission(10_000, 5_000, tokens_per_s=10_000, max_wait_s=5.0, time_left_s=2.3, factor=1.5) is None
+    refusal = admission(10_000, 5_000, tokens_per_s=10_000, max_wait_s=5.0, time_left_s=2.2, factor=1.5)
+    assert refusal and refusal.by_deadline and refusal.wait_s == pytest.approx(1.5)
+
+
+def test_the_token_estimate_learns_what_estimates_hold():
+    estimate = TokenEstimate(memory=4)
+    assert estimate.scale == 1.0  # nothing tokenized yet
+    estimate.observe(1260, 4096)  # bench.flood's 32 texts: 8 characters a token estimated, ~2.5 real
+    assert estimate.scale == pytest.approx(4096 / 1260)
+    estimate.observe(0, 10)  # an empty estimate teaches nothing
+    assert estimate.scale == pytest.approx(4096 / 1260)
+    for _ in range(40):  # texts that hold what they were estimated at: the old ratio fades
+        estimate.observe(100, 100)
+    assert estimate.scale == pytest.approx(1.0, abs=0.01)
+    estimate.observe(10_000, 20_000)  # a long request counts by its length
+    assert estimate.scale > 1.9
 
 
 # ------------------------------------------------------------------ in the scheduler
@@ -355,3 +396,46 @@ async def test_admission_counts_with_the_rate_the_served_waits_show(held):
         scheduler.refuse_if_full(1)
     worker.release.set()
     await queued
+
+
+async def test_requests_still_tokenizing_count_at_what_estimates_turned_out_to_hold(held):
+    scheduler, _ = held  # 1,000 tokens/s measured, --max-queue-wait 2 s
+    with scheduler.reserve(4, 100) as tokenized:
+        tokenized(300)  # estimated at 100 tokens, it held 300
+    with scheduler.reserve(10, 700):  # still tokenizing: 2.1 s at what estimates hold, not 0.7 s
+        assert scheduler.tokens_ahead(Priority.INTERACTIVE) == 2100
+        with pytest.raises(Overloaded, match=r"wait about 2\.1 s"):
+            scheduler.refuse_if_full(1)  # the old code counted 0.7 s and admitted it
+    assert scheduler.tokens_ahead(Priority.INTERACTIVE) == 0
+
+
+async def test_admission_counts_a_calls_own_compute_at_the_calibrated_rate(held):
+    scheduler, worker = held
+    pending, items = request(range(12), length=100)  # 1,200 tokens ahead: 1.2 s at the measured rate
+    queued = asyncio.create_task(scheduler.run(items, pending))
+    await until(lambda: worker.batches, "the first batch reached the worker")
+    scheduler.calibration.observe(1.0, served_s=1.5, now=time.monotonic())  # answers came 1.5x late
+    with scheduler.reserve(4, 100):  # 1.8 s ahead at the calibrated rate, +0.05 s of its own: admitted
+        pass
+    # 1.8 s ahead and 1,000 tokens of its own, 1 s of compute taking 1.5 s: 2.3 s past its compute
+    # alone (the old rule, counting the work ahead only, admitted it at 1.8 s).
+    with pytest.raises(Overloaded, match=r"wait about 2\.3 s"), scheduler.reserve(4, 1000):
+        pass
+    worker.release.set()
+    await queued
+
+
+async def test_a_unary_call_is_calibrated_from_when_it_reached_the_server(held):
+    scheduler, worker = held
+    seen = []
+    scheduler.calibration.observe = lambda predicted, served, now: seen.append(served)
+    worker.release.set()
+    pending, items = request(range(4), length=100)
+    token = CALL_STARTED.set(time.monotonic() - 1000.0)  # admitted and tokenized for 1,000 s, say
+    try:
+        await scheduler.run(items, pending)
+    finally:
+        CALL_STARTED.reset(token)
+    pending, items = request(range(4, 8), length=100)
+    await scheduler.run(items, pending)  # in-process (no CALL_STARTED): from when it queued
+    assert seen[0] >= 1000.0 and seen[1] < 1000.0  # the old code counted both from their submit
