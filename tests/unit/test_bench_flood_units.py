@@ -58,6 +58,7 @@ def test_steady_state_leaves_out_the_calls_sent_before_it():
     assert [sent_at for sent_at, _ in timed] == [0.5, 6.0]
     assert len(_latencies(timed)) == 2
     assert len(_latencies(timed, since=5.0)) == 1
+    assert len(_latencies(timed, until=1.0)) == 1  # the first burst's alone
 
 
 def test_texts_differ_across_processes_and_calls():
