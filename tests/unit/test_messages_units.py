@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from encoderd.server.api.messages import embeddings_message
+from encoderd.server.api.messages import embeddings_message, with_embeddings
 from encoderd.v1 import encoderd_pb2 as pb
 
 
@@ -41,3 +41,17 @@ def test_a_non_contiguous_view_is_written_row_by_row():
     vectors = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]  # strided columns
     got = pb.EmbedResponse(embeddings=embeddings_message(vectors, "float32"))
     assert got.SerializeToString() == built_by_protobuf(vectors).SerializeToString()
+
+
+@pytest.mark.parametrize("response_type", [pb.EmbedResponse, pb.EmbedMultimodalResponse])
+@pytest.mark.parametrize("output_dtype", ["float32", "int8", "binary"])
+def test_embeddings_added_to_a_response_are_the_ones_protobuf_builds(response_type, output_dtype):
+    """with_embeddings parses float32 vectors into the response (no second copy of 2,048 messages),
+    quantized ones as before; model and usage set first stay as they are."""
+    vectors = np.random.default_rng(1).standard_normal((5, 16)).astype(np.float32)
+    usage = pb.Usage(prompt_tokens=9, total_tokens=9)
+    got = with_embeddings(response_type(model="m", usage=usage), vectors, output_dtype)
+    expected = response_type(model="m", usage=usage, embeddings=embeddings_message(vectors, output_dtype))
+    assert got == expected and got.SerializeToString() == expected.SerializeToString()
+    if output_dtype == "float32":
+        assert got == response_type(model="m", usage=usage, embeddings=built_by_protobuf(vectors).embeddings)
