@@ -75,7 +75,8 @@ BULK_PREFETCH = 1
 # while the SPLIT queue holds a full batch for every replica: the worker's bulk lane starts the next
 # piece of a big call as the last ends. A query never waits for it: it runs in the urgent lane, or
 # (one lane) before queued batches, between a batch's steps. A second caller's split batch waits
-# for at most the computing batch and the one queued. Measured in bench.fair (docs in the commit).
+# for at most the computing batch and the one queued. (Its gain, a round trip per batch, was below
+# what bench.fair could resolve on the shared host it was written on: see that commit.)
 SPLIT_PREFETCH = 1
 
 
