@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from ..base.errors import echo
+from .messages import Serialized
 
 
 class MalformedRequest:
@@ -88,11 +89,16 @@ def _safe(message_class):
     return deserialize
 
 
+def _serialize(response) -> bytes:
+    """A response message's wire format; one the servicer wrote in wire format itself (Serialized: a
+    big Embed answer, messages.embed_response) goes as it is."""
+    return response.wire if isinstance(response, Serialized) else response.SerializeToString()
+
+
 def add_servicer(server: grpc.aio.Server, servicer, service_descriptor) -> None:
     handlers = {}
     for method in service_descriptor.methods:
         request_class = message_factory.GetMessageClass(method.input_type)
-        response_class = message_factory.GetMessageClass(method.output_type)
         factory = {
             (False, False): grpc.unary_unary_rpc_method_handler,
             (False, True): grpc.unary_stream_rpc_method_handler,
@@ -102,6 +108,6 @@ def add_servicer(server: grpc.aio.Server, servicer, service_descriptor) -> None:
         handlers[method.name] = factory(
             getattr(servicer, method.name),
             request_deserializer=_safe(request_class),
-            response_serializer=response_class.SerializeToString,
+            response_serializer=_serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_descriptor.full_name, handlers),))

@@ -21,7 +21,7 @@ from ..models.registry import ModelRegistry
 from ..scheduling.admission import CALL_DEADLINE, CALL_STARTED
 from .auth import presented_key
 from .handlers import MalformedRequest
-from .messages import embeddings_message
+from .messages import with_embeddings
 from .streaming import embed_stream
 
 log = logging.getLogger("encoderd.service")
@@ -199,9 +199,8 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
         options = request_options.from_embed(request)
         model, pooled, tokens = await self.registry.embed(request.model, request.inputs, options)
         vectors = postprocess.finish_requested(pooled, model.spec, options)
-        return pb.EmbedResponse(
-            model=model.spec.name, usage=_usage(tokens), embeddings=embeddings_message(vectors, options.output_dtype)
-        )
+        response = pb.EmbedResponse(model=model.spec.name, usage=_usage(tokens))
+        return with_embeddings(response, vectors, options.output_dtype)
 
     @stream_rpc
     async def EmbedStream(self, first, requests, context):
@@ -265,9 +264,8 @@ class EncoderService(encoderd_pb2_grpc.EncoderServicer):
             self.registry, request.model, contents(request.inputs), options
         )
         vectors = postprocess.finish_requested(pooled, model.spec, options)
-        return pb.EmbedMultimodalResponse(
-            model=model.spec.name, usage=_usage(usage), embeddings=embeddings_message(vectors, options.output_dtype)
-        )
+        response = pb.EmbedMultimodalResponse(model=model.spec.name, usage=_usage(usage))
+        return with_embeddings(response, vectors, options.output_dtype)
 
     @rpc
     async def EmbedMultiVector(self, request: pb.EmbedMultiVectorRequest, context) -> pb.EmbedMultiVectorResponse:

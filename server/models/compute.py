@@ -145,7 +145,11 @@ async def run(
 def _refuse_non_finite(model_name: str, rows: np.ndarray | list, names: list[str]) -> None:
     """A row holding NaN or infinity (an overflow in the model: extreme weights, inputs far out of
     range, a reduced dtype's range) is an error, never an answer: a client would store it as a
-    vector, and REST could not even print it as JSON."""
+    vector, and REST could not even print it as JSON. Stacked rows are checked in one pass, and
+    row by row only to name the bad ones: on the event loop, the row-by-row check held every other
+    caller's query ~10 ms behind a 2,048-input answer (issue 42 item 3)."""
+    if isinstance(rows, np.ndarray) and np.isfinite(rows).all():
+        return
     bad = [name for name, row in zip(names, rows, strict=True) if not _finite(row)]
     if bad:
         raise BackendError(

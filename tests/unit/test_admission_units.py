@@ -228,21 +228,21 @@ async def test_a_small_request_goes_before_a_big_ones_remaining_pieces(held):
     scheduler, worker = held
     big_pending, big_items = request(range(100, 120))  # 20 inputs, over 4 batches of 4: split
     big = asyncio.create_task(scheduler.run(big_items, big_pending))
-    await until(lambda: worker.batches, "the big request's first batch was sent")
-    (head,) = worker.batches  # the replica's bulk slot: the other stays free for a query
+    await until(lambda: len(worker.batches) == 2, "the big request's first batch and one queued behind it")
+    head, ahead = worker.batches  # the replica's bulk slot and one queued (SPLIT_PREFETCH): the other slot stays free
     assert list(head.input_ids[head.cu_seqlens[:-1]]) == [100, 101, 102, 103]
-    assert not head.urgent  # all of it runs as bulk work, which a query's batch preempts
+    assert not head.urgent and not ahead.urgent  # all of it runs as bulk work, which a query's batch preempts
     small_pending, small_items = request([7])
     small = asyncio.create_task(scheduler.run(small_items, small_pending))
-    await until(lambda: len(worker.batches) == 2, "the small request was sent beside the big one's batch")
-    assert list(worker.batches[1].input_ids) == [7] * 10 and worker.batches[1].urgent
+    await until(lambda: len(worker.batches) == 3, "the small request was sent beside the big one's batches")
+    assert list(worker.batches[2].input_ids) == [7] * 10 and worker.batches[2].urgent
     worker.release.set()
     assert (await small)[0, 0] == 7
     out = await big
     assert list(out[:, 0]) == list(range(100, 120))  # reassembled in order from all its pieces
-    firsts = [list(b.input_ids[b.cu_seqlens[:-1]]) for b in worker.batches]
-    assert sorted(v for f in firsts[2:] for v in f) == list(range(104, 120))
-    assert not any(b.urgent for b in worker.batches[2:])
+    pieces = [b for i, b in enumerate(worker.batches) if i != 2]
+    assert sorted(v for b in pieces[1:] for v in b.input_ids[b.cu_seqlens[:-1]]) == list(range(104, 120))
+    assert not any(b.urgent for b in pieces)
 
 
 async def test_a_request_of_a_few_batches_is_not_split(held):

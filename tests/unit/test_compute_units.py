@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from encoderd.server.base.config import ServerConfig
-from encoderd.server.base.errors import InvalidInput
+from encoderd.server.base.errors import BackendError, InvalidInput
+from encoderd.server.models import compute
 from encoderd.server.models.compute import TokenIds, check_inputs
 from encoderd.server.models.media import Content
 
@@ -42,3 +43,17 @@ def test_what_passes():
     assert check_inputs(CONFIG, [ids], "documents") == [ids]
     with pytest.raises(InvalidInput, match="`documents` is empty"):
         check_inputs(CONFIG, [], "documents")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_rows_are_refused_by_name_stacked_or_ragged(bad):
+    """Stacked rows are checked in one pass (on the event loop: no loop over 2,048 rows), and the
+    message still names every bad input; ragged rows (multi-vector, sparse) row by row."""
+    stacked = np.ones((4, 3), np.float32)
+    compute._refuse_non_finite("m", stacked, [f"inputs[{i}]" for i in range(4)])  # finite: no error
+    stacked[1, 2] = stacked[3, 0] = bad
+    with pytest.raises(BackendError, match=r"for inputs\[1\], inputs\[3\];"):
+        compute._refuse_non_finite("m", stacked, [f"inputs[{i}]" for i in range(4)])
+    ragged = [np.ones((2, 3), np.float32), (np.arange(2), np.array([1.0, bad], np.float32))]
+    with pytest.raises(BackendError, match=r"for docs\[1\];"):
+        compute._refuse_non_finite("m", ragged, ["docs[0]", "docs[1]"])

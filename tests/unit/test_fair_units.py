@@ -63,17 +63,40 @@ async def test_a_query_is_sent_at_once_while_a_big_request_holds_both_replicas(t
     scheduler, (a, b) = two_replicas
     big_pending, big = request(range(1000, 1040))  # 10 batches of 4: split
     big_call = asyncio.create_task(scheduler.run(big, big_pending))
-    await until(lambda: a.batches and b.batches, "a piece of the big call on each replica")
+    await until(lambda: len(a.batches) == len(b.batches) == 2, "a piece computing and one queued, each replica")
     assert not any(batch.urgent for batch in a.batches + b.batches)
     query_pending, query = request([7])
     query_task = asyncio.create_task(scheduler.run(query, query_pending))
-    await until(lambda: len(a.batches) + len(b.batches) == 3, "the query was sent")
+    await until(lambda: len(a.batches) + len(b.batches) == 5, "the query was sent")
     sent = [batch for batch in a.batches + b.batches if batch.urgent]
     assert len(sent) == 1 and list(sent[0].input_ids) == [7] * 10
     for worker in (a, b):
         worker.release.set()
     assert (await query_task)[0, 0] == 7
     assert list((await big_call)[:, 0]) == list(range(1000, 1040))
+
+
+async def test_a_big_request_keeps_a_piece_queued_at_each_worker_while_queries_come(two_replicas):
+    """Beside a query in flight (live work, which stops bulk prefetching) each replica still takes a
+    second piece of a big call, queued in its worker behind the piece it computes (SPLIT_PREFETCH):
+    the worker's bulk lane starts the next as the last ends, not a round trip later. The replica
+    running the query takes one too (a queued piece holds no slot), and the last piece waits in the
+    queue for whichever replica frees first."""
+    scheduler, (a, b) = two_replicas
+    query_pending, query = request([7])
+    query_task = asyncio.create_task(scheduler.run(query, query_pending))
+    await until(lambda: a.batches or b.batches, "the query was sent")
+    big_pending, big = request(range(1000, 1020))  # 5 batches of 4: split
+    big_call = asyncio.create_task(scheduler.run(big, big_pending))
+    pieces = lambda w: [batch for batch in w.batches if not batch.urgent]  # noqa: E731
+    await until(lambda: len(pieces(a)) == len(pieces(b)) == 2, "two pieces at each replica")
+    for _ in range(50):  # the scheduler sends all it would in one pass: no third piece comes
+        await asyncio.sleep(0)
+    assert len(pieces(a)) == len(pieces(b)) == 2 and scheduler.queued == 4
+    assert all(batch.ahead_of_bulk for w in (a, b) for batch in pieces(w))
+    assert scheduler.tokens_ahead(Priority.INTERACTIVE) == 10  # a next query waits for none of them
+    (query_rows, big_rows) = await release_and_stop(scheduler, (a, b), query_task, big_call)
+    assert query_rows[0, 0] == 7 and list(big_rows[:, 0]) == list(range(1000, 1020))
 
 
 # ------------------------------------------------------------------ callers take turns (CALLER)
@@ -110,9 +133,9 @@ async def test_two_callers_big_requests_interleave(two_replicas):
         return await scheduler.run(items, pending)
 
     first = asyncio.create_task(call(("key", 1), range(1000, 1040)))
-    await until(lambda: all(w.batches for w in workers), "the first call holds both replicas")
+    await until(lambda: all(len(w.batches) == 2 for w in workers), "the first call holds both replicas, one ahead")
     second = asyncio.create_task(call(("key", 2), range(2000, 2040)))
-    await until(lambda: scheduler.queues[Priority.SPLIT] and scheduler.queued == 32 + 40, "the second call queued")
+    await until(lambda: scheduler.queues[Priority.SPLIT] and scheduler.queued == 24 + 40, "the second call queued")
     for worker in workers:
         worker.release.set()
     await asyncio.gather(first, second)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from encoderd.server.api.messages import embeddings_message
+from encoderd.server.api import handlers
+from encoderd.server.api.messages import Serialized, embeddings_message, with_embeddings
 from encoderd.v1 import encoderd_pb2 as pb
 
 
@@ -41,3 +42,22 @@ def test_a_non_contiguous_view_is_written_row_by_row():
     vectors = np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2]  # strided columns
     got = pb.EmbedResponse(embeddings=embeddings_message(vectors, "float32"))
     assert got.SerializeToString() == built_by_protobuf(vectors).SerializeToString()
+
+
+@pytest.mark.parametrize("response_type", [pb.EmbedResponse, pb.EmbedMultimodalResponse])
+@pytest.mark.parametrize("output_dtype", ["float32", "int8", "binary"])
+@pytest.mark.parametrize("usage", [pb.Usage(prompt_tokens=9, total_tokens=9), None])
+def test_an_answer_with_embeddings_is_the_bytes_protobuf_sends(response_type, output_dtype, usage):
+    """with_embeddings writes float32 vectors in wire format between the response's own fields and
+    hands gRPC the bytes (Serialized, sent as they are: no copy into messages, no serializing back):
+    the very bytes protobuf sends for the same response, fields in number order; quantized ones as
+    messages, as before."""
+    vectors = np.random.default_rng(1).standard_normal((5, 16)).astype(np.float32)
+    fields = {"model": "m", "usage": usage} if usage else {"model": "m"}
+    got = with_embeddings(response_type(**fields), vectors, output_dtype)
+    expected = response_type(**fields, embeddings=embeddings_message(vectors, output_dtype))
+    assert isinstance(got, Serialized) == (output_dtype == "float32")
+    sent = handlers._serialize(got)
+    assert sent == expected.SerializeToString() and response_type.FromString(sent) == expected
+    if output_dtype == "float32":
+        assert sent == response_type(**fields, embeddings=built_by_protobuf(vectors).embeddings).SerializeToString()

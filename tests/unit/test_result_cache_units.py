@@ -55,3 +55,27 @@ async def test_a_dead_worker_fails_the_waiters_too():
     with pytest.raises(Unavailable):
         await waiter
     assert computed == []
+
+
+def _numbered_rows(indices: list[int]):
+    """Row i holds the key's own number: where an answer's row came from is visible."""
+    return np.array([[i, i] for i in indices], np.float32), np.full(len(indices), 7)
+
+
+async def test_an_answer_computed_whole_is_the_computes_rows_read_only():
+    """Every input new and distinct (a big call's usual case): the compute's rows are the answer, not
+    stacked again row by row on the event loop; read-only, as the LRU keeps views of them."""
+    cache, outputs = ResultCache("m", max_entries=10), []
+
+    async def compute(indices):
+        rows, counts = _numbered_rows(indices)
+        outputs.append(rows)
+        return rows, counts
+
+    rows, _ = await cache.resolve([b"a", b"b", b"c"], compute)
+    assert rows is outputs[0] and not rows.flags.writeable
+    with pytest.raises(ValueError):
+        rows[0, 0] = 5  # a caller that changed the answer in place would change the cached rows
+    again, _ = await cache.resolve([b"c", b"d", b"a", b"d"], compute)  # two cached, one repeated
+    assert again.tolist() == [[2, 2], [1, 1], [0, 0], [1, 1]] and again is not outputs[1]
+    assert outputs[1].tolist() == [[1, 1]]  # only d computed, once (its index in that request: 1)
