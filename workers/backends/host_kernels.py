@@ -396,11 +396,12 @@ def find_compiler() -> list[str] | None:
     return None
 
 
-def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS) -> Kernels:
-    """The library built by `compiler` with `flags` (the tests build it for older targets too)."""
+def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Kernels:
+    """The library built by `compiler` with `flags` (the tests build it for older targets too) from
+    `source` (bench.attention builds an older commit's beside this one's)."""
     with tempfile.TemporaryDirectory(prefix="encoderd-kernels-") as folder:
         path = Path(folder) / "host_kernels.so"
-        command = [*compiler, *flags, "-o", str(path), str(SOURCE)]
+        command = [*compiler, *flags, "-o", str(path), str(source)]
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
         library = ctypes.CDLL(str(path))
     softmax_rows = library.softmax_rows_bf16
