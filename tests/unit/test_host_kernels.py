@@ -230,7 +230,8 @@ def test_attend_full_takes_the_scale_and_separate_dense_tensors(fresh_kernel, on
 def test_attend_full_leaves_other_cases_to_the_operators(fresh_kernel, one_thread):
     """Where the kernel does not serve, attend_full answers None and never calls it: two threads, float32,
     grouped-query heads, a head size that is not a multiple of 16 or past 256, q, k, v laid out differently,
-    int64 cu_seqlens, or cu_seqlens that do not cover the tokens."""
+    int64 cu_seqlens, cu_seqlens that do not cover the tokens, or a scale that is not positive (the kernel
+    finds each row's largest score before scaling it)."""
     built = host_kernels.kernels()
     assert built is not None
     calls = []
@@ -249,6 +250,8 @@ def test_attend_full_leaves_other_cases_to_the_operators(fresh_kernel, one_threa
     with mock.patch.object(host_kernels, "kernels", return_value=counting):
         for name, (q_, k_, v_, cu_) in cases.items():
             assert host_kernels.attend_full(q_, k_, v_, _batch(cu_), None) is None, name
+        for scale in (-0.3, 0.0):
+            assert host_kernels.attend_full(q, k, v, _batch(cu_seqlens), scale) is None, scale
         torch.set_num_threads(2)
         assert host_kernels.attend_full(q, k, v, _batch(cu_seqlens), None) is None
     assert calls == []

@@ -15,6 +15,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define LANES 16
 typedef float floats __attribute__((vector_size(4 * LANES)));
@@ -553,6 +556,41 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
 
 static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+/* The larger of a and b in each lane (one vmaxps where AVX-512 is targeted; elsewhere compare and select). */
+static inline floats lanes_max(floats a, floats b) {
+#ifdef __AVX512F__
+    floats out;
+    __m512 x, y;
+    memcpy(&x, &a, sizeof x);
+    memcpy(&y, &b, sizeof y);
+    x = _mm512_max_ps(x, y);
+    memcpy(&out, &x, sizeof out);
+    return out;
+#else
+    ints greater = a > b;
+    return (floats)(((ints)a & greater) | ((ints)b & ~greater));
+#endif
+}
+
+/* The largest lane of v and the sum of its lanes, by halving the vector four times: a chain of 4 vector
+ * steps, where lane by lane it was 15 dependent scalar ones, twice for each row of every tile (a short
+ * sequence's row has one or two vectors of scores: the reductions weighed as much as its exponentials). */
+static inline float largest_lane(floats v) {
+    v = lanes_max(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = lanes_max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = lanes_max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = lanes_max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+
+static inline float lanes_sum(floats v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
 /* Where `heads` consecutive heads of one sequence lie: in q, k, v (elements) and packed (bytes per head). */
 struct heads_layout {
     int64_t token_stride, head_stride, heads, per_head;
@@ -566,15 +604,18 @@ static inline float widen(uint16_t h) {
     return f;
 }
 
-/* A vector of 16 keys' scores, the first `first`: scaled, the lanes of keys past `length` (padding) set to
- * -inf (their exponentials are then 0), stored at `to`; *top keeps the lanes' maxima. */
-static inline void keep_scores(floats s, float scale, int64_t first, int64_t length, float *to, floats *top) {
-    const ints lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    ints valid = lane < (int32_t)(length - first);
-    s = (floats)(((ints)(s * scale) & valid) | ((ints)((floats){0} - INFINITY) & ~valid));
+/* A vector of 16 keys' scores, the first `first`, stored at `to` unscaled (softmax_tile scales them in the
+ * same multiply-add that subtracts the maximum; the scale is positive, so the maximum is the same key's);
+ * in the last block, the lanes of keys past `length` (padding) set to -inf (their exponentials are then
+ * 0). *top keeps the lanes' maxima. */
+static inline void keep_scores(floats s, int64_t first, int64_t length, float *to, floats *top) {
+    if (length - first < LANES) {
+        const ints lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        ints valid = lane < (int32_t)(length - first);
+        s = (floats)(((ints)s & valid) | ((ints)((floats){0} - INFINITY) & ~valid));
+    }
     memcpy(to, &s, sizeof s);
-    ints greater = s > *top;
-    *top = (floats)(((ints)s & greater) | ((ints)*top & ~greater));
+    *top = lanes_max(s, *top);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -615,8 +656,7 @@ static void value_pack(const uint16_t *v, const struct heads_layout *at, int64_t
 
 /* scores[r][16 b + lane] = q_r . key (16 b + lane) for `blocks` (1 or 2) blocks of 16 keys from `block`. */
 static inline void scores_tile(const uint16_t *const q[ROWS], const uint16_t *keys, int64_t dim, int64_t block,
-                               int blocks, float scale, int64_t length, float *scores, int64_t scores_stride,
-                               floats top[ROWS]) {
+                               int blocks, int64_t length, float *scores, int64_t scores_stride, floats top[ROWS]) {
     __m512 sums[ROWS][2];
     for (int r = 0; r < ROWS; r++)
         sums[r][0] = sums[r][1] = _mm512_setzero_ps();
@@ -638,7 +678,7 @@ static inline void scores_tile(const uint16_t *const q[ROWS], const uint16_t *ke
             floats sum;
             memcpy(&sum, &sums[r][b], sizeof sum);
             int64_t first = (block + b) * LANES;
-            keep_scores(sum, scale, first, length, scores + r * scores_stride + first, &top[r]);
+            keep_scores(sum, first, length, scores + r * scores_stride + first, &top[r]);
         }
 }
 
@@ -670,20 +710,25 @@ static inline void context_tile(const weight_t *weights, int64_t weights_stride,
         }
 }
 
-/* e^t for t <= 0 as weights rounded to bfloat16 need it: t = n ln2 + r, e^r by its Taylor series to r^4
- * (under 5e-5 relative; a bfloat16 step is 8e-3), scaled by 2^n in one instruction (vscalefps); 0 below
- * -87, as for padding's -inf. Half the instructions of exp_nonpositive, whose 2e-7 bfloat16 drops. */
+/* 2^t for t <= 0 as weights rounded to bfloat16 need it (softmax_tile's exponents count in log2 e per
+ * natural unit, WEIGHT_EXPONENT_UNIT, so no multiply by log2 e and no two-part ln 2 reduction here):
+ * t = n + r with |r| <= 1/2, 2^r by a degree-4 polynomial (EXP2_TERMS: a least-squares fit of the
+ * relative error at 2,000 Chebyshev nodes of [-1/2, 1/2]; within 2.7e-6 relative, where e^r's Taylor
+ * series to r^4 was 5e-5; a bfloat16 step is 8e-3), scaled by 2^n in one instruction (vscalefps); 0
+ * below -125 (float32's smallest normals), as for padding's -inf. */
+static const float WEIGHT_EXPONENT_UNIT = LOG2E;
+static const float EXP2_TERMS[] = {0.00956051f, 0.05591704f, 0.24024981f, 0.69312197f, 0.99999917f};
+
 static inline floats exp_for_weights(floats t) {
     __m512 x;
     memcpy(&x, &t, sizeof x);
-    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 24.0f), _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(EXP2_TERMS[0]), _mm512_set1_ps(EXP2_TERMS[1]));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP2_TERMS[2]));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP2_TERMS[3]));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP2_TERMS[4]));
     __m512 e = _mm512_maskz_scalef_ps(live, p, n);
     floats out;
     memcpy(&out, &e, sizeof out);
@@ -726,8 +771,7 @@ static void value_pack(const uint16_t *v, const struct heads_layout *at, int64_t
 }
 
 static inline void scores_tile(const uint16_t *const q[ROWS], const float *keys, int64_t dim, int64_t block,
-                               int blocks, float scale, int64_t length, float *scores, int64_t scores_stride,
-                               floats top[ROWS]) {
+                               int blocks, int64_t length, float *scores, int64_t scores_stride, floats top[ROWS]) {
     floats sums[ROWS][2] = {{{0}}};
     const float *first = keys + block * LANES * dim;
     for (int64_t d = 0; d < dim; d++) {
@@ -743,7 +787,7 @@ static inline void scores_tile(const uint16_t *const q[ROWS], const float *keys,
     for (int r = 0; r < ROWS; r++)
         for (int b = 0; b < blocks; b++) {
             int64_t first = (block + b) * LANES;
-            keep_scores(sums[r][b], scale, first, length, scores + r * scores_stride + first, &top[r]);
+            keep_scores(sums[r][b], first, length, scores + r * scores_stride + first, &top[r]);
         }
 }
 
@@ -767,6 +811,8 @@ static inline void context_tile(const weight_t *weights, int64_t weights_stride,
 }
 
 static inline void keep_weights(floats e, weight_t *to) { memcpy(to, &e, sizeof e); }
+
+static const float WEIGHT_EXPONENT_UNIT = 1.0f; /* natural exponents: exp_nonpositive */
 
 static inline floats exp_for_weights(floats t) { return exp_nonpositive(t); }
 
@@ -792,28 +838,24 @@ int64_t attention_scratch_bytes(int64_t longest, int64_t dim) {
     return (packed > PACK_BYTES ? packed : PACK_BYTES) + rows + ALIGN;
 }
 
-/* Softmax of ROWS rows of scores (scaled, padded with -inf to whole vectors; top[r]: the lanes' maxima
- * of row r) into weights: the exponentials of the scores less the row's maximum, as the second product
- * reads them; norm[r] = 1 / their sum. */
-static void softmax_tile(const float *scores, int64_t stride, int64_t length, const floats top[ROWS],
+/* Softmax of ROWS rows of scores (unscaled, padded with -inf to whole vectors; top[r]: the lanes' maxima
+ * of row r) into weights: the exponentials of scale x (score - the row's maximum), as the second product
+ * reads them; norm[r] = 1 / their sum. The exponent is one multiply-add, in exp_for_weights' unit. */
+static void softmax_tile(const float *scores, int64_t stride, int64_t length, float scale, const floats top[ROWS],
                          weight_t *weights, float norm[ROWS]) {
     int64_t padded = round_up(length, LANES);
+    float unit = scale * WEIGHT_EXPONENT_UNIT;
     for (int r = 0; r < ROWS; r++) {
-        float most = top[r][0];
-        for (int j = 1; j < LANES; j++)
-            most = top[r][j] > most ? top[r][j] : most;
+        float shift = -largest_lane(top[r]) * unit;
         floats sums = {0};
         for (int64_t j = 0; j < padded; j += LANES) {
             floats s;
             memcpy(&s, scores + r * stride + j, sizeof s);
-            floats e = exp_for_weights(s - most);
+            floats e = exp_for_weights(s * unit + shift);
             keep_weights(e, weights + r * stride + j);
             sums += e;
         }
-        float total = 0.0f;
-        for (int j = 0; j < LANES; j++)
-            total += sums[j];
-        norm[r] = 1.0f / total;
+        norm[r] = 1.0f / lanes_sum(sums);
     }
 }
 
@@ -838,16 +880,32 @@ static void attend_head(const uint16_t *q, int64_t stride, const void *key_packe
             top[r] = (floats){0} - INFINITY;
         int64_t block = 0;
         for (; block + 2 <= keys / LANES; block += 2)
-            scores_tile(rows, key_packed, dim, block, 2, scale, length, scores, keys, top);
+            scores_tile(rows, key_packed, dim, block, 2, length, scores, keys, top);
         if (block < keys / LANES)
-            scores_tile(rows, key_packed, dim, block, 1, scale, length, scores, keys, top);
+            scores_tile(rows, key_packed, dim, block, 1, length, scores, keys, top);
         float norm[ROWS];
-        softmax_tile(scores, keys, length, top, weights, norm);
+        softmax_tile(scores, keys, length, scale, top, weights, norm);
         int64_t c = 0;
         for (; c + 2 <= dim / LANES; c += 2)
             context_tile(weights, keys, value_packed, length, dim, c, 2, norm, outs);
         if (c < dim / LANES)
             context_tile(weights, keys, value_packed, length, dim, c, 1, norm, outs);
+    }
+}
+
+/* Asks for tokens [begin, end)'s q, k and v (every head: `row_bytes` from each token's first) to be
+ * brought into the core's L2. The next sequence's, a slice per head of this one (attend_full_bf16):
+ * its packing then finds them there, where the QKV projection's output (tokens x 3 x heads x dim,
+ * megabytes) had left them in L3 or memory; key_pack and value_pack waited on those reads for ~15 % of
+ * the kernel at 256 tokens. */
+static void prefetch_tokens(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t token_stride,
+                            int64_t row_bytes, int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+        const char *rows[3] = {(const char *)(k + t * token_stride), (const char *)(v + t * token_stride),
+                               (const char *)(q + t * token_stride)};
+        for (int i = 0; i < 3; i++)
+            for (int64_t b = 0; b < row_bytes; b += 64)
+                __builtin_prefetch(rows[i] + b, 0, 2);
     }
 }
 
@@ -857,10 +915,12 @@ static void attend_head(const uint16_t *q, int64_t stride, const void *key_packe
 void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, int64_t token_stride,
                       int64_t head_stride, uint16_t *out, const int32_t *cu_seqlens, int64_t sequences,
                       int64_t heads, int64_t dim, float scale, void *work) {
+    int64_t row_bytes = ((heads - 1) * head_stride + dim) * 2;
     for (int64_t s = 0; s < sequences; s++) {
         int64_t first = cu_seqlens[s], length = cu_seqlens[s + 1] - first;
         if (length <= 0)
             continue;
+        int64_t next = first + length, next_length = s + 1 < sequences ? cu_seqlens[s + 2] - next : 0;
         int64_t group = heads_at_once(length, dim, heads), packed = packed_bytes(length, dim);
         char *keys = work, *values = keys + group * packed, *rows = values + group * packed;
         for (int64_t g = 0; g < heads; g += group) {
@@ -868,9 +928,12 @@ void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
             int64_t from = first * token_stride + g * head_stride;
             key_pack(k + from, &at, length, dim, keys);
             value_pack(v + from, &at, length, dim, values);
-            for (int64_t h = 0; h < at.heads; h++)
+            for (int64_t h = 0; h < at.heads; h++) {
+                int64_t slice = next_length * (g + h) / heads, slice_end = next_length * (g + h + 1) / heads;
+                prefetch_tokens(q, k, v, token_stride, row_bytes, next + slice, next + slice_end);
                 attend_head(q + from + h * head_stride, token_stride, keys + h * packed, values + h * packed,
                             out + first * heads * dim + (g + h) * dim, heads * dim, length, dim, scale, rows);
+            }
         }
     }
 }

@@ -9,7 +9,7 @@
   instead of two (1.4-1.6x torch's add then layer_norm at hidden sizes 384 and 768).
 * attend_full: a layer's attention over the whole packed batch in one call where every key is visible
   to every query of its sequence (BERT's full window): scores and softmax in float32, avx512_bf16
-  products where the CPU has them (1.8-5.8x the per-sequence operators over 512 down to 16 tokens,
+  products where the CPU has them (2.1-8.7x the per-sequence operators over 256 down to 16 tokens,
   MiniLM's heads; bench/attention.py); as close to float32 SDPA as torch's bfloat16 SDPA is.
 * quantize_rows, rescale_rows: an int8 linear's (int8_linear.py) passes around torch._int_mm, in
   bfloat16 or float32. Its input times the SmoothQuant scale, each token's max |x|, and the int8 values,
@@ -140,18 +140,21 @@ def attend_full(
     views of the fused QKV projection serve as they are), scores and softmax in float32, the context
     (tokens, heads, dim) a new dense tensor. None where the kernel does not serve (then packed_pieces'
     per-sequence operators): not built, not one thread, not bfloat16, grouped-query heads, q, k and v
-    laid out differently, or a head size that is not a multiple of 16 (or past MAX_HEAD_SIZE)."""
+    laid out differently, a head size that is not a multiple of 16 (or past MAX_HEAD_SIZE), or a scale
+    that is not positive."""
     built = _serving(q)
     if built is None or not _kernel_attention(q, k, v, batch):
         return None
     tokens, heads, dim = q.shape
+    scaling = dim**-0.5 if scale is None else scale
+    if not scaling > 0:  # the kernel takes each row's largest unscaled score for the largest scaled one
+        return None
     out = torch.empty(tokens, heads, dim, dtype=q.dtype)
     scratch = torch.empty(built.attention_scratch_bytes(batch.longest, dim), dtype=torch.uint8)
     cu_seqlens = batch.cu_seqlens
     sequences = cu_seqlens.shape[0] - 1
     pointers = (t.data_ptr() for t in (q, k, v))
     strides = q.stride()[:2]
-    scaling = dim**-0.5 if scale is None else scale
     arguments = (*strides, out.data_ptr(), cu_seqlens.data_ptr(), sequences, heads, dim, scaling, scratch.data_ptr())
     _run("encoderd::attention", built.attend_full, *pointers, *arguments)
     return out
