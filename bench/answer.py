@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -99,11 +100,6 @@ def measure(checkout: str | None, args) -> list[list[float]]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--inputs", type=int, default=2048, help="inputs of the call (default: %(default)s)")
@@ -121,7 +117,8 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         order = sides if r % 2 == 0 else sides[::-1]
         measured = {label: measure(checkout, args) for label, checkout in order}
-        rounds.append({label: (median([f for f, _ in m]), median([e for _, e in m])) for label, m in measured.items()})
+        median = statistics.median
+        rounds.append({label: (median(f for f, _ in m), median(e for _, e in m)) for label, m in measured.items()})
     labels = [label for label, _ in sides]
     print(
         f"CPU ms per {args.inputs} x {args.width} answer, median of {args.repeats}, rounds alternated: the rows "

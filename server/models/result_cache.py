@@ -75,18 +75,23 @@ class ResultCache:
         rows: list = [None] * len(keys)
         tokens = [0] * len(keys)
         unresolved = list(range(len(keys)))
-        computed: list = []  # each round's compute output, when it computed every input of the round itself
+        whole = []  # each round's compute output, where that round computed every one of its inputs itself
         while unresolved:
-            unresolved = await self._resolve_round(keys, unresolved, rows, tokens, compute, remember, computed)
-        if stack and len(computed) == 1 and len(computed[0]) == len(keys) and isinstance(computed[0], np.ndarray):
+            unresolved, out = await self._resolve_round(keys, unresolved, rows, tokens, compute, remember)
+            if out is not None:
+                whole.append(out)
+        if stack and len(whole) == 1 and len(whole[0]) == len(keys) and isinstance(whole[0], np.ndarray):
             # One compute of every input, in order (no repeat, cache hit or shared input): its rows are
             # the answer as they are. Stacking 2,048 row views again held the event loop ~5 ms. Read-only:
             # the LRU and the requests that shared an input hold views of the same rows.
-            computed[0].flags.writeable = False
-            return computed[0], TokenCount(tokens)
+            whole[0].flags.writeable = False
+            return whole[0], TokenCount(tokens)
         return (np.stack(rows) if stack else rows), TokenCount(tokens)
 
-    async def _resolve_round(self, keys, indices, rows, tokens, compute, remember: bool, computed: list) -> list[int]:
+    async def _resolve_round(self, keys, indices, rows, tokens, compute, remember: bool):
+        """One pass over `indices`: fills `rows` from the LRU, the inputs in flight and its own compute.
+        Returns the indices to retry (their owner failed) and the compute's output where this round
+        computed all of `indices` itself, else None."""
         owned: dict[bytes, list[int]] = {}
         waiting: dict[bytes, tuple[asyncio.Future, list[int]]] = {}
         for i in indices:
@@ -106,10 +111,11 @@ class ResultCache:
                 owned[key] = [i]
                 if self.max_entries:
                     metrics.series(metrics.CACHE, self.model, "miss").inc()
+        whole = None
         if owned:
             out = await self._compute_owned(owned, rows, tokens, compute, remember)
             if len(owned) == len(indices):
-                computed.append(out)
+                whole = out
         retry = []
         for future, where in waiting.values():
             try:
@@ -119,7 +125,7 @@ class ResultCache:
                 continue
             for i in where:
                 rows[i], tokens[i] = row, count
-        return retry
+        return retry, whole
 
     async def _compute_owned(self, owned: dict[bytes, list[int]], rows, tokens, compute, remember: bool):
         """Compute the inputs first named by `owned`'s keys; returns the compute's rows (theirs, in order)."""
