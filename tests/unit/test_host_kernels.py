@@ -1,5 +1,6 @@
 """The kernels built for this host (workers/backends/host_kernels.py, host_kernels.c): softmax and
 add + LayerNorm (bfloat16) equal to torch's operators within bfloat16's rounding wherever they serve,
+mean pooling equal to segment_reduce's float32 mean bit for bit,
 packed attention as close to float32 SDPA as torch's bfloat16 SDPA is, an int8 linear's quantize and
 rescale (bfloat16 or float32) equal to torch's within the dtype's rounding; built for this CPU and (the
 attention kernel) for older targets (no AVX-512, plain x86-64), and torch's own operators wherever they
@@ -549,3 +550,70 @@ def test_add_layer_norm_leaves_other_cases_to_torch(fresh_kernel, one_thread):
         full = torch.nn.LayerNorm(64).requires_grad_(False)
         assert torch.equal(host_kernels.add_layer_norm(full, a.float(), b.float()), full(a.float() + b.float()))
     assert calls == []
+
+
+@needs_compiler
+def test_add_layer_norm_of_a_batch_equals_its_rows_one_by_one(one_thread):
+    """The kernel widens the norm's weight and bias once per call for all its rows: a 300-row call equals
+    300 one-row calls bit for bit, also written over its own input (out is a), at widths with a tail."""
+    assert host_kernels.kernels() is not None
+    for width in (100, 384):
+        norm, a, b = _norm_and_inputs(width, seed=width + 1)
+        whole = host_kernels.add_layer_norm(norm, a, b)
+        by_row = torch.cat([host_kernels.add_layer_norm(norm, a[i : i + 1], b[i : i + 1]) for i in range(len(a))])
+        assert torch.equal(whole, by_row)
+        built = host_kernels.kernels()
+        scratch = host_kernels._norm_scratch(width)
+        pointers = (t.data_ptr() for t in (a, b, norm.weight, norm.bias, a))
+        built.add_layer_norm(*pointers, len(a), width, norm.eps, scratch.data_ptr())
+        assert torch.equal(a, whole)
+
+
+def _packed_states(width: int, lengths: list[int], seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(sum(lengths), width, generator=generator) * 3).bfloat16()
+    return hidden, torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+
+
+@needs_compiler
+@pytest.mark.parametrize("width", [8, 100, 384, 768])
+def test_mean_tokens_equals_segment_reduce_bit_for_bit(width, one_thread):
+    """Mean pooling from the bfloat16 states equals segment_reduce's float32 mean over them exactly (the
+    same additions in the same order, the same division), one-token and 300-token sequences among them."""
+    assert host_kernels.kernels() is not None
+    hidden, cu_seqlens = _packed_states(width, [1, 7, 300, 16, 1, 45], seed=width)
+    before = hidden.clone()
+    got = host_kernels.mean_tokens(hidden, cu_seqlens)
+    want = torch.segment_reduce(hidden.float(), "mean", lengths=cu_seqlens.diff(), axis=0)
+    assert got is not None and got.dtype == torch.float32
+    assert torch.equal(got, want)
+    assert torch.equal(hidden, before)
+
+
+@needs_compiler
+def test_mean_pooling_takes_the_kernel_only_where_it_serves(one_thread):
+    """PackedEncoder.pool: mean pooling alone of bfloat16 states on one thread goes through the kernel;
+    two threads, float32 states or several modes keep segment_reduce; every way gives the same rows."""
+    from encoderd.workers.backends.packed_encoder import PackedEncoder
+    from encoderd.workers.contract.model_spec import Pooling
+
+    hidden, cu_seqlens = _packed_states(384, [3, 50, 9], seed=4)
+    want = torch.segment_reduce(hidden.float(), "mean", lengths=cu_seqlens.diff(), axis=0)
+    built = host_kernels.kernels()
+    assert built is not None
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        built.mean_rows(*args)
+
+    counting = dataclasses.replace(built, mean_rows=counted)
+    with mock.patch.object(host_kernels, "kernels", return_value=counting):
+        assert torch.equal(PackedEncoder.pool(hidden, cu_seqlens, Pooling.MEAN), want)
+        assert len(calls) == 1
+        assert torch.equal(PackedEncoder.pool(hidden.float(), cu_seqlens, Pooling.MEAN), want)
+        twice = PackedEncoder.pool(hidden, cu_seqlens, (Pooling.MEAN, Pooling.MEAN))
+        assert torch.equal(twice, torch.cat([want, want], dim=1))
+        torch.set_num_threads(2)
+        assert torch.equal(PackedEncoder.pool(hidden, cu_seqlens, Pooling.MEAN), want)
+    assert len(calls) == 1

@@ -7,6 +7,7 @@
  *
  *   softmax_rows_bf16   attention's softmax, in place
  *   add_layer_norm_bf16 LayerNorm(a + b): a BERT layer's residual add and norm in one pass
+ *   mean_rows_bf16      mean pooling over a packed batch's sequences, summed in float32
  *   attend_full_bf16    attention over a packed batch, BERT's full window, one call per layer
  *   quantize_rows       an int8 linear's input: SmoothQuant scale, per-token absmax, int8, in one pass
  *   rescale_rows        an int8 linear's output: int32 x token scale x channel scale + bias (+ GELU)
@@ -112,22 +113,41 @@ void softmax_rows_bf16(uint16_t *data, int64_t rows, int64_t cols, int64_t row_s
     }
 }
 
+/* v rounded to bfloat16 (to nearest, ties to even; the values are finite) and widened back to float32:
+ * store_bf16 then load_bf16 without leaving the registers. */
+static inline floats round_to_bf16(floats v) {
+    uints bits = (uints)v;
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (floats)(bits & 0xFFFF0000u);
+}
+
 /* out = LayerNorm(a + b) over rows of `cols` values (a, b, out: rows x cols, contiguous; weight and
  * bias: cols bfloat16; out may be a or b). a + b is rounded to bfloat16 first, as torch's add stores
  * it; mean and variance (biased, two passes) in float32, as torch's bfloat16 layer_norm computes them.
- * work holds cols + LANES floats. */
+ * work holds 3 x (cols rounded up to LANES) floats: a row's sums, and the weight and bias widened once
+ * for all rows. */
 void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *weight, const uint16_t *bias,
                          uint16_t *out, int64_t rows, int64_t cols, float eps, float *work) {
+    int64_t width = (cols + LANES - 1) / LANES * LANES;
+    float *scale = work + width, *shift = work + 2 * width;
+    for (int64_t j = 0; j < cols; j += LANES) {
+        int64_t count = cols - j < LANES ? cols - j : LANES;
+        floats w = load_bf16(weight + j, count, 0.0f), c = load_bf16(bias + j, count, 0.0f);
+        memcpy(scale + j, &w, sizeof w);
+        memcpy(shift + j, &c, sizeof c);
+    }
+    int64_t whole = cols / LANES * LANES; /* the vectors every lane of which is in the row */
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *x = a + i * cols, *y = b + i * cols;
         floats sums = {0};
-        for (int64_t j = 0; j < cols; j += LANES) {
-            int64_t count = cols - j < LANES ? cols - j : LANES;
-            floats v = load_bf16(x + j, count, 0.0f) + load_bf16(y + j, count, 0.0f);
-            uint16_t rounded[LANES];
-            store_bf16(rounded, v, LANES);
-            v = load_bf16(rounded, count, 0.0f); /* the sum as torch's bfloat16 add leaves it; 0 past the row */
+        for (int64_t j = 0; j < whole; j += LANES) {
+            floats v = round_to_bf16(load_bf16(x + j, LANES, 0.0f) + load_bf16(y + j, LANES, 0.0f));
             memcpy(work + j, &v, sizeof v);
+            sums += v;
+        }
+        if (whole < cols) { /* 0 past the row: it adds nothing to the sums */
+            floats v = round_to_bf16(load_bf16(x + whole, cols - whole, 0.0f) + load_bf16(y + whole, cols - whole, 0.0f));
+            memcpy(work + whole, &v, sizeof v);
             sums += v;
         }
         float total = 0.0f;
@@ -135,12 +155,17 @@ void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *w
             total += sums[j];
         float mean = total / (float)cols;
         floats squares = {0};
-        for (int64_t j = 0; j < cols; j += LANES) {
+        for (int64_t j = 0; j < whole; j += LANES) {
             floats v;
             memcpy(&v, work + j, sizeof v);
-            int64_t count = cols - j < LANES ? cols - j : LANES;
             floats d = v - mean;
-            for (int64_t k = count; k < LANES; k++)
+            squares += d * d;
+        }
+        if (whole < cols) {
+            floats v;
+            memcpy(&v, work + whole, sizeof v);
+            floats d = v - mean;
+            for (int64_t k = cols - whole; k < LANES; k++)
                 d[k] = 0.0f; /* lanes past the row */
             squares += d * d;
         }
@@ -151,10 +176,44 @@ void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *w
         uint16_t *row = out + i * cols;
         for (int64_t j = 0; j < cols; j += LANES) {
             int64_t count = cols - j < LANES ? cols - j : LANES;
-            floats v;
+            floats v, w, c;
             memcpy(&v, work + j, sizeof v);
-            floats scaled = (v - mean) * inverse * load_bf16(weight + j, count, 0.0f) + load_bf16(bias + j, count, 0.0f);
-            store_bf16(row + j, scaled, count);
+            memcpy(&w, scale + j, sizeof w);
+            memcpy(&c, shift + j, sizeof c);
+            store_bf16(row + j, (v - mean) * inverse * w + c, count);
+        }
+    }
+}
+
+/* out[s] = the mean of rows cu_seqlens[s] .. cu_seqlens[s + 1] of x (bfloat16, rows of `cols` values),
+ * in float32: each column summed in row order from 0 and divided by the row count, the additions and the
+ * division torch's segment_reduce(x.float(), "mean") makes. Columns go in groups of MEAN_GROUP vectors,
+ * one accumulator each (independent additions in flight); the rows are walked once per group. */
+#define MEAN_GROUP 4
+void mean_rows_bf16(const uint16_t *x, const int32_t *cu_seqlens, int64_t sequences, int64_t cols, float *out) {
+    for (int64_t s = 0; s < sequences; s++) {
+        int64_t first = cu_seqlens[s], count = cu_seqlens[s + 1] - first;
+        floats length = (floats){0} + (float)count;
+        for (int64_t j = 0; j < cols; j += MEAN_GROUP * LANES) {
+            floats sums[MEAN_GROUP] = {{0}};
+            int64_t width = cols - j < MEAN_GROUP * LANES ? cols - j : MEAN_GROUP * LANES;
+            for (int64_t t = first; t < first + count; t++) {
+                const uint16_t *row = x + t * cols + j;
+                for (int g = 0; g < MEAN_GROUP; g++) {
+                    int64_t lanes = width - g * LANES;
+                    if (lanes >= LANES)
+                        sums[g] += load_bf16(row + g * LANES, LANES, 0.0f);
+                    else if (lanes > 0)
+                        sums[g] += load_bf16(row + g * LANES, lanes, 0.0f);
+                }
+            }
+            for (int g = 0; g < MEAN_GROUP; g++) {
+                int64_t lanes = width - g * LANES;
+                if (lanes <= 0)
+                    break;
+                floats mean = sums[g] / length;
+                memcpy(out + s * cols + j + g * LANES, &mean, 4 * (lanes < LANES ? lanes : LANES));
+            }
         }
     }
 }

@@ -7,6 +7,10 @@
   corpus's lengths.
 * add_layer_norm: LayerNorm(a + b), a BERT layer's residual add and norm in one pass over the tokens
   instead of two (1.4-1.6x torch's add then layer_norm at hidden sizes 384 and 768).
+* mean_tokens: mean pooling over a packed batch's sequences from the bfloat16 states, summed in float32
+  row after row as segment_reduce sums them, but along the row's vectors: segment_reduce walks the
+  batch once per column (and the states were first copied to float32), 4.4 ms for an 8,300-token
+  MiniLM batch, ~0.9 % of its forward.
 * attend_full: a layer's attention over the whole packed batch in one call where every key is visible
   to every query of its sequence (BERT's full window): scores and softmax in float32, avx512_bf16
   products where the CPU has them (2.1-8.7x the per-sequence operators over 256 down to 16 tokens,
@@ -91,6 +95,7 @@ class Kernels:
 
     softmax_rows: Any
     add_layer_norm: Any
+    mean_rows: Any
     attend_full: Any
     attention_scratch_bytes: Any
     attention_products: str  # "avx512_bf16" (vdpbf16ps) or "float32" (multiply-adds): what this build targets
@@ -125,11 +130,32 @@ def add_layer_norm(norm: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> t
         return norm(a + b)
     out = torch.empty_like(a)
     cols = a.shape[-1]
-    scratch = torch.empty(cols + LANES, dtype=torch.float32)
+    scratch = _norm_scratch(cols)
     rows = a.numel() // cols
     pointers = (a.data_ptr(), b.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr())
     _run("encoderd::add_layer_norm", built.add_layer_norm, *pointers, rows, cols, norm.eps, scratch.data_ptr())
     return out
+
+
+def mean_tokens(hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor | None:
+    """Each sequence's mean row of the bfloat16 `hidden` (tokens, width), in float32: equal to
+    torch.segment_reduce(hidden.float(), "mean", lengths=cu_seqlens.diff(), axis=0), bit for bit.
+    None where the kernel does not serve (not built, not one thread, not bfloat16 dense rows)."""
+    built = _serving(hidden)
+    if built is None or hidden.dim() != 2 or not hidden.is_contiguous() or cu_seqlens.dtype != torch.int32:
+        return None
+    sequences, cols = cu_seqlens.shape[0] - 1, hidden.shape[1]
+    out = torch.empty(sequences, cols, dtype=torch.float32)
+    bounds = cu_seqlens.contiguous()  # held: the kernel reads it
+    pointers = (hidden.data_ptr(), bounds.data_ptr())
+    _run("encoderd::mean_tokens", built.mean_rows, *pointers, sequences, cols, out.data_ptr())
+    return out
+
+
+def _norm_scratch(cols: int) -> torch.Tensor:
+    """add_layer_norm_bf16's work: a row's sums, the weight and the bias in float32, each `cols` rounded
+    up to whole vectors."""
+    return torch.empty(3 * (-(-cols // LANES) * LANES), dtype=torch.float32)
 
 
 def attend_full(
@@ -373,6 +399,7 @@ def kernels() -> Kernels | None:
     checks = (
         _check_softmax,
         _check_add_layer_norm,
+        _check_mean_rows,
         _check_attention,
         _check_quantize_rows,
         _check_rescale_rows,
@@ -385,7 +412,8 @@ def kernels() -> Kernels | None:
     flags = " ".join(FLAGS)
     products = built.attention_products
     gemm = "int8 GEMM by avx512_vnni with its rescale" if built.int8_gemm else "torch's int8 GEMM (no avx512_vnni)"
-    names = f"bfloat16 softmax, add + LayerNorm, attention by {products} products; int8 quantize, rescale; {gemm}"
+    bf16 = f"bfloat16 softmax, add + LayerNorm, mean pooling, attention by {products} products"
+    names = f"{bf16}; int8 quantize, rescale; {gemm}"
     log.info("host kernels (%s): built by %s %s in %.1f s", names, compiler[0], flags, elapsed)
     return built
 
@@ -411,6 +439,8 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
     softmax_rows.argtypes = [_pointer, _size, _size, _size, _pointer]
     add_layer_norm = library.add_layer_norm_bf16
     add_layer_norm.argtypes = [*[_pointer] * 5, _size, _size, ctypes.c_float, _pointer]
+    mean_rows = library.mean_rows_bf16
+    mean_rows.argtypes = [_pointer, _pointer, _size, _size, _pointer]
     attend = library.attend_full_bf16
     attend.argtypes = [*[_pointer] * 3, _size, _size, _pointer, _pointer, _size, _size, _size, ctypes.c_float, _pointer]
     scratch_bytes = library.attention_scratch_bytes
@@ -435,13 +465,14 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
         _pointer,
         ctypes.c_int,
     ]
-    for function in (softmax_rows, add_layer_norm, attend, quantize, rescale, pack, gemm):
+    for function in (softmax_rows, add_layer_norm, mean_rows, attend, quantize, rescale, pack, gemm):
         function.restype = None
     products = library.attention_products().decode()
     int8_gemm = bool(library.int8_gemm_available())
     return Kernels(
-        softmax_rows, add_layer_norm, attend, scratch_bytes, products, quantize, rescale, pack, gemm, int8_gemm
-    )
+        softmax_rows, add_layer_norm, mean_rows, attend, scratch_bytes, products, quantize, rescale, pack, gemm,
+        int8_gemm,
+    )  # fmt: skip
 
 
 def _check_softmax(built: Kernels) -> str | None:
@@ -462,6 +493,21 @@ def _check_softmax(built: Kernels) -> str | None:
     return None
 
 
+def _check_mean_rows(built: Kernels) -> str | None:
+    """The mean of each sequence's rows equals segment_reduce's over the rows in float32, bit for bit, at
+    widths with and without a vector tail and past one group of columns, for one-row sequences too."""
+    generator = torch.Generator().manual_seed(2)
+    cu_seqlens = torch.tensor([0, 1, 4, 40, 41], dtype=torch.int32)
+    for width in (5, 64, 100):
+        rows = (torch.randn(41, width, generator=generator) * 4).bfloat16()
+        want = torch.segment_reduce(rows.float(), "mean", lengths=cu_seqlens.diff(), axis=0)
+        mine = torch.empty(4, width)
+        built.mean_rows(rows.data_ptr(), cu_seqlens.data_ptr(), 4, width, mine.data_ptr())
+        if not torch.equal(mine, want):
+            return f"mean of {width}-wide rows off by {(mine - want).abs().max().item():.3g}"
+    return None
+
+
 def _check_add_layer_norm(built: Kernels) -> str | None:
     """The same for LayerNorm(a + b), at widths with and without a vector tail."""
     generator = torch.Generator().manual_seed(1)
@@ -469,7 +515,7 @@ def _check_add_layer_norm(built: Kernels) -> str | None:
         sizes = ((9, width), (9, width), width, width)
         a, b, weight, bias = (torch.randn(size, generator=generator).bfloat16() for size in sizes)
         reference = torch.nn.functional.layer_norm((a + b).float(), (width,), weight.float(), bias.float(), 1e-12)
-        mine, scratch = torch.empty_like(a), torch.empty(width + LANES)
+        mine, scratch = torch.empty_like(a), _norm_scratch(width)
         pointers = (t.data_ptr() for t in (a, b, weight, bias, mine))
         built.add_layer_norm(*pointers, 9, width, 1e-12, scratch.data_ptr())
         error = (mine.float() - reference).abs().max().item()

@@ -27,6 +27,7 @@ from collections.abc import Generator
 import torch
 
 from ..contract.model_spec import ModelKind, Pooling, pooling_modes
+from . import host_kernels
 from .packed_bert import BertPieces, DistilBertPieces, RobertaPieces
 from .packed_modernbert import ModernBertPieces
 from .packed_pieces import HFModule, PackedBatch, mean_tokens, varlen_kernel
@@ -97,6 +98,10 @@ class PackedEncoder:
     @staticmethod
     def pool(hidden: torch.Tensor, cu_seqlens: torch.Tensor, pooling: Pooling | tuple[Pooling, ...]) -> torch.Tensor:
         """sentence-transformers Pooling over packed sequences, in float32; several modes concatenated."""
+        if pooling_modes(pooling) == (Pooling.MEAN,):
+            mean = host_kernels.mean_tokens(hidden, cu_seqlens)  # from bfloat16 states: no float32 copy of them
+            if mean is not None:
+                return mean
         hidden = hidden.float()  # see mean_tokens: a bfloat16 sum drifts over a long input
         return torch.cat([_pool_one(hidden, cu_seqlens, mode) for mode in pooling_modes(pooling)], dim=1)
 
