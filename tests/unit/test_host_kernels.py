@@ -352,6 +352,9 @@ def test_gelu_is_the_erf_gelu_to_float32_precision(fresh_kernel, one_thread):
         assert relative[within].max() < bound, (low, high, relative[within].max().item())
     assert got[x < -10].abs().max() < 1e-20 and (got[x < -10] <= 0).all()
     assert got[x == 0].item() == 0 and torch.equal(got[x >= 8], x[x >= 8].float().double())
+    infinite = torch.tensor([torch.inf, -1.0])
+    assert host_kernels.rescale_rows(products[:, :2], torch.ones(1, 1), torch.ones(2), infinite, "gelu",
+                                     torch.empty(1, 2))[0, 0] == torch.inf  # fmt: skip
 
 
 @needs_compiler

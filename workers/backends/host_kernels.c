@@ -318,10 +318,10 @@ static inline __attribute__((always_inline)) void gelu_rows(floats *v, int count
     for (int j = 3; j >= 0; j--)
         _Pragma("GCC unroll 8") for (int q = 0; q < count; q++)
             r[q] = _mm512_fmadd_ps(r[q], u[q], _mm512_set1_ps(GELU_EXP2_TERMS[j]));
-    _Pragma("GCC unroll 8") for (int q = 0; q < count; q++) {
-        __m512 x = (__m512)v[q], tail = _mm512_mul_ps(x, _mm512_scalef_ps(r[q], n[q])); /* x Q(|x|) */
-        __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-        v[q] = (floats)_mm512_mask_sub_ps(tail, (__mmask16)~negative, x, tail);
+    _Pragma("GCC unroll 8") for (int q = 0; q < count; q++) { /* x Q below 0, x (1 - Q) above (+inf: +inf) */
+        __m512 x = (__m512)v[q], tail = _mm512_scalef_ps(r[q], n[q]);
+        __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+        v[q] = (floats)_mm512_mul_ps(x, _mm512_mask_sub_ps(tail, positive, _mm512_set1_ps(1.0f), tail));
     }
 }
 
