@@ -334,6 +334,31 @@ def test_rescale_rows_equals_torch(width, activation, dtype, fresh_kernel, one_t
 
 
 @needs_compiler
+def test_gelu_is_the_erf_gelu_to_float32_precision(fresh_kernel, one_thread):
+    """The kernels' GELU (gelu_rows: a piecewise fit of log2 of the Gaussian tail where AVX-512 is built,
+    an erfc fit elsewhere) at every 2^-12 from -16 to 16 (fed as rescale_rows' bias, products 0), against
+    the float64 erf GELU: relative error under 1e-6 from -3 up (float32's own rounding is 6e-8), under
+    3e-6 from -6 to -3 and 1e-5 from -10 to -6 (GELU(-6) = -6e-9), and no larger than 1e-20 in
+    magnitude below (GELU(-10) = -7.6e-23): far below bfloat16's step (2^-8) and int8's everywhere."""
+    assert host_kernels.kernels() is not None
+    x = torch.arange(-(2**16), 2**16 + 1, dtype=torch.float64) / 2**12
+    products = torch.zeros(1, x.numel(), dtype=torch.int32)
+    got = host_kernels.rescale_rows(
+        products, torch.ones(1, 1), torch.ones(x.numel()), x.float(), "gelu", torch.empty(1, x.numel())
+    )[0].double()
+    exact = x * torch.special.erfc(-x / 2**0.5) / 2
+    relative = (got - exact).abs() / exact.abs().clamp(min=1e-300)
+    for low, high, bound in ((-3, 16, 1e-6), (-6, -3, 3e-6), (-10, -6, 1e-5)):
+        within = (x >= low) & (x <= high)
+        assert relative[within].max() < bound, (low, high, relative[within].max().item())
+    assert got[x < -10].abs().max() < 1e-20 and (got[x < -10] <= 0).all()
+    assert got[x == 0].item() == 0 and torch.equal(got[x >= 8], x[x >= 8].float().double())
+    infinite = torch.tensor([torch.inf, -1.0])
+    assert host_kernels.rescale_rows(products[:, :2], torch.ones(1, 1), torch.ones(2), infinite, "gelu",
+                                     torch.empty(1, 2))[0, 0] == torch.inf  # fmt: skip
+
+
+@needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_int8_linear_serves_through_the_kernels_as_through_torch(dtype, fresh_kernel, one_thread):
     """An Int8Linear (SmoothQuant scale, bias, GELU) gives within its dtype's rounding what it gives on

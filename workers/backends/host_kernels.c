@@ -60,7 +60,7 @@ static inline void store_bf16(uint16_t *to, floats v, int64_t count) {
  * relative), 2^n put into the exponent bits. Below -87 (float32's smallest normal is e^-87.3) the
  * result is 0, as it is for a masked -inf score. */
 static const float LOG2E = 1.44269504f, LN2_HI = 0.693145752f, LN2_LO = 1.42860677e-06f;
-/* e^r's Taylor series, highest power first (gelu_rows evaluates the same). */
+/* e^r's Taylor series, highest power first. */
 static const float EXP_TERMS[] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
 
 static inline floats exp_nonpositive(floats t) {
@@ -331,6 +331,60 @@ void quantize_rows(const void *x, int is_bf16, const float *input_scale, int64_t
     }
 }
 
+#ifdef __AVX512F__
+/* The exact (erf) GELU of `count` (<= GELU_ROWS) vectors at once: x (1 - Q(x)) for x >= 0, x Q(|x|) below,
+ * Q(a) = erfc(a / sqrt 2) / 2 = 2^R(a). R is a quintic in u = a - k on each unit interval around k = 0..15
+ * (fit_gelu.py: least squares in float64; |x| clamped to 15.25, where Q is under float32's subnormals),
+ * whose coefficients one vpermps each picks by k, the low bits of a + 2^23. 2^R = 2^round(R) (vscalefps) x
+ * 2^f, |f| <= 1/2, by a quintic. Relative error against the float64 GELU under 7e-7 for x >= -3, 2e-6 to
+ * -6, 5e-6 to -10 (GELU(-6) = -6e-9; test_gelu_is_the_erf_gelu_to_float32_precision). ~14 multiply-adds and
+ * 6 permutes a vector; its erfc fit (t e^(-z^2 + P(t)), t = 1 / (1 + z / 2): a division, a degree-9
+ * polynomial, e^x by a degree-6 one) took ~25 multiply-adds and 17 cycles a vector, ~30 % of a MiniLM
+ * up-projection's int8 GEMM. Each step runs for all the vectors before the next, as their chains are long. */
+#define HAS_GELU_AVX512 1
+#define GELU_ROWS 8
+static const float GELU_TAIL_TERMS[6][LANES] __attribute__((aligned(64))) = {
+    {-1.0f, -2.6560328f, -5.45798111f, -9.53293419f, -14.9464674f, -21.7341976f, -29.9168339f, -39.507206f, -50.5137138f, -62.9421158f, -76.7965088f, -92.0799179f, -108.794601f, -126.942329f, -146.52449f, -167.542175f},
+    {-1.15110433f, -2.20030499f, -3.42382622f, -4.73651028f, -6.09626245f, -7.48254347f, -8.88481236f, -10.2973013f, -11.7166576f, -13.1408215f, -14.568469f, -15.9987164f, -17.4309502f, -18.8647366f, -20.2997551f, -21.7357693f},
+    {-0.459219009f, -0.577729464f, -0.638914049f, -0.670450568f, -0.687680542f, -0.697762191f, -0.704044163f, -0.708174348f, -0.71101433f, -0.713041365f, -0.714534104f, -0.715662837f, -0.716535628f, -0.717223704f, -0.717775285f, -0.718223989f},
+    {-0.0524660796f, -0.0281169061f, -0.0142719336f, -0.00756696658f, -0.00429348089f, -0.00260302005f, -0.00167196104f, -0.00112735026f, -0.000791526516f, -0.000574851991f, -0.000429537817f, -0.000328799768f, -0.000256944419f, -0.000204409502f, -0.000165164107f, -0.000135285722f},
+    {0.00708133541f, 0.00476521719f, 0.0023851695f, 0.00114599615f, 0.000575029931f, 0.000307432201f, 0.000175021545f, 0.000105400839f, 6.66344058e-05f, 4.39143441e-05f, 2.99884578e-05f, 2.11135048e-05f, 1.52622997e-05f, 1.12885946e-05f, 8.51883124e-06f, 6.53626557e-06f},
+    {-0.00030351209f, -0.000579312036f, -0.000350926566f, -0.000164294092f, -7.56623558e-05f, -3.6474612e-05f, -1.86730467e-05f, -1.01438991e-05f, -5.81552013e-06f, -3.49608081e-06f, -2.19050139e-06f, -1.42280931e-06f, -9.53668916e-07f, -6.57059445e-07f, -4.63814047e-07f, -3.47902585e-07f}};
+static const float GELU_EXP2_TERMS[] = {1.00000012f, 0.693147182f, 0.240221068f, 0.0555032715f, 0.00967603736f, 0.00134004327f};
+
+static inline __attribute__((always_inline)) void gelu_rows(floats *v, int count) {
+    __m512 terms[6];
+    for (int j = 0; j < 6; j++)
+        terms[j] = _mm512_load_ps(GELU_TAIL_TERMS[j]);
+    const __m512 last = _mm512_set1_ps(15.25f), integers = _mm512_set1_ps(8388608.0f); /* 2^23: ulp 1 */
+    __m512 u[GELU_ROWS], r[GELU_ROWS], n[GELU_ROWS];
+    __m512i k[GELU_ROWS];
+    _Pragma("GCC unroll 8") for (int q = 0; q < count; q++) {
+        __m512 a = _mm512_min_ps(_mm512_abs_ps((__m512)v[q]), last);
+        __m512 shifted = _mm512_add_ps(a, integers); /* round(a) + 2^23: k in the low mantissa bits */
+        k[q] = _mm512_castps_si512(shifted);
+        u[q] = _mm512_sub_ps(a, _mm512_sub_ps(shifted, integers));
+        r[q] = _mm512_permutexvar_ps(k[q], terms[5]);
+    }
+    for (int j = 4; j >= 0; j--)
+        _Pragma("GCC unroll 8") for (int q = 0; q < count; q++)
+            r[q] = _mm512_fmadd_ps(r[q], u[q], _mm512_permutexvar_ps(k[q], terms[j]));
+    _Pragma("GCC unroll 8") for (int q = 0; q < count; q++) {
+        n[q] = _mm512_roundscale_ps(r[q], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        u[q] = _mm512_sub_ps(r[q], n[q]); /* f */
+        r[q] = _mm512_fmadd_ps(_mm512_set1_ps(GELU_EXP2_TERMS[5]), u[q], _mm512_set1_ps(GELU_EXP2_TERMS[4]));
+    }
+    for (int j = 3; j >= 0; j--)
+        _Pragma("GCC unroll 8") for (int q = 0; q < count; q++)
+            r[q] = _mm512_fmadd_ps(r[q], u[q], _mm512_set1_ps(GELU_EXP2_TERMS[j]));
+    _Pragma("GCC unroll 8") for (int q = 0; q < count; q++) { /* x Q below 0, x (1 - Q) above (+inf: +inf) */
+        __m512 x = (__m512)v[q], tail = _mm512_scalef_ps(r[q], n[q]);
+        __mmask16 positive = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+        v[q] = (floats)_mm512_mul_ps(x, _mm512_mask_sub_ps(tail, positive, _mm512_set1_ps(1.0f), tail));
+    }
+}
+
+#else
 /* erfc(z) for z >= 0 to a relative error under 1.2e-7 everywhere (a Chebyshev fit: t e^(-z^2 + P(t)),
  * t = 1 / (1 + z / 2)), so GELU's small negative tail (x/2 erfc(|x| / sqrt 2)) keeps float32's relative
  * precision too. P(0)... = 0 to 3e-8 at z = 0: the exponent is clamped to <= 0 for exp_nonpositive. */
@@ -347,13 +401,17 @@ static inline floats erfc_nonnegative(floats z) {
     return t * exp_nonpositive(exponent);
 }
 
-/* The exact (erf) GELU: x/2 (1 + erf(x / sqrt 2)) = x (1 - erfc(z) / 2) for x >= 0, x erfc(z) / 2 below. */
-static inline floats gelu(floats v) {
-    floats half_erfc = 0.5f * erfc_nonnegative((floats)((uints)v & 0x7FFFFFFFu) * 0.70710678f);
-    ints negative = v < 0.0f;
-    floats factor = (floats)(((ints)half_erfc & negative) | ((ints)(1.0f - half_erfc) & ~negative));
-    return v * factor;
+/* The exact (erf) GELU of `count` vectors: x/2 (1 + erf(x / sqrt 2)) = x (1 - erfc(z) / 2) for x >= 0,
+ * x erfc(z) / 2 below. */
+static inline void gelu_rows(floats *v, int count) {
+    for (int q = 0; q < count; q++) {
+        floats half_erfc = 0.5f * erfc_nonnegative((floats)((uints)v[q] & 0x7FFFFFFFu) * 0.70710678f);
+        ints negative = v[q] < 0.0f;
+        floats factor = (floats)(((ints)half_erfc & negative) | ((ints)(1.0f - half_erfc) & ~negative));
+        v[q] = v[q] * factor;
+    }
 }
+#endif
 
 /* out = acc (rows x cols int32) x token_scale[i] x weight_scale[j] + bias[j] (bias NULL: none), then
  * the exact GELU if `activation` is 1, ReLU if 2, written as bfloat16 (is_bf16) or float32: an int8 linear's
@@ -377,7 +435,7 @@ void rescale_rows(const int32_t *acc, const float *token_scale, const float *wei
             if (bias)
                 v += load_any(bias + j, 0, count, 0.0f);
             if (activation == 1)
-                v = gelu(v);
+                gelu_rows(&v, 1);
             else if (activation == 2)
                 v = (floats)((ints)v & (ints)(v > 0.0f)); /* ReLU */
             store_any(to + j * width, is_bf16, v, count);
@@ -433,43 +491,10 @@ void pack_int8_weights(const int8_t *w, int64_t n, int64_t k, int8_t *packed, in
 
 int int8_gemm_available(void) { return 1; }
 
+_Static_assert(GEMM_ROWS <= GELU_ROWS, "a tile's rows go through gelu_rows at once");
+
 /* Loops over a tile's constant rows and vectors, unrolled so that its accumulators are registers, not an array. */
 #define UNROLLED _Pragma("GCC unroll 8")
-
-/* gelu() of `count` vectors at once, each step for all of them before the next: one vector's GELU is a
- * chain of ~35 dependent operations (~100 cycles), more than the core overlaps between neighbours, and
- * computed one at a time it took 35 cycles a vector; interleaved 8 at a time, with vscalefps for 2^n
- * (no clamping masks) and vminps for the exponent's clamp, 17 (Zen 5, one thread). The same arithmetic as
- * gelu(), to the last bit but below e^-87, where vscalefps keeps float32's subnormals where gelu() has 0. */
-static inline __attribute__((always_inline)) void gelu_rows(floats *v, int count) {
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-    __m512 z[GEMM_ROWS], t[GEMM_ROWS], p[GEMM_ROWS], e[GEMM_ROWS], n[GEMM_ROWS];
-    UNROLLED for (int q = 0; q < count; q++) {
-        z[q] = _mm512_mul_ps(_mm512_abs_ps((__m512)v[q]), _mm512_set1_ps(0.70710678f));
-        t[q] = _mm512_div_ps(one, _mm512_fmadd_ps(z[q], _mm512_set1_ps(0.5f), one));
-        p[q] = _mm512_fmadd_ps(t[q], _mm512_set1_ps(ERFC_TERMS[0]), _mm512_set1_ps(ERFC_TERMS[1]));
-    }
-    UNROLLED for (int k = 2; k < 10; k++)
-        UNROLLED for (int q = 0; q < count; q++)
-            p[q] = _mm512_fmadd_ps(p[q], t[q], _mm512_set1_ps(ERFC_TERMS[k]));
-    UNROLLED for (int q = 0; q < count; q++) { /* e^(p - z^2) by exp_nonpositive's series */
-        e[q] = _mm512_min_ps(_mm512_fnmadd_ps(z[q], z[q], p[q]), zero);
-        n[q] = _mm512_roundscale_ps(_mm512_mul_ps(e[q], _mm512_set1_ps(LOG2E)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        e[q] = _mm512_fnmadd_ps(n[q], _mm512_set1_ps(LN2_HI), e[q]);
-        e[q] = _mm512_fnmadd_ps(n[q], _mm512_set1_ps(LN2_LO), e[q]);
-        p[q] = _mm512_fmadd_ps(e[q], _mm512_set1_ps(EXP_TERMS[0]), _mm512_set1_ps(EXP_TERMS[1]));
-    }
-    UNROLLED for (int k = 2; k < 7; k++)
-        UNROLLED for (int q = 0; q < count; q++)
-            p[q] = _mm512_fmadd_ps(p[q], e[q], _mm512_set1_ps(EXP_TERMS[k]));
-    UNROLLED for (int q = 0; q < count; q++) {
-        __m512 half_erfc = _mm512_mul_ps(_mm512_mul_ps(t[q], _mm512_set1_ps(0.5f)), _mm512_scalef_ps(p[q], n[q]));
-        __mmask16 negative = _mm512_cmp_ps_mask((__m512)v[q], zero, _CMP_LT_OQ);
-        __m512 factor = _mm512_mask_blend_ps(negative, _mm512_sub_ps(one, half_erfc), half_erfc);
-        v[q] = (floats)_mm512_mul_ps((__m512)v[q], factor);
-    }
-}
 
 /* Everything a tile's epilogue reads. */
 struct gemm_epilogue {
