@@ -363,13 +363,15 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
 
 
 class _GemmRows(TorchDispatchMode):
-    """The row counts (M) of the matrix products run under it: packed oneDNN linears, int8's, torch's."""
+    """The row counts (M) of the matrix products run under it: packed oneDNN linears, int8's, torch's
+    (the host kernels' GEMMs are counted where they are called)."""
 
     PRODUCTS = ("_linear_pointwise", "_int_mm", "addmm", "mm", "linear")
 
     def __init__(self):
         super().__init__()
         self.rows: list[int] = []
+        self.in_layer = False  # set while a layer runs: the host kernels' GEMMs are counted only there
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.__name__.split(".")[0] in self.PRODUCTS:
@@ -402,7 +404,11 @@ def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype,
 
     def counted_layer(*args):
         with products:
-            return layer(*args)
+            products.in_layer = True
+            try:
+                return layer(*args)
+            finally:
+                products.in_layer = False
 
     monkeypatch.setattr(backend.packed.pieces, "layer", counted_layer)  # the layers' GEMMs, not the head's
     int8_gemm = host_kernels.int8_linear  # int8's VNNI GEMM is a host kernel, not a torch operator
@@ -412,6 +418,14 @@ def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype,
         return int8_gemm(quantized, *args)
 
     monkeypatch.setattr(host_kernels, "int8_linear", counted_int8_gemm)
+    few_rows_gemm = host_kernels.bf16_linear  # so is the few-row bfloat16 GEMM, where it serves
+
+    def counted_few_rows_gemm(x, *args):
+        if (out := few_rows_gemm(x, *args)) is not None and products.in_layer:  # not the head's
+            products.rows.append(x.numel() // x.shape[-1])
+        return out
+
+    monkeypatch.setattr(host_kernels, "bf16_linear", counted_few_rows_gemm)
     rounded = [backend.forward(batch) for batch in work]
     assert products.rows and all(m % packed_encoder.GEMM_ROWS_MULTIPLE == 0 for m in products.rows), products.rows
     monkeypatch.setattr(packed_encoder, "GEMM_ROWS_MULTIPLE", 1)

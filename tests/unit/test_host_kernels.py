@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from encoderd.workers.backends import host_kernels, int8_linear, packed_pieces
+from encoderd.workers.backends import host_kernels, int8_linear, packed_linear, packed_pieces
 
 HAS_COMPILER = host_kernels.find_compiler() is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this host: torch's softmax serves")
@@ -142,19 +142,26 @@ def test_every_kernel_passes_its_load_check_on_every_target(target):
     """The checks kernels() runs before anything serves (softmax, add + LayerNorm, attention against
     torch and float32 SDPA) pass for the library built for this CPU and for the older targets."""
     built = _built_for(target)
-    checks = (host_kernels._check_softmax, host_kernels._check_add_layer_norm, host_kernels._check_attention)
-    assert [check(built) for check in checks] == [None, None, None]
+    checks = (
+        host_kernels._check_softmax,
+        host_kernels._check_add_layer_norm,
+        host_kernels._check_attention,
+        host_kernels._check_bf16_linear_rows,
+    )
+    assert [check(built) for check in checks] == [None, None, None, None]
 
 
 @needs_compiler
 @x86_only
 @pytest.mark.parametrize("target", ["no-avx512", "x86-64"])
 def test_builds_without_vnni_keep_torch_int_mm(target):
-    """The VNNI GEMM is compiled only where the target has avx512_vnni: the older targets build, say they
-    have no int8 GEMM (int8 linears keep torch._int_mm), and their load check passes by having none."""
+    """The VNNI GEMM and the few-row bfloat16 GEMM are compiled only where the target has avx512_vnni and
+    avx512_bf16: the older targets build, say they have neither (int8 linears keep torch._int_mm, bfloat16
+    linears oneDNN at every size), and their load checks pass by having none."""
     built = _built_for(target)
-    assert built.int8_gemm is False
+    assert built.int8_gemm is False and built.bf16_gemm is False
     assert host_kernels._check_int8_linear_rows(built) is None
+    assert host_kernels._check_bf16_linear_rows(built) is None
 
 
 def _packed_qkv(lengths: list[int], heads: int, dim: int, seed: int):
@@ -496,6 +503,99 @@ def test_an_odd_width_keeps_torch_int_mm(fresh_kernel, one_thread):
     with mock.patch.object(host_kernels, "kernels", return_value=None):
         want = layer(x)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6)
+
+
+needs_bf16_gemm = pytest.mark.skipif(
+    not HAS_COMPILER or (host_kernels.kernels() is None or not host_kernels.kernels().bf16_gemm),
+    reason="the few-row bfloat16 GEMM is built only for a CPU with avx512_bf16",
+)
+
+
+def _bf16_linear(k: int, n: int, seed: int, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(k, n, bias=bias).bfloat16().requires_grad_(False)
+
+
+def _by_onednn(layer: packed_linear.PackedLinear, x: torch.Tensor, activation: str) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, activation, [], "none")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("activation", ["none", "gelu", "relu"])
+@pytest.mark.parametrize(("k", "n"), [(384, 1152), (384, 1536), (1536, 384), (34, 100)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 16, 24, 32])
+def test_bf16_gemm_is_onednns_linear_within_bfloat16_rounding(rows, k, n, activation, one_thread):
+    """The few-row GEMM against oneDNN's _linear_pointwise on the same packed layer (what serves these rows
+    on the old code) and float32's linear on the same bfloat16 values: within one bfloat16 step of
+    oneDNN's, no further from float32 than twice oneDNN's own error, and nearly every value bit-identical
+    (both sum pairs of products in float32 and round once). Tiles of 1 to 8 rows (then 4-row tiles), every
+    tile width, a partial last vector (n = 100) and an odd number of pairs (k = 34); MiniLM's four shapes."""
+    linear = _bf16_linear(k, n, seed=rows + k + n)
+    layer = packed_linear.PackedLinear(linear)
+    assert layer.few_rows is not None
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = host_kernels.bf16_linear(x, layer.few_rows, activation)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    onednn = _by_onednn(layer, x, activation)
+    exact = F.linear(x.float(), linear.weight.float(), linear.bias.float())
+    exact = F.gelu(exact) if activation == "gelu" else exact.relu() if activation == "relu" else exact
+    torch.testing.assert_close(got.float(), onednn.float(), atol=2**-8, rtol=2**-7)
+    assert (got.float() - exact).abs().max() <= 2 * (onednn.float() - exact).abs().max() + 1e-6
+    assert (got != onednn).float().mean() < 0.01
+
+
+@needs_bf16_gemm
+def test_packed_linear_runs_few_rows_by_the_kernel_and_more_by_onednn(fresh_kernel, one_thread):
+    """PackedLinear.forward: up to SMALL_LINEAR_ROWS rows (of a 2-D or 3-D input) through the kernel, no
+    bias too; more rows, more than one thread, or a float32 layer (no kernel weights) through oneDNN;
+    each time equal to oneDNN's result within bfloat16's rounding."""
+    layer = packed_linear.PackedLinear(_bf16_linear(384, 1536, seed=1, bias=False))
+    served: list[bool] = []  # per call: whether the kernel computed it
+    real = host_kernels.bf16_linear
+
+    def recorded(*args):
+        served.append((out := real(*args)) is not None)
+        return out
+
+    limit = host_kernels.SMALL_LINEAR_ROWS
+    with mock.patch.object(host_kernels, "bf16_linear", recorded):
+        for shape, kernel in (((limit, 384), True), ((2, 5, 384), True), ((limit + 8, 384), False)):
+            x = torch.randn(shape).bfloat16()
+            got = layer(x, activation="gelu")
+            assert served.pop() is kernel and not served
+            want = _by_onednn(layer, x, "gelu")
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), atol=2**-8, rtol=2**-7)
+        torch.set_num_threads(2)
+        layer(torch.randn(8, 384).bfloat16())
+        assert served == [False]
+    assert packed_linear.PackedLinear(torch.nn.Linear(384, 384).requires_grad_(False)).few_rows is None
+
+
+@needs_bf16_gemm
+def test_an_odd_width_keeps_onednn(fresh_kernel, one_thread):
+    """in_features odd (the kernel reads a row's values in pairs): no kernel weights; oneDNN serves."""
+    layer = packed_linear.PackedLinear(_bf16_linear(7, 16, seed=2))
+    assert layer.few_rows is None
+    x = torch.randn(4, 7).bfloat16()
+    assert torch.equal(layer(x), _by_onednn(layer, x, "none"))
+
+
+@needs_bf16_gemm
+def test_a_wrong_bf16_gemm_is_refused_at_build(fresh_kernel):
+    """The load check compares the few-row GEMM with float32's linear: a build whose packing swapped each
+    pair's two values (products of the wrong inputs) is reported, so oneDNN would serve instead."""
+    built = host_kernels.kernels()
+    assert built is not None and host_kernels._check_bf16_linear_rows(built) is None
+
+    def swapped_pairs(weight, n, k, packed):
+        built.pack_bf16_weights(weight, n, k, packed)
+        values = (ctypes.c_uint32 * (-(-n // 16) * 16 * k // 2)).from_address(packed)
+        for j in range(len(values)):
+            values[j] = (values[j] >> 16) | ((values[j] & 0xFFFF) << 16)
+
+    message = host_kernels._check_bf16_linear_rows(dataclasses.replace(built, pack_bf16_weights=swapped_pairs))
+    assert message is not None and "bfloat16 GEMM" in message
 
 
 def test_no_compiler_leaves_torch_softmax(fresh_kernel, one_thread, monkeypatch, tmp_path):

@@ -64,6 +64,8 @@ EXCEPTIONS = {
     ("bench/breakdown.py", "encoderd.workers.backends"),
     # `bench.attention`: the torch engine's packed attention kernel against its operators, in-process.
     ("bench/attention.py", "encoderd.workers.backends"),
+    # `bench.small_linear`: the few-row bfloat16 GEMM kernel against oneDNN on the same layers, in-process.
+    ("bench/small_linear.py", "encoderd.workers.backends"),
     # `bench --openvino`: a reference is judged by the server's own fidelity floors, kept in one place.
     ("bench/openvino.py", "encoderd.workers.fidelity"),
     # `bench.fidelity_holdout`: the worker's own self-check and engines, in-process, against a holdout corpus.

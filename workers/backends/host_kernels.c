@@ -11,7 +11,9 @@
  *   attend_full_bf16    attention over a packed batch, BERT's full window, one call per layer
  *   quantize_rows       an int8 linear's input: SmoothQuant scale, per-token absmax, int8, in one pass
  *   rescale_rows        an int8 linear's output: int32 x token scale x channel scale + bias (+ GELU)
- * The last two take and give bfloat16 or float32 (int8_linear.py); they are not bfloat16-only.
+ *   int8_linear_rows    an int8 linear's GEMM with rescale_rows' epilogue (avx512_vnni)
+ *   bf16_linear_rows    a bfloat16 linear of a few rows (a short query): GEMM, bias, GELU (avx512_bf16)
+ * quantize_rows and rescale_rows take and give bfloat16 or float32 (int8_linear.py); they are not bfloat16-only.
  */
 #include <math.h>
 #include <stdint.h>
@@ -609,6 +611,200 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
                       int activation, void *out, int is_bf16) {
     (void)a, (void)rows, (void)k, (void)packed, (void)compensation, (void)n, (void)token_scale;
     (void)weight_scale, (void)bias, (void)activation, (void)out, (void)is_bf16;
+}
+
+#endif
+
+/* ------------------------------------------------------------------ bfloat16 GEMM for a few rows (avx512_bf16)
+ *
+ * bf16_linear_rows: a bfloat16 linear's output for a short input (a query's ~10-40 tokens), where oneDNN's
+ * _linear_pointwise spends more on each call (~19 us a MiniLM linear, whatever the rows) than on its
+ * arithmetic (8 rows x 384 x 384: 2.4 MFLOP, ~3 us). vdpbf16ps sums 2 bfloat16 products into each of 16
+ * float32 lanes; a tile of up to 8 rows x up to 8 vectors of 16 columns stays in registers over the
+ * whole K, then bias, ReLU or the exact GELU (gelu_rows) are applied to those registers and the result
+ * rounded to bfloat16, to nearest, ties to even (oneDNN's epilogue, in the same order).
+ *
+ * The weights are packed once at load (pack_bf16_weights) into panels of 16 columns: for each pair of
+ * consecutive k, the 16 columns' two values side by side (64 bytes: one vector), the operand layout
+ * vdpbf16ps reads. The panels are the outer loop, the input's row tiles the inner one: each weight is
+ * read from memory once per call (a query's rows fit one or a few tiles, each in L1), a panel group
+ * again from L1/L2 for the next row tile.
+ *
+ * A tile of few rows has few accumulators, too few to cover vdpbf16ps' latency; it takes more vectors
+ * (bf16_tile_vectors). Built only where the compiler targets avx512_bf16; bf16_gemm_available() says
+ * whether this build has it (elsewhere packed_linear.py keeps oneDNN for every size). */
+#define BF16_ROWS 8       /* rows of a register tile */
+#define BF16_ROWS_MANY 4  /* ... where the input has more rows than BF16_ROWS (4 x 6 took 3-8 % less than 8 x 3) */
+#define BF16_VECTORS_MAX 8 /* 16-column vectors of a register tile, at most */
+
+/* Weights w (n x k bfloat16, row-major: the layer's out x in; k even) packed for bf16_linear_rows into
+ * `packed`: round_up(n, 16) / 16 panels of k / 2 x 16 x 2 values; columns past n zero. */
+void pack_bf16_weights(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
+    int64_t panels = (n + 15) / 16, pairs = k / 2;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t g = 0; g < pairs; g++)
+            for (int64_t c = 0; c < 16; c++) {
+                int64_t j = p * 16 + c;
+                uint16_t *to = packed + ((p * pairs + g) * 16 + c) * 2;
+                to[0] = j < n ? w[j * k + 2 * g] : 0;
+                to[1] = j < n ? w[j * k + 2 * g + 1] : 0;
+            }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+
+int bf16_gemm_available(void) { return 1; }
+
+_Static_assert(BF16_ROWS <= GELU_ROWS, "a tile's rows go through gelu_rows at once");
+#ifndef UNROLLED /* the int8 GEMM's, where the build has it */
+#define UNROLLED _Pragma("GCC unroll 8")
+#endif
+
+/* Vectors of a tile of `rows` rows: 2 rows x 8, 4 x 6, 8 x 3 (16 to 24 accumulators, the vectors' weights
+ * and one broadcast input: at most 31 of the 32 registers). */
+static int bf16_tile_vectors(int rows) { return rows <= 2 ? 8 : rows <= 4 ? 6 : 3; }
+
+/* Everything a tile's epilogue reads. */
+struct bf16_epilogue {
+    const float *bias; /* round_up(n, 16) float32, or NULL */
+    int64_t n;
+    int activation; /* 0 none, 1 exact GELU, 2 ReLU */
+    uint16_t *out;  /* rows x n bfloat16 */
+};
+
+/* The epilogue of one vector of `rows` (constant where inlined) rows: bias, activation, bfloat16 out. */
+static inline __attribute__((always_inline)) void bf16_finish_vector(floats *x, int64_t row, int64_t j, int rows,
+                                                                     const struct bf16_epilogue *e) {
+    int64_t count = e->n - j < LANES ? e->n - j : LANES;
+    floats bias = {0};
+    if (e->bias)
+        memcpy(&bias, e->bias + j, sizeof bias);
+    UNROLLED for (int i = 0; i < rows; i++) {
+        x[i] += bias;
+        if (e->activation == 2)
+            x[i] = (floats)((ints)x[i] & (ints)(x[i] > 0.0f)); /* ReLU */
+    }
+    if (e->activation == 1)
+        gelu_rows(x, rows);
+    UNROLLED for (int i = 0; i < rows; i++)
+        store_bf16(e->out + (row + i) * e->n + j, x[i], count);
+}
+
+/* A tile's epilogue, out of line: instantiated per row count only, not per tile shape (the GELU unrolled
+ * into each of the 40 tiles took the build from 7 to 18 s of CPU); its sums pass through L1 once. */
+static __attribute__((noinline)) void bf16_finish(floats sums[][BF16_ROWS], int64_t row, int64_t column, int rows,
+                                                  int vectors, const struct bf16_epilogue *e) {
+    for (int v = 0; v < vectors; v++) {
+        floats *x = sums[v];
+        int64_t j = column + v * 16;
+        switch (rows) {
+        case 1: bf16_finish_vector(x, row, j, 1, e); break;
+        case 2: bf16_finish_vector(x, row, j, 2, e); break;
+        case 3: bf16_finish_vector(x, row, j, 3, e); break;
+        case 4: bf16_finish_vector(x, row, j, 4, e); break;
+        case 5: bf16_finish_vector(x, row, j, 5, e); break;
+        case 6: bf16_finish_vector(x, row, j, 6, e); break;
+        case 7: bf16_finish_vector(x, row, j, 7, e); break;
+        default: bf16_finish_vector(x, row, j, 8, e); break;
+        }
+    }
+}
+
+/* One register tile: `rows` rows of a (row stride k) times `vectors` panels from `panel` on, columns from
+ * `column`; always inlined with constant rows and vectors, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *a, int64_t k, const uint16_t *panel,
+                                                            int64_t row, int64_t column, int rows, int vectors,
+                                                            const struct bf16_epilogue *e) {
+    __m512 acc[BF16_ROWS][BF16_VECTORS_MAX];
+    UNROLLED for (int i = 0; i < rows; i++)
+        UNROLLED for (int v = 0; v < vectors; v++)
+            acc[i][v] = _mm512_setzero_ps();
+    const int64_t panel_values = k * 16;
+    for (int64_t g = 0; g < k; g += 2) {
+        __m512bh weights[BF16_VECTORS_MAX];
+        UNROLLED for (int v = 0; v < vectors; v++)
+            weights[v] = (__m512bh)_mm512_loadu_si512(panel + v * panel_values + g * 16);
+        UNROLLED for (int i = 0; i < rows; i++) {
+            int32_t pair;
+            memcpy(&pair, a + i * k + g, 4);
+            __m512bh inputs = (__m512bh)_mm512_set1_epi32(pair);
+            UNROLLED for (int v = 0; v < vectors; v++)
+                acc[i][v] = _mm512_dpbf16_ps(acc[i][v], inputs, weights[v]);
+        }
+    }
+    floats sums[BF16_VECTORS_MAX][BF16_ROWS];
+    UNROLLED for (int v = 0; v < vectors; v++)
+        UNROLLED for (int i = 0; i < rows; i++)
+            memcpy(&sums[v][i], &acc[i][v], sizeof sums[v][i]);
+    bf16_finish(sums, row, column, rows, vectors, e);
+}
+
+/* A tile of `rows` rows and `vectors` panels: only the shapes bf16_panels asks for (vectors at most
+ * bf16_tile_vectors(rows), as 8, 6, 3, 2 or 1). */
+#define BF16_TILE(r, vs)                                                                                             \
+    case vs:                                                                                                         \
+        bf16_tile(a, k, panel, row, column, r, vs, e);                                                               \
+        break;
+#define BF16_TILES_UP_TO_3(r) BF16_TILE(r, 1) BF16_TILE(r, 2) BF16_TILE(r, 3)
+#define BF16_TILES_UP_TO_6(r) BF16_TILES_UP_TO_3(r) BF16_TILE(r, 6)
+#define BF16_TILES_UP_TO_8(r) BF16_TILES_UP_TO_6(r) BF16_TILE(r, 8)
+#define BF16_TILE_ROWS(r, widths)                                                                                    \
+    case r:                                                                                                          \
+        switch (vectors) { widths(r) }                                                                               \
+        break;
+
+static void bf16_tiles(const uint16_t *a, int64_t k, const uint16_t *panel, int64_t row, int64_t column, int rows,
+                       int vectors, const struct bf16_epilogue *e) {
+    switch (rows) {
+        BF16_TILE_ROWS(1, BF16_TILES_UP_TO_8)
+        BF16_TILE_ROWS(2, BF16_TILES_UP_TO_8)
+        BF16_TILE_ROWS(3, BF16_TILES_UP_TO_6)
+        BF16_TILE_ROWS(4, BF16_TILES_UP_TO_6)
+        BF16_TILE_ROWS(5, BF16_TILES_UP_TO_3)
+        BF16_TILE_ROWS(6, BF16_TILES_UP_TO_3)
+        BF16_TILE_ROWS(7, BF16_TILES_UP_TO_3)
+        BF16_TILE_ROWS(8, BF16_TILES_UP_TO_3)
+    }
+}
+
+/* `vectors` panels as tiles of the widths bf16_tiles instantiates (8, 6, 3, 2, 1). */
+static void bf16_panels(const uint16_t *a, int64_t k, const uint16_t *panel, int64_t row, int64_t column, int rows,
+                        int vectors, const struct bf16_epilogue *e) {
+    static const int widths[] = {8, 6, 3, 2, 1};
+    for (int w = 0; vectors > 0; w++)
+        while (vectors >= widths[w]) {
+            bf16_tiles(a, k, panel, row, column, rows, widths[w], e);
+            panel += widths[w] * k * 16, column += widths[w] * 16, vectors -= widths[w];
+        }
+}
+
+/* out (rows x n bfloat16) = activation(a x w^T + bias) for a (rows x k bfloat16, dense; k even), w packed
+ * by pack_bf16_weights, bias round_up(n, 16) float32 (NULL: none). The rows are split into tiles of equal
+ * size (up to 8 rows: one tile; 12 rows: 4 + 4 + 4), whose width in vectors is the one of the largest. */
+void bf16_linear_rows(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed, int64_t n,
+                      const float *bias, int activation, uint16_t *out) {
+    struct bf16_epilogue e = {bias, n, activation, out};
+    int64_t most = rows <= BF16_ROWS ? BF16_ROWS : BF16_ROWS_MANY;
+    int64_t tiles = (rows + most - 1) / most;
+    int tile_rows = (int)((rows + tiles - 1) / tiles);
+    int vectors = bf16_tile_vectors(tile_rows);
+    int64_t panels = (n + 15) / 16;
+    for (int64_t p = 0; p < panels; p += vectors) {
+        int group = panels - p < vectors ? (int)(panels - p) : vectors;
+        for (int64_t row = 0; row < rows; row += tile_rows) {
+            int r = rows - row < tile_rows ? (int)(rows - row) : tile_rows;
+            bf16_panels(a + row * k, k, packed + p * k * 16, row, p * 16, r, group, &e);
+        }
+    }
+}
+
+#else /* no avx512_bf16 in this build: packed_linear.py keeps oneDNN */
+
+int bf16_gemm_available(void) { return 0; }
+
+void bf16_linear_rows(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed, int64_t n,
+                      const float *bias, int activation, uint16_t *out) {
+    (void)a, (void)rows, (void)k, (void)packed, (void)n, (void)bias, (void)activation, (void)out;
 }
 
 #endif

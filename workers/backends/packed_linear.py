@@ -7,6 +7,11 @@ once at load time measured 1.56x faster for a 10-token MiniLM query and
 1.13-1.15x for 16 x 64..256-token batches (float32, one thread; bfloat16 1.46x
 and 1.04-1.06x), with outputs equal to 1e-5 (float32) or bit-identical
 (bfloat16). These are the same oneDNN ops `torch.compile` emits on CPU.
+
+A bfloat16 input of up to host_kernels.SMALL_LINEAR_ROWS rows (a short query's tokens) runs instead
+through host_kernels' bf16_linear, where the build targets avx512_bf16: oneDNN's fixed cost per call
+(~19 us a MiniLM linear on Zen 5, one thread) outweighed its arithmetic at those sizes. Its weights are a
+second copy, packed once here for that kernel (the layer's weights take twice their memory).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from . import host_kernels
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +38,14 @@ class PackedLinear(torch.nn.Module):
         # Named `weight` so model code that reads `layer.weight.dtype` keeps working.
         self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), _PACK_HINT)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        # the same weights for the host kernel's few-row GEMM (bfloat16, where this host builds it), else None
+        self.few_rows = host_kernels.pack_bf16(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
-        """`activation` ("none", "gelu": exact erf GELU, "relu") is applied by oneDNN as the
-        GEMM writes its output: no second pass over the (tokens, intermediate) matrix."""
+        """`activation` ("none", "gelu": exact erf GELU, "relu") is applied as the GEMM writes its
+        output: no second pass over the (tokens, intermediate) matrix."""
+        if self.few_rows is not None and (out := host_kernels.bf16_linear(x, self.few_rows, activation)) is not None:
+            return out
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, activation, [], "none")
 
 
