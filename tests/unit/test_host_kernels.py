@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import gc
 import platform
 from unittest import mock
 
@@ -570,6 +571,22 @@ def test_packed_linear_runs_few_rows_by_the_kernel_and_more_by_onednn(fresh_kern
         layer(torch.randn(8, 384).bfloat16())
         assert served == [False]
     assert packed_linear.PackedLinear(torch.nn.Linear(384, 384).requires_grad_(False)).few_rows is None
+
+
+@needs_bf16_gemm
+def test_few_row_copies_stay_within_their_budget_and_give_it_back(fresh_kernel, one_thread):
+    """A process holds at most FEW_ROW_BUDGET_BYTES of few-row weight copies: a layer past it keeps oneDNN
+    alone (and still computes), and a freed copy's bytes serve the next layer."""
+    size = 1536 * 384 * 2  # one layer's copy
+    gc.collect()  # earlier tests' copies freed now, not while this one counts
+    with mock.patch.object(host_kernels, "FEW_ROW_BUDGET_BYTES", host_kernels._few_row_budget.held + 2 * size):
+        layers = [packed_linear.PackedLinear(_bf16_linear(384, 1536, seed=s)) for s in range(3)]
+        assert [layer.few_rows is not None for layer in layers] == [True, True, False]
+        x = torch.randn(4, 384).bfloat16()
+        assert torch.equal(layers[2](x), _by_onednn(layers[2], x, "none"))
+        del layers[0]
+        gc.collect()
+        assert packed_linear.PackedLinear(_bf16_linear(384, 1536, seed=3)).few_rows is not None
 
 
 @needs_bf16_gemm

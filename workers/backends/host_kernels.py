@@ -66,6 +66,7 @@ import subprocess
 import sysconfig
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -339,6 +340,31 @@ def int8_linear(
 
 
 SMALL_LINEAR_ROWS = 32  # bf16_linear serves inputs of up to this many rows (tokens); oneDNN larger ones
+# The few-row copies are a second copy of a model's linear weights beside oneDNN's: this much of them per
+# worker process (MiniLM's are 21 MiB, a bge-base-sized model's 170 MiB). Past it, the layers packed later
+# keep oneDNN alone, so a large model's worker does not hold all its weights twice for its short queries.
+FEW_ROW_BUDGET_BYTES = 256 << 20
+
+
+@dataclass
+class _CopyBudget:
+    held: int = 0  # bytes of this process's live few-row copies (a freed copy gives its bytes back)
+    spent: bool = False  # a layer was refused a copy (said once in the log)
+
+    def take(self, size: int) -> bool:
+        if self.held + size <= FEW_ROW_BUDGET_BYTES:
+            self.held += size
+            return True
+        if not self.spent:
+            log.info("few-row bf16 GEMM: its weight copies reached %d MiB; later linears keep oneDNN", self.held >> 20)
+            self.spent = True
+        return False
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
+
+
+_few_row_budget = _CopyBudget()
 
 
 @dataclass(frozen=True)
@@ -359,7 +385,10 @@ def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBf16Weig
     if weight.dtype != torch.bfloat16 or in_features % 2 or (built := kernels()) is None or not built.bf16_gemm:
         return None
     width = -(-out_features // LANES) * LANES
+    if not _few_row_budget.take(size := width * in_features * 2):
+        return None
     packed = torch.empty(width * in_features, dtype=torch.bfloat16)
+    weakref.finalize(packed, _few_row_budget.give_back, size)
     weight = weight.detach().contiguous()
     built.pack_bf16_weights(weight.data_ptr(), out_features, in_features, packed.data_ptr())
     if bias is not None:
