@@ -9,11 +9,12 @@ with how long to wait before a retry. The work ahead and the drain rate are esti
 miss in the same direction under a flood (the frontend starves the workers of the cores they were
 measured with; requests still tokenizing are counted by their characters), so the times predicted
 are checked against the times served (WaitCalibration) and the prediction is scaled by how far they
-fell short (never the other way). A call's answer is predicted, its own compute included, and it is
-admitted when what it would wait beyond that compute is within the bound: the slowest calls admitted
-near the bound finish within --max-queue-wait plus their compute, not after it plus their compute
-slowed by the same factor. The scheduler (scheduler.py) counts the work ahead; this file only
-estimates and decides.
+fell short (never the other way); the rate counted is the slowest of the last seconds where that
+was slower (DrainFloor: a call waits through the coming seconds, not this one). A call's answer is
+predicted, its own compute included, and it is admitted when what it would wait beyond that compute
+is within the bound: the slowest calls admitted near the bound finish within --max-queue-wait plus
+their compute, not after it plus their compute slowed by the same factor. The scheduler
+(scheduler.py) counts the work ahead; this file only estimates and decides.
 """
 
 from __future__ import annotations
@@ -73,17 +74,19 @@ class DrainRate:
             return self.measured
         return self.cold if self.unloaded is None else self.unloaded
 
-    def observe(self, tokens: int, sent: float, done: float) -> None:
-        """A batch of `tokens` sent at `sent` came back at `done` (monotonic seconds)."""
+    def observe(self, tokens: int, sent: float, done: float) -> bool:
+        """A batch of `tokens` sent at `sent` came back at `done` (monotonic seconds). True when it
+        was measured under a backlog (the estimate is then a drain rate, not a round trip's)."""
         queued_behind = sent < self._last_done
         busy = done - self._last_done if queued_behind else done - sent
         self._last_done = max(self._last_done, done)
         if busy <= 0 or tokens <= 0:
-            return
+            return False
         if queued_behind:
             self.measured = self._average(self.measured, tokens / busy, busy)
         else:
             self.unloaded = self._average(self.unloaded, tokens / busy, busy)
+        return queued_behind
 
     def _average(self, estimate: float | None, sample: float, busy: float) -> float:
         if estimate is None:
@@ -100,6 +103,51 @@ class DrainRate:
     def forget_backlog(self) -> None:
         """The replica restarted: its next batch does not queue behind one of the old process."""
         self._last_done = float("-inf")
+
+
+# How long admission remembers that a model drained slower than it does now. The drain rate moves
+# while a call waits, and a call admitted at the rate of a fast moment waits through the slow one
+# that follows: bench.flood on 2 cores shared with other processes drained 22-24k tokens/s for a few
+# seconds, then 12-15k for one or two, and calls admitted at 23k tokens/s with a calibration of 1.0
+# (the waits answered just before had come in early) were answered after 3.0-3.3 s where 2 s were
+# predicted. In that run the slow stretches came every ~7 s: a window longer than that keeps the last
+# one in mind.
+DRAIN_FLOOR_S = 10.0
+
+
+class DrainFloor:
+    """The slowest a model's drain rate (its replicas' DrainRate together) was over the last
+    `window_s` seconds, as measured under a backlog: admission counts with it where the rate now is
+    faster. The rate a call is admitted at is the rate of the moment, but it waits through the next
+    seconds': erring low in a fast moment keeps fewer calls queued (each answered sooner; the
+    replicas still never idle under a backlog), erring high admits calls into waits past
+    --max-queue-wait that nothing can shorten once they are queued. The calibration (WaitCalibration)
+    learns the same miss, but only from answers, a queue's length late, and forgets it as soon as a
+    few answers come in early. Kept as a sliding minimum: each rate is dropped once a slower one has
+    come after it, so a lookup is O(1) amortized."""
+
+    def __init__(self, window_s: float = DRAIN_FLOOR_S):
+        self.window_s = window_s
+        self._rates: collections.deque[tuple[float, float]] = collections.deque()  # (when, rate), rising
+
+    def observe(self, tokens_per_s: float, now: float, prior: float = 0.0) -> None:
+        """The model's drain rate was `tokens_per_s` at `now` (after a batch measured under a backlog).
+        A backlog's first window, with nothing slower known yet, counts at most at `prior` (the
+        replicas' figures at load, discounted: DrainRate.cold): a flood's first seconds are measured
+        before its refusals and tokenizing have taken their share of the cores (bench.flood: 18k
+        tokens/s measured in its second second, 12-15k in its sixth and seventh)."""
+        self.bound(tokens_per_s, now)  # drops what the window has passed
+        if not self._rates and prior > 0:
+            self._rates.append((now, prior))
+        while self._rates and self._rates[-1][1] >= tokens_per_s:
+            self._rates.pop()
+        self._rates.append((now, tokens_per_s))
+
+    def bound(self, tokens_per_s: float, now: float) -> float:
+        """`tokens_per_s`, or the slowest rate of the last window_s seconds if that was slower."""
+        while self._rates and self._rates[0][0] < now - self.window_s:
+            self._rates.popleft()
+        return min(tokens_per_s, self._rates[0][1]) if self._rates else tokens_per_s
 
 
 # How fast the calibration follows: a served wait 4 s old weighs 1/e of a new one (waits last up to

@@ -58,6 +58,7 @@ from ..base.errors import Overloaded, Unavailable
 from .admission import (
     CALL_DEADLINE,
     CALL_STARTED,
+    DrainFloor,
     DrainRate,
     TokenEstimate,
     WaitCalibration,
@@ -195,6 +196,7 @@ class ModelScheduler:
         self.drain = {replica: DrainRate() for replica in replicas}
         for replica in replicas:
             self._seed_drain(replica)
+        self.drain_floor = DrainFloor()  # the slowest the replicas drained together of late
         self.calibration = WaitCalibration()  # predicted waits against served ones
         self.token_estimate = TokenEstimate()  # real tokens per estimated one, for the predictions
         self._queued_tokens = dict.fromkeys(Priority, 0)
@@ -272,7 +274,7 @@ class ModelScheduler:
         refusal = admission(
             self.tokens_ahead(priority),
             own_tokens,
-            self.measured_tokens_per_s,
+            self.admission_tokens_per_s(now),
             0.0 if priority == Priority.BULK else self.max_queue_wait,
             None if deadline is None else deadline - now,
             factor=self.calibration.factor_at(now),
@@ -306,22 +308,33 @@ class ModelScheduler:
 
     @property
     def tokens_per_s(self) -> float:
-        """The calibrated rate: the measured one, slowed by how much longer than predicted the
-        recent waits were (WaitCalibration); admission counts the call's own compute apart."""
-        return self.measured_tokens_per_s / self.calibration.factor_at(time.monotonic())
+        """The calibrated rate: admission's, slowed by how much longer than predicted the recent
+        waits were (WaitCalibration); admission counts the call's own compute apart."""
+        now = time.monotonic()
+        return self.admission_tokens_per_s(now) / self.calibration.factor_at(now)
+
+    def admission_tokens_per_s(self, now: float) -> float:
+        """The rate admission predicts with: the measured one, or the slowest it was of late
+        (DrainFloor) where that was slower: a call waits through the coming seconds, not this one."""
+        return self.drain_floor.bound(self.measured_tokens_per_s, now)
 
     @property
     def measured_tokens_per_s(self) -> float:
         """The model's drain rate: its ready replicas' together."""
         return sum(self.drain[r].tokens_per_s for r in self.replicas if r.ready)
 
+    def _drains_measured(self) -> bool:
+        """Whether every ready replica's rate is a drain rate: one still counted at its idle round
+        trips or its worker's figure (a flood's first second) would set the floor of the whole window."""
+        return all(self.drain[r].measured is not None for r in self.replicas if r.ready)
+
     def _predict_answer(self, tokens: int, priority: Priority) -> float:
         """How long until a request of `tokens` queued now is answered at the measured rate: the work
         queued and computing ahead of it, then its own. Requests still tokenizing are not counted (they
-        queue behind it). Uncalibrated: the calibration is what such predictions miss by, not a
-        correction of itself."""
+        queue behind it). At admission's rate, uncalibrated: the calibration is what such predictions
+        miss by, not a correction of itself."""
         ahead = self.tokens_ahead(priority, tokenizing=False)
-        return expected_wait(ahead + tokens, self.measured_tokens_per_s)
+        return expected_wait(ahead + tokens, self.admission_tokens_per_s(time.monotonic()))
 
     def _runs_as(self, priority: Priority, inputs: int, tokens: int) -> Priority:
         """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits in SPLIT."""
@@ -568,7 +581,9 @@ class ModelScheduler:
             self.load[replica].add(tokens, priority, -1)
             self._wake.set()
         done = time.monotonic()
-        self.drain[replica].observe(tokens, sent, done)
+        if self.drain[replica].observe(tokens, sent, done) and self._drains_measured():
+            prior = sum(self.drain[r].cold for r in self.replicas if r.ready)
+            self.drain_floor.observe(self.measured_tokens_per_s, done, prior)
         metrics.observe_batch(
             self.model, replica.label, batch, self.limits[priority].padded, time.perf_counter() - started
         )

@@ -13,12 +13,15 @@ import pytest
 from support.held_workers import HeldWorker, request, until
 
 from encoderd.server.base.errors import Overloaded
+from encoderd.server.scheduling import scheduler as scheduler_module
 from encoderd.server.scheduling.admission import (
     CALIBRATION_HORIZON_S,
     CALIBRATION_RANGE,
     CALL_DEADLINE,
     CALL_STARTED,
     COLD_SHARE,
+    DRAIN_FLOOR_S,
+    DrainFloor,
     DrainRate,
     TokenEstimate,
     WaitCalibration,
@@ -78,6 +81,39 @@ def test_a_restarted_replica_forgets_its_old_backlog():
     rate.forget_backlog()
     rate.observe(1000, sent=0.5, done=1.5)  # the new process's first batch queued behind nothing
     assert rate.measured is None and rate.unloaded == pytest.approx(1000)
+
+
+def test_a_rate_says_whether_it_was_measured_under_a_backlog():
+    rate = DrainRate(cold=5000)
+    assert rate.observe(800, sent=0.0, done=0.1) is False  # sent to an idle replica: a round trip
+    assert rate.observe(2000, sent=0.05, done=0.2) is True  # queued behind the first: a drain rate
+    assert rate.observe(0, sent=0.1, done=0.3) is False  # nothing computed teaches nothing
+
+
+def test_the_drain_floor_is_the_slowest_rate_of_its_window():
+    floor = DrainFloor(window_s=10.0)
+    assert floor.bound(23_000, now=0.0) == 23_000  # nothing measured yet
+    floor.observe(20_000, now=0.0)
+    floor.observe(12_000, now=3.0)  # a slow stretch
+    floor.observe(22_000, now=5.0)
+    assert floor.bound(23_000, now=5.0) == 12_000  # a call admitted now waits through the next one
+    assert floor.bound(10_000, now=5.0) == 10_000  # slower now than of late: now's rate
+    assert floor.bound(23_000, now=13.0) == 12_000  # still within the window
+    assert floor.bound(23_000, now=13.1) == 22_000  # the slow stretch forgotten, the later rate kept
+    assert floor.bound(23_000, now=15.1) == 23_000
+
+
+def test_a_backlogs_first_window_counts_at_most_at_the_prior():
+    floor = DrainFloor(window_s=10.0)
+    floor.observe(18_000, now=100.0, prior=12_000)  # a flood's first backlog: no slower rate known yet
+    assert floor.bound(18_000, now=105.0) == 12_000
+    floor.observe(15_000, now=108.0, prior=12_000)  # within the window: the prior is not taken again
+    assert floor.bound(18_000, now=110.0) == 12_000
+    assert floor.bound(18_000, now=110.1) == 15_000  # a window measured: what it measured
+    floor.observe(20_000, now=130.0, prior=12_000)  # a backlog after a quiet window starts again
+    assert floor.bound(20_000, now=130.0) == 12_000
+    floor.observe(10_000, now=131.0, prior=12_000)  # slower than the prior: that
+    assert floor.bound(20_000, now=131.0) == 10_000
 
 
 # ------------------------------------------------------------------ the decision
@@ -439,3 +475,77 @@ async def test_a_unary_call_is_calibrated_from_when_it_reached_the_server(held):
     pending, items = request(range(4, 8), length=100)
     await scheduler.run(items, pending)  # in-process (no CALL_STARTED): from when it queued
     assert seen[0] >= 1000.0 and seen[1] < 1000.0  # the old code counted both from their submit
+
+
+async def test_admission_counts_at_the_slowest_rate_of_late(held):
+    scheduler, worker = held  # 1,000 tokens/s measured, --max-queue-wait 2 s
+    pending, items = request(range(12), length=100)  # 1,200 tokens ahead: 1.2 s at the measured rate
+    queued = asyncio.create_task(scheduler.run(items, pending))
+    await until(lambda: worker.batches, "the first batch reached the worker")
+    scheduler.drain_floor.observe(500.0, now=time.monotonic() - DRAIN_FLOOR_S - 1.0)  # long ago
+    scheduler.refuse_if_full(1)  # within --max-queue-wait's 2 s
+    # The replicas drained half as fast a moment ago: the old code admitted at 1.2 s, as if the
+    # call's wait were sure to go at the rate of this moment.
+    scheduler.drain_floor.observe(500.0, now=time.monotonic())
+    with pytest.raises(Overloaded, match=r"wait about 2\.4 s"):
+        scheduler.refuse_if_full(1)
+    worker.release.set()
+    await queued
+
+
+class Clock:
+    """The scheduler's time.monotonic, set by the test."""
+
+    def __init__(self, now: float):
+        self.now = now
+        self.perf_counter = time.perf_counter
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class GatedWorker(HeldWorker):
+    """Each batch waits for its own gate: the test ends them one at a time, at times it sets."""
+
+    def __init__(self, label: str = "gated"):
+        super().__init__(label)
+        self.gates: list[asyncio.Event] = []
+
+    async def compute(self, batch):
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        self.batches.append(batch)
+        await gate.wait()
+        return batch.input_ids[batch.cu_seqlens[:-1]].astype(np.float32)[:, None]
+
+
+async def test_the_floor_learns_the_models_rate_from_batches_drained_under_a_backlog(monkeypatch):
+    clock = Clock(100.0)
+    monkeypatch.setattr(scheduler_module, "time", clock)
+    worker = GatedWorker()
+    scheduler = ModelScheduler("m", [worker], BatchLimits(4, 1000), batch_delay=0, max_queue_wait=2.0)
+    scheduler.start()
+    try:
+        calls = [
+            asyncio.create_task(scheduler.run(items, pending))
+            for pending, items in (request(range(4 * k, 4 * k + 4), length=100) for k in range(3))
+        ]
+        await until(lambda: len(worker.batches) == 2, "the replica's two slots taken at 100.0")
+        clock.now = 100.4
+        worker.gates[0].set()  # sent to an idle replica: a round trip, no drain rate
+        await calls[0]
+        assert scheduler.drain[worker].measured is None
+        assert scheduler.admission_tokens_per_s(100.4) == scheduler.measured_tokens_per_s
+        clock.now = 100.8
+        worker.gates[1].set()  # queued behind the first: 400 tokens in 0.4 s
+        await calls[1]
+        assert scheduler.drain[worker].measured == pytest.approx(1000)
+        scheduler.drain[worker].measured = 4000.0  # faster since
+        assert scheduler.admission_tokens_per_s(100.8) == pytest.approx(1000)
+        assert scheduler.admission_tokens_per_s(100.8 + DRAIN_FLOOR_S) == pytest.approx(1000)
+        assert scheduler.admission_tokens_per_s(100.9 + DRAIN_FLOOR_S) == pytest.approx(4000)
+    finally:
+        for gate in worker.gates:
+            gate.set()
+        await asyncio.gather(*calls)
+        await scheduler.stop()
