@@ -66,6 +66,8 @@ EXCEPTIONS = {
     ("bench/attention.py", "encoderd.workers.backends"),
     # `bench.small_linear`: the few-row bfloat16 GEMM kernel against oneDNN on the same layers, in-process.
     ("bench/small_linear.py", "encoderd.workers.backends"),
+    # `bench.int8_linear`: the int8 VNNI GEMM kernel and the int8 forward, this build against a ref's, in-process.
+    ("bench/int8_linear.py", "encoderd.workers.backends"),
     # `bench --openvino`: a reference is judged by the server's own fidelity floors, kept in one place.
     ("bench/openvino.py", "encoderd.workers.fidelity"),
     # `bench.fidelity_holdout`: the worker's own self-check and engines, in-process, against a holdout corpus.
