@@ -181,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if built is None:
         print("the kernels could not be built here (see the log): nothing to compare", file=sys.stderr)
         return 1
-    print(f"attention products: {built.attention_products}", flush=True)
-    result: dict = {"products": built.attention_products}
+    products = built.attention_tiles or built.attention_products  # head sizes of a multiple of 32 by tiles
+    print(f"attention products: {products}", flush=True)
+    result: dict = {"products": products}
     ref = ref_kernels(args.compare_ref) if args.compare_ref else None
     if args.compare_ref:
         result["ref"] = args.compare_ref

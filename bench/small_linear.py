@@ -1,6 +1,6 @@
 """The few-row bfloat16 GEMM (workers/backends/host_kernels.c, bf16_linear_rows) against oneDNN's
 _linear_pointwise on the same weights (packed_linear.PackedLinear, which picks between them by
-host_kernels.SMALL_LINEAR_ROWS), alternated in one process, on one thread, at every row count asked for
+host_kernels.few_row_limit()), alternated in one process, on one thread, at every row count asked for
 whatever the threshold:
 
     python -m encoderd.bench.small_linear [--rows 1,2,4,...,64] [--shape minilm|bge-base] [--rounds 7]

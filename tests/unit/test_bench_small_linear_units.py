@@ -22,10 +22,10 @@ def test_crossover_is_the_first_row_count_where_the_kernel_is_slower():
     reason="the few-row bfloat16 GEMM is built only for a CPU with avx512_bf16",
 )
 def test_times_both_at_every_row_count_asked_even_past_the_threshold(tmp_path, monkeypatch):
-    """Rows past SMALL_LINEAR_ROWS still run through the kernel (the bench raises the threshold), and each
+    """Rows past few_row_limit() still run through the kernel (the bench raises the threshold), and each
     row count gets both times and their ratio."""
     out = tmp_path / "result.json"
-    past = host_kernels.SMALL_LINEAR_ROWS + 8
+    past = host_kernels.few_row_limit() + 8
     monkeypatch.setattr(host_kernels, "SMALL_LINEAR_ROWS", host_kernels.SMALL_LINEAR_ROWS)  # main raises it
     threads = torch.get_num_threads()
     try:

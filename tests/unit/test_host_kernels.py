@@ -525,12 +525,13 @@ def _by_onednn(layer: packed_linear.PackedLinear, x: torch.Tensor, activation: s
 @pytest.mark.parametrize("activation", ["none", "gelu", "relu"])
 @pytest.mark.parametrize(("k", "n"), [(384, 1152), (384, 1536), (1536, 384), (34, 100)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 16, 24, 32])
-def test_bf16_gemm_is_onednns_linear_within_bfloat16_rounding(rows, k, n, activation, one_thread):
+def test_bf16_gemm_is_onednns_linear_within_bfloat16_rounding(rows, k, n, activation, one_thread, monkeypatch):
     """The few-row GEMM against oneDNN's _linear_pointwise on the same packed layer (what serves these rows
     on the old code) and float32's linear on the same bfloat16 values: within one bfloat16 step of
     oneDNN's, no further from float32 than twice oneDNN's own error, and nearly every value bit-identical
     (both sum pairs of products in float32 and round once). Tiles of 1 to 8 rows (then 4-row tiles), every
     tile width, a partial last vector (n = 100) and an odd number of pairs (k = 34); MiniLM's four shapes."""
+    monkeypatch.setattr(host_kernels, "SMALL_LINEAR_ROWS", 32)  # every row count, whatever this CPU serves by it
     linear = _bf16_linear(k, n, seed=rows + k + n)
     layer = packed_linear.PackedLinear(linear)
     assert layer.few_rows is not None
@@ -547,7 +548,7 @@ def test_bf16_gemm_is_onednns_linear_within_bfloat16_rounding(rows, k, n, activa
 
 @needs_bf16_gemm
 def test_packed_linear_runs_few_rows_by_the_kernel_and_more_by_onednn(fresh_kernel, one_thread):
-    """PackedLinear.forward: up to SMALL_LINEAR_ROWS rows (of a 2-D or 3-D input) through the kernel, no
+    """PackedLinear.forward: up to few_row_limit() rows (of a 2-D or 3-D input) through the kernel, no
     bias too; more rows, more than one thread, or a float32 layer (no kernel weights) through oneDNN;
     each time equal to oneDNN's result within bfloat16's rounding."""
     layer = packed_linear.PackedLinear(_bf16_linear(384, 1536, seed=1, bias=False))
@@ -558,9 +559,9 @@ def test_packed_linear_runs_few_rows_by_the_kernel_and_more_by_onednn(fresh_kern
         served.append((out := real(*args)) is not None)
         return out
 
-    limit = host_kernels.SMALL_LINEAR_ROWS
+    limit = host_kernels.few_row_limit()
     with mock.patch.object(host_kernels, "bf16_linear", recorded):
-        for shape, kernel in (((limit, 384), True), ((2, 5, 384), True), ((limit + 8, 384), False)):
+        for shape, kernel in (((limit, 384), True), ((2, limit // 2, 384), True), ((limit + 8, 384), False)):
             x = torch.randn(shape).bfloat16()
             got = layer(x, activation="gelu")
             assert served.pop() is kernel and not served

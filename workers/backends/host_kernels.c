@@ -631,8 +631,8 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
  * again from L1/L2 for the next row tile.
  *
  * A tile of few rows has few accumulators, too few to cover vdpbf16ps' latency; it takes more vectors
- * (bf16_tile_vectors). Built only where the compiler targets avx512_bf16; bf16_gemm_available() says
- * whether this build has it (elsewhere packed_linear.py keeps oneDNN for every size). */
+ * (bf16_tile_vectors). Built only where the compiler targets avx512_bf16; bf16_gemm_rows() says
+ * up to how many rows this build serves (elsewhere packed_linear.py keeps oneDNN for every size). */
 #define BF16_ROWS 8       /* rows of a register tile */
 #define BF16_ROWS_MANY 4  /* ... where the input has more rows than BF16_ROWS (4 x 6 took 3-8 % less than 8 x 3) */
 #define BF16_VECTORS_MAX 8 /* 16-column vectors of a register tile, at most */
@@ -653,7 +653,17 @@ void pack_bf16_weights(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
-int bf16_gemm_available(void) { return 1; }
+/* The rows up to which this kernel serves (packed_linear.py; oneDNN more). Where the CPU has AMX, oneDNN's
+ * GEMMs run on its tiles and overtake this one from 8 rows on (MiniLM's four linears of a layer: this
+ * kernel 1.16-1.47x less time at 1-4 rows, 0.70x at 8, 0.21x at 32; Xeon with AMX, one thread,
+ * bench.small_linear); elsewhere it served 1.15-1.7x faster up to 32 rows and beyond (Zen 5). */
+int bf16_gemm_rows(void) {
+#ifdef __AMX_BF16__
+    return 4;
+#else
+    return 32;
+#endif
+}
 
 _Static_assert(BF16_ROWS <= GELU_ROWS, "a tile's rows go through gelu_rows at once");
 #ifndef UNROLLED /* the int8 GEMM's, where the build has it */
@@ -800,7 +810,7 @@ void bf16_linear_rows(const uint16_t *a, int64_t rows, int64_t k, const uint16_t
 
 #else /* no avx512_bf16 in this build: packed_linear.py keeps oneDNN */
 
-int bf16_gemm_available(void) { return 0; }
+int bf16_gemm_rows(void) { return 0; }
 
 void bf16_linear_rows(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, int activation, uint16_t *out) {
@@ -1110,11 +1120,15 @@ static int64_t heads_at_once(int64_t length, int64_t dim, int64_t heads) {
     return fit < 1 ? 1 : fit < heads ? fit : heads;
 }
 
+static int64_t tile_rows_bytes(int64_t longest, int64_t dim); /* attention by AMX tiles' rows (below) */
+
 /* Bytes of scratch attend_full_bf16 needs for sequences of up to `longest` tokens. */
 int64_t attention_scratch_bytes(int64_t longest, int64_t dim) {
     int64_t packed = 2 * packed_bytes(longest, dim);
     int64_t keys = round_up(longest, LANES);
     int64_t rows = round_up(ROWS * keys * (4 + sizeof(weight_t)), ALIGN); /* scores and weights */
+    if (tile_rows_bytes(longest, dim) > rows)
+        rows = round_up(tile_rows_bytes(longest, dim), ALIGN);
     return (packed > PACK_BYTES ? packed : PACK_BYTES) + rows + ALIGN;
 }
 
@@ -1173,6 +1187,217 @@ static void attend_head(const uint16_t *q, int64_t stride, const void *key_packe
     }
 }
 
+/* ------------------------------------------------------------------ attention's products by AMX tiles
+ *
+ * Where the build targets AMX (amx_tile, amx_bf16: Xeon since Sapphire Rapids) and the head size is a
+ * multiple of 32, a head's two products run as 16 x 16 float32 tiles of tdpbf16ps (16 x 16 x 32 products
+ * an instruction) instead of vdpbf16ps' 16 x 2: attend_head_by_tiles. The keys and values are packed as
+ * above, which is already the tiles' operand layout (a 64-byte row per pair of dims or of keys, 16 keys
+ * or dims across); queries and the exponentials are read as 16 rows of 32 bfloat16. The softmax between
+ * the products is the same as the vector path's, on 16 rows at a time. On a Xeon with AMX (2 vCPUs, one
+ * thread, bench.attention) the vector path reached 33-84 GFLOP/s, slower than torch's per-sequence
+ * operators (oneDNN's AMX GEMMs) from 128 tokens on; by tiles 1.1-1.2x faster at 10-16 tokens, 1.7-2.5x
+ * at 48-512. A sequence of up to ROWS (8) tokens stays on the vector path: it fills one 8-row vector tile
+ * but half a 16-row AMX one (tiles 0.74-0.80x there).
+ *
+ * Linux hands a process the tiles' 8 KiB of register state only once it asks (arch_prctl); where it
+ * refuses, the vector path serves. The caller's tile configuration (oneDNN's, between its GEMMs) is put
+ * back when a call ends. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TILE_ROWS 16
+#define TILE_DEPTH 32 /* bfloat16 products summed per tile row and column: one 64-byte row of the operands */
+
+static int tiles_permitted(void) {
+    static int permitted = -1; /* unknown until asked; asking twice is harmless */
+    if (permitted < 0)
+        permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0-3 sums, 4 the left operand, 6 and 7 the right one (alternating, so a load overlaps the product
+ * before it): all 16 rows of 64 bytes. */
+static void configure_tiles(void) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = TILE_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Tile `sum` (0-3; the id must be a constant) += tile 4 x the 64-byte-row operand at `right`. */
+static inline void product_into(int sum, const void *right, int64_t stride) {
+    switch (sum) {
+    case 0: _tile_loadd(6, right, stride); _tile_dpbf16ps(0, 4, 6); break;
+    case 1: _tile_loadd(7, right, stride); _tile_dpbf16ps(1, 4, 7); break;
+    case 2: _tile_loadd(6, right, stride); _tile_dpbf16ps(2, 4, 6); break;
+    default: _tile_loadd(7, right, stride); _tile_dpbf16ps(3, 4, 7); break;
+    }
+}
+
+static inline void zero_sums(int count) {
+    _tile_zero(0);
+    if (count > 1) _tile_zero(1);
+    if (count > 2) _tile_zero(2);
+    if (count > 3) _tile_zero(3);
+}
+
+/* Sums 0 .. count-1 stored side by side as 16 rows of count x 16 floats, `stride` bytes apart. */
+static inline void store_sums(int count, float *to, int64_t stride) {
+    _tile_stored(0, to, stride);
+    if (count > 1) _tile_stored(1, to + LANES, stride);
+    if (count > 2) _tile_stored(2, to + 2 * LANES, stride);
+    if (count > 3) _tile_stored(3, to + 3 * LANES, stride);
+}
+
+/* Scores of 16 queries (queries: 16 rows of dim bfloat16, `query_stride` elements apart) against every
+ * key, 4 blocks of 16 keys at a time, into scores (rows `keys` floats apart; unscaled). */
+static void scores_by_tiles(const uint16_t *queries, int64_t query_stride, const uint16_t *keys_packed,
+                            int64_t blocks, int64_t dim, float *scores, int64_t keys) {
+    for (int64_t block = 0; block < blocks; block += 4) {
+        int count = blocks - block < 4 ? (int)(blocks - block) : 4;
+        zero_sums(count);
+        for (int64_t d = 0; d < dim; d += TILE_DEPTH) {
+            _tile_loadd(4, queries + d, query_stride * 2);
+            for (int b = 0; b < count; b++) /* block b's dims d .. d + 31: 16 rows of 16 keys x 2 dims */
+                product_into(b, keys_packed + (block + b) * LANES * dim + d * LANES, 64);
+        }
+        store_sums(count, scores + block * LANES, keys * 4);
+    }
+}
+
+/* context[r][c] = sum over keys of weights[r][j] values[j][c], 16 rows, dim columns, 4 blocks of 16
+ * columns at a time; weights: rows `keys` bfloat16 apart, zero from `length` to a whole TILE_DEPTH. */
+static void context_by_tiles(const uint16_t *weights, int64_t keys, const uint16_t *values_packed, int64_t length,
+                             int64_t dim, float *context) {
+    for (int64_t column = 0; column < dim; column += 4 * LANES) {
+        int count = (dim - column) / LANES < 4 ? (int)((dim - column) / LANES) : 4;
+        zero_sums(count);
+        for (int64_t j = 0; j < length; j += TILE_DEPTH) {
+            _tile_loadd(4, weights + j, keys * 2);
+            for (int c = 0; c < count; c++) /* keys j .. j + 31 as 16 pairs, 16 columns x 2 keys a row */
+                product_into(c, values_packed + j * dim + (column + c * LANES) * 2, dim * 4);
+        }
+        store_sums(count, context + column, dim * 4);
+    }
+}
+
+/* Softmax of 16 rows of unscaled scores (the last block's keys past `length` are masked here) into
+ * bfloat16 weights, zero past `length` up to `keys`; norm[r] = 1 / row r's sum. */
+static void softmax_by_rows(float *scores, int64_t length, int64_t keys, float scale, uint16_t *weights,
+                            float norm[TILE_ROWS]) {
+    int64_t padded = round_up(length, LANES);
+    float unit = scale * WEIGHT_EXPONENT_UNIT;
+    for (int r = 0; r < TILE_ROWS; r++) {
+        float *row = scores + r * keys;
+        uint16_t *kept = weights + r * keys;
+        floats top = (floats){0} - INFINITY;
+        for (int64_t j = 0; j < padded; j += LANES) {
+            floats s;
+            memcpy(&s, row + j, sizeof s);
+            keep_scores(s, j, length, row + j, &top);
+        }
+        float shift = -largest_lane(top) * unit;
+        floats sums = {0};
+        for (int64_t j = 0; j < padded; j += LANES) {
+            floats s;
+            memcpy(&s, row + j, sizeof s);
+            floats e = exp_for_weights(s * unit + shift);
+            keep_weights(e, kept + j);
+            sums += e;
+        }
+        memset(kept + padded, 0, (keys - padded) * 2);
+        norm[r] = 1.0f / lanes_sum(sums);
+    }
+}
+
+/* attend_head's work by tiles (dim a multiple of TILE_DEPTH; the tiles configured). rows_work: scratch
+ * of attention_rows_bytes(length, dim). */
+static void attend_head_by_tiles(const uint16_t *q, int64_t stride, const uint16_t *key_packed,
+                                 const uint16_t *value_packed, uint16_t *out, int64_t out_stride, int64_t length,
+                                 int64_t dim, float scale, char *rows_work) {
+    int64_t keys = round_up(length, TILE_DEPTH), blocks = round_up(length, LANES) / LANES;
+    float *scores = (float *)rows_work, *context = scores + TILE_ROWS * keys;
+    uint16_t *weights = (uint16_t *)(context + TILE_ROWS * dim), *spare = weights + TILE_ROWS * keys;
+    for (int64_t i = 0; i < length; i += TILE_ROWS) {
+        int rows = length - i < TILE_ROWS ? (int)(length - i) : TILE_ROWS;
+        const uint16_t *queries = q + i * stride;
+        int64_t query_stride = stride;
+        if (rows < TILE_ROWS) { /* the last tile: its rows past the sequence read as zeros, not past q's end */
+            memset(spare, 0, TILE_ROWS * dim * 2);
+            for (int r = 0; r < rows; r++)
+                memcpy(spare + r * dim, queries + r * stride, dim * 2);
+            queries = spare, query_stride = dim;
+        }
+        scores_by_tiles(queries, query_stride, key_packed, blocks, dim, scores, keys);
+        float norm[TILE_ROWS];
+        softmax_by_rows(scores, length, keys, scale, weights, norm);
+        context_by_tiles(weights, keys, value_packed, length, dim, context);
+        for (int r = 0; r < rows; r++)
+            for (int64_t c = 0; c < dim; c += LANES) {
+                floats sum;
+                memcpy(&sum, context + r * dim + c, sizeof sum);
+                store_bf16(out + (i + r) * out_stride + c, sum * norm[r], LANES);
+            }
+    }
+}
+
+/* Whether this call's heads run by tiles: the configuration it replaces is kept in `saved`. */
+static int tiles_begin(int64_t dim, struct tile_config *saved) {
+    if (dim % TILE_DEPTH || !tiles_permitted())
+        return 0;
+    _tile_storeconfig(saved);
+    configure_tiles();
+    return 1;
+}
+
+static void tiles_end(const struct tile_config *saved) {
+    if (saved->palette)
+        _tile_loadconfig(saved);
+    else
+        _tile_release();
+}
+
+/* A head's values packed with zero pairs up to a whole TILE_DEPTH of keys (value_pack writes the pairs
+ * up to `length`): the context's last product reads them beside zero weights. */
+static void pad_values(char *values, int64_t length, int64_t dim) {
+    int64_t written = (length + 1) / 2 * dim * 4, whole = round_up(length, TILE_DEPTH) / 2 * dim * 4;
+    memset(values + written, 0, whole - written);
+}
+
+static int64_t tile_rows_bytes(int64_t longest, int64_t dim) {
+    int64_t keys = round_up(longest, TILE_DEPTH);
+    return TILE_ROWS * (keys * 4 + dim * 4 + keys * 2 + dim * 2);
+}
+
+const char *attention_tiles(void) { return tiles_permitted() ? "amx_bf16" : ""; }
+
+#else
+struct tile_config {
+    char unused;
+};
+static int tiles_begin(int64_t dim, struct tile_config *saved) { return (void)dim, (void)saved, 0; }
+static void tiles_end(const struct tile_config *saved) { (void)saved; }
+static void pad_values(char *values, int64_t length, int64_t dim) { (void)values, (void)length, (void)dim; }
+static void attend_head_by_tiles(const uint16_t *q, int64_t stride, const uint16_t *key_packed,
+                                 const uint16_t *value_packed, uint16_t *out, int64_t out_stride, int64_t length,
+                                 int64_t dim, float scale, char *rows_work) {
+    (void)q, (void)stride, (void)key_packed, (void)value_packed, (void)out, (void)out_stride, (void)length;
+    (void)dim, (void)scale, (void)rows_work;
+}
+static int64_t tile_rows_bytes(int64_t longest, int64_t dim) { return (void)longest, (void)dim, 0; }
+const char *attention_tiles(void) { return ""; }
+#endif
+
 /* Asks for tokens [begin, end)'s q, k and v (every head: `row_bytes` from each token's first) to be
  * brought into the core's L2. The next sequence's, a slice per head of this one (attend_full_bf16):
  * its packing then finds them there, where the QKV projection's output (tokens x 3 x heads x dim,
@@ -1196,6 +1421,8 @@ void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
                       int64_t head_stride, uint16_t *out, const int32_t *cu_seqlens, int64_t sequences,
                       int64_t heads, int64_t dim, float scale, void *work) {
     int64_t row_bytes = ((heads - 1) * head_stride + dim) * 2;
+    struct tile_config saved;
+    int tiles = tiles_begin(dim, &saved);
     for (int64_t s = 0; s < sequences; s++) {
         int64_t first = cu_seqlens[s], length = cu_seqlens[s + 1] - first;
         if (length <= 0)
@@ -1211,9 +1438,19 @@ void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
             for (int64_t h = 0; h < at.heads; h++) {
                 int64_t slice = next_length * (g + h) / heads, slice_end = next_length * (g + h + 1) / heads;
                 prefetch_tokens(q, k, v, token_stride, row_bytes, next + slice, next + slice_end);
-                attend_head(q + from + h * head_stride, token_stride, keys + h * packed, values + h * packed,
-                            out + first * heads * dim + (g + h) * dim, heads * dim, length, dim, scale, rows);
+                const uint16_t *queries = q + from + h * head_stride;
+                uint16_t *context = out + first * heads * dim + (g + h) * dim;
+                if (tiles && length > ROWS) { /* up to ROWS tokens fill a vector tile, half an AMX one */
+                    pad_values(values + h * packed, length, dim);
+                    attend_head_by_tiles(queries, token_stride, (const uint16_t *)(keys + h * packed),
+                                         (const uint16_t *)(values + h * packed), context, heads * dim, length,
+                                         dim, scale, rows);
+                } else
+                    attend_head(queries, token_stride, keys + h * packed, values + h * packed, context,
+                                heads * dim, length, dim, scale, rows);
             }
         }
     }
+    if (tiles)
+        tiles_end(&saved);
 }

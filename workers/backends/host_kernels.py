@@ -14,7 +14,11 @@
 * attend_full: a layer's attention over the whole packed batch in one call where every key is visible
   to every query of its sequence (BERT's full window): scores and softmax in float32, avx512_bf16
   products where the CPU has them (2.1-8.7x the per-sequence operators over 256 down to 16 tokens,
-  MiniLM's heads; bench/attention.py); as close to float32 SDPA as torch's bfloat16 SDPA is.
+  MiniLM's heads; bench/attention.py); as close to float32 SDPA as torch's bfloat16 SDPA is. Where
+  the CPU has AMX (amx_bf16) and the head size is a multiple of 32, the two products run as AMX tiles:
+  the vector products fell behind torch's per-sequence operators (oneDNN's AMX GEMMs) from 128 tokens
+  on there; by tiles the kernel took 1.1-2.5x less time than by vectors over 16-512 tokens and 1.6-5.8x
+  less than the operators (MiniLM and bge-base heads, Xeon with AMX, one thread, bench.attention).
 * quantize_rows, rescale_rows: an int8 linear's (int8_linear.py) passes around torch._int_mm, in
   bfloat16 or float32. Its input times the SmoothQuant scale, each token's max |x|, and the int8 values,
   in one pass over the row instead of five torch operators; its output, int32 x token scale x channel
@@ -28,13 +32,14 @@
   MiniLM shapes, 512 rows, one thread (Zen 5): 900-990 GOPS without GELU (_int_mm + rescale 860-935),
   660 with it (475).
 
-* pack_bf16, bf16_linear: where the build targets avx512_bf16, a bfloat16 linear of up to SMALL_LINEAR_ROWS
+* pack_bf16, bf16_linear: where the build targets avx512_bf16, a bfloat16 linear of up to few_row_limit()
   rows (a short query's tokens; packed_linear.PackedLinear picks it), by vdpbf16ps on weights packed once
   at load into the pairs it reads, bias and GELU or ReLU applied to the float32 sums in registers, rounded
   to bfloat16 as oneDNN rounds: equal to oneDNN's _linear_pointwise but for under 0.05 % of values (one
   bfloat16 step). oneDNN costs ~19 us a call at these sizes whatever the rows; MiniLM's four linears of a
   layer took 1.15-1.7x less CPU at 1-32 rows, even at 40-64 (bench.small_linear, Zen 5, one thread,
-  shared host), and a 10-30-token query's forward 1.15-1.24x less.
+  shared host), and a 10-30-token query's forward 1.15-1.24x less. Where the CPU has AMX, oneDNN's GEMMs
+  run on its tiles and overtake the kernel from 8 rows on: it serves up to 4 rows there (bf16_gemm_rows).
 
 All equal torch's operators but for an occasional last-bit rounding (tests/unit/test_host_kernels.py);
 GELU's erfc is a Chebyshev fit within 1.2e-7 of it, relative.
@@ -108,6 +113,7 @@ class Kernels:
     attend_full: Any
     attention_scratch_bytes: Any
     attention_products: str  # "avx512_bf16" (vdpbf16ps) or "float32" (multiply-adds): what this build targets
+    attention_tiles: str  # "amx_bf16" where head sizes of a multiple of 32 run by AMX tiles instead, else ""
     quantize_rows: Any
     rescale_rows: Any
     pack_int8_weights: Any
@@ -115,7 +121,11 @@ class Kernels:
     int8_gemm: bool  # int8_linear_rows computes (built for avx512_vnni); else int8 linears keep torch._int_mm
     pack_bf16_weights: Any
     bf16_linear_rows: Any
-    bf16_gemm: bool  # bf16_linear_rows computes (built for avx512_bf16); else bfloat16 linears keep oneDNN
+    bf16_gemm_rows: int  # bf16_linear_rows serves up to this many rows (0: no avx512_bf16: oneDNN serves all)
+
+    @property
+    def bf16_gemm(self) -> bool:
+        return self.bf16_gemm_rows > 0
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -339,7 +349,20 @@ def int8_linear(
     return out
 
 
-SMALL_LINEAR_ROWS = 32  # bf16_linear serves inputs of up to this many rows (tokens); oneDNN larger ones
+# bf16_linear serves inputs of up to this many rows (tokens), oneDNN larger ones; None: the build's own
+# bf16_gemm_rows (host_kernels.c: where the few-row kernel measured faster on this kind of CPU). The bench
+# (bench.small_linear) sets a number to time the kernel past it.
+SMALL_LINEAR_ROWS: int | None = None
+
+
+def few_row_limit() -> int:
+    """The most rows bf16_linear serves here (0 where no kernel does)."""
+    built = kernels()
+    if built is None or not built.bf16_gemm:
+        return 0
+    return built.bf16_gemm_rows if SMALL_LINEAR_ROWS is None else SMALL_LINEAR_ROWS
+
+
 # The few-row copies are a second copy of a model's linear weights beside oneDNN's: this much of them per
 # worker process (MiniLM's are 21 MiB, a bge-base-sized model's 170 MiB). Past it, the layers packed later
 # keep oneDNN alone, so a large model's worker does not hold all its weights twice for its short queries.
@@ -397,14 +420,14 @@ def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBf16Weig
 
 
 def bf16_linear(x: torch.Tensor, weights: PackedBf16Weights, activation: str) -> torch.Tensor | None:
-    """activation(x @ weight.T + bias) for x (..., in) bfloat16 of at most SMALL_LINEAR_ROWS rows, in one
+    """activation(x @ weight.T + bias) for x (..., in) bfloat16 of at most few_row_limit() rows, in one
     kernel call (activation "none", "gelu": exact erf GELU, "relu"); None where the kernel does not serve
     (more rows, not one thread, not bfloat16 or not dense, an unknown activation): then oneDNN's."""
     rows = x.numel() // weights.in_features
-    if rows > SMALL_LINEAR_ROWS or rows == 0 or activation not in INT8_ACTIVATIONS or not x.is_contiguous():
+    if rows == 0 or activation not in INT8_ACTIVATIONS or not x.is_contiguous():
         return None
     built = _serving(x)
-    if built is None or not built.bf16_gemm:
+    if built is None or rows > few_row_limit():
         return None
     out = torch.empty(*x.shape[:-1], weights.out_features, dtype=torch.bfloat16)
     bias = weights.bias.data_ptr() if weights.bias is not None else None
@@ -498,8 +521,11 @@ def kernels() -> Kernels | None:
     elapsed = time.perf_counter() - started
     flags = " ".join(FLAGS)
     products = built.attention_products
+    if built.attention_tiles:
+        products = f"{built.attention_tiles} tiles (head sizes a multiple of 32; else {products})"
     gemm = "GEMM by avx512_vnni" if built.int8_gemm else "torch's GEMM (no avx512_vnni)"
-    few = "few-row GEMM by avx512_bf16" if built.bf16_gemm else "oneDNN's GEMM at every size (no avx512_bf16)"
+    few = f"GEMM of up to {built.bf16_gemm_rows} rows by avx512_bf16"
+    few = few if built.bf16_gemm else "oneDNN's GEMM at every size (no avx512_bf16)"
     bf16 = f"bfloat16 softmax, add + LayerNorm, mean pooling, attention by {products} products, {few}"
     names = f"{bf16}; int8 quantize, rescale, {gemm}"
     log.info("host kernels (%s): built by %s %s in %.1f s", names, compiler[0], flags, elapsed)
@@ -560,12 +586,18 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
     functions = (softmax_rows, add_layer_norm, mean_rows, attend, quantize, rescale, pack, gemm)
     for function in (*functions, pack_bf16_weights, bf16_rows):
         function.restype = None
-    products = library.attention_products().decode()
+    products, tiles = library.attention_products().decode(), ""
+    if hasattr(library, "attention_tiles"):  # not in an older commit's source (bench --compare-ref builds one)
+        library.attention_tiles.restype = ctypes.c_char_p
+        tiles = library.attention_tiles().decode()
     int8_gemm = bool(library.int8_gemm_available())
-    bf16_gemm = bool(library.bf16_gemm_available())
+    if hasattr(library, "bf16_gemm_rows"):
+        bf16_gemm_rows = library.bf16_gemm_rows()
+    else:  # an older commit's source, as above: its kernel served up to 32 rows where it was built
+        bf16_gemm_rows = 32 * library.bf16_gemm_available()
     return Kernels(
-        softmax_rows, add_layer_norm, mean_rows, attend, scratch_bytes, products, quantize, rescale, pack, gemm,
-        int8_gemm, pack_bf16_weights, bf16_rows, bf16_gemm,
+        softmax_rows, add_layer_norm, mean_rows, attend, scratch_bytes, products, tiles, quantize, rescale, pack, gemm,
+        int8_gemm, pack_bf16_weights, bf16_rows, bf16_gemm_rows,
     )  # fmt: skip
 
 

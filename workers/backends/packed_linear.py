@@ -8,7 +8,7 @@ once at load time measured 1.56x faster for a 10-token MiniLM query and
 and 1.04-1.06x), with outputs equal to 1e-5 (float32) or bit-identical
 (bfloat16). These are the same oneDNN ops `torch.compile` emits on CPU.
 
-A bfloat16 input of up to host_kernels.SMALL_LINEAR_ROWS rows (a short query's tokens) runs instead
+A bfloat16 input of up to host_kernels.few_row_limit() rows (a short query's tokens) runs instead
 through host_kernels' bf16_linear, where the build targets avx512_bf16: oneDNN's fixed cost per call
 (~19 us a MiniLM linear on Zen 5, one thread) outweighed its arithmetic at those sizes. Its weights are a
 second copy, packed once here for that kernel (the layer's weights take twice their memory).
