@@ -615,6 +615,106 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
 
 #endif
 
+/* ------------------------------------------------------------------ AMX tiles
+ *
+ * Where the build targets AMX (amx_tile, amx_bf16: Xeon since Sapphire Rapids), the few-row GEMM and
+ * attention's products run on its tiles: 16 rows x 64 bytes each, tdpbf16ps adding a 16 x 32 bfloat16 tile
+ * times a 32 x 16 one (its rows pairs of k, the layout both already pack their right operand in) into a
+ * 16 x 16 float32 one. Linux hands a process the tiles' 8 KiB of register state only once it asks
+ * (arch_prctl); where it refuses, the vector paths serve. A call keeps the caller's tile configuration
+ * (oneDNN's, between its GEMMs) and puts it back when it ends (tiles_begin, tiles_end). */
+#define TILE_ROWS 16
+#define TILE_DEPTH 32 /* bfloat16 products summed per tile row and column: one 64-byte row of the operands */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int tiles_permitted(void) {
+    static int permitted = -1; /* unknown until asked; asking twice is harmless */
+    if (permitted < 0)
+        permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0-3 sums and 4 the left operand, of `rows` rows; 6 and 7 the right one (alternating, so a load
+ * overlaps the product before it), 16 rows; all rows of 64 bytes. */
+static void configure_tiles(int rows) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = t < 6 ? rows : TILE_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* As configure_tiles(16), but tiles 2, 3 (sums) and 5 (the left operand) of `second` rows: two blocks of
+ * rows against the same right operand. */
+static void configure_two_blocks(int second) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = t == 2 || t == 3 || t == 5 ? second : TILE_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Tile `sum` (0-3; the id must be a constant) += tile 4 x the 64-byte-row operand at `right`. */
+static inline void product_into(int sum, const void *right, int64_t stride) {
+    switch (sum) {
+    case 0: _tile_loadd(6, right, stride); _tile_dpbf16ps(0, 4, 6); break;
+    case 1: _tile_loadd(7, right, stride); _tile_dpbf16ps(1, 4, 7); break;
+    case 2: _tile_loadd(6, right, stride); _tile_dpbf16ps(2, 4, 6); break;
+    default: _tile_loadd(7, right, stride); _tile_dpbf16ps(3, 4, 7); break;
+    }
+}
+
+static inline void zero_sums(int count) {
+    _tile_zero(0);
+    if (count > 1) _tile_zero(1);
+    if (count > 2) _tile_zero(2);
+    if (count > 3) _tile_zero(3);
+}
+
+/* Sums 0 .. count-1 stored side by side as 16 rows of count x 16 floats, `stride` bytes apart. */
+static inline void store_sums(int count, float *to, int64_t stride) {
+    _tile_stored(0, to, stride);
+    if (count > 1) _tile_stored(1, to + LANES, stride);
+    if (count > 2) _tile_stored(2, to + 2 * LANES, stride);
+    if (count > 3) _tile_stored(3, to + 3 * LANES, stride);
+}
+
+/* Whether this call runs by tiles (Linux permitting), configured for `rows` rows (1 to TILE_ROWS) of the
+ * left operand and the sums; the configuration it replaces is kept in `saved`. */
+static int tiles_begin(int rows, struct tile_config *saved) {
+    if (!tiles_permitted())
+        return 0;
+    _tile_storeconfig(saved);
+    configure_tiles(rows);
+    return 1;
+}
+
+static void tiles_end(const struct tile_config *saved) {
+    if (saved->palette)
+        _tile_loadconfig(saved);
+    else
+        _tile_release();
+}
+
+#else
+struct tile_config {
+    char unused;
+};
+static int tiles_begin(int rows, struct tile_config *saved) { return (void)rows, (void)saved, 0; }
+static void tiles_end(const struct tile_config *saved) { (void)saved; }
+#endif
+
 /* ------------------------------------------------------------------ bfloat16 GEMM for a few rows (avx512_bf16)
  *
  * bf16_linear_rows: a bfloat16 linear's output for a short input (a query's ~10-40 tokens), where oneDNN's
@@ -632,7 +732,10 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
  *
  * A tile of few rows has few accumulators, too few to cover vdpbf16ps' latency; it takes more vectors
  * (bf16_tile_vectors). Built only where the compiler targets avx512_bf16; bf16_gemm_rows() says
- * up to how many rows this build serves (elsewhere packed_linear.py keeps oneDNN for every size). */
+ * up to how many rows this build serves (elsewhere packed_linear.py keeps oneDNN for every size).
+ *
+ * Where the build targets AMX, the same packed panels are the tiles' right operand (16 pairs of k a
+ * tile) and the products run by tiles instead (bf16_linear_by_tiles), into the same epilogue. */
 #define BF16_ROWS 8       /* rows of a register tile */
 #define BF16_ROWS_MANY 4  /* ... where the input has more rows than BF16_ROWS (4 x 6 took 3-8 % less than 8 x 3) */
 #define BF16_VECTORS_MAX 8 /* 16-column vectors of a register tile, at most */
@@ -653,17 +756,11 @@ void pack_bf16_weights(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
-/* The rows up to which this kernel serves (packed_linear.py; oneDNN more). Where the CPU has AMX, oneDNN's
- * GEMMs run on its tiles and overtake this one from 8 rows on (MiniLM's four linears of a layer: this
- * kernel 1.16-1.47x less time at 1-4 rows, 0.70x at 8, 0.21x at 32; Xeon with AMX, one thread,
- * bench.small_linear); elsewhere it served 1.15-1.7x faster up to 32 rows and beyond (Zen 5). */
-int bf16_gemm_rows(void) {
-#ifdef __AMX_BF16__
-    return 4;
-#else
-    return 32;
-#endif
-}
+/* The rows up to which this kernel serves (packed_linear.py; oneDNN more): 1.15-1.7x less CPU than oneDNN
+ * at 1-32 rows by vectors (Zen 5); by AMX tiles where the CPU has them, 1.27-1.47x at 1-32 rows, where by
+ * vectors it fell behind oneDNN's tile GEMMs from 8 rows on (0.70x at 8, 0.21x at 32; Xeon with AMX, one
+ * thread, bench.small_linear: MiniLM's four linears of a layer). */
+int bf16_gemm_rows(void) { return 32; }
 
 _Static_assert(BF16_ROWS <= GELU_ROWS, "a tile's rows go through gelu_rows at once");
 #ifndef UNROLLED /* the int8 GEMM's, where the build has it */
@@ -719,6 +816,91 @@ static __attribute__((noinline)) void bf16_finish(floats sums[][BF16_ROWS], int6
         }
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* The epilogue of `height` rows from `row` on, whose sums were stored `count` panels wide. */
+static void bf16_finish_stored(float stored[][4 * LANES], int64_t row, int height, int64_t column, int count,
+                               const struct bf16_epilogue *e) {
+    for (int first = 0; first < height; first += BF16_ROWS) {
+        int some = height - first < BF16_ROWS ? height - first : BF16_ROWS;
+        floats sums[4][BF16_ROWS];
+        for (int c = 0; c < count; c++)
+            for (int i = 0; i < some; i++)
+                memcpy(&sums[c][i], &stored[first + i][c * LANES], sizeof sums[c][i]);
+        bf16_finish(sums, row + first, column, some, count, e);
+    }
+}
+
+/* Up to 16 rows: 4 panels (64 columns) of float32 sums at a time over the whole k. */
+static void bf16_one_block(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed,
+                           const struct bf16_epilogue *e) {
+    float stored[TILE_ROWS][4 * LANES] __attribute__((aligned(64)));
+    int64_t panels = (e->n + 15) / 16;
+    for (int64_t p = 0; p < panels; p += 4) {
+        int count = panels - p < 4 ? (int)(panels - p) : 4;
+        zero_sums(count);
+        for (int64_t d = 0; d < k; d += TILE_DEPTH) {
+            _tile_loadd(4, a + d, k * 2);
+            for (int c = 0; c < count; c++) /* panel p + c's pairs d / 2 .. d / 2 + 15: 16 rows of 64 bytes */
+                product_into(c, packed + (p + c) * k * 16 + d * 16, 64);
+        }
+        store_sums(count, stored[0], sizeof stored[0]);
+        bf16_finish_stored(stored, 0, (int)rows, p * 16, count, e);
+    }
+}
+
+/* 17 to 32 rows as two blocks, 16 rows in tiles 0, 1 (sums) and 4 (input), the rest in 2, 3 and 5: each
+ * panel's weights are loaded once for both (two passes over the weights took 1.3x as long at 24 rows). */
+static void bf16_two_blocks(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed,
+                            const struct bf16_epilogue *e) {
+    float stored[2 * TILE_ROWS][4 * LANES] __attribute__((aligned(64)));
+    const int64_t stride = sizeof stored[0];
+    int64_t panels = (e->n + 15) / 16;
+    for (int64_t p = 0; p < panels; p += 2) {
+        int count = panels - p < 2 ? 1 : 2;
+        zero_sums(4);
+        for (int64_t d = 0; d < k; d += TILE_DEPTH) {
+            _tile_loadd(4, a + d, k * 2);
+            _tile_loadd(5, a + TILE_ROWS * k + d, k * 2);
+            _tile_loadd(6, packed + p * k * 16 + d * 16, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (count > 1) {
+                _tile_loadd(7, packed + (p + 1) * k * 16 + d * 16, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, stored[0], stride);
+        _tile_stored(1, stored[0] + LANES, stride);
+        _tile_stored(2, stored[TILE_ROWS], stride);
+        _tile_stored(3, stored[TILE_ROWS] + LANES, stride);
+        bf16_finish_stored(stored, 0, (int)rows, p * 16, count, e);
+    }
+}
+
+/* bf16_linear_rows by AMX tiles, for up to 32 rows (k a multiple of TILE_DEPTH); 0 where it did not run
+ * (more rows, k, or Linux refused the tiles). */
+static int bf16_linear_by_tiles(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed,
+                                const struct bf16_epilogue *e) {
+    struct tile_config saved;
+    if (rows > 2 * TILE_ROWS || k % TILE_DEPTH || !tiles_begin(rows < TILE_ROWS ? (int)rows : TILE_ROWS, &saved))
+        return 0;
+    if (rows <= TILE_ROWS)
+        bf16_one_block(a, rows, k, packed, e);
+    else {
+        configure_two_blocks((int)rows - TILE_ROWS);
+        bf16_two_blocks(a, rows, k, packed, e);
+    }
+    tiles_end(&saved);
+    return 1;
+}
+#else
+static int bf16_linear_by_tiles(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed,
+                                const struct bf16_epilogue *e) {
+    return (void)a, (void)rows, (void)k, (void)packed, (void)e, 0;
+}
+#endif
 
 /* One register tile: `rows` rows of a (row stride k) times `vectors` panels from `panel` on, columns from
  * `column`; always inlined with constant rows and vectors, so the accumulators live in registers. */
@@ -794,6 +976,8 @@ static void bf16_panels(const uint16_t *a, int64_t k, const uint16_t *panel, int
 void bf16_linear_rows(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, int activation, uint16_t *out) {
     struct bf16_epilogue e = {bias, n, activation, out};
+    if (bf16_linear_by_tiles(a, rows, k, packed, &e))
+        return;
     int64_t most = rows <= BF16_ROWS ? BF16_ROWS : BF16_ROWS_MANY;
     int64_t tiles = (rows + most - 1) / most;
     int tile_rows = (int)((rows + tiles - 1) / tiles);
@@ -1210,66 +1394,8 @@ static void attend_head(const uint16_t *q, int64_t stride, const void *key_packe
  * thread, bench.attention) the vector path reached 33-84 GFLOP/s, slower than torch's per-sequence
  * operators (oneDNN's AMX GEMMs) from 128 tokens on; by tiles 1.1-1.2x faster at 10-16 tokens, 1.7-2.5x
  * at 48-512. A sequence of up to ROWS (8) tokens stays on the vector path: it fills one 8-row vector tile
- * but half a 16-row AMX one (tiles 0.74-0.80x there).
- *
- * Linux hands a process the tiles' 8 KiB of register state only once it asks (arch_prctl); where it
- * refuses, the vector path serves. The caller's tile configuration (oneDNN's, between its GEMMs) is put
- * back when a call ends. */
+ * but half a 16-row AMX one (tiles 0.74-0.80x there). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define TILE_ROWS 16
-#define TILE_DEPTH 32 /* bfloat16 products summed per tile row and column: one 64-byte row of the operands */
-
-static int tiles_permitted(void) {
-    static int permitted = -1; /* unknown until asked; asking twice is harmless */
-    if (permitted < 0)
-        permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return permitted;
-}
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* Tiles 0-3 sums, 4 the left operand, 6 and 7 the right one (alternating, so a load overlaps the product
- * before it): all 16 rows of 64 bytes. */
-static void configure_tiles(void) {
-    struct tile_config config = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = TILE_ROWS;
-    }
-    _tile_loadconfig(&config);
-}
-
-/* Tile `sum` (0-3; the id must be a constant) += tile 4 x the 64-byte-row operand at `right`. */
-static inline void product_into(int sum, const void *right, int64_t stride) {
-    switch (sum) {
-    case 0: _tile_loadd(6, right, stride); _tile_dpbf16ps(0, 4, 6); break;
-    case 1: _tile_loadd(7, right, stride); _tile_dpbf16ps(1, 4, 7); break;
-    case 2: _tile_loadd(6, right, stride); _tile_dpbf16ps(2, 4, 6); break;
-    default: _tile_loadd(7, right, stride); _tile_dpbf16ps(3, 4, 7); break;
-    }
-}
-
-static inline void zero_sums(int count) {
-    _tile_zero(0);
-    if (count > 1) _tile_zero(1);
-    if (count > 2) _tile_zero(2);
-    if (count > 3) _tile_zero(3);
-}
-
-/* Sums 0 .. count-1 stored side by side as 16 rows of count x 16 floats, `stride` bytes apart. */
-static inline void store_sums(int count, float *to, int64_t stride) {
-    _tile_stored(0, to, stride);
-    if (count > 1) _tile_stored(1, to + LANES, stride);
-    if (count > 2) _tile_stored(2, to + 2 * LANES, stride);
-    if (count > 3) _tile_stored(3, to + 3 * LANES, stride);
-}
 
 /* Scores of 16 queries (queries: 16 rows of dim bfloat16, `query_stride` elements apart) against every
  * key, 4 blocks of 16 keys at a time, into scores (rows `keys` floats apart; unscaled). */
@@ -1363,21 +1489,6 @@ static void attend_head_by_tiles(const uint16_t *q, int64_t stride, const uint16
     }
 }
 
-/* Whether this call's heads run by tiles: the configuration it replaces is kept in `saved`. */
-static int tiles_begin(int64_t dim, struct tile_config *saved) {
-    if (dim % TILE_DEPTH || !tiles_permitted())
-        return 0;
-    _tile_storeconfig(saved);
-    configure_tiles();
-    return 1;
-}
-
-static void tiles_end(const struct tile_config *saved) {
-    if (saved->palette)
-        _tile_loadconfig(saved);
-    else
-        _tile_release();
-}
 
 /* A head's values packed with zero pairs up to a whole TILE_DEPTH of keys (value_pack writes the pairs
  * up to `length`): the context's last product reads them beside zero weights. */
@@ -1394,11 +1505,6 @@ static int64_t tile_rows_bytes(int64_t longest, int64_t dim) {
 const char *attention_tiles(void) { return tiles_permitted() ? "amx_bf16" : ""; }
 
 #else
-struct tile_config {
-    char unused;
-};
-static int tiles_begin(int64_t dim, struct tile_config *saved) { return (void)dim, (void)saved, 0; }
-static void tiles_end(const struct tile_config *saved) { (void)saved; }
 static void pad_values(char *values, int64_t length, int64_t dim) { (void)values, (void)length, (void)dim; }
 static void attend_head_by_tiles(const uint16_t *q, int64_t stride, const uint16_t *key_packed,
                                  const uint16_t *value_packed, uint16_t *out, int64_t out_stride, int64_t length,
@@ -1434,7 +1540,7 @@ void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
                       int64_t heads, int64_t dim, float scale, void *work) {
     int64_t row_bytes = ((heads - 1) * head_stride + dim) * 2;
     struct tile_config saved;
-    int tiles = tiles_begin(dim, &saved);
+    int tiles = dim % TILE_DEPTH == 0 && tiles_begin(TILE_ROWS, &saved);
     for (int64_t s = 0; s < sequences; s++) {
         int64_t first = cu_seqlens[s], length = cu_seqlens[s + 1] - first;
         if (length <= 0)

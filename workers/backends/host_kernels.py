@@ -39,7 +39,8 @@
   bfloat16 step). oneDNN costs ~19 us a call at these sizes whatever the rows; MiniLM's four linears of a
   layer took 1.15-1.7x less CPU at 1-32 rows, even at 40-64 (bench.small_linear, Zen 5, one thread,
   shared host), and a 10-30-token query's forward 1.15-1.24x less. Where the CPU has AMX, oneDNN's GEMMs
-  run on its tiles and overtake the kernel from 8 rows on: it serves up to 4 rows there (bf16_gemm_rows).
+  run on its tiles and overtook the vector products from 8 rows on (0.21x at 32); the kernel's products
+  run on the tiles there too: 1.27-1.47x less CPU than oneDNN at 1-32 rows (Xeon with AMX, same bench).
 
 All equal torch's operators but for an occasional last-bit rounding (tests/unit/test_host_kernels.py);
 GELU's erfc is a Chebyshev fit within 1.2e-7 of it, relative.
@@ -524,7 +525,7 @@ def kernels() -> Kernels | None:
     if built.attention_tiles:
         products = f"{built.attention_tiles} tiles (head sizes a multiple of 32; else {products})"
     gemm = "GEMM by avx512_vnni" if built.int8_gemm else "torch's GEMM (no avx512_vnni)"
-    few = f"GEMM of up to {built.bf16_gemm_rows} rows by avx512_bf16"
+    few = f"GEMM of up to {built.bf16_gemm_rows} rows by {built.attention_tiles or 'avx512_bf16'}"
     few = few if built.bf16_gemm else "oneDNN's GEMM at every size (no avx512_bf16)"
     bf16 = f"bfloat16 softmax, add + LayerNorm, mean pooling, attention by {products} products, {few}"
     names = f"{bf16}; int8 quantize, rescale, {gemm}"
@@ -770,7 +771,8 @@ def _check_bf16_linear_rows(built: Kernels) -> str | None:
     """Where the build has the small-batch bfloat16 GEMM: None when its output (bias, then no activation,
     GELU or ReLU) is within one bfloat16 step of float32's linear on the same bfloat16 values (relative to
     |value| + 1, as _check_rescale_rows allows), over tiles of 1 to 8 rows, split row counts, every tile
-    width, a partial last vector and an odd number of pairs; else what differs."""
+    width, a partial last vector and an odd number of pairs (and AMX tiles' one and two blocks of rows,
+    where the build has them); else what differs."""
     if not built.bf16_gemm:
         return None
     generator = torch.Generator().manual_seed(5)
@@ -779,6 +781,7 @@ def _check_bf16_linear_rows(built: Kernels) -> str | None:
         (3, 34, 100, "gelu", True),
         (12, 96, 40, "relu", False),
         (16, 128, 16 * 19 + 5, "gelu", True),
+        (24, 64, 40, "gelu", True),  # AMX builds: two blocks of tile rows, an odd number of panels
     ):
         weight = (torch.randn(n, k, generator=generator) * 0.2).bfloat16()
         x = torch.randn(rows, k, generator=generator).bfloat16()
