@@ -39,9 +39,12 @@ from .packed_qwen3 import Qwen3Pieces
 # stream of live queries of ~50 different lengths rebuilt one on nearly every linear: MiniLM,
 # bfloat16, one thread, queries of 8-62 tokens in turn, 4.8-5.2 ms of CPU per query against 3.5-3.7
 # with the same queries sorted by length; rounded to 8, 3.2-4.0 ms in turn. Each row of a GEMM is
-# computed from its own input row alone, so the real rows do not change (tests/integration/
-# test_packed_forward.py checks them bit-identical); the filler costs little, since a small batch's
-# GEMMs are bound by reading the weights, not by their rows.
+# computed from its own input row alone, so the real rows do not depend on the filler (tests/integration/
+# test_packed_forward.py checks them bit-identical with fillers to a multiple of 8 and of 16); the filler
+# costs little, since a small batch's GEMMs are bound by reading the weights, not by their rows. On CPUs
+# with AMX, oneDNN computes a last block of under 8 rows with another kernel (MiniLM's down projection,
+# 34 rows: rows 32-33 a bfloat16 step off the same rows of a 40-row GEMM): whole multiples of 8 also keep
+# a row's bits independent of the batch it runs in.
 GEMM_ROWS_MULTIPLE = 8
 
 # The families the packed forward covers, tried in this order.
