@@ -507,6 +507,32 @@ struct gemm_epilogue {
     char *out;
 };
 
+/* The int32 sums of `rows` (<= GELU_ROWS) rows from `row` on at the 16 columns from j: less the compensation,
+ * x token scale x channel scale + bias, ReLU or GELU, stored as bfloat16 or float32 (both GEMMs' epilogue). */
+static inline __attribute__((always_inline)) void gemm_finish(const __m512i *sums, int rows, int64_t row, int64_t j,
+                                                              const struct gemm_epilogue *e) {
+    const int64_t width = e->is_bf16 ? 2 : 4;
+    int64_t count = e->n - j < LANES ? e->n - j : LANES;
+    __m512i compensation = _mm512_loadu_si512(e->compensation + j);
+    floats weight_scale, bias = {0};
+    memcpy(&weight_scale, e->weight_scale + j, sizeof weight_scale);
+    if (e->bias)
+        memcpy(&bias, e->bias + j, sizeof bias);
+    floats x[GELU_ROWS];
+    UNROLLED for (int i = 0; i < rows; i++) {
+        floats products = (floats)_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i], compensation));
+        x[i] = products * e->token_scale[row + i] * weight_scale;
+        if (e->bias)
+            x[i] += bias;
+        if (e->activation == 2)
+            x[i] = (floats)((ints)x[i] & (ints)(x[i] > 0.0f)); /* ReLU */
+    }
+    if (e->activation == 1)
+        gelu_rows(x, rows);
+    UNROLLED for (int i = 0; i < rows; i++)
+        store_any(e->out + ((row + i) * e->n + j) * width, e->is_bf16, x[i], count);
+}
+
 /* One register tile: `rows` (<= GEMM_ROWS) rows of a (row stride k) times `vectors` (<= GEMM_VECTORS)
  * panels from `panel` on, columns from `column`; always inlined with constant rows and vectors, so the
  * accumulators live in registers. */
@@ -530,28 +556,11 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint8_t *a, in
                 acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], inputs, weights[v]);
         }
     }
-    const int64_t width = e->is_bf16 ? 2 : 4;
     UNROLLED for (int v = 0; v < vectors; v++) {
-        int64_t j = column + v * 16;
-        int64_t count = e->n - j < LANES ? e->n - j : LANES;
-        __m512i compensation = _mm512_loadu_si512(e->compensation + j);
-        floats weight_scale, bias = {0};
-        memcpy(&weight_scale, e->weight_scale + j, sizeof weight_scale);
-        if (e->bias)
-            memcpy(&bias, e->bias + j, sizeof bias);
-        floats x[GEMM_ROWS];
-        UNROLLED for (int i = 0; i < rows; i++) {
-            floats products = (floats)_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][v], compensation));
-            x[i] = products * e->token_scale[row + i] * weight_scale;
-            if (e->bias)
-                x[i] += bias;
-            if (e->activation == 2)
-                x[i] = (floats)((ints)x[i] & (ints)(x[i] > 0.0f)); /* ReLU */
-        }
-        if (e->activation == 1)
-            gelu_rows(x, rows);
+        __m512i sums[GEMM_ROWS];
         UNROLLED for (int i = 0; i < rows; i++)
-            store_any(e->out + ((row + i) * e->n + j) * width, e->is_bf16, x[i], count);
+            sums[i] = acc[i][v];
+        gemm_finish(sums, rows, row, column + v * 16, e);
     }
 }
 
@@ -582,29 +591,164 @@ static void gemm_tiles(const uint8_t *a, int64_t k, const int8_t *panel, int64_t
 #undef GEMM_TILE_ROWS
 }
 
-/* out (rows x n, bfloat16 if is_bf16 else float32) = activation((a x w - compensation) x token_scale[i] x
- * weight_scale[j] + bias[j]) for a (rows x k uint8, q + 128), w packed by pack_int8_weights; weight_scale,
- * bias (NULL: none) and compensation hold round_up(n, 16) values. */
-void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, const int32_t *compensation,
-                      int64_t n, const float *token_scale, const float *weight_scale, const float *bias,
-                      int activation, void *out, int is_bf16) {
-    struct gemm_epilogue e = {compensation, token_scale, weight_scale, bias, n, activation, is_bf16, out};
-    int64_t panels = (n + 15) / 16;
-    for (int64_t block = 0; block < rows; block += GEMM_ROW_BLOCK) {
-        int64_t block_end = block + GEMM_ROW_BLOCK < rows ? block + GEMM_ROW_BLOCK : rows;
-        for (int64_t p = 0; p < panels; p += GEMM_VECTORS) {
+/* Rows [row_begin, row_end) x panels [panel_begin, panels) by register tiles: row blocks of GEMM_ROW_BLOCK,
+ * within each the panels GEMM_VECTORS at a time, each passing every row tile of the block. */
+static void vnni_rows(const uint8_t *a, int64_t row_begin, int64_t row_end, int64_t k, const int8_t *packed,
+                      int64_t panel_begin, int64_t panels, const struct gemm_epilogue *e) {
+    for (int64_t block = row_begin; block < row_end; block += GEMM_ROW_BLOCK) {
+        int64_t block_end = block + GEMM_ROW_BLOCK < row_end ? block + GEMM_ROW_BLOCK : row_end;
+        for (int64_t p = panel_begin; p < panels; p += GEMM_VECTORS) {
             int vectors = panels - p < GEMM_VECTORS ? (int)(panels - p) : GEMM_VECTORS;
             for (int64_t row = block; row < block_end; row += GEMM_ROWS) {
                 int tile_rows = block_end - row < GEMM_ROWS ? (int)(block_end - row) : GEMM_ROWS;
-                gemm_tiles(a + row * k, k, packed + p * k * 16, row, p * 16, tile_rows, vectors, &e);
+                gemm_tiles(a + row * k, k, packed + p * k * 16, row, p * 16, tile_rows, vectors, e);
             }
         }
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* ------------------------------------------------------------------ the same GEMM by AMX tiles (amx_int8)
+ *
+ * Where the CPU has AMX (Sapphire Rapids and later), tdpbusd multiplies a 16 x 64 tile of uint8 inputs by a
+ * 64 x 16 tile of int8 weights into 16 x 16 int32 sums in one instruction: the same u8 x s8 products as
+ * vpdpbusd, exact, so the compensation and the epilogue are the VNNI kernel's. A pack_int8_weights panel
+ * is already tdpbusd's weight operand: 16 k-groups of 64 bytes (16 columns x 4 k) are one 1 KiB tile,
+ * read with a stride of 64. Each AMX block is 32 rows x 32 columns (2 input tiles, 2 weight tiles, 4 sum
+ * tiles: the 8 tile registers) over the whole K; its sums are stored to the stack (4 KiB, in L1) and go
+ * through gemm_finish 8 rows at a time. Rows past the last whole block, and an odd last panel, go to the
+ * VNNI tiles, as does a K that is not a multiple of 64 (one tile row).
+ *
+ * Linux hands out AMX's tile state only to a process that asked for it (arch_prctl ARCH_REQ_XCOMP_PERM);
+ * amx_permitted asks once. Refused (an older kernel, a seccomp filter, a hypervisor without it), the
+ * VNNI kernel serves. int8_gemm_products() says which this build and process use.
+ *
+ * MiniLM shapes, 512 rows, one thread (Emerald Rapids, python -m encoderd.bench.int8_linear): see
+ * int8_linear.py's docstring for the measured rates against the VNNI tiles and torch._int_mm. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_ROWS 16 /* a tile's rows: 16 input rows, 16 k-groups of weights, 16 rows of sums */
+#define AMX_K 64    /* a tile row's bytes: 64 uint8 inputs, 16 columns x 4 k of weights, 16 int32 sums */
+
+static int amx_permitted(void) {
+#ifdef __linux__
+    static int permitted = -1; /* not asked yet; the answer is the process's, the same on every thread */
+    if (permitted < 0)
+        permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return permitted;
+#else
+    return 0; /* the request is Linux's; elsewhere the VNNI tiles */
+#endif
+}
+
+/* Palette 1, all 8 tiles 16 rows x 64 bytes. Loaded on each call: tile configuration is per thread. */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t bytes[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) config = {.palette = 1};
+    for (int t = 0; t < 8; t++)
+        config.bytes[t] = AMX_K, config.rows[t] = AMX_ROWS;
+    _tile_loadconfig(&config);
+}
+
+/* One 32 x 32 block: rows from `row` of a (row stride k; k a multiple of AMX_K) by the two panels from
+ * `panel`, columns from `column`, finished by gemm_finish. Tiles 0-3 sum, 4-5 hold inputs, 6-7 weights. */
+static void amx_block(const uint8_t *a, int64_t k, const int8_t *panel, int64_t row, int64_t column,
+                      const struct gemm_epilogue *e) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int8_t *next_panel = panel + k * 16;
+    for (int64_t c = 0; c < k; c += AMX_K) {
+        _tile_loadd(4, a + c, k);
+        _tile_loadd(5, a + AMX_ROWS * k + c, k);
+        _tile_loadd(6, panel + c * 16, 64);
+        _tile_loadd(7, next_panel + c * 16, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+    }
+    int32_t sums[2 * AMX_ROWS][32] __attribute__((aligned(64)));
+    _tile_stored(0, &sums[0][0], sizeof sums[0]);
+    _tile_stored(1, &sums[0][16], sizeof sums[0]);
+    _tile_stored(2, &sums[AMX_ROWS][0], sizeof sums[0]);
+    _tile_stored(3, &sums[AMX_ROWS][16], sizeof sums[0]);
+    for (int i = 0; i < 2 * AMX_ROWS; i += GELU_ROWS)
+        for (int v = 0; v < 2; v++) {
+            __m512i vectors[GELU_ROWS];
+            UNROLLED for (int q = 0; q < GELU_ROWS; q++)
+                vectors[q] = _mm512_load_si512(&sums[i + q][v * 16]);
+            gemm_finish(vectors, GELU_ROWS, row + i, column + v * 16, e);
+        }
+}
+
+/* The 32-row blocks of rows [0, rows) by the panel pairs of the first `panels` panels (even), each pair's
+ * weights (32 x K bytes) staying in L1 while the row blocks pass them. */
+static void amx_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, int64_t panels,
+                     const struct gemm_epilogue *e) {
+    amx_configure();
+    for (int64_t p = 0; p < panels; p += 2)
+        for (int64_t row = 0; row < rows; row += 2 * AMX_ROWS)
+            amx_block(a + row * k, k, packed + p * k * 16, row, p * 16, e);
+    _tile_release();
+}
+
+const char *int8_gemm_products(void) { return amx_permitted() ? "amx_int8" : "avx512_vnni"; }
+
+/* How many rows and panels (from the first) the AMX blocks take; 0 where AMX does not serve. */
+static int64_t amx_share(int64_t rows, int64_t k, int64_t panels, int64_t *amx_panels) {
+    *amx_panels = panels / 2 * 2;
+    if (k % AMX_K != 0 || !amx_permitted())
+        return 0;
+    return rows / (2 * AMX_ROWS) * (2 * AMX_ROWS);
+}
+
+#else
+
+const char *int8_gemm_products(void) { return "avx512_vnni"; }
+
+static int64_t amx_share(int64_t rows, int64_t k, int64_t panels, int64_t *amx_panels) {
+    (void)rows, (void)k, (void)panels;
+    *amx_panels = 0;
+    return 0;
+}
+
+static void amx_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, int64_t panels,
+                     const struct gemm_epilogue *e) {
+    (void)a, (void)rows, (void)k, (void)packed, (void)panels, (void)e;
+}
+
+#endif
+
+/* out (rows x n, bfloat16 if is_bf16 else float32) = activation((a x w - compensation) x token_scale[i] x
+ * weight_scale[j] + bias[j]) for a (rows x k uint8, q + 128), w packed by pack_int8_weights; weight_scale,
+ * bias (NULL: none) and compensation hold round_up(n, 16) values. AMX blocks where they serve, the VNNI
+ * tiles for the rest. */
+void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, const int32_t *compensation,
+                      int64_t n, const float *token_scale, const float *weight_scale, const float *bias,
+                      int activation, void *out, int is_bf16) {
+    struct gemm_epilogue e = {compensation, token_scale, weight_scale, bias, n, activation, is_bf16, out};
+    int64_t panels = (n + 15) / 16, amx_panels;
+    int64_t amx_rows_done = amx_share(rows, k, panels, &amx_panels);
+    if (amx_rows_done > 0 && amx_panels > 0) {
+        amx_rows(a, amx_rows_done, k, packed, amx_panels, &e);
+        vnni_rows(a, 0, amx_rows_done, k, packed, amx_panels, panels, &e); /* an odd last panel */
+    } else
+        amx_rows_done = 0;
+    vnni_rows(a, amx_rows_done, rows, k, packed, 0, panels, &e);
+}
+
 #else /* no avx512_vnni in this build: int8_linear.py keeps torch._int_mm */
 
 int int8_gemm_available(void) { return 0; }
+
+const char *int8_gemm_products(void) { return ""; }
 
 void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, const int32_t *compensation,
                       int64_t n, const float *token_scale, const float *weight_scale, const float *bias,
