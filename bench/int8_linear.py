@@ -1,7 +1,7 @@
 """The int8 linears' host kernel (workers/backends/host_kernels.c, int8_linear_rows: the VNNI GEMM with its
 epilogue), alternated in one process on one thread as a default int8 worker runs:
 
-    python -m encoderd.bench.int8_linear [--rows 512] [--forward] [--compare-ref REF]
+    python -m encoderd.bench.int8_linear [--rows 512] [--forward] [--compare-ref REF] [--int-mm]
 
 Per layer: MiniLM's four int8 linears (fused QKV, attention output, FFN up-projection with its GELU, FFN
 down-projection) on --rows bfloat16 rows (int8_linear.ROWS_PER_PASS tokens, what one call gets), the
@@ -13,6 +13,11 @@ bench.breakdown runs it; corpus tokens per CPU second.
 --compare-ref: the kernels of git REF's host_kernels.c (main, a commit before a change), built here with
 the same flags, take their turn beside this checkout's in both measurements, through the same patching:
 "vs_ref" is REF's time over this checkout's. Ratios, not absolute rates, are the result on a shared host.
+On an AMX host, `--compare-ref main` (before the AMX blocks) times the VNNI tiles beside the AMX ones.
+
+--int-mm: also the path int8_linear.Int8Linear takes where the kernel does not serve (torch._int_mm, then
+host_kernels.rescale_rows), in both measurements, as "int_mm" ("int_mm_gops"; "vs_int_mm": its time over
+the kernel's).
 """
 
 from __future__ import annotations
@@ -59,7 +64,26 @@ def layer_call(built, k: int, n: int, activation: str, rows: int, repeats: int):
     return serving(built, calls)
 
 
-def per_layer(rows: int, repeats: int, rounds: int, ref=None) -> list[dict]:
+def int_mm_call(k: int, n: int, activation: str, rows: int, repeats: int):
+    """`repeats` torch._int_mm + rescale_rows calls of layer_call's layer (Int8Linear's other path)."""
+    from ..workers.backends import host_kernels
+
+    generator = torch.Generator().manual_seed(k + n)
+    weight_t = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8).t()
+    weight_scale, bias = torch.rand(n, generator=generator) * 1e-2, torch.randn(n, generator=generator)
+    quantized, token_scale = host_kernels.quantize_rows(torch.randn(rows, k, generator=generator).bfloat16(), None)
+    token_scale *= 0.1
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+
+    def calls():
+        for _ in range(repeats):
+            products = torch._int_mm(quantized, weight_t)
+            host_kernels.rescale_rows(products, token_scale, weight_scale, bias, activation, out)
+
+    return serving(host_kernels.kernels(), calls)
+
+
+def per_layer(rows: int, repeats: int, rounds: int, ref=None, int_mm: bool = False) -> list[dict]:
     from ..workers.backends import host_kernels
 
     results = []
@@ -67,17 +91,22 @@ def per_layer(rows: int, repeats: int, rounds: int, ref=None) -> list[dict]:
         calls = {"kernel": layer_call(host_kernels.kernels(), k, n, activation, rows, repeats)}
         if ref is not None:
             calls["ref"] = layer_call(ref, k, n, activation, rows, repeats)
+        if int_mm:
+            calls["int_mm"] = int_mm_call(k, n, activation, rows, repeats)
         best = alternated(calls, rounds)
         operations = 2 * rows * k * n * repeats
         row = {"layer": name, "k": k, "n": n, "gops": round(operations / best["kernel"] / 1e9)}
         if ref is not None:
             row |= {"ref_gops": round(operations / best["ref"] / 1e9), "vs_ref": round(best["ref"] / best["kernel"], 3)}
+        if int_mm:
+            row |= {"int_mm_gops": round(operations / best["int_mm"] / 1e9)}
+            row |= {"vs_int_mm": round(best["int_mm"] / best["kernel"], 3)}
         results.append(row)
         print(json.dumps(row), flush=True)
     return results
 
 
-def forward(corpus_size: int, rounds: int, ref=None) -> dict:
+def forward(corpus_size: int, rounds: int, ref=None, int_mm: bool = False) -> dict:
     from ..workers.backends import host_kernels
     from ..workers.contract.model_files import default_model_path
     from .breakdown import batches, load_backend
@@ -91,14 +120,22 @@ def forward(corpus_size: int, rounds: int, ref=None) -> dict:
         for b in work:
             backend.forward(b)
 
+    def run_int_mm():
+        with mock.patch.object(host_kernels, "int8_linear_serves", return_value=False):
+            run_all()
+
     calls = {"kernel": serving(host_kernels.kernels(), run_all)}
     if ref is not None:
         calls["ref"] = serving(ref, run_all)
+    if int_mm:
+        calls["int_mm"] = serving(host_kernels.kernels(), run_int_mm)
     best = alternated(calls, rounds)
     result = {"model": "minilm", "dtype": "int8", "tokens": tokens, "batches": len(work)}
     result["tokens_per_cpu_s"] = {name: round(tokens / s) for name, s in best.items()}
     if ref is not None:
         result["vs_ref"] = round(best["ref"] / best["kernel"], 3)
+    if int_mm:
+        result["vs_int_mm"] = round(best["int_mm"] / best["kernel"], 3)
     return result
 
 
@@ -110,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward", action="store_true", help="also time MiniLM's whole int8 forward over the corpus")
     p.add_argument("--corpus-size", type=int, default=256)
     p.add_argument("--compare-ref", help="also time the kernels of this git ref's host_kernels.c (e.g. main)")
+    p.add_argument("--int-mm", action="store_true", help="also time torch._int_mm + rescale_rows")
     p.add_argument("--json", type=Path, help="also write the result here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -121,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     ref = ref_kernels(args.compare_ref) if args.compare_ref else None
     result: dict = {"rows": args.rows, "ref": args.compare_ref}
-    result["per_layer"] = per_layer(args.rows, args.repeats, args.rounds, ref)
+    result["int8_products"] = built.int8_products
+    result["per_layer"] = per_layer(args.rows, args.repeats, args.rounds, ref, args.int_mm)
     if args.forward:
-        result["forward"] = forward(args.corpus_size, args.rounds, ref)
+        result["forward"] = forward(args.corpus_size, args.rounds, ref, args.int_mm)
         print(json.dumps(result["forward"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -37,15 +37,19 @@ def test_each_layers_calls_run_on_the_build_they_were_made_for():
 
 @needs_vnni_gemm
 def test_per_layer_and_forward_report_this_checkout_beside_the_ref(tmp_path):
+    """Both measurements time this checkout's kernel, the ref's and (--int-mm) torch._int_mm + rescale_rows."""
     threads = torch.get_num_threads()
     try:
-        code = int8_linear.main(["--rows", "40", "--repeats", "1", "--rounds", "1", "--forward", "--corpus-size",
-                                 "8", "--compare-ref", "HEAD", "--json", str(tmp_path / "r.json")])  # fmt: skip
+        code = int8_linear.main(["--rows", "40", "--repeats", "1", "--rounds", "1", "--forward", "--corpus-size", "8",
+                                 "--compare-ref", "HEAD", "--int-mm", "--json", str(tmp_path / "r.json")])  # fmt: skip
     finally:
         torch.set_num_threads(threads)
     assert code == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["ref"] == "HEAD" and [r["layer"] for r in result["per_layer"]] == list(int8_linear.LAYERS)
+    assert result["int8_products"] in ("amx_int8", "avx512_vnni")
     assert all(r["gops"] > 0 and r["ref_gops"] > 0 and r["vs_ref"] > 0 for r in result["per_layer"])
+    assert all(r["int_mm_gops"] > 0 and r["vs_int_mm"] > 0 for r in result["per_layer"])
     forward = result["forward"]
-    assert forward["tokens"] > 0 and set(forward["tokens_per_cpu_s"]) == {"kernel", "ref"} and forward["vs_ref"] > 0
+    assert forward["tokens"] > 0 and set(forward["tokens_per_cpu_s"]) == {"kernel", "ref", "int_mm"}
+    assert forward["vs_ref"] > 0 and forward["vs_int_mm"] > 0

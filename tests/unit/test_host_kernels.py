@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import gc
 import platform
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -127,13 +128,15 @@ TARGETS = {
     "x86-64": ("-O3", "-march=x86-64", "-shared", "-fPIC"),
 }
 x86_only = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 targets")
+# This CPU without AMX: on an AMX host, the build a Zen 4/5 gets (the int8 GEMM by VNNI tiles alone).
+NO_AMX = (*host_kernels.FLAGS, "-mno-amx-tile", "-mno-amx-int8")
 
 
 @functools.cache
 def _built_for(target: str) -> host_kernels.Kernels:
     compiler = host_kernels.find_compiler()
     assert compiler is not None
-    return host_kernels._build(compiler, TARGETS[target])
+    return host_kernels._build(compiler, NO_AMX if target == "no-amx" else TARGETS[target])
 
 
 @needs_compiler
@@ -160,9 +163,44 @@ def test_builds_without_vnni_keep_torch_int_mm(target):
     avx512_bf16: the older targets build, say they have neither (int8 linears keep torch._int_mm, bfloat16
     linears oneDNN at every size), and their load checks pass by having none."""
     built = _built_for(target)
-    assert built.int8_gemm is False and built.bf16_gemm is False
+    assert built.int8_gemm is False and built.bf16_gemm is False and built.int8_products == ""
     assert host_kernels._check_int8_linear_rows(built) is None
     assert host_kernels._check_bf16_linear_rows(built) is None
+
+
+def _amx_granted() -> bool:
+    """Whether Linux gives this process AMX's tile state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
+    as host_kernels.c asks; False on a CPU without AMX."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    if not {"amx_tile", "amx_int8"} <= set(flags):
+        return False
+    sys_arch_prctl, request_permission, tile_data = 158, 0x1023, 18
+    return ctypes.CDLL(None, use_errno=True).syscall(sys_arch_prctl, request_permission, tile_data) == 0
+
+
+@needs_compiler
+@x86_only
+def test_the_int8_gemm_uses_amx_exactly_where_built_for_it_and_granted(one_thread):
+    """The int8 GEMM's choice (host_kernels.c, Kernels.int8_products): AMX tiles where the build targets
+    amx_int8 and Linux grants the tile state, else the VNNI tiles (a build without AMX, as on Zen 4/5, says
+    so and passes its load check). Both give the same layer output, bit for bit, over AMX's 32 x 32 blocks,
+    the rows past them (6) and an odd last panel (5 panels of 16 columns, the last partial)."""
+    native, vnni = _built_for("native"), _built_for("no-amx")
+    if not native.int8_gemm:
+        pytest.skip("the int8 GEMM kernel is built only for a CPU with avx512_vnni")
+    assert vnni.int8_products == "avx512_vnni" and host_kernels._check_int8_linear_rows(vnni) is None
+    assert native.int8_products == ("amx_int8" if _amx_granted() else "avx512_vnni")
+    weight, inputs, token_scale, weight_scale, bias = _int8_layer(70, 192, 75, seed=5)
+    outputs = []
+    for built in (native, vnni):
+        with mock.patch.object(host_kernels, "kernels", return_value=built):
+            packed = host_kernels.pack_int8(weight, weight_scale, bias)
+            unsigned, _ = host_kernels.quantize_rows(inputs, None, to_unsigned=True)
+            assert packed is not None
+            out = torch.empty(70, 75, dtype=torch.bfloat16)
+            outputs.append(host_kernels.int8_linear(unsigned, token_scale, packed, "gelu", out))
+    assert torch.equal(*outputs)
 
 
 def _packed_qkv(lengths: list[int], heads: int, dim: int, seed: int):

@@ -11,8 +11,9 @@
  *   attend_full_bf16    attention over a packed batch, BERT's full window, one call per layer
  *   quantize_rows       an int8 linear's input: SmoothQuant scale, per-token absmax, int8, in one pass
  *   rescale_rows        an int8 linear's output: int32 x token scale x channel scale + bias (+ GELU)
- *   int8_linear_rows    an int8 linear's GEMM with rescale_rows' epilogue (avx512_vnni)
- *   bf16_linear_rows    a bfloat16 linear of a few rows (a short query): GEMM, bias, GELU (avx512_bf16)
+ *   int8_linear_rows    an int8 linear's GEMM with rescale_rows' epilogue (avx512_vnni; AMX tiles where built)
+ *   bf16_linear_rows    a bfloat16 linear of a few rows (a short query): GEMM, bias, GELU (avx512_bf16; AMX)
+ * attend_full_bf16's products, too, run on AMX tiles where the build targets them (the AMX tiles section).
  * quantize_rows and rescale_rows take and give bfloat16 or float32 (int8_linear.py); they are not bfloat16-only.
  */
 #include <math.h>
@@ -445,6 +446,115 @@ void rescale_rows(const int32_t *acc, const float *token_scale, const float *wei
     }
 }
 
+/* ------------------------------------------------------------------ AMX tiles
+ *
+ * Where the build targets AMX (amx_tile, amx_bf16, amx_int8: Xeon since Sapphire Rapids), the int8 and the
+ * few-row bfloat16 GEMMs and attention's products run on its tiles: 16 rows x 64 bytes each, tdpbf16ps
+ * adding a 16 x 32 bfloat16 tile times a 32 x 16 one (its rows pairs of k, the layout the packed right
+ * operands already have) into a 16 x 16 float32 one, tdpbusd a 16 x 64 uint8 one times a 64 x 16 int8 one
+ * (rows of 4 k) into 16 x 16 int32 sums. Linux hands a process the tiles' 8 KiB of register state only once it asks
+ * (arch_prctl); where it refuses, the vector paths serve. A call keeps the caller's tile configuration
+ * (oneDNN's, between its GEMMs) and puts it back when it ends (tiles_begin, tiles_end). */
+#define TILE_ROWS 16
+#define TILE_DEPTH 32 /* bfloat16 products summed per tile row and column: one 64-byte row of the operands */
+#define TILE_BYTES 64 /* a tile row's bytes: 32 bfloat16, or 64 uint8 / int8 (tdpbusd's depth) */
+
+#ifdef __AMX_TILE__
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int tiles_permitted(void) {
+#ifdef __linux__
+    static int permitted = -1; /* not asked yet; the answer is the process's, the same on every thread */
+    if (permitted < 0)
+        permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+#else
+    return 0; /* the request is Linux's; elsewhere the vector paths */
+#endif
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0-3 sums and 4 the left operand, of `rows` rows; 6 and 7 the right one (alternating, so a load
+ * overlaps the product before it), 16 rows; all rows of 64 bytes. */
+static void configure_tiles(int rows) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = t < 6 ? rows : TILE_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* As configure_tiles(16), but tiles 2, 3 (sums) and 5 (the left operand) of `second` rows: two blocks of
+ * rows against the same right operand. */
+static inline void configure_two_blocks(int second) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = t == 2 || t == 3 || t == 5 ? second : TILE_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+#ifdef __AMX_BF16__
+/* Tile `sum` (0-3; the id must be a constant) += tile 4 x the 64-byte-row operand at `right`, bfloat16. */
+static inline void product_into(int sum, const void *right, int64_t stride) {
+    switch (sum) {
+    case 0: _tile_loadd(6, right, stride); _tile_dpbf16ps(0, 4, 6); break;
+    case 1: _tile_loadd(7, right, stride); _tile_dpbf16ps(1, 4, 7); break;
+    case 2: _tile_loadd(6, right, stride); _tile_dpbf16ps(2, 4, 6); break;
+    default: _tile_loadd(7, right, stride); _tile_dpbf16ps(3, 4, 7); break;
+    }
+}
+#endif
+
+static inline void zero_sums(int count) {
+    _tile_zero(0);
+    if (count > 1) _tile_zero(1);
+    if (count > 2) _tile_zero(2);
+    if (count > 3) _tile_zero(3);
+}
+
+/* Sums 0 .. count-1 stored side by side as 16 rows of count x 16 floats, `stride` bytes apart. */
+static inline void store_sums(int count, float *to, int64_t stride) {
+    _tile_stored(0, to, stride);
+    if (count > 1) _tile_stored(1, to + LANES, stride);
+    if (count > 2) _tile_stored(2, to + 2 * LANES, stride);
+    if (count > 3) _tile_stored(3, to + 3 * LANES, stride);
+}
+
+/* Whether this call runs by tiles (Linux permitting), configured for `rows` rows (1 to TILE_ROWS) of the
+ * left operand and the sums; the configuration it replaces is kept in `saved`. */
+static int tiles_begin(int rows, struct tile_config *saved) {
+    if (!tiles_permitted())
+        return 0;
+    _tile_storeconfig(saved);
+    configure_tiles(rows);
+    return 1;
+}
+
+static void tiles_end(const struct tile_config *saved) {
+    if (saved->palette)
+        _tile_loadconfig(saved);
+    else
+        _tile_release();
+}
+
+#else
+struct tile_config {
+    char unused;
+};
+static int tiles_begin(int rows, struct tile_config *saved) { return (void)rows, (void)saved, 0; }
+static void tiles_end(const struct tile_config *saved) { (void)saved; }
+#endif
+
 /* ------------------------------------------------------------------ int8 GEMM with its epilogue (avx512_vnni)
  *
  * int8_linear_rows: an int8 linear's whole output for a block of rows in one call, where torch._int_mm
@@ -507,6 +617,32 @@ struct gemm_epilogue {
     char *out;
 };
 
+/* The int32 sums of `rows` (<= GELU_ROWS) rows from `row` on at the 16 columns from j: less the compensation,
+ * x token scale x channel scale + bias, ReLU or GELU, stored as bfloat16 or float32 (both GEMMs' epilogue). */
+static inline __attribute__((always_inline)) void gemm_finish(const __m512i *sums, int rows, int64_t row, int64_t j,
+                                                              const struct gemm_epilogue *e) {
+    const int64_t width = e->is_bf16 ? 2 : 4;
+    int64_t count = e->n - j < LANES ? e->n - j : LANES;
+    __m512i compensation = _mm512_loadu_si512(e->compensation + j);
+    floats weight_scale, bias = {0};
+    memcpy(&weight_scale, e->weight_scale + j, sizeof weight_scale);
+    if (e->bias)
+        memcpy(&bias, e->bias + j, sizeof bias);
+    floats x[GELU_ROWS];
+    UNROLLED for (int i = 0; i < rows; i++) {
+        floats products = (floats)_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i], compensation));
+        x[i] = products * e->token_scale[row + i] * weight_scale;
+        if (e->bias)
+            x[i] += bias;
+        if (e->activation == 2)
+            x[i] = (floats)((ints)x[i] & (ints)(x[i] > 0.0f)); /* ReLU */
+    }
+    if (e->activation == 1)
+        gelu_rows(x, rows);
+    UNROLLED for (int i = 0; i < rows; i++)
+        store_any(e->out + ((row + i) * e->n + j) * width, e->is_bf16, x[i], count);
+}
+
 /* One register tile: `rows` (<= GEMM_ROWS) rows of a (row stride k) times `vectors` (<= GEMM_VECTORS)
  * panels from `panel` on, columns from `column`; always inlined with constant rows and vectors, so the
  * accumulators live in registers. */
@@ -530,28 +666,11 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint8_t *a, in
                 acc[i][v] = _mm512_dpbusd_epi32(acc[i][v], inputs, weights[v]);
         }
     }
-    const int64_t width = e->is_bf16 ? 2 : 4;
     UNROLLED for (int v = 0; v < vectors; v++) {
-        int64_t j = column + v * 16;
-        int64_t count = e->n - j < LANES ? e->n - j : LANES;
-        __m512i compensation = _mm512_loadu_si512(e->compensation + j);
-        floats weight_scale, bias = {0};
-        memcpy(&weight_scale, e->weight_scale + j, sizeof weight_scale);
-        if (e->bias)
-            memcpy(&bias, e->bias + j, sizeof bias);
-        floats x[GEMM_ROWS];
-        UNROLLED for (int i = 0; i < rows; i++) {
-            floats products = (floats)_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][v], compensation));
-            x[i] = products * e->token_scale[row + i] * weight_scale;
-            if (e->bias)
-                x[i] += bias;
-            if (e->activation == 2)
-                x[i] = (floats)((ints)x[i] & (ints)(x[i] > 0.0f)); /* ReLU */
-        }
-        if (e->activation == 1)
-            gelu_rows(x, rows);
+        __m512i sums[GEMM_ROWS];
         UNROLLED for (int i = 0; i < rows; i++)
-            store_any(e->out + ((row + i) * e->n + j) * width, e->is_bf16, x[i], count);
+            sums[i] = acc[i][v];
+        gemm_finish(sums, rows, row, column + v * 16, e);
     }
 }
 
@@ -582,29 +701,138 @@ static void gemm_tiles(const uint8_t *a, int64_t k, const int8_t *panel, int64_t
 #undef GEMM_TILE_ROWS
 }
 
-/* out (rows x n, bfloat16 if is_bf16 else float32) = activation((a x w - compensation) x token_scale[i] x
- * weight_scale[j] + bias[j]) for a (rows x k uint8, q + 128), w packed by pack_int8_weights; weight_scale,
- * bias (NULL: none) and compensation hold round_up(n, 16) values. */
-void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, const int32_t *compensation,
-                      int64_t n, const float *token_scale, const float *weight_scale, const float *bias,
-                      int activation, void *out, int is_bf16) {
-    struct gemm_epilogue e = {compensation, token_scale, weight_scale, bias, n, activation, is_bf16, out};
-    int64_t panels = (n + 15) / 16;
-    for (int64_t block = 0; block < rows; block += GEMM_ROW_BLOCK) {
-        int64_t block_end = block + GEMM_ROW_BLOCK < rows ? block + GEMM_ROW_BLOCK : rows;
-        for (int64_t p = 0; p < panels; p += GEMM_VECTORS) {
+/* Rows [row_begin, row_end) x panels [panel_begin, panels) by register tiles: row blocks of GEMM_ROW_BLOCK,
+ * within each the panels GEMM_VECTORS at a time, each passing every row tile of the block. */
+static void vnni_rows(const uint8_t *a, int64_t row_begin, int64_t row_end, int64_t k, const int8_t *packed,
+                      int64_t panel_begin, int64_t panels, const struct gemm_epilogue *e) {
+    for (int64_t block = row_begin; block < row_end; block += GEMM_ROW_BLOCK) {
+        int64_t block_end = block + GEMM_ROW_BLOCK < row_end ? block + GEMM_ROW_BLOCK : row_end;
+        for (int64_t p = panel_begin; p < panels; p += GEMM_VECTORS) {
             int vectors = panels - p < GEMM_VECTORS ? (int)(panels - p) : GEMM_VECTORS;
             for (int64_t row = block; row < block_end; row += GEMM_ROWS) {
                 int tile_rows = block_end - row < GEMM_ROWS ? (int)(block_end - row) : GEMM_ROWS;
-                gemm_tiles(a + row * k, k, packed + p * k * 16, row, p * 16, tile_rows, vectors, &e);
+                gemm_tiles(a + row * k, k, packed + p * k * 16, row, p * 16, tile_rows, vectors, e);
             }
         }
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* ------------------------------------------------------------------ the same GEMM by AMX tiles (amx_int8)
+ *
+ * Where the CPU has AMX (Sapphire Rapids and later), tdpbusd multiplies a 16 x 64 tile of uint8 inputs by a
+ * 64 x 16 tile of int8 weights into 16 x 16 int32 sums in one instruction: the same u8 x s8 products as
+ * vpdpbusd, exact, so the compensation and the epilogue are the VNNI kernel's. A pack_int8_weights panel
+ * is already tdpbusd's weight operand: 16 k-groups of 64 bytes (16 columns x 4 k) are one 1 KiB tile,
+ * read with a stride of 64. Each AMX block is 32 rows x 32 columns (2 input tiles, 2 weight tiles, 4 sum
+ * tiles: the 8 tile registers) over the whole K; its sums are stored to the stack (4 KiB, in L1) and go
+ * through gemm_finish 8 rows at a time. Rows past the last whole block, and an odd last panel, go to the
+ * VNNI tiles, as does a K that is not a multiple of 64 (one tile row).
+ *
+ * Linux hands out AMX's tile state only to a process that asked for it (tiles_permitted, above). Refused (an
+ * older kernel, a seccomp filter, a hypervisor without it), the VNNI kernel serves. int8_gemm_products()
+ * says which this build and process use.
+ *
+ * MiniLM shapes, 512 rows, one thread (Emerald Rapids, python -m encoderd.bench.int8_linear): see
+ * int8_linear.py's docstring for the measured rates against the VNNI tiles and torch._int_mm. */
+#define AMX_ROWS TILE_ROWS /* a tile's rows: 16 input rows, 16 k-groups of weights, 16 rows of sums */
+#define AMX_K TILE_BYTES /* a tile row's bytes: 64 uint8 inputs, 16 columns x 4 k of weights, 16 int32 sums */
+
+/* One 32 x 32 block: rows from `row` of a (row stride k; k a multiple of AMX_K) by the two panels from
+ * `panel`, columns from `column`, finished by gemm_finish. Tiles 0-3 sum, 4-5 hold inputs, 6-7 weights. */
+static void amx_block(const uint8_t *a, int64_t k, const int8_t *panel, int64_t row, int64_t column,
+                      const struct gemm_epilogue *e) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int8_t *next_panel = panel + k * 16;
+    for (int64_t c = 0; c < k; c += AMX_K) {
+        _tile_loadd(4, a + c, k);
+        _tile_loadd(5, a + AMX_ROWS * k + c, k);
+        _tile_loadd(6, panel + c * 16, 64);
+        _tile_loadd(7, next_panel + c * 16, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        _tile_dpbusd(2, 5, 6);
+        _tile_dpbusd(3, 5, 7);
+    }
+    int32_t sums[2 * AMX_ROWS][32] __attribute__((aligned(64)));
+    _tile_stored(0, &sums[0][0], sizeof sums[0]);
+    _tile_stored(1, &sums[0][16], sizeof sums[0]);
+    _tile_stored(2, &sums[AMX_ROWS][0], sizeof sums[0]);
+    _tile_stored(3, &sums[AMX_ROWS][16], sizeof sums[0]);
+    for (int i = 0; i < 2 * AMX_ROWS; i += GELU_ROWS)
+        for (int v = 0; v < 2; v++) {
+            __m512i vectors[GELU_ROWS];
+            UNROLLED for (int q = 0; q < GELU_ROWS; q++)
+                vectors[q] = _mm512_load_si512(&sums[i + q][v * 16]);
+            gemm_finish(vectors, GELU_ROWS, row + i, column + v * 16, e);
+        }
+}
+
+/* The 32-row blocks of rows [0, rows) by the panel pairs of the first `panels` panels (even), each pair's
+ * weights (32 x K bytes) staying in L1 while the row blocks pass them. */
+static void amx_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, int64_t panels,
+                     const struct gemm_epilogue *e) {
+    struct tile_config saved;
+    tiles_begin(TILE_ROWS, &saved); /* amx_share asked tiles_permitted already */
+    for (int64_t p = 0; p < panels; p += 2)
+        for (int64_t row = 0; row < rows; row += 2 * AMX_ROWS)
+            amx_block(a + row * k, k, packed + p * k * 16, row, p * 16, e);
+    tiles_end(&saved);
+}
+
+const char *int8_gemm_products(void) { return tiles_permitted() ? "amx_int8" : "avx512_vnni"; }
+
+/* How many rows and panels (from the first) the AMX blocks take; 0 where AMX does not serve. */
+static int64_t amx_share(int64_t rows, int64_t k, int64_t panels, int64_t *amx_panels) {
+    *amx_panels = panels / 2 * 2;
+    if (k % AMX_K != 0 || !tiles_permitted())
+        return 0;
+    return rows / (2 * AMX_ROWS) * (2 * AMX_ROWS);
+}
+
+#else
+
+const char *int8_gemm_products(void) { return "avx512_vnni"; }
+
+static int64_t amx_share(int64_t rows, int64_t k, int64_t panels, int64_t *amx_panels) {
+    (void)rows, (void)k, (void)panels;
+    *amx_panels = 0;
+    return 0;
+}
+
+static void amx_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, int64_t panels,
+                     const struct gemm_epilogue *e) {
+    (void)a, (void)rows, (void)k, (void)packed, (void)panels, (void)e;
+}
+
+#endif
+
+/* out (rows x n, bfloat16 if is_bf16 else float32) = activation((a x w - compensation) x token_scale[i] x
+ * weight_scale[j] + bias[j]) for a (rows x k uint8, q + 128), w packed by pack_int8_weights; weight_scale,
+ * bias (NULL: none) and compensation hold round_up(n, 16) values. AMX blocks where they serve, the VNNI
+ * tiles for the rest. */
+void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, const int32_t *compensation,
+                      int64_t n, const float *token_scale, const float *weight_scale, const float *bias,
+                      int activation, void *out, int is_bf16) {
+    struct gemm_epilogue e = {compensation, token_scale, weight_scale, bias, n, activation, is_bf16, out};
+    int64_t panels = (n + 15) / 16, amx_panels;
+    int64_t amx_rows_done = amx_share(rows, k, panels, &amx_panels);
+    if (amx_rows_done > 0 && amx_panels > 0) {
+        amx_rows(a, amx_rows_done, k, packed, amx_panels, &e);
+        vnni_rows(a, 0, amx_rows_done, k, packed, amx_panels, panels, &e); /* an odd last panel */
+    } else
+        amx_rows_done = 0;
+    vnni_rows(a, amx_rows_done, rows, k, packed, 0, panels, &e);
+}
+
 #else /* no avx512_vnni in this build: int8_linear.py keeps torch._int_mm */
 
 int int8_gemm_available(void) { return 0; }
+
+const char *int8_gemm_products(void) { return ""; }
 
 void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *packed, const int32_t *compensation,
                       int64_t n, const float *token_scale, const float *weight_scale, const float *bias,
@@ -613,106 +841,6 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
     (void)weight_scale, (void)bias, (void)activation, (void)out, (void)is_bf16;
 }
 
-#endif
-
-/* ------------------------------------------------------------------ AMX tiles
- *
- * Where the build targets AMX (amx_tile, amx_bf16: Xeon since Sapphire Rapids), the few-row GEMM and
- * attention's products run on its tiles: 16 rows x 64 bytes each, tdpbf16ps adding a 16 x 32 bfloat16 tile
- * times a 32 x 16 one (its rows pairs of k, the layout both already pack their right operand in) into a
- * 16 x 16 float32 one. Linux hands a process the tiles' 8 KiB of register state only once it asks
- * (arch_prctl); where it refuses, the vector paths serve. A call keeps the caller's tile configuration
- * (oneDNN's, between its GEMMs) and puts it back when it ends (tiles_begin, tiles_end). */
-#define TILE_ROWS 16
-#define TILE_DEPTH 32 /* bfloat16 products summed per tile row and column: one 64-byte row of the operands */
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-static int tiles_permitted(void) {
-    static int permitted = -1; /* unknown until asked; asking twice is harmless */
-    if (permitted < 0)
-        permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return permitted;
-}
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* Tiles 0-3 sums and 4 the left operand, of `rows` rows; 6 and 7 the right one (alternating, so a load
- * overlaps the product before it), 16 rows; all rows of 64 bytes. */
-static void configure_tiles(int rows) {
-    struct tile_config config = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = t < 6 ? rows : TILE_ROWS;
-    }
-    _tile_loadconfig(&config);
-}
-
-/* As configure_tiles(16), but tiles 2, 3 (sums) and 5 (the left operand) of `second` rows: two blocks of
- * rows against the same right operand. */
-static void configure_two_blocks(int second) {
-    struct tile_config config = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = t == 2 || t == 3 || t == 5 ? second : TILE_ROWS;
-    }
-    _tile_loadconfig(&config);
-}
-
-/* Tile `sum` (0-3; the id must be a constant) += tile 4 x the 64-byte-row operand at `right`. */
-static inline void product_into(int sum, const void *right, int64_t stride) {
-    switch (sum) {
-    case 0: _tile_loadd(6, right, stride); _tile_dpbf16ps(0, 4, 6); break;
-    case 1: _tile_loadd(7, right, stride); _tile_dpbf16ps(1, 4, 7); break;
-    case 2: _tile_loadd(6, right, stride); _tile_dpbf16ps(2, 4, 6); break;
-    default: _tile_loadd(7, right, stride); _tile_dpbf16ps(3, 4, 7); break;
-    }
-}
-
-static inline void zero_sums(int count) {
-    _tile_zero(0);
-    if (count > 1) _tile_zero(1);
-    if (count > 2) _tile_zero(2);
-    if (count > 3) _tile_zero(3);
-}
-
-/* Sums 0 .. count-1 stored side by side as 16 rows of count x 16 floats, `stride` bytes apart. */
-static inline void store_sums(int count, float *to, int64_t stride) {
-    _tile_stored(0, to, stride);
-    if (count > 1) _tile_stored(1, to + LANES, stride);
-    if (count > 2) _tile_stored(2, to + 2 * LANES, stride);
-    if (count > 3) _tile_stored(3, to + 3 * LANES, stride);
-}
-
-/* Whether this call runs by tiles (Linux permitting), configured for `rows` rows (1 to TILE_ROWS) of the
- * left operand and the sums; the configuration it replaces is kept in `saved`. */
-static int tiles_begin(int rows, struct tile_config *saved) {
-    if (!tiles_permitted())
-        return 0;
-    _tile_storeconfig(saved);
-    configure_tiles(rows);
-    return 1;
-}
-
-static void tiles_end(const struct tile_config *saved) {
-    if (saved->palette)
-        _tile_loadconfig(saved);
-    else
-        _tile_release();
-}
-
-#else
-struct tile_config {
-    char unused;
-};
-static int tiles_begin(int rows, struct tile_config *saved) { return (void)rows, (void)saved, 0; }
-static void tiles_end(const struct tile_config *saved) { (void)saved; }
 #endif
 
 /* ------------------------------------------------------------------ bfloat16 GEMM for a few rows (avx512_bf16)
@@ -1396,6 +1524,7 @@ static void attend_head(const uint16_t *q, int64_t stride, const void *key_packe
  * at 48-512. A sequence of up to ROWS (8) tokens stays on the vector path: it fills one 8-row vector tile
  * but half a 16-row AMX one (tiles 0.74-0.80x there). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define ATTENTION_BY_TILES 1
 
 /* Scores of 16 queries (queries: 16 rows of dim bfloat16, `query_stride` elements apart) against every
  * key, 4 blocks of 16 keys at a time, into scores (rows `keys` floats apart; unscaled). */
@@ -1505,6 +1634,7 @@ static int64_t tile_rows_bytes(int64_t longest, int64_t dim) {
 const char *attention_tiles(void) { return tiles_permitted() ? "amx_bf16" : ""; }
 
 #else
+#define ATTENTION_BY_TILES 0 /* this build's attention has the vector path alone, whatever tiles it has */
 static void pad_values(char *values, int64_t length, int64_t dim) { (void)values, (void)length, (void)dim; }
 static void attend_head_by_tiles(const uint16_t *q, int64_t stride, const uint16_t *key_packed,
                                  const uint16_t *value_packed, uint16_t *out, int64_t out_stride, int64_t length,
@@ -1540,7 +1670,7 @@ void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
                       int64_t heads, int64_t dim, float scale, void *work) {
     int64_t row_bytes = ((heads - 1) * head_stride + dim) * 2;
     struct tile_config saved;
-    int tiles = dim % TILE_DEPTH == 0 && tiles_begin(TILE_ROWS, &saved);
+    int tiles = ATTENTION_BY_TILES && dim % TILE_DEPTH == 0 && tiles_begin(TILE_ROWS, &saved);
     for (int64_t s = 0; s < sequences; s++) {
         int64_t first = cu_seqlens[s], length = cu_seqlens[s + 1] - first;
         if (length <= 0)

@@ -30,7 +30,9 @@
   8 rows x 48 columns of int32 sums in registers over the whole K) with rescale_rows' epilogue applied to
   those registers (GELU 8 rows at a time): the int32 products are never stored; they equal torch._int_mm's.
   MiniLM shapes, 512 rows, one thread (Zen 5): 900-990 GOPS without GELU (_int_mm + rescale 860-935),
-  660 with it (475).
+  660 with it (475). Where the build also targets amx_int8 and Linux grants the process AMX's tile state,
+  32 x 32 blocks of the same products by AMX tiles (tdpbusd) with the same epilogue, the VNNI tiles for
+  what is left over (host_kernels.c says which: Kernels.int8_products): see int8_linear.py for the rates.
 
 * pack_bf16, bf16_linear: where the build targets avx512_bf16, a bfloat16 linear of up to few_row_limit()
   rows (a short query's tokens; packed_linear.PackedLinear picks it), by vdpbf16ps on weights packed once
@@ -120,6 +122,7 @@ class Kernels:
     pack_int8_weights: Any
     int8_linear_rows: Any
     int8_gemm: bool  # int8_linear_rows computes (built for avx512_vnni); else int8 linears keep torch._int_mm
+    int8_products: str  # by what int8_linear_rows multiplies: "amx_int8" (AMX tiles), "avx512_vnni", or ""
     pack_bf16_weights: Any
     bf16_linear_rows: Any
     bf16_gemm_rows: int  # bf16_linear_rows serves up to this many rows (0: no avx512_bf16: oneDNN serves all)
@@ -524,7 +527,7 @@ def kernels() -> Kernels | None:
     products = built.attention_products
     if built.attention_tiles:
         products = f"{built.attention_tiles} tiles (head sizes a multiple of 32; else {products})"
-    gemm = "GEMM by avx512_vnni" if built.int8_gemm else "torch's GEMM (no avx512_vnni)"
+    gemm = f"GEMM by {built.int8_products}" if built.int8_gemm else "torch's GEMM (no avx512_vnni)"
     few = f"GEMM of up to {built.bf16_gemm_rows} rows by {built.attention_tiles or 'avx512_bf16'}"
     few = few if built.bf16_gemm else "oneDNN's GEMM at every size (no avx512_bf16)"
     bf16 = f"bfloat16 softmax, add + LayerNorm, mean pooling, attention by {products} products, {few}"
@@ -592,14 +595,26 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
         library.attention_tiles.restype = ctypes.c_char_p
         tiles = library.attention_tiles().decode()
     int8_gemm = bool(library.int8_gemm_available())
+    int8_products = _int8_products(library, int8_gemm)
     if hasattr(library, "bf16_gemm_rows"):
         bf16_gemm_rows = library.bf16_gemm_rows()
     else:  # an older commit's source, as above: its kernel served up to 32 rows where it was built
         bf16_gemm_rows = 32 * library.bf16_gemm_available()
     return Kernels(
         softmax_rows, add_layer_norm, mean_rows, attend, scratch_bytes, products, tiles, quantize, rescale, pack, gemm,
-        int8_gemm, pack_bf16_weights, bf16_rows, bf16_gemm_rows,
+        int8_gemm, int8_products, pack_bf16_weights, bf16_rows, bf16_gemm_rows,
     )  # fmt: skip
+
+
+def _int8_products(library: ctypes.CDLL, int8_gemm: bool) -> str:
+    """By what the library's int8 GEMM multiplies: the C side says ("amx_int8" only where it was built for
+    AMX and Linux granted this process the tile state, which this asks for). A source from before AMX
+    (bench --compare-ref) has only the VNNI tiles."""
+    products = getattr(library, "int8_gemm_products", None)
+    if products is None:
+        return "avx512_vnni" if int8_gemm else ""
+    products.restype = ctypes.c_char_p
+    return products().decode()
 
 
 def _check_softmax(built: Kernels) -> str | None:
@@ -732,7 +747,8 @@ def _check_int8_linear_rows(built: Kernels) -> str | None:
     """Where the build has the VNNI GEMM: None when its integer products equal torch._int_mm's exactly
     (read back with unit scales, float32, no activation: exact below 2^24) and its epilogue (bias, GELU,
     ReLU, to bfloat16 or float32) rescales them as _check_rescale_rows allows, over row counts and widths
-    with and without a partial tile or vector; else what differs."""
+    with and without a partial tile or vector, and (40 x 128 x 48) AMX's 32 x 32 blocks beside the VNNI
+    tiles for the rows and the odd panel past them; else what differs."""
     if not built.int8_gemm:
         return None
     generator = torch.Generator().manual_seed(4)
@@ -740,6 +756,7 @@ def _check_int8_linear_rows(built: Kernels) -> str | None:
         (9, 64, 40, torch.float32, "none"),
         (17, 128, 100, torch.bfloat16, "gelu"),
         (3, 32, 16, torch.float32, "relu"),
+        (40, 128, 48, torch.bfloat16, "gelu"),
     ):
         weight = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
         signed = torch.randint(-127, 128, (rows, k), generator=generator, dtype=torch.int8)

@@ -16,6 +16,19 @@ weights packed at load with their column sums to take the shift back out, so the
 torch._int_mm's; rescaled, biased and activated in registers, never stored): MiniLM's int8 forward
 1.16-1.21x the _int_mm path's tokens per CPU-second (Zen 5, one thread).
 
+Where the CPU has AMX (amx_int8: Sapphire/Emerald Rapids) the same kernel computes 32 x 32 blocks by AMX
+tiles (host_kernels.c's amx_block; the VNNI tiles take the rows and panel left over), chosen in C at build
+time and by Linux's permission (host_kernels.Kernels.int8_products says which). Emerald Rapids (2 vCPU,
+shared), one thread, bfloat16, 512 rows, medians of 7 rounds alternated in one process, GOPS, AMX tiles /
+VNNI tiles / _int_mm + rescale_rows: qkv 1,391 / 529 / 474, attention out 1,249 / 525 / 494, up + GELU
+703 / 428 / 351, down 1,912 / 604 / 1,069. MiniLM's whole int8 forward (bench corpus, 23,305 tokens,
+medians of 5 rounds alternated): 14,632 tokens per CPU-second, against 11,309 by the VNNI tiles (this
+source built -mno-amx-tile -mno-amx-int8: what this host ran before, what a Zen 4/5 builds) and 11,527 by
+_int_mm + rescale_rows: 1.29x and 1.27x. `python -m encoderd.bench.int8_linear --forward --compare-ref
+main --int-mm` times the three (fastest of --rounds, not medians). torch._int_mm (oneDNN, which uses AMX
+here) alone is not the answer: the separate pass over its int32 products loses what its GEMM gains (it led
+only on the down-projection).
+
 The layer takes and gives float32 or bfloat16 (hardware.torch_int8_rest_dtype: bfloat16 where the
 CPU computes it natively, so that attention, LayerNorm and the residual stream run as in a bfloat16
 model). The passes around the GEMM (input scale, per-token absmax and quantization; rescale, bias,
