@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         serve,
         "--cache-dir",
-        "where converted models (ONNX exports, CTranslate2 conversions, TensorRT engines) are kept between restarts",
+        "where converted models (ONNX exports, CTranslate2 conversions, TensorRT engines) and the CPU kernels built "
+        "for this host are kept between restarts",
         default_cache_dir(),
     )
     add_flag(

@@ -18,6 +18,8 @@ from support.corpus import sentences
 from support.server import ServerProcess
 
 from encoderd.v1 import encoderd_pb2 as pb
+from encoderd.workers.backends import host_kernels
+from encoderd.workers.contract import hardware
 
 TEXTS = sentences(40, max_words=80, seed=5)
 
@@ -87,6 +89,24 @@ def test_two_pinned_replicas_share_the_load_and_survive_a_kill(replicated, minil
     assert not failures, f"{len(failures)} failed requests: {set(failures)}"  # the other replica took the work
     assert checked[0] > 10
     assert replicas[0].restarts == 1 and replicas[1].pid == pids[1]
+
+
+@pytest.mark.skipif(
+    not hardware.cpu().has_any(hardware.NATIVE_BF16) or host_kernels.find_compiler() is None,
+    reason="host kernels are built for bfloat16 where the CPU has it natively and a C compiler is here",
+)
+def test_replicas_starting_together_build_the_host_kernels_once(tmp_path):
+    """Both replicas load at once: one compiles host_kernels.c into --cache-dir, the other waits for that
+    build and loads it (a replaced worker, another model or the next start load it too)."""
+    log = tmp_path / "s.log"
+    args = ("--replicas", "2", "--cpu-threads", "1", "--dtype", "bfloat16", "--cache-dir", str(tmp_path / "cache"))
+    with ServerProcess(*args, log_path=log) as server:
+        [embedding] = server.stub().Embed(pb.EmbedRequest(inputs=TEXTS[:1])).embeddings
+        assert len(embedding.values) == 384
+    text = log.read_text()
+    assert len(re.findall(r"cached kernels entry \S+ \(built in", text)) == 1, text[-3000:]
+    assert text.count("reusing cached kernels entry") == 1, text[-3000:]
+    assert len(list((tmp_path / "cache" / "kernels").glob(f"*/{host_kernels.LIBRARY}"))) == 1
 
 
 def _gpus() -> int:

@@ -51,8 +51,13 @@ The library is compiled when a bfloat16 packed model or an int8 model loads, by 
 (`$CC`, the one Python was built with, else cc, gcc or clang), for the instruction sets of the CPU it runs on
 (-march=native), then each kernel is checked against torch's operator on random input. No compiler, a
 compiler that cannot target this CPU, or a check that fails: torch's operators serve, and the log says
-why. The library is built in a temporary folder, loaded, and deleted (dlopen keeps it mapped), so
-nothing built for one CPU is ever reused on another.
+why. The built library is kept in the cache (`--cache-dir`, by default ~/.cache/encoderd, its kernels/
+entries: workers/model_cache.py) under a key of the source, the flags and the compiler's predefined macros
+for them (its version and every instruction set -march=native turns on here): a worker that starts later (a
+restart, another model, the next server) loads it instead of compiling again, which took 9-35 s of a worker's
+start on a 2-core Xeon; another CPU's instruction sets, another compiler or a changed source build their own,
+so nothing built for one CPU runs on another. The checks run at every load. Where the cache cannot be
+written, the library is built in a temporary folder for the process alone.
 
 ENCODERD_BUILD_KERNELS=0 skips the build (torch's operators serve): to compare the two, or to rule the
 kernels out when diagnosing.
@@ -65,6 +70,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -81,6 +87,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from ..contract.config import default_cache_dir
+from ..model_cache import cached_build
 
 
 class PackedSequences(Protocol):
@@ -101,6 +110,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("host_kernels.c")
 SWITCH_ENV = "ENCODERD_BUILD_KERNELS"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+LIBRARY = "host_kernels.so"
+CACHE_DIR = ""  # where built libraries are kept (a worker sets its --cache-dir); "" = default_cache_dir()
 LANES = 16  # host_kernels.c's vector width: its scratch rows are this much longer than a row
 MAX_HEAD_SIZE = 256  # attention's head size: a tile's spare output rows live on the C stack (8 x 256 x 2 bytes)
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
@@ -532,7 +543,7 @@ def kernels() -> Kernels | None:
     few = few if built.bf16_gemm else "oneDNN's GEMM at every size (no avx512_bf16)"
     bf16 = f"bfloat16 softmax, add + LayerNorm, mean pooling, attention by {products} products, {few}"
     names = f"{bf16}; int8 quantize, rescale, {gemm}"
-    log.info("host kernels (%s): built by %s %s in %.1f s", names, compiler[0], flags, elapsed)
+    log.info("host kernels (%s): %s %s, built or loaded and checked in %.1f s", names, compiler[0], flags, elapsed)
     return built
 
 
@@ -548,11 +559,7 @@ def find_compiler() -> list[str] | None:
 def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Kernels:
     """The library built by `compiler` with `flags` (the tests build it for older targets too) from
     `source` (bench.attention builds an older commit's beside this one's)."""
-    with tempfile.TemporaryDirectory(prefix="encoderd-kernels-") as folder:
-        path = Path(folder) / "host_kernels.so"
-        command = [*compiler, *flags, "-o", str(path), str(source)]
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-        library = ctypes.CDLL(str(path))
+    library = _load_library(compiler, flags, source)
     softmax_rows = library.softmax_rows_bf16
     softmax_rows.argtypes = [_pointer, _size, _size, _size, _pointer]
     add_layer_norm = library.add_layer_norm_bf16
@@ -604,6 +611,47 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
         softmax_rows, add_layer_norm, mean_rows, attend, scratch_bytes, products, tiles, quantize, rescale, pack, gemm,
         int8_gemm, int8_products, pack_bf16_weights, bf16_rows, bf16_gemm_rows,
     )  # fmt: skip
+
+
+def _load_library(compiler: list[str], flags: tuple[str, ...], source: Path) -> ctypes.CDLL:
+    """The library from the cache, built into it first where no process has; built in a temporary folder
+    (deleted once loaded: dlopen keeps it mapped) where the cache cannot be written."""
+    try:
+        return ctypes.CDLL(str(cached_library(compiler, flags, source, CACHE_DIR or default_cache_dir())))
+    except OSError as exc:  # a read-only or full folder, a path through a file (a failed compile is not one)
+        log.info("host kernels: not cached (%s), built for this process alone", exc)
+    with tempfile.TemporaryDirectory(prefix="encoderd-kernels-") as temporary:
+        path = Path(temporary) / LIBRARY
+        _compile(compiler, flags, source, path)
+        return ctypes.CDLL(str(path))
+
+
+def cached_library(compiler: list[str], flags: tuple[str, ...], source: Path, cache_dir: str) -> Path:
+    """The library `compiler` `flags` builds from `source`, from the cache's "kernels" entries (model_cache:
+    built by one process at a time, published whole, the others wait and load it)."""
+    key = build_key(compiler, flags, source)
+    entry = cached_build(
+        cache_dir, "kernels", source.name, key, lambda folder: _compile(compiler, flags, source, folder / LIBRARY)
+    )
+    return entry.path / LIBRARY
+
+
+def build_key(compiler: list[str], flags: tuple[str, ...], source: Path) -> dict[str, Any]:
+    """What the built library depends on: the source, the command, and the compiler's predefined macros for
+    those flags (its version, and each instruction set -march=native selects on this CPU)."""
+    probe = [*compiler, *flags, "-dM", "-E", "-x", "c", os.devnull]
+    macros = subprocess.run(probe, check=True, capture_output=True, timeout=60).stdout
+    digest = hashlib.sha256
+    return {
+        "source": digest(source.read_bytes()).hexdigest(),
+        "command": [*compiler, *flags],
+        "macros": digest(macros).hexdigest(),
+    }
+
+
+def _compile(compiler: list[str], flags: tuple[str, ...], source: Path, path: Path) -> None:
+    command = [*compiler, *flags, "-o", str(path), str(source)]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
 
 
 def _int8_products(library: ctypes.CDLL, int8_gemm: bool) -> str:

@@ -75,6 +75,7 @@ class TorchBackend(Backend):
                 f"the torch engine supports dtypes {sorted((*DTYPES, *QUANTIZED))}, not {self.options.dtype!r}"
             )
         self.device = torch.device(self.options.device)
+        host_kernels.CACHE_DIR = self.options.cache_dir  # the host kernels' build, kept for the next worker
         if self.options.dtype == INT8 and self.device.type != "cpu":
             raise ValueError("the torch engine computes int8 on CPU only; on CUDA: --engine ctranslate2 --dtype int8")
         if self.options.dtype == FLOAT8 and self.device.type != "cuda":  # hardware.check_dtype says why
