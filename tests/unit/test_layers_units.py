@@ -68,6 +68,10 @@ EXCEPTIONS = {
     ("bench/small_linear.py", "encoderd.workers.backends"),
     # `bench.int8_linear`: the int8 VNNI GEMM kernel and the int8 forward, this build against a ref's, in-process.
     ("bench/int8_linear.py", "encoderd.workers.backends"),
+    # `bench.gemm_rows`: the packed forward's row rounding (and the worker's primitive-cache bounds) on
+    # oneDNN's GEMMs, in-process.
+    ("bench/gemm_rows.py", "encoderd.workers.backends"),
+    ("bench/gemm_rows.py", "encoderd.workers"),
     # `bench --openvino`: a reference is judged by the server's own fidelity floors, kept in one place.
     ("bench/openvino.py", "encoderd.workers.fidelity"),
     # `bench.fidelity_holdout`: the worker's own self-check and engines, in-process, against a holdout corpus.

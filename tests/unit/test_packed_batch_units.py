@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from encoderd.workers.backends import packed_encoder
 from encoderd.workers.backends.packed_pieces import PackedBatch
 
 
@@ -43,3 +44,15 @@ def test_with_filler_rounds_the_tokens_up_by_one_more_sequence(lengths, multiple
     assert torch.equal(rounded.types[:tokens], batch.types) and not rounded.types[tokens:].any()
     assert torch.equal(rounded.offsets, torch.cat([batch.offsets, torch.arange(filler)]))
     assert rounded.longest == max(*lengths, filler)
+
+
+def test_the_gemm_rows_multiple_grows_with_the_batch_and_keeps_its_filler_share():
+    """8 rows for a short query; for bigger batches a multiple that keeps the filler under 1/32 of the rows
+    (32 row counts per doubling: oneDNN's primitive cache keeps them), up to 128 (one filler sequence)."""
+    multiple_of = packed_encoder.gemm_rows_multiple
+    assert [multiple_of(n) for n in (1, 511, 512, 1024, 4095, 4096, 8192, 50_000)] == [8, 8, 16, 32, 64, 128, 128, 128]
+    for tokens in range(1, 20_000, 7):
+        multiple = multiple_of(tokens)
+        assert multiple % 8 == 0 and multiple <= packed_encoder.GEMM_ROWS_MAX_MULTIPLE
+        assert multiple == 8 or (multiple - 1) * packed_encoder.GEMM_ROWS_FILLER_SHARE < tokens
+    assert len({-(-n // multiple_of(n)) * multiple_of(n) for n in range(4097, 8193)}) == 32

@@ -34,18 +34,35 @@ from .packed_pieces import HFModule, PackedBatch, mean_tokens, varlen_kernel
 from .packed_qwen3 import Qwen3Pieces
 
 # On CPU the layers run on a batch whose token count (every linear's GEMM M) is rounded up to a
-# multiple of this, by a filler sequence (PackedBatch.with_filler) whose rows are dropped after the
-# last layer. oneDNN builds a GEMM primitive per M and keeps a few dozen (workers/memory.py), so a
-# stream of live queries of ~50 different lengths rebuilt one on nearly every linear: MiniLM,
-# bfloat16, one thread, queries of 8-62 tokens in turn, 4.8-5.2 ms of CPU per query against 3.5-3.7
-# with the same queries sorted by length; rounded to 8, 3.2-4.0 ms in turn. Each row of a GEMM is
-# computed from its own input row alone, so the real rows do not depend on the filler (tests/integration/
-# test_packed_forward.py checks them bit-identical with fillers to a multiple of 8 and of 16); the filler
-# costs little, since a small batch's GEMMs are bound by reading the weights, not by their rows. On CPUs
-# with AMX, oneDNN computes a last block of under 8 rows with another kernel (MiniLM's down projection,
-# 34 rows: rows 32-33 a bfloat16 step off the same rows of a 40-row GEMM): whole multiples of 8 also keep
-# a row's bits independent of the batch it runs in.
-GEMM_ROWS_MULTIPLE = 8
+# multiple (gemm_rows_multiple) by a filler sequence (PackedBatch.with_filler) whose rows are dropped
+# after the last layer. oneDNN builds (JIT-compiles) a GEMM primitive per M and keeps a few dozen
+# (workers/memory.py). A stream of live queries of ~50 different lengths rebuilt one on nearly every
+# linear: MiniLM, bfloat16, one thread, queries of 8-62 tokens in turn, 4.8-5.2 ms of CPU per query
+# against 3.5-3.7 with the same queries sorted by length; rounded to 8, 3.2-4.0 ms in turn. Bigger
+# batches (bulk, a rerank call's pieces) had a new M nearly every time too, and on a Xeon with AMX a
+# new M costs MiniLM's four linears 18-37 ms once, more than the 21 ms they take at 7,000 rows
+# (/work: bench.small_linear does not cover it; see the commit): so the multiple grows with the
+# batch, keeping the filler under 1/GEMM_ROWS_FILLER_SHARE of its rows (32 row counts per doubling).
+# Each row of a GEMM is computed from its own input row alone, so the real rows do not depend on the
+# filler (tests/integration/test_packed_forward.py checks them bit-identical with fillers to twice the
+# multiple); the filler costs little, since a small batch's GEMMs are bound by reading the weights,
+# not by their rows. On CPUs with AMX, oneDNN computes a last block of under 8 rows with another kernel
+# (MiniLM's down projection, 34 rows: rows 32-33 a bfloat16 step off the same rows of a 40-row GEMM):
+# whole multiples of 8 also keep a row's bits independent of the batch it runs in.
+GEMM_ROWS_MULTIPLE = 8  # the least multiple: a short query's
+GEMM_ROWS_FILLER_SHARE = 32
+GEMM_ROWS_MAX_MULTIPLE = 128  # the filler is one sequence: under 128 positions, within every family's
+
+
+def gemm_rows_multiple(tokens: int) -> int:
+    """What a batch of `tokens` rows is rounded up to a multiple of: GEMM_ROWS_MULTIPLE, doubled while the
+    filler stays under 1/GEMM_ROWS_FILLER_SHARE of the rows (8 up to 511 tokens, 16 from 512, ... 128
+    from 4,096 on)."""
+    multiple = GEMM_ROWS_MULTIPLE
+    while 2 * multiple * GEMM_ROWS_FILLER_SHARE <= tokens and multiple < GEMM_ROWS_MAX_MULTIPLE:
+        multiple *= 2
+    return multiple
+
 
 # The families the packed forward covers, tried in this order.
 FAMILIES = (BertPieces, RobertaPieces, DistilBertPieces, ModernBertPieces, Qwen3Pieces)
@@ -84,8 +101,8 @@ class PackedEncoder:
         """Last hidden states, (tokens, hidden), as a generator that pauses after each layer (see
         Backend.forward_in_steps)."""
         tokens = batch.ids.shape[0]
-        if batch.ids.device.type == "cpu":  # see GEMM_ROWS_MULTIPLE
-            batch, _ = batch.with_filler(GEMM_ROWS_MULTIPLE)
+        if batch.ids.device.type == "cpu":  # see gemm_rows_multiple
+            batch, _ = batch.with_filler(gemm_rows_multiple(tokens))
         x = self.pieces.embed(batch)
         # Per-batch tables (rotary cos/sin): held here, not by the pieces, because an urgent batch
         # may run its whole forward during one of this batch's pauses.

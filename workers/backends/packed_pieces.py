@@ -49,7 +49,7 @@ class PackedBatch:
         """This batch with its token count rounded up to a multiple of `multiple` by one more sequence
         of filler tokens (id 0, offsets 0, 1, ...), and how many filler tokens that is (0: `self`).
         The filler attends only to itself, as any sequence does, so it changes no other sequence's
-        rows: see packed_encoder.GEMM_ROWS_MULTIPLE for why."""
+        rows: see packed_encoder.gemm_rows_multiple for why."""
         tokens = self.ids.shape[0]
         filler = -tokens % multiple
         if filler == 0:
