@@ -14,10 +14,11 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from support.broad_corpus import broad_corpus
 
 from encoderd.workers import fidelity
-from encoderd.workers.backends import BackendOptions, create_backend
+from encoderd.workers.backends import BackendOptions, create_backend, packed_encoder
 from encoderd.workers.backends.int8_linear import Int8Linear
 from encoderd.workers.contract import hardware
 from encoderd.workers.contract.model_files import default_model_path
@@ -137,3 +138,26 @@ def test_torch_int8_is_cpu_only():
     spec = load_model_spec("m", default_model_path())
     with pytest.raises(ValueError, match="int8 on CPU only"):
         create_backend("torch", spec, BackendOptions(dtype="int8", device="cuda:0")).load()
+
+
+def test_int8_calibration_sees_the_real_tokens_only(monkeypatch):
+    """The SmoothQuant ranges come from the calibration set's own tokens: rounding the packed batches' rows
+    differently (the filler) leaves every int8 linear's input scale unchanged."""
+    spec = load_model_spec("embedding", default_model_path())
+
+    def input_scales() -> list[torch.Tensor]:
+        backend = create_backend("torch", spec, BackendOptions(dtype="int8", threads=1))
+        backend.load()
+        assert backend.packed is not None and backend.packed.round_rows
+        lists = [value for value in vars(backend.packed.pieces).values() if isinstance(value, list)]
+        fused = [m for value in lists for m in value if isinstance(m, Int8Linear)]  # the packed projections
+        smoothed = [
+            m for m in [*backend.model.modules(), *fused] if isinstance(m, Int8Linear) and m.input_scale is not None
+        ]
+        return [m.input_scale for m in smoothed]
+
+    plain = input_scales()
+    monkeypatch.setattr(packed_encoder, "GEMM_ROWS_MULTIPLE", 4 * packed_encoder.GEMM_ROWS_MULTIPLE)
+    rounded_more = input_scales()
+    assert len(plain) >= 6 * 3  # MiniLM: each layer's QKV, output and up projections are smoothed
+    assert all(torch.equal(a, b) for a, b in zip(plain, rounded_more, strict=True))

@@ -515,6 +515,27 @@ def test_vnni_gemm_epilogue_equals_int_mm_then_rescale(k, n, activation, dtype, 
 
 
 @needs_vnni_gemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["none", "gelu"])
+def test_an_int8_row_does_not_depend_on_the_rows_beside_it(activation, dtype, fresh_kernel, one_thread):
+    """The same input row gives the same bits whatever the call's row count, and so whichever of the GEMM's
+    paths computed it (AMX blocks of 32 rows, the VNNI tiles' 8-row and leftover tiles): a query's int8
+    vector must not depend on the batch it rode in."""
+    weight, inputs, token_scale, weight_scale, bias = _int8_layer(100, 384, 1536, seed=3)
+    unsigned, _ = host_kernels.quantize_rows(inputs, None, to_unsigned=True)
+    packed = host_kernels.pack_int8(weight, weight_scale, bias)
+    assert packed is not None
+
+    def rows(count: int) -> torch.Tensor:
+        out = torch.empty(count, 1536, dtype=dtype)
+        return host_kernels.int8_linear(unsigned[:count], token_scale[:count], packed, activation, out)
+
+    every = rows(100)
+    for count in (1, 7, 8, 23, 24, 31, 32, 33, 64):
+        assert torch.equal(rows(count), every[:count]), count
+
+
+@needs_vnni_gemm
 def test_a_wrong_vnni_gemm_is_refused_at_build(fresh_kernel):
     """The load check compares the GEMM's integers with torch._int_mm's: a build whose compensation were
     off (here the packing's compensation doubled) is reported, so torch._int_mm would serve instead."""

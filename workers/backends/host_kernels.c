@@ -631,9 +631,12 @@ static inline __attribute__((always_inline)) void gemm_finish(const __m512i *sum
     floats x[GELU_ROWS];
     UNROLLED for (int i = 0; i < rows; i++) {
         floats products = (floats)_mm512_cvtepi32_ps(_mm512_sub_epi32(sums[i], compensation));
-        x[i] = products * e->token_scale[row + i] * weight_scale;
-        if (e->bias)
-            x[i] += bias;
+        /* The bias by an explicit FMA: left to the compiler, a * b + c contracted into one FMA in some of
+         * this function's inlined copies and not in others (AMX blocks, VNNI tiles), and a row's bits
+         * then depended on which path its batch's row count sent it down. */
+        floats scaled = products * e->token_scale[row + i];
+        x[i] = e->bias ? (floats)_mm512_fmadd_ps((__m512)scaled, (__m512)weight_scale, (__m512)bias)
+                       : scaled * weight_scale;
         if (e->activation == 2)
             x[i] = (floats)((ints)x[i] & (ints)(x[i] > 0.0f)); /* ReLU */
     }

@@ -92,6 +92,9 @@ class PackedEncoder:
 
     def __init__(self, model: HFModule, kind: ModelKind):
         self.pieces = _pieces_for(model, kind)(model, kind)
+        # False while int8 calibration records the linears' input ranges: the filler's rows are not the
+        # model's inputs, and the ranges (so every int8 vector) must not depend on how rows are rounded.
+        self.round_rows = True
 
     @property
     def family(self) -> str:
@@ -101,7 +104,7 @@ class PackedEncoder:
         """Last hidden states, (tokens, hidden), as a generator that pauses after each layer (see
         Backend.forward_in_steps)."""
         tokens = batch.ids.shape[0]
-        if batch.ids.device.type == "cpu":  # see gemm_rows_multiple
+        if batch.ids.device.type == "cpu" and self.round_rows:  # see gemm_rows_multiple
             batch, _ = batch.with_filler(gemm_rows_multiple(tokens))
         x = self.pieces.embed(batch)
         # Per-batch tables (rotary cos/sin): held here, not by the pieces, because an urgent batch

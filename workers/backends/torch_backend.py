@@ -126,8 +126,14 @@ class TorchBackend(Backend):
         recipe = hardware.torch_int8_recipe()
 
         def calibrate() -> None:
-            for batch in calibration.batches(self.spec, trust_remote_code=self.options.trust_remote_code):
-                self.forward(batch)
+            if self.packed is not None:
+                self.packed.round_rows = False  # ranges of the real tokens' inputs only (PackedEncoder)
+            try:
+                for batch in calibration.batches(self.spec, trust_remote_code=self.options.trust_remote_code):
+                    self.forward(batch)
+            finally:
+                if self.packed is not None:
+                    self.packed.round_rows = True
 
         owners = [self.packed.pieces] if self.packed is not None else []
         count = int8_linear.quantize(self.model, owners, recipe, calibrate)
