@@ -870,6 +870,14 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
 #define BF16_ROWS 8       /* rows of a register tile */
 #define BF16_ROWS_MANY 4  /* ... where the input has more rows than BF16_ROWS (4 x 6 took 3-8 % less than 8 x 3) */
 #define BF16_VECTORS_MAX 8 /* 16-column vectors of a register tile, at most */
+/* Rows up to which the AMX tiles serve (bf16_gemm_rows). oneDNN compiles a GEMM primitive for every row count
+ * it meets and keeps a few dozen (workers/memory.py): on a Xeon with AMX a new count cost MiniLM's four linears
+ * 3-12 ms once at 40-512 rows, where computing them took 0.4-1.7 ms; the tiles have no such cost. Steady (the
+ * primitive built), the tiles took 1.17-1.19x less CPU than oneDNN at 32-40 rows, 1.04x at 64, but 0.81x at
+ * 128 and 0.65x at 512 (bench.small_linear, one thread): up to 64 they serve. Past 64 a stream of varied
+ * lengths still pays oneDNN's compilations (single queries of 33-511 tokens: MiniLM's forward took 1.5x the
+ * CPU of the tiles serving to 512 rows, where a repeated 256-token query took 0.89x). */
+#define BF16_TILES_ROWS 64
 
 /* Weights w (n x k bfloat16, row-major: the layer's out x in; k even) packed for bf16_linear_rows into
  * `packed`: round_up(n, 16) / 16 panels of k / 2 x 16 x 2 values; columns past n zero. */
@@ -891,7 +899,13 @@ void pack_bf16_weights(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed
  * at 1-32 rows by vectors (Zen 5); by AMX tiles where the CPU has them, 1.27-1.47x at 1-32 rows, where by
  * vectors it fell behind oneDNN's tile GEMMs from 8 rows on (0.70x at 8, 0.21x at 32; Xeon with AMX, one
  * thread, bench.small_linear: MiniLM's four linears of a layer). */
-int bf16_gemm_rows(void) { return 32; }
+int bf16_gemm_rows(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles_permitted())
+        return BF16_TILES_ROWS;
+#endif
+    return 32;
+}
 
 _Static_assert(BF16_ROWS <= GELU_ROWS, "a tile's rows go through gelu_rows at once");
 #ifndef UNROLLED /* the int8 GEMM's, where the build has it */
@@ -1010,18 +1024,31 @@ static void bf16_two_blocks(const uint16_t *a, int64_t rows, int64_t k, const ui
     }
 }
 
-/* bf16_linear_rows by AMX tiles, for up to 32 rows (k a multiple of TILE_DEPTH); 0 where it did not run
- * (more rows, k, or Linux refused the tiles). */
+/* bf16_linear_rows by AMX tiles, for up to BF16_TILES_ROWS rows (k a multiple of TILE_DEPTH), 32 rows (two
+ * blocks) at a time and a last group of fewer; 0 where it did not run (more rows, k, or Linux refused the
+ * tiles). Each group reads the packed weights again: from L2 for MiniLM's layers (0.3-1.2 MB). */
 static int bf16_linear_by_tiles(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed,
                                 const struct bf16_epilogue *e) {
     struct tile_config saved;
-    if (rows > 2 * TILE_ROWS || k % TILE_DEPTH || !tiles_begin(rows < TILE_ROWS ? (int)rows : TILE_ROWS, &saved))
+    if (rows > BF16_TILES_ROWS || k % TILE_DEPTH || !tiles_begin(rows < TILE_ROWS ? (int)rows : TILE_ROWS, &saved))
         return 0;
-    if (rows <= TILE_ROWS)
-        bf16_one_block(a, rows, k, packed, e);
-    else {
-        configure_two_blocks((int)rows - TILE_ROWS);
-        bf16_two_blocks(a, rows, k, packed, e);
+    int configured = rows < TILE_ROWS ? (int)rows : TILE_ROWS; /* tiles_begin's: one block of this many rows */
+    for (int64_t first = 0; first < rows; first += 2 * TILE_ROWS) {
+        int group = rows - first < 2 * TILE_ROWS ? (int)(rows - first) : 2 * TILE_ROWS;
+        struct bf16_epilogue part = *e;
+        part.out = e->out + first * e->n;
+        int shape = group <= TILE_ROWS ? group : TILE_ROWS + group; /* one block, or two (second's rows) */
+        if (shape != configured) {
+            if (group <= TILE_ROWS)
+                configure_tiles(group);
+            else
+                configure_two_blocks(group - TILE_ROWS);
+            configured = shape;
+        }
+        if (group <= TILE_ROWS)
+            bf16_one_block(a + first * k, group, k, packed, &part);
+        else
+            bf16_two_blocks(a + first * k, group, k, packed, &part);
     }
     tiles_end(&saved);
     return 1;

@@ -42,7 +42,8 @@
   layer took 1.15-1.7x less CPU at 1-32 rows, even at 40-64 (bench.small_linear, Zen 5, one thread,
   shared host), and a 10-30-token query's forward 1.15-1.24x less. Where the CPU has AMX, oneDNN's GEMMs
   run on its tiles and overtook the vector products from 8 rows on (0.21x at 32); the kernel's products
-  run on the tiles there too: 1.27-1.47x less CPU than oneDNN at 1-32 rows (Xeon with AMX, same bench).
+  run on the tiles there too, up to 64 rows: 1.27-1.47x less CPU than oneDNN at 1-32 rows, 1.04-1.19x at
+  40-64 (Xeon with AMX, same bench), and no GEMM compiled per row count (host_kernels.c, BF16_TILES_ROWS).
 
 All equal torch's operators but for an occasional last-bit rounding (tests/unit/test_host_kernels.py);
 GELU's erfc is a Chebyshev fit within 1.2e-7 of it, relative.
@@ -368,6 +369,9 @@ def int8_linear(
 # bf16_gemm_rows (host_kernels.c: where the few-row kernel measured faster on this kind of CPU). The bench
 # (bench.small_linear) sets a number to time the kernel past it.
 SMALL_LINEAR_ROWS: int | None = None
+# host_kernels.c's: past VECTOR_GEMM_ROWS rows only its AMX tiles serve (bf16_gemm_rows), and they take k in
+# whole tile rows of TILE_DEPTH; a linear of another k keeps the vector products' limit.
+VECTOR_GEMM_ROWS, TILE_DEPTH = 32, 32
 
 
 def few_row_limit() -> int:
@@ -442,7 +446,7 @@ def bf16_linear(x: torch.Tensor, weights: PackedBf16Weights, activation: str) ->
     if rows == 0 or activation not in INT8_ACTIVATIONS or not x.is_contiguous():
         return None
     built = _serving(x)
-    if built is None or rows > few_row_limit():
+    if built is None or rows > few_row_limit() or (rows > VECTOR_GEMM_ROWS and weights.in_features % TILE_DEPTH):
         return None
     out = torch.empty(*x.shape[:-1], weights.out_features, dtype=torch.bfloat16)
     bias = weights.bias.data_ptr() if weights.bias is not None else None
@@ -847,6 +851,8 @@ def _check_bf16_linear_rows(built: Kernels) -> str | None:
         (12, 96, 40, "relu", False),
         (16, 128, 16 * 19 + 5, "gelu", True),
         (24, 64, 40, "gelu", True),  # AMX builds: two blocks of tile rows, an odd number of panels
+        (40, 96, 40, "none", True),  # AMX builds: a group of 32 rows, then one block of 8
+        (50, 64, 24, "relu", True),  # ... then two blocks again (16 + 2)
     ):
         weight = (torch.randn(n, k, generator=generator) * 0.2).bfloat16()
         x = torch.randn(rows, k, generator=generator).bfloat16()
