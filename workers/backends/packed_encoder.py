@@ -40,9 +40,9 @@ from .packed_qwen3 import Qwen3Pieces
 # linear: MiniLM, bfloat16, one thread, queries of 8-62 tokens in turn, 4.8-5.2 ms of CPU per query
 # against 3.5-3.7 with the same queries sorted by length; rounded to 8, 3.2-4.0 ms in turn. Bigger
 # batches (bulk, a rerank call's pieces) had a new M nearly every time too, and on a Xeon with AMX a
-# new M costs MiniLM's four linears 18-37 ms once, more than the 21 ms they take at 7,000 rows
-# (/work: bench.small_linear does not cover it; see the commit): so the multiple grows with the
-# batch, keeping the filler under 1/GEMM_ROWS_FILLER_SHARE of its rows (32 row counts per doubling).
+# new M costs MiniLM's four linears 18-37 ms once, more than the 21 ms they take at 7,000 rows: so the
+# multiple grows with the batch, keeping the filler under 1/GEMM_ROWS_FILLER_SHARE of its rows (32 row
+# counts per doubling; `python -m encoderd.bench.gemm_rows` times both roundings).
 # Each row of a GEMM is computed from its own input row alone, so the real rows do not depend on the
 # filler (tests/integration/test_packed_forward.py checks them bit-identical with fillers to twice the
 # multiple); the filler costs little, since a small batch's GEMMs are bound by reading the weights,
@@ -51,7 +51,7 @@ from .packed_qwen3 import Qwen3Pieces
 # whole multiples of 8 also keep a row's bits independent of the batch it runs in.
 GEMM_ROWS_MULTIPLE = 8  # the least multiple: a short query's
 GEMM_ROWS_FILLER_SHARE = 32
-GEMM_ROWS_MAX_MULTIPLE = 128  # the filler is one sequence: under 128 positions, within every family's
+GEMM_ROWS_MAX_MULTIPLE = 128  # the filler is one sequence: under 128 tokens, within every family's positions
 
 
 def gemm_rows_multiple(tokens: int) -> int:
