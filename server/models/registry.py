@@ -41,7 +41,7 @@ from .preprocessors import load_preprocessors
 from .request_options import ClassifyOptions, EmbedOptions, RerankOptions
 from .result_cache import ResultCache, TokenCount
 from .served import ServedModel, check_width, start_reporting_progress, start_scheduler
-from .tokenization import ModelTokenizer
+from .tokenization import ModelTokenizer, tokenize_on_the_calling_thread
 
 log = logging.getLogger("encoderd.engine")
 
@@ -68,6 +68,7 @@ class ModelRegistry:
         self.loading = {m.name for m in config.models}  # configured, not yet served: calls get UNAVAILABLE
         self._on_model_state = on_model_state
         self._workers: list[WorkerClient] = []  # every worker started, so a failed start can stop them all
+        tokenize_on_the_calling_thread()  # the pools' nice values hold for the tokenizing itself
         self._tokenizer_pool = _niced_pool(config.tokenizer_threads, "tokenizer", config.worker_nice)
         self._bulk_tokenizer_pool = _niced_pool(1, "tokenizer-bulk", config.worker_nice)
         # Media decoding and preprocessing (server/models/media.py): blocking CPU work, off the event loop; URL
@@ -239,13 +240,13 @@ class ModelRegistry:
     ) -> None:
         """--max-request-tokens before any tokenization: refused when even the fewest tokens the
         texts can become (server/models/token_floor.py) are over it. Words are counted only when
-        the texts are long enough to be over it, and then in the tokenizer pool, off the loop."""
+        the texts are long enough to be over it (TokenFloor.over), in the tokenizer pool, off the loop."""
         budget = self.config.max_request_tokens
         floor = model.tokenizer.floor
         cap = model.spec.max_length if truncate else None
         if budget and floor.may_exceed(texts, cap, pairs_with, budget):
-            count = functools.partial(floor.tokens, texts, cap, pairs_with, stop_above=budget)
-            self.check_token_budget(await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, count))
+            over = functools.partial(floor.over, texts, cap, pairs_with, budget)
+            self.check_token_budget(await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, over))
 
     def check_token_budget(self, floor: int, exact: int | None = None) -> None:
         """--max-request-tokens: a floor counted before any work, the exact count after tokenization

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -113,21 +114,26 @@ class ModelTokenizer:
             documents = cast("list[str]", texts)  # pairs_with: the inputs are single texts (documents)
             return await self._encode_pairs(template, pairs_with, documents, truncate, side, bulk)
         batch = [(pairs_with, t) for t in texts] if pairs_with is not None else list(texts)
-        encodings = await self._in_chunks(ids_only(self._by_side[side]), batch, bulk)
-        return self._collect(encodings, truncate, any(isinstance(item, tuple) for item in batch))
+        pairs = any(isinstance(item, tuple) for item in batch)
+        read = functools.partial(_arrays, pairs=pairs, truncate=truncate)
+        rows = await self._in_chunks(ids_only(self._by_side[side]), batch, bulk, read)
+        return _collect(rows, truncate, pairs, self.max_length)
 
-    async def _in_chunks(self, encode_batch, batch: list, bulk: bool, **kwargs) -> list[Encoding]:
+    async def _in_chunks(self, encode_batch, batch: list, bulk: bool, read=list, **kwargs) -> list:
         """encode_batch over the batch in pieces of bounded size: a cancelled or expired request
         stops between pieces (a running Rust call cannot be interrupted), and a huge request
-        shares the pool with others instead of holding a thread for seconds."""
+        shares the pool with others instead of holding a thread for seconds. `read` turns a
+        piece's encodings into what the caller keeps, on the pool's thread: a 2,048-input call's
+        ids read on the event loop held it ~9 ms at once (2-vCPU Xeon), other callers' queries
+        behind it."""
         metrics.series(metrics.TOKENIZED_TEXTS, self.model).inc(len(batch))
         if not bulk and len(batch) <= INLINE_INPUTS and sum(map(_size, batch)) <= INLINE_CHARS:
-            return encode_batch(batch, **kwargs)  # a live query: on the loop itself (see INLINE_CHARS)
+            return read(encode_batch(batch, **kwargs))  # a live query: on the loop itself (see INLINE_CHARS)
         loop = asyncio.get_running_loop()
         executor = self._bulk_executor if bulk else self._executor
-        out: list[Encoding] = []
+        out: list = []
         for chunk in _chunks(batch):
-            out += await loop.run_in_executor(executor, functools.partial(encode_batch, chunk, **kwargs))
+            out += await loop.run_in_executor(executor, _encode_and_read, encode_batch, chunk, read, kwargs)
         return out
 
     async def _encode_pairs(
@@ -137,8 +143,8 @@ class ModelTokenizer:
         pair is assembled from ids with the tokenizer's own pair template and truncation
         (longest_first, see pair_lengths), which tests check against tokenizer.encode(q, d)."""
         plain = functools.partial(ids_only(self.untruncated), add_special_tokens=False)
-        (query_ids,) = [e.ids for e in await self._in_chunks(plain, [query], bulk)]
-        doc_ids = [e.ids for e in await self._in_chunks(plain, documents, bulk)]
+        (query_ids,) = await self._in_chunks(plain, [query], bulk, _ids)
+        doc_ids = await self._in_chunks(plain, documents, bulk, _ids)
         budget = self.max_length - template.added
         ids, types = [], []
         if not truncate:
@@ -173,17 +179,58 @@ class ModelTokenizer:
                 return None
         return template
 
-    def _collect(self, encodings: list[Encoding], truncate: bool, pairs: bool) -> Tokenized:
-        if not truncate:
-            too_long = [i for i, e in enumerate(encodings) if e.overflowing]
-            if too_long:
-                raise InputTooLong(too_long, self.max_length)
-        ids = [np.asarray(e.ids, dtype=np.int32) for e in encodings]
-        types = [np.asarray(e.type_ids, dtype=np.int32) for e in encodings] if pairs else None
-        return Tokenized(ids, types, sum(len(i) for i in ids))
-
     async def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[Encoding]:
         return await self._in_chunks(self.untruncated.encode_batch, texts, False, add_special_tokens=add_special_tokens)
+
+
+@dataclass(slots=True)
+class _Row:
+    """One input as a tokenizer pool thread read it off its Encoding."""
+
+    ids: np.ndarray  # int32
+    type_ids: np.ndarray | None  # int32, for pairs
+    too_long: bool  # over the model's maximum, with truncation off
+
+
+def _encode_and_read(encode_batch, chunk: list, read, kwargs: dict) -> list:
+    return read(encode_batch(chunk, **kwargs))
+
+
+def _arrays(encodings: list[Encoding], pairs: bool, truncate: bool) -> list[_Row]:
+    return [
+        _Row(
+            np.asarray(e.ids, dtype=np.int32),
+            np.asarray(e.type_ids, dtype=np.int32) if pairs else None,
+            not truncate and bool(e.overflowing),  # the tokenizer truncates: what it cut overflows
+        )
+        for e in encodings
+    ]
+
+
+def _ids(encodings: list[Encoding]) -> list[list[int]]:
+    return [e.ids for e in encodings]
+
+
+def _collect(rows: list[_Row], truncate: bool, pairs: bool, max_length: int) -> Tokenized:
+    if not truncate:
+        too_long = [i for i, row in enumerate(rows) if row.too_long]
+        if too_long:
+            raise InputTooLong(too_long, max_length)
+    ids = [row.ids for row in rows]
+    types = [cast("np.ndarray", row.type_ids) for row in rows] if pairs else None
+    return Tokenized(ids, types, sum(len(i) for i in ids))
+
+
+def tokenize_on_the_calling_thread() -> None:
+    """Hugging Face tokenizers spreads each encode_batch over threads of its own (rayon's, one per
+    core), made by whichever thread tokenizes first: the event loop, with a live query, at the
+    frontend's priority. The tokenizer pool's nice value (registry._niced_pool) then held for the
+    pool's thread only, waiting on them: a 2,048-input call's tokenizing (~0.3 s of CPU) took both
+    cores ahead of the workers, and other callers' queries computing there waited for it (p99 38-45
+    ms in the call's first 0.5 s, against 10-12 ms idle: `python -m encoderd.bench.fair`, 2-vCPU
+    Xeon). Off, every call computes on the thread that makes it: the niced pool, or the loop for
+    a live query. The library reads the variable at each call."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def ids_only(tokenizer: Tokenizer):

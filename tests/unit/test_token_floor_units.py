@@ -87,6 +87,7 @@ def test_the_floor_is_never_above_the_real_count(name):
         words = floor.tokens([text], None)
         assert words <= real, (text, real)
         assert words <= (len(text) + 1) // 2  # what may_exceed takes as the most there can be
+        assert words <= len(text.split())  # what TokenFloor.over takes as the most there can be
 
 
 def test_the_floor_is_most_of_a_real_vocabularys_count_of_english():
@@ -109,6 +110,19 @@ def test_pairs_truncation_and_the_budget_bound_the_count():
     # Counted only when the lengths allow more than the budget: 10 x (23 + 1) // 2 = 120 at most.
     assert floor.may_exceed(docs, None, "", 119) and not floor.may_exceed(docs, None, "", 120)
     assert not floor.may_exceed(docs, 4, "", 40) and floor.may_exceed(docs, 5, "", 40)
+    # The floor when over the budget, else 0 (at or under it: nothing to refuse).
+    assert floor.over(docs, None, "", 49) == 50 and floor.over(docs, None, "", 50) == 0
+    assert floor.over(docs, 6, "a query", 59) == 60 and floor.over(docs, 6, "a query", 60) == 0
+    # Runs over the budget, words not: counted, and not over.
+    assert floor.over(["-- ... !!"] * 10, None, "", 5) == 0
+
+
+def test_the_runs_bound_the_words_where_str_split_separates_at_more_than_the_floor():
+    """str.split separates at every character the floor's separators hold and more (U+000B,
+    U+001C, U+0085...): a run of the floor's may be split further, never joined."""
+    floor = TokenFloor(SERVED["minilm (WordPiece)"])
+    odd = "a\x0bb\x1cc\x85d e\u00a0f\u3000g_h -- ~x"
+    assert floor.tokens([odd], None) <= len(odd.split())
 
 
 def _tokenizer(pre=None, norm=None, model=None) -> Tokenizer:
