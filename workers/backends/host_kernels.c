@@ -1032,23 +1032,18 @@ static int bf16_linear_by_tiles(const uint16_t *a, int64_t rows, int64_t k, cons
     struct tile_config saved;
     if (rows > BF16_TILES_ROWS || k % TILE_DEPTH || !tiles_begin(rows < TILE_ROWS ? (int)rows : TILE_ROWS, &saved))
         return 0;
-    int configured = rows < TILE_ROWS ? (int)rows : TILE_ROWS; /* tiles_begin's: one block of this many rows */
     for (int64_t first = 0; first < rows; first += 2 * TILE_ROWS) {
         int group = rows - first < 2 * TILE_ROWS ? (int)(rows - first) : 2 * TILE_ROWS;
         struct bf16_epilogue part = *e;
         part.out = e->out + first * e->n;
-        int shape = group <= TILE_ROWS ? group : TILE_ROWS + group; /* one block, or two (second's rows) */
-        if (shape != configured) {
-            if (group <= TILE_ROWS)
-                configure_tiles(group);
-            else
-                configure_two_blocks(group - TILE_ROWS);
-            configured = shape;
-        }
-        if (group <= TILE_ROWS)
-            bf16_one_block(a + first * k, group, k, packed, &part);
-        else
+        if (group > TILE_ROWS) {
+            configure_two_blocks(group - TILE_ROWS);
             bf16_two_blocks(a + first * k, group, k, packed, &part);
+        } else {
+            if (first) /* after two blocks; a first group of one block is configured by tiles_begin */
+                configure_tiles(group);
+            bf16_one_block(a + first * k, group, k, packed, &part);
+        }
     }
     tiles_end(&saved);
     return 1;

@@ -22,7 +22,8 @@ operations), which imports neither: the arrows point skeleton -> families -> pie
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import contextlib
+from collections.abc import Generator, Iterator
 
 import torch
 
@@ -92,9 +93,18 @@ class PackedEncoder:
 
     def __init__(self, model: HFModule, kind: ModelKind):
         self.pieces = _pieces_for(model, kind)(model, kind)
-        # False while int8 calibration records the linears' input ranges: the filler's rows are not the
-        # model's inputs, and the ranges (so every int8 vector) must not depend on how rows are rounded.
-        self.round_rows = True
+        self.round_rows = True  # see real_rows_only
+
+    @contextlib.contextmanager
+    def real_rows_only(self) -> Iterator[None]:
+        """No filler rows within (gemm_rows_multiple): int8 calibration records the linears' input
+        ranges there, and the filler's rows are not the model's inputs; the ranges (so every int8
+        vector) must not depend on how rows are rounded."""
+        self.round_rows = False
+        try:
+            yield
+        finally:
+            self.round_rows = True
 
     @property
     def family(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -126,14 +127,9 @@ class TorchBackend(Backend):
         recipe = hardware.torch_int8_recipe()
 
         def calibrate() -> None:
-            if self.packed is not None:
-                self.packed.round_rows = False  # ranges of the real tokens' inputs only (PackedEncoder)
-            try:
+            with self.packed.real_rows_only() if self.packed is not None else contextlib.nullcontext():
                 for batch in calibration.batches(self.spec, trust_remote_code=self.options.trust_remote_code):
                     self.forward(batch)
-            finally:
-                if self.packed is not None:
-                    self.packed.round_rows = True
 
         owners = [self.packed.pieces] if self.packed is not None else []
         count = int8_linear.quantize(self.model, owners, recipe, calibrate)
