@@ -124,11 +124,36 @@ static inline floats round_to_bf16(floats v) {
     return (floats)(bits & 0xFFFF0000u);
 }
 
+/* The sum of v's lanes, by halving the vector four times (4 dependent steps, not 15 scalar additions). */
+static inline float lanes_sum(floats v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+/* a + b at j (a whole vector), rounded to bfloat16 as torch's add stores it, kept at work + j. */
+static inline floats added(const uint16_t *x, const uint16_t *y, float *work, int64_t j) {
+    floats v = round_to_bf16(load_bf16(x + j, LANES, 0.0f) + load_bf16(y + j, LANES, 0.0f));
+    memcpy(work + j, &v, sizeof v);
+    return v;
+}
+
+static inline floats squared_deviation(const float *work, int64_t j, float mean) {
+    floats v;
+    memcpy(&v, work + j, sizeof v);
+    floats d = v - mean;
+    return d * d;
+}
+
 /* out = LayerNorm(a + b) over rows of `cols` values (a, b, out: rows x cols, contiguous; weight and
  * bias: cols bfloat16; out may be a or b). a + b is rounded to bfloat16 first, as torch's add stores
  * it; mean and variance (biased, two passes) in float32, as torch's bfloat16 layer_norm computes them.
- * work holds 3 x (cols rounded up to LANES) floats: a row's sums, and the weight and bias widened once
- * for all rows. */
+ * Each pass sums in four vectors at a time, so four chains of additions are in flight: summed in one,
+ * a row's two passes waited on ~50 dependent additions, and the kernel took 0.27 us a 384-wide row on a
+ * Xeon with AMX, twice torch's plain add. work holds 3 x (cols rounded up to LANES) floats: a row's
+ * sums, and the weight and bias widened once for all rows. */
 void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *weight, const uint16_t *bias,
                          uint16_t *out, int64_t rows, int64_t cols, float eps, float *work) {
     int64_t width = (cols + LANES - 1) / LANES * LANES;
@@ -140,44 +165,42 @@ void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *w
         memcpy(shift + j, &c, sizeof c);
     }
     int64_t whole = cols / LANES * LANES; /* the vectors every lane of which is in the row */
+    int64_t fours = whole / (4 * LANES) * (4 * LANES);
+    const ints lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const ints in_row = lane < (int32_t)(cols - whole); /* the tail's lanes */
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *x = a + i * cols, *y = b + i * cols;
-        floats sums = {0};
-        for (int64_t j = 0; j < whole; j += LANES) {
-            floats v = round_to_bf16(load_bf16(x + j, LANES, 0.0f) + load_bf16(y + j, LANES, 0.0f));
-            memcpy(work + j, &v, sizeof v);
-            sums += v;
+        floats s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+        int64_t j = 0;
+        for (; j < fours; j += 4 * LANES) {
+            s0 += added(x, y, work, j);
+            s1 += added(x, y, work, j + LANES);
+            s2 += added(x, y, work, j + 2 * LANES);
+            s3 += added(x, y, work, j + 3 * LANES);
         }
+        for (; j < whole; j += LANES)
+            s0 += added(x, y, work, j);
         if (whole < cols) { /* 0 past the row: it adds nothing to the sums */
             floats v = round_to_bf16(load_bf16(x + whole, cols - whole, 0.0f) + load_bf16(y + whole, cols - whole, 0.0f));
             memcpy(work + whole, &v, sizeof v);
-            sums += v;
+            s1 += v;
         }
-        float total = 0.0f;
-        for (int j = 0; j < LANES; j++)
-            total += sums[j];
-        float mean = total / (float)cols;
-        floats squares = {0};
-        for (int64_t j = 0; j < whole; j += LANES) {
-            floats v;
-            memcpy(&v, work + j, sizeof v);
-            floats d = v - mean;
-            squares += d * d;
+        float mean = lanes_sum((s0 + s1) + (s2 + s3)) / (float)cols;
+        floats q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
+        for (j = 0; j < fours; j += 4 * LANES) {
+            q0 += squared_deviation(work, j, mean);
+            q1 += squared_deviation(work, j + LANES, mean);
+            q2 += squared_deviation(work, j + 2 * LANES, mean);
+            q3 += squared_deviation(work, j + 3 * LANES, mean);
         }
-        if (whole < cols) {
-            floats v;
-            memcpy(&v, work + whole, sizeof v);
-            floats d = v - mean;
-            for (int64_t k = cols - whole; k < LANES; k++)
-                d[k] = 0.0f; /* lanes past the row */
-            squares += d * d;
-        }
-        float variance = 0.0f;
-        for (int j = 0; j < LANES; j++)
-            variance += squares[j];
+        for (; j < whole; j += LANES)
+            q0 += squared_deviation(work, j, mean);
+        if (whole < cols)
+            q1 += (floats)((ints)squared_deviation(work, whole, mean) & in_row); /* lanes past the row: 0 */
+        float variance = lanes_sum((q0 + q1) + (q2 + q3));
         float inverse = 1.0f / sqrtf(variance / (float)cols + eps);
         uint16_t *row = out + i * cols;
-        for (int64_t j = 0; j < cols; j += LANES) {
+        for (j = 0; j < cols; j += LANES) {
             int64_t count = cols - j < LANES ? cols - j : LANES;
             floats v, w, c;
             memcpy(&v, work + j, sizeof v);
@@ -1207,14 +1230,6 @@ static inline float largest_lane(floats v) {
     v = lanes_max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
     v = lanes_max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
     v = lanes_max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-    return v[0];
-}
-
-static inline float lanes_sum(floats v) {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     return v[0];
 }
 
