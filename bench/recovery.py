@@ -6,7 +6,11 @@
              Infinity. One server at a time, rounds alternating between them, so they share the
              machine's conditions.
   recovery   SIGKILL of the embedding worker -> first embedding answered again, for both encoderd
-             variants (Infinity has no worker to kill: its recovery is a cold start).
+             variants (Infinity has no worker to kill: its recovery is a cold start). With two or
+             more replicas the other one answers at once;
+  replaced   SIGKILL of the embedding worker -> its replacement ready (ListModels: the replica's
+             new pid, status "ready"): what a one-replica server waits before it serves again, and
+             how long a replicated one runs short of a replica.
 Times are p50 and max over --recovery-runs cold starts / kills, in the p50 ms and p99 ms columns.
 """
 
@@ -102,23 +106,38 @@ def _with(args, **changes):
     return copy
 
 
-def _worker_pid(address: str) -> int:
+def _first_replica(address: str):
     model = next(m for m in list_models(address) if m.id == DEFAULT_MODEL_NAME)
-    return model.replicas[0].pid
+    return model.replicas[0]
 
 
-def _kill_and_time(probe, server: Managed, address: str) -> float:
-    """SIGKILL the embedding worker; seconds until an embedding is answered again."""
-    pid = _worker_pid(address)
+def _replaced(server: Managed, address: str, killed_pid: int, killed: float, timeout: float = 600) -> float:
+    """Seconds from `killed` until the killed worker's replica is ready again with a new process."""
+    while time.monotonic() - killed < timeout:
+        server.check_alive()
+        with contextlib.suppress(Exception):
+            replica = _first_replica(address)
+            if replica.pid not in (0, killed_pid) and replica.status == "ready":
+                return time.monotonic() - killed
+        time.sleep(0.02)
+    raise TimeoutError(f"{server.name}: worker {killed_pid} not replaced {timeout:.0f}s after its kill")
+
+
+def _kill_and_time(probe, server: Managed, address: str) -> tuple[float, float]:
+    """SIGKILL the embedding worker; seconds until an embedding is answered again, and until the
+    worker is replaced."""
+    pid = _first_replica(address).pid
     os.kill(pid, signal.SIGKILL)  # it runs no code after this returns: any answer is its successor's
     killed = time.monotonic()
-    return _until_served(probe, server, killed)
+    served = _until_served(probe, server, killed)
+    return served, _replaced(server, address, pid, killed)
 
 
 def run_recovery(args, embed_dir: str, logs: Path, infinity_venv: Path | None) -> list[Row]:
     variants = {"encoderd": True} if args.quick else {"encoderd": True, SPAWNED: False}  # --quick: a smoke run
     cold: dict[str, list[float]] = {name: [] for name in [*variants, *(["infinity"] if infinity_venv else [])]}
     kills: dict[str, list[float]] = {name: [] for name in variants}
+    replaced: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.recovery_runs):
         for name in cold:
             log(f"recovery round {round_ + 1}/{args.recovery_runs}: cold start of {name}")
@@ -135,8 +154,10 @@ def run_recovery(args, embed_dir: str, logs: Path, infinity_venv: Path | None) -
                 if name in kills:  # one kill per round: the same number as cold starts
                     address = f"127.0.0.1:{server.argv[server.argv.index('--grpc-port') + 1]}"
                     time.sleep(1.0)  # the server settles (its first requests are answered)
-                    kills[name].append(_kill_and_time(probe, server, address))
-                    log(f"  {name}: serving again {kills[name][-1]:.2f}s after SIGKILL of its worker")
+                    served, ready = _kill_and_time(probe, server, address)
+                    kills[name].append(served)
+                    replaced[name].append(ready)
+                    log(f"  {name}: serving again {served:.2f}s after SIGKILL of its worker, replaced {ready:.2f}s")
             finally:
                 probe.close()
                 server.stop()
@@ -147,6 +168,10 @@ def run_recovery(args, embed_dir: str, logs: Path, infinity_venv: Path | None) -
     rows += [
         _row("recovery", name, "grpc", times, "SIGKILL of the worker -> first embedding answered again")
         for name, times in kills.items()
+    ]
+    rows += [
+        _row("replaced", name, "grpc", times, "SIGKILL of the worker -> its replacement ready")
+        for name, times in replaced.items()
     ]
     return rows
 

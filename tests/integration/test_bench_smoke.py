@@ -99,7 +99,7 @@ def test_bench_recovery_mode_reports_cold_start_and_restart(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = {(r["mode"], r["engine"]): r for r in json.loads(out.read_text())["results"]}
-    for mode in ("coldstart", "recovery"):
+    for mode in ("coldstart", "recovery", "replaced"):
         row = rows[(mode, "encoderd")]
         assert row["calls"] == 1 and row["p50_ms"] > 0 and row["errors"] == 0, row
     assert "forked from the zygote" in "".join(p.read_text() for p in (tmp_path / "logs").rglob("encoderd.log"))
