@@ -13,9 +13,10 @@
            262,144): the time until the refusal and the frontend's peak RSS above its level before
            (sampled every 5 ms from /proc), and whether the answer named the limit.
   long-query  single short Embed queries, one after another, alone ("idle") and while another client
-           sends back to back reranks of one document with a --query-chars query (200,000: issue 42's
-           size; truncated to the model's 512 tokens, but tokenized whole): the queries' p50 and p99
-           in both phases, and the big calls made.
+           sends back to back reranks of --query-documents documents (1) with a --query-chars query
+           (200,000: issue 42's size; truncated to the model's 512 tokens, but tokenized whole): the
+           queries' p50 and p99 in both phases, and the big calls made (and refused: 1,000 documents
+           of 512-token pairs are over --max-request-tokens).
 Each server is started as `encoderd serve` runs by default (REST on, its Envoy on the gRPC port),
 serving the bundled MiniLM and a MiniLM reranker built from tests/support. A probe, not a test:
 it prints a table and asserts nothing.
@@ -203,7 +204,7 @@ def refuse_probe(address: str, frontend: int, seed: int) -> dict:
     }
 
 
-def long_query_probe(address: str, query_chars: int, queries: int = 300) -> dict:
+def long_query_probe(address: str, query_chars: int, documents: int = 1, queries: int = 300) -> dict:
     """Single queries' latency alone, then beside back-to-back reranks with a huge query."""
     import grpc
 
@@ -220,16 +221,21 @@ def long_query_probe(address: str, query_chars: int, queries: int = 300) -> dict
             stub.Embed(pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[f"a short query {next(counter)}"]), timeout=60)
             return time.perf_counter() - started
 
+        docs = [f"report {i}" for i in range(documents)]
+
         def big_calls(stop: threading.Event, made: list[int]) -> None:
             while not stop.is_set():  # each query new, so no result cache answers it
-                request = pb.RerankRequest(model="reranker", query=f"{next(counter)} {query}", documents=["a report"])
-                big_stub.Rerank(request, timeout=120)
+                request = pb.RerankRequest(model="reranker", query=f"{next(counter)} {query}", documents=docs)
+                try:
+                    big_stub.Rerank(request, timeout=120)
+                except grpc.RpcError:
+                    made[1] += 1
                 made[0] += 1
 
         for _ in range(30):  # warm-up
             single()
         idle = [single() for _ in range(queries)]
-        stop, made = threading.Event(), [0]
+        stop, made = threading.Event(), [0, 0]
         caller = threading.Thread(target=big_calls, args=(stop, made))
         caller.start()
         try:
@@ -242,6 +248,7 @@ def long_query_probe(address: str, query_chars: int, queries: int = 300) -> dict
         "idle": (ms(idle, 50), ms(idle, 99)),
         "shared": (ms(shared, 50), ms(shared, 99)),
         "big_calls": made[0],
+        "big_refused": made[1],
     }
 
 
@@ -255,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sends", type=int, default=20, help="calls with a 65,000-character model per run")
     parser.add_argument("--length", type=int, default=65_000, help="characters of the long `model`")
     parser.add_argument("--query-chars", type=int, default=200_000, help="characters of the long-query probe's query")
+    parser.add_argument("--query-documents", type=int, default=1, help="documents in each of its reranks")
     parser.add_argument("--probes", default="echo,refuse,long-query", help="which probes to run (comma-separated)")
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
     parser.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "encoderd-bench")
@@ -277,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "refuse" in probes:
                     row["refuse"] = refuse_probe(address, server.pid, seed=run)
                 if "long-query" in probes:
-                    row["long"] = long_query_probe(address, args.query_chars)
+                    row["long"] = long_query_probe(address, args.query_chars, args.query_documents)
                 rows.append(row)
                 print(row, flush=True)
                 server.check_alive()
@@ -307,7 +315,7 @@ def _report(rows: list[dict]) -> None:
             )
             print(f"{row['label']:<22} {row['run']:>3} {failed:>15} {codes:<40} {refusal}")
     if any("long" in row for row in rows):
-        head = f"{'idle p50/p99 ms':>16} {'beside p50/p99 ms':>18} {'p99 ratio':>9} big calls"
+        head = f"{'idle p50/p99 ms':>16} {'beside p50/p99 ms':>18} {'p99 ratio':>9} big calls (refused)"
         print(f"\n{'server':<22} {'run':>3} {head}")
     for row in rows:
         if long := row.get("long"):
@@ -315,6 +323,7 @@ def _report(rows: list[dict]) -> None:
             print(
                 f"{row['label']:<22} {row['run']:>3} {idle[0]:>7.1f} /{idle[1]:>7.1f} "
                 f"{shared[0]:>8.1f} /{shared[1]:>8.1f} {shared[1] / idle[1]:>9.2f} {long['big_calls']:>9}"
+                f" ({long.get('big_refused', 0)})"
             )
 
 

@@ -25,7 +25,7 @@ from ..base.errors import BackendError, InvalidInput
 from ..scheduling.batching import MediaItem, WorkItem
 from ..scheduling.scheduler import PendingRequest, Priority
 from .media import Content, MediaLimits, media_bytes
-from .result_cache import TokenCount, result_key
+from .result_cache import TokenCount, result_key, result_keys
 from .served import ServedModel
 from .tokenization import InputTooLong
 
@@ -119,7 +119,7 @@ async def run(
     check_inputs(registry.config, inputs, what, modalities(spec.kind), f"{spec.name!r} ({spec.kind.value})")
     payloads = await _payloads(registry, inputs, prefix, what)
     names = names or [f"{what}[{i}]" for i in range(len(inputs))]
-    keys = [_key(output, p, truncate, side, pairs_with) for p in payloads]
+    keys = _keys(output, payloads, truncate, side, pairs_with)
 
     async def compute_some(indices: list[int]) -> tuple[np.ndarray, np.ndarray]:  # ragged: a list of rows
         request = PendingRequest(len(indices), output.ragged)
@@ -215,14 +215,19 @@ async def _payloads(registry: Serving, inputs: list[Input], prefix: str, what: s
     return payloads
 
 
-def _key(output: Output, payload: _Payload, truncate: bool, side: str, pairs_with: str | None) -> bytes:
+def _keys(output: Output, payloads: list[_Payload], truncate: bool, side: str, pairs_with: str | None) -> list[bytes]:
+    """Each input's result-cache key: its text (or text pair) after what shapes its output (the
+    output, truncation, the query it is paired with), hashed once for the whole request."""
+    query = () if pairs_with is None else (pairs_with,)
+    texts = [p if isinstance(p, tuple) else (p,) for p in payloads if isinstance(p, str | tuple)]
+    by_text = iter(result_keys((output.name, side, str(truncate), *query), texts))
+    return [next(by_text) if isinstance(p, str | tuple) else _other_key(output, p) for p in payloads]
+
+
+def _other_key(output: Output, payload: _Media | TokenIds) -> bytes:
     if isinstance(payload, _Media):
         return result_key(payload.modality, hashlib.blake2b(payload.data, digest_size=20).hexdigest())
-    if isinstance(payload, TokenIds):
-        return result_key(output.name, "ids", payload.ids.tobytes().hex())
-    texts = payload if isinstance(payload, tuple) else (payload,)
-    query = () if pairs_with is None else (pairs_with,)
-    return result_key(output.name, side, str(truncate), *query, *texts)
+    return result_key(output.name, "ids", payload.ids.tobytes().hex())
 
 
 async def _work_items(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Literal, overload
 
 import numpy as np
@@ -41,12 +41,23 @@ class _OwnerGone(Exception):
 
 
 def result_key(*parts: str) -> bytes:
-    digest = hashlib.blake2b(digest_size=20)
-    for part in parts:
+    return _hashed(hashlib.blake2b(digest_size=20), parts).digest()
+
+
+def result_keys(common: Sequence[str], each: Iterable[Sequence[str]]) -> list[bytes]:
+    """result_key(*common, *parts) for each `parts`, `common` hashed once: a rerank's query was
+    hashed again for every document (1,000 documents and a 200,000-character query: 0.2 s of the
+    event loop, other callers' queries waiting)."""
+    start = _hashed(hashlib.blake2b(digest_size=20), common)
+    return [_hashed(start.copy(), parts).digest() for parts in each]
+
+
+def _hashed(digest, parts: Iterable[str]):
+    for part in parts:  # each part's length first: ("ab", "c") and ("a", "bc") differ
         data = part.encode("utf-8", "surrogatepass")
         digest.update(len(data).to_bytes(8, "little"))
         digest.update(data)
-    return digest.digest()
+    return digest
 
 
 class ResultCache:

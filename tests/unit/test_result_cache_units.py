@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from encoderd.server.base.errors import InvalidInput, Overloaded, Unavailable
-from encoderd.server.models.result_cache import ResultCache
+from encoderd.server.models.result_cache import ResultCache, result_key, result_keys
 
 
 def _rows(indices: list[int]):
@@ -79,3 +79,30 @@ async def test_an_answer_computed_whole_is_the_computes_rows_read_only():
     again, _ = await cache.resolve([b"c", b"d", b"a", b"d"], compute)  # two cached, one repeated
     assert again.tolist() == [[2, 2], [1, 1], [0, 0], [1, 1]] and again is not outputs[1]
     assert outputs[1].tolist() == [[1, 1]]  # only d computed, once (its index in that request: 1)
+
+
+def test_keys_with_a_common_start_are_result_keys_of_the_whole():
+    """result_keys hashes the common parts once; each key is result_key of common + its own parts,
+    and the parts' boundaries count (("ab", "c") is not ("a", "bc"))."""
+    common = ("reranker", "right", "True", "a long query " * 1000)
+    each = [("doc one",), ("",), ("é\ud800 surrogate",), ("a", "bc"), ("ab", "c")]
+    assert result_keys(common, each) == [result_key(*common, *parts) for parts in each]
+    assert len(set(result_keys(common, each))) == len(each)
+    assert result_keys((), [("x",)]) == [result_key("x")]
+
+
+def test_request_keys_keep_their_inputs_order_across_kinds():
+    """compute._keys: texts and pairs keyed by what shapes their output, token ids and media by theirs,
+    each at its own place."""
+    from encoderd.server.models.compute import POOLED as output
+    from encoderd.server.models.compute import TokenIds, _keys, _Media
+
+    ids = TokenIds(np.array([101, 7, 102], dtype=np.int32))
+    payloads: list = ["a text", ids, ("left", "right"), _Media("image", b"\x89PNG"), "another"]
+    got = _keys(output, payloads, True, "right", "the query")
+    assert got[0] == result_key("embed", "right", "True", "the query", "a text")
+    assert got[2] == result_key("embed", "right", "True", "the query", "left", "right")
+    assert got[4] == result_key("embed", "right", "True", "the query", "another")
+    assert got[1] == result_key("embed", "ids", ids.ids.tobytes().hex())
+    assert got[3] != got[0] and len(set(got)) == len(got)
+    assert _keys(output, ["a text"], False, "right", None) != _keys(output, ["a text"], True, "right", None)
