@@ -15,6 +15,12 @@ from .tls import TlsFiles
 WORKER_NICE = 10
 
 
+# The largest gRPC message either way. A request's texts with its prompt before each are held to as
+# many characters (compute.check_prompted): a prompt of 1,000,000 characters (--max-input-chars)
+# before each of 2,048 inputs built 2 GB of texts in the frontend.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str

@@ -22,7 +22,7 @@ from ..api.compat import CompatService
 from ..api.handlers import add_servicer
 from ..api.service import EncoderService
 from ..base import systemd, tls, tracing
-from ..base.config import ServerConfig
+from ..base.config import MAX_MESSAGE_BYTES, ServerConfig
 from ..base.startup import StartupError, any_free_port, check_ports
 from ..models.registry import ModelRegistry
 
@@ -34,7 +34,6 @@ OVERALL_ALIASES = (
     encoderd_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name,
     compat_pb2.DESCRIPTOR.services_by_name["Compat"].full_name,
 )
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def metadata_limit(max_header_bytes: int) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ...workers.contract.model_spec import modalities
+from ..base.config import MAX_MESSAGE_BYTES
 from ..base.errors import BackendError, InvalidInput
 from ..scheduling.batching import MediaItem, WorkItem
 from ..scheduling.scheduler import PendingRequest, Priority
@@ -117,6 +118,7 @@ async def run(
     model.scheduler.refuse_if_full(len(inputs), priority)  # a flood is refused before any other work
     spec = model.spec
     check_inputs(registry.config, inputs, what, modalities(spec.kind), f"{spec.name!r} ({spec.kind.value})")
+    check_prompted(inputs, prefix, what)
     payloads = await _payloads(registry, inputs, prefix, what)
     names = names or [f"{what}[{i}]" for i in range(len(inputs))]
     keys = _keys(output, payloads, truncate, side, pairs_with)
@@ -187,6 +189,27 @@ def check_inputs(
                 raise InvalidInput(f"{name} is an empty string")
             check_text(config, part, name)
     return inputs
+
+
+def check_prompted(inputs: list, prompt: str, what: str = "inputs") -> None:
+    """The request's texts with the prompt before each, at most MAX_MESSAGE_BYTES characters in all:
+    as many as one message can carry. Each text field is held to --max-input-chars alone, and the
+    prompt is repeated: 1,000,000 characters before each of 2,048 inputs built 2 GB of texts (and
+    their cache keys) in the frontend before the token budget refused the request."""
+    if not prompt:
+        return
+    texts = [x.text if isinstance(x, Content) else x for x in inputs if _prompted(x)]
+    total = len(prompt) * len(texts) + sum(map(len, texts))
+    if total > MAX_MESSAGE_BYTES:
+        raise InvalidInput(
+            f"the prompt ({len(prompt)} characters) before each of the {len(texts)} {what} makes {total} "
+            f"characters; the limit is {MAX_MESSAGE_BYTES} per request: shorten the prompt or split the request"
+        )
+
+
+def _prompted(given) -> bool:
+    """Whether the prompt goes before this input (_payloads): a text, not a pair, ids or media."""
+    return isinstance(given, str) or (isinstance(given, Content) and given.modality == "text")
 
 
 def check_text(config: ServerConfig, text, what: str) -> str:

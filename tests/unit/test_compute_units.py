@@ -57,3 +57,18 @@ def test_non_finite_rows_are_refused_by_name_stacked_or_ragged(bad):
     ragged = [np.ones((2, 3), np.float32), (np.arange(2), np.array([1.0, bad], np.float32))]
     with pytest.raises(BackendError, match=r"for docs\[1\];"):
         compute._refuse_non_finite("m", ragged, ["docs[0]", "docs[1]"])
+
+
+def test_a_prompt_repeated_before_every_input_counts_every_time():
+    """check_prompted: the texts with the prompt before each hold at most what one message carries
+    (MAX_MESSAGE_BYTES characters); pairs, token ids and media take no prompt."""
+    limit = compute.MAX_MESSAGE_BYTES
+    prompt = "p" * (limit // 64)
+    compute.check_prompted(["x"] * 63, prompt)  # 63 prompts and 63 characters: under the limit
+    with pytest.raises(InvalidInput, match=r"the prompt \(\d+ characters\) before each of the 64 inputs makes"):
+        compute.check_prompted(["x"] * 64, prompt)
+    with pytest.raises(InvalidInput, match="before each of the 64 inputs"):
+        compute.check_prompted(["x"] * 32 + [Content("text", "x")] * 32, prompt)
+    others = [("a", "b"), TokenIds(np.array([1, 2], dtype=np.int32)), Content("image", data=b"\x89PNG")] * 100
+    compute.check_prompted(["x"] * 63 + others, prompt)
+    compute.check_prompted(["x" * 1000] * 2048, "")  # no prompt: the per-field limits alone
