@@ -1599,31 +1599,42 @@ static void context_by_tiles(const uint16_t *weights, int64_t keys, const uint16
 }
 
 /* Softmax of 16 rows of unscaled scores (the last block's keys past `length` are masked here) into
- * bfloat16 weights, zero past `length` up to `keys`; norm[r] = 1 / row r's sum. */
+ * bfloat16 weights, zero past `length` up to `keys`; norm[r] = 1 / row r's sum. Two rows at a time: each
+ * row's maximum and sum end in a chain of dependent steps (the lanes' reduction, the exponent's shift),
+ * and two independent rows keep the core busy through them. */
 static void softmax_by_rows(float *scores, int64_t length, int64_t keys, float scale, uint16_t *weights,
                             float norm[TILE_ROWS]) {
-    int64_t padded = round_up(length, LANES);
+    int64_t padded = round_up(length, LANES), whole = length / LANES * LANES;
     float unit = scale * WEIGHT_EXPONENT_UNIT;
-    for (int r = 0; r < TILE_ROWS; r++) {
-        float *row = scores + r * keys;
-        uint16_t *kept = weights + r * keys;
-        floats top = (floats){0} - INFINITY;
-        for (int64_t j = 0; j < padded; j += LANES) {
-            floats s;
-            memcpy(&s, row + j, sizeof s);
-            keep_scores(s, j, length, row + j, &top);
+    for (int r = 0; r < TILE_ROWS; r += 2) {
+        float *row[2] = {scores + r * keys, scores + (r + 1) * keys};
+        floats top[2] = {(floats){0} - INFINITY, (floats){0} - INFINITY};
+        for (int64_t j = 0; j < whole; j += LANES)
+            for (int i = 0; i < 2; i++) {
+                floats s;
+                memcpy(&s, row[i] + j, sizeof s);
+                top[i] = lanes_max(s, top[i]);
+            }
+        if (whole < padded) /* the last block: keys past `length` set to -inf */
+            for (int i = 0; i < 2; i++) {
+                floats s;
+                memcpy(&s, row[i] + whole, sizeof s);
+                keep_scores(s, whole, length, row[i] + whole, &top[i]);
+            }
+        float shift[2] = {-largest_lane(top[0]) * unit, -largest_lane(top[1]) * unit};
+        floats sums[2] = {{0}, {0}};
+        for (int64_t j = 0; j < padded; j += LANES)
+            for (int i = 0; i < 2; i++) {
+                floats s;
+                memcpy(&s, row[i] + j, sizeof s);
+                floats e = exp_for_weights(s * unit + shift[i]);
+                keep_weights(e, weights + (r + i) * keys + j);
+                sums[i] += e;
+            }
+        for (int i = 0; i < 2; i++) {
+            memset(weights + (r + i) * keys + padded, 0, (keys - padded) * 2);
+            norm[r + i] = 1.0f / lanes_sum(sums[i]);
         }
-        float shift = -largest_lane(top) * unit;
-        floats sums = {0};
-        for (int64_t j = 0; j < padded; j += LANES) {
-            floats s;
-            memcpy(&s, row + j, sizeof s);
-            floats e = exp_for_weights(s * unit + shift);
-            keep_weights(e, kept + j);
-            sums += e;
-        }
-        memset(kept + padded, 0, (keys - padded) * 2);
-        norm[r] = 1.0f / lanes_sum(sums);
     }
 }
 
