@@ -198,7 +198,7 @@ def check_prompted(inputs: list, prompt: str, what: str = "inputs") -> None:
     their cache keys) in the frontend before the token budget refused the request."""
     if not prompt:
         return
-    texts = [x.text if isinstance(x, Content) else x for x in inputs if _prompted(x)]
+    texts = [text for x in inputs if (text := _prompted_text(x)) is not None]
     total = len(prompt) * len(texts) + sum(map(len, texts))
     if total > MAX_MESSAGE_BYTES:
         raise InvalidInput(
@@ -207,9 +207,11 @@ def check_prompted(inputs: list, prompt: str, what: str = "inputs") -> None:
         )
 
 
-def _prompted(given) -> bool:
-    """Whether the prompt goes before this input (_payloads): a text, not a pair, ids or media."""
-    return isinstance(given, str) or (isinstance(given, Content) and given.modality == "text")
+def _prompted_text(given) -> str | None:
+    """The text the prompt goes before (a text input's), or None: pairs, token ids and media take none."""
+    if isinstance(given, Content):
+        return given.text if given.modality == "text" else None
+    return given if isinstance(given, str) else None
 
 
 def check_text(config: ServerConfig, text, what: str) -> str:
@@ -231,10 +233,10 @@ async def _payloads(registry: Serving, inputs: list[Input], prefix: str, what: s
     blobs = dict(zip(fetches, await asyncio.gather(*fetches.values()), strict=True))
     payloads: list[_Payload] = []
     for i, x in enumerate(inputs):
-        if isinstance(x, Content):
-            payloads.append(prefix + x.text if x.modality == "text" else _Media(x.modality, blobs[i]))
+        if (text := _prompted_text(x)) is not None:
+            payloads.append(prefix + text)
         else:
-            payloads.append(prefix + x if isinstance(x, str) else x)
+            payloads.append(_Media(x.modality, blobs[i]) if isinstance(x, Content) else x)
     return payloads
 
 
