@@ -10,9 +10,7 @@ TOKENIZERS_PARALLELISM, as a user's shell does (tests/conftest.py sets it for th
 
 from __future__ import annotations
 
-import os
-
-from support.nice import process_nice
+from support.nice import cpu_seconds_by_nice, process_nice
 from support.server import ServerProcess
 
 from encoderd.server.base.config import WORKER_NICE
@@ -22,21 +20,6 @@ from encoderd.v1 import encoderd_pb2 as pb
 # on a 2-vCPU Xeon), while what the loop does per input (its ids, batching, the answer) stays small.
 SENTENCE = "the frontend tokenizes a long document before any worker computes it "
 TEXTS = [f"passage {i}: " + SENTENCE * 110 for i in range(256)]
-
-
-def cpu_seconds_by_nice(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) used so far by the process's threads, summed by nice value."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    by_nice: dict[int, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        nice = int(fields[16])
-        by_nice[nice] = by_nice.get(nice, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return by_nice
 
 
 def test_a_big_calls_tokenizing_runs_at_the_tokenizer_pools_priority(tmp_path):
