@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -89,7 +88,7 @@ from ..gateway.envoy import find_envoy
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from .front import front_command, front_config
-from .processes import Managed, cpu_seconds, free_port, grpc_serving, process_tree, serve_command, wait_until
+from .processes import Managed, cpu_seconds, descendant_named, free_port, grpc_serving, serve_command, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORDS = "refusal under load must arrive at once while the queue is full of other work".split()
@@ -398,12 +397,8 @@ def _processes_to_watch(server_pid: int) -> dict[str, int]:
     """The frontend (the server's own process) and, where REST is on, its Envoy (a descendant named
     envoy): the CPU each spends per flood call is what a refusal costs it, steadier than latency
     on a shared host."""
-    found = {"frontend": server_pid}
-    for pid in process_tree(server_pid):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/comm").read_text().strip() == "envoy":
-                found["envoy"] = pid
-    return found
+    envoy = descendant_named(server_pid, "envoy")
+    return {"frontend": server_pid} | ({"envoy": envoy} if envoy else {})
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -183,6 +183,15 @@ def process_tree(root: int) -> list[int]:
     return out
 
 
+def descendant_named(root: int, name: str) -> int | None:
+    """The first process under `root` (itself included) whose command name is `name`, else None."""
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                return pid
+    return None
+
+
 def system_busy_seconds() -> float:
     """CPU seconds all cores spent not idle since boot."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]

@@ -6,8 +6,28 @@
 -- gRPC routes skip the Lua filters. UTF-8 never puts a byte below 0x20 inside a multi-byte
 -- sequence, so a byte scan finds exactly the control characters.
 
-local NEVER_ALLOWED = "[%z\1-\8\11\12\14-\31]" -- anywhere: not whitespace, not allowed in a string
+local ffi = require("ffi")
+
 local IN_A_STRING = '["\\\t\n\r]' -- what ends a string, escapes, or must not be in one raw
+local TAB, LF, CR, SPACE = 9, 10, 13, 32
+
+-- The position of the first control character that is not whitespace (nil if none), and whether a
+-- tab, line feed or carriage return comes before it. A byte loop over the string's own memory,
+-- which LuaJIT compiles: ~6 us for a 15 KB body. Lua patterns walk a character class range by
+-- range at every byte: two scans with them took ~400 us, and a refused 32-input REST call cost
+-- Envoy 455 us of CPU in all, 240 us with "%c" patterns, ~180 us without this filter
+-- (bench.gateway_cpu).
+local function first_forbidden(text)
+  local bytes, spaced = ffi.cast("const uint8_t *", text), false
+  for i = 0, #text - 1 do
+    local byte = bytes[i]
+    if byte < SPACE then
+      if byte ~= TAB and byte ~= LF and byte ~= CR then return i + 1, spaced end
+      spaced = true
+    end
+  end
+  return nil, spaced
+end
 
 -- Where the first control character inside a string is, or nil. Only strings need walking, and
 -- only from quote to quote (string.find jumps over the text between).
@@ -49,8 +69,8 @@ function envoy_on_request(handle)
   local length = body and body:length() or 0
   if length == 0 then return end
   local text = body:getBytes(0, length)
-  local at = text:find(NEVER_ALLOWED)
-  if text:find("[\t\n\r]") then -- the first one inside a string, if it comes before
+  local at, spaced = first_forbidden(text)
+  if spaced then -- a raw tab, line feed or carriage return inside a string, if one comes before
     at = control_in_a_string(at and text:sub(1, at) or text) or at
   end
   if at then return refuse(handle, text, at) end
