@@ -1,6 +1,6 @@
 """One maximum-size call beside other callers' single queries (issue 42, item 3).
 
-    python -m encoderd.bench.fair [--rounds 3] [--big-calls 2] [--compare-ref REF] [--serve-args ...]
+    python -m encoderd.bench.fair [--rounds 3] [--big-calls 2] [--rest] [--compare-ref REF] [--serve-args ...]
 
 It starts `encoderd serve` (this checkout; with --compare-ref also the same command from git REF,
 exported to a temporary folder) with its default flags, and measures on each server:
@@ -10,6 +10,9 @@ exported to a temporary folder) with its default flags, and measures on each ser
           alone: the big call's inputs/s;
   shared  the same big calls while a client sends single queries as in `idle` (a closed loop, on
           its own channel and thread): the queries' p50/p99 and the big calls' inputs/s.
+With --rest the servers run with REST on (their Envoy also holds the gRPC port the queries use) and
+the big calls are OpenAI's POST /v1/embeddings, answered as JSON floats: the answer's rendering is
+the frontend's work too.
 Each round runs solo then shared, so the two see the same machine; --rounds N gives N pairs, and
 with --compare-ref both servers run at once, their rounds alternated (one of each, then the next),
 so both meet about the same load on a shared host; the report puts each round's ratios side by
@@ -31,6 +34,7 @@ Where a slow query's time went, per round (a second table):
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import shlex
 import sys
@@ -60,15 +64,40 @@ def big_texts(call: int, n: int = BIG_INPUTS, seed: int = 0) -> list[str]:
     return [f"{call} {i} " + " ".join(rng.choice(WORDS, size=int(rng.integers(40, 90)))) for i in range(n)]
 
 
-def big_calls(stub, calls: int, first: int) -> list[tuple[float, float]]:
-    """When each of `calls` big Embed calls, one after the other, started and ended (perf_counter)."""
+def big_calls(send, calls: int, first: int) -> list[tuple[float, float]]:
+    """When each of `calls` big calls (`send` of their texts), one after the other, started and ended
+    (perf_counter)."""
     spans = []
     for k in range(calls):
         texts = big_texts(first + k)
         started = time.perf_counter()
-        stub.Embed(pb.EmbedRequest(inputs=texts), timeout=600)
+        send(texts)
         spans.append((started, time.perf_counter()))
     return spans
+
+
+def grpc_sender(stub):
+    """A big call as Encoder/Embed."""
+    return lambda texts: stub.Embed(pb.EmbedRequest(inputs=texts), timeout=600)
+
+
+def rest_sender(rest_port: int):
+    """A big call as OpenAI's POST /v1/embeddings through the server's Envoy, floats as JSON text (the
+    API's default encoding_format), read to its end."""
+
+    def send(texts: list[str]) -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", rest_port, timeout=600)
+        try:
+            body = json.dumps({"input": texts}).encode()
+            connection.request("POST", "/v1/embeddings", body, {"content-type": "application/json"})
+            response = connection.getresponse()
+            answer = response.read()
+            if response.status != 200:
+                raise RuntimeError(f"a big REST call was answered {response.status}: {answer[:300]!r}")
+        finally:
+            connection.close()
+
+    return send
 
 
 def took(spans: list[tuple[float, float]]) -> float:
@@ -138,13 +167,13 @@ def per_cycle(row: dict) -> float | None:
     return (row["shared_inputs_per_s"] / shared) / (row["solo_inputs_per_s"] / solo)
 
 
-def shared_phase(address: str, stub, calls: int, first: int, loop_probe: bool):
+def shared_phase(address: str, send_big, calls: int, first: int, loop_probe: bool):
     """The big calls beside the query loop (and the health loop): their spans and the loops."""
     loops = [Queries(address)] + ([Queries(address, health=True)] if loop_probe else [])
     for loop in loops:
         loop.start()
     time.sleep(0.5)  # the query loop runs before the big call starts
-    spans = big_calls(stub, calls, first)
+    spans = big_calls(send_big, calls, first)
     for loop in loops:
         loop.stop.set()
     for loop in loops:
@@ -155,14 +184,15 @@ def shared_phase(address: str, stub, calls: int, first: int, loop_probe: bool):
 class Bench:
     """One server's measurements: `warm` (its warm-up and idle phase), then `round` after round."""
 
-    def __init__(self, address: str, cpu: CpuProbe, args):
+    def __init__(self, address: str, rest_port: int | None, cpu: CpuProbe, args):
         self.address, self.cpu, self.args = address, cpu, args
         self.stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
+        self.send_big = rest_sender(rest_port) if rest_port else grpc_sender(self.stub)
         self.out: dict = {"rounds": []}
 
     def warm(self) -> None:
         query_latencies(self.stub, 2)
-        big_calls(self.stub, 1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
+        big_calls(self.send_big, 1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
         idle = query_latencies(self.stub, self.args.idle_seconds, QUERY_GAP_S)
         self.out.update(idle_p50_ms=pct(idle, 50), idle_p99_ms=pct(idle, 99), idle_n=len(idle))
         if self.args.loop_probe:
@@ -179,9 +209,9 @@ class Bench:
         calls = self.args.big_calls
         idle = query_latencies(self.stub, self.args.idle_seconds, QUERY_GAP_S)
         before = self.cpu.snapshot()
-        solo = big_calls(self.stub, calls, first=100 * r)
+        solo = big_calls(self.send_big, calls, first=100 * r)
         middle = self.cpu.snapshot()
-        spans, queries, health = shared_phase(self.address, self.stub, calls, 100 * r + 50, self.args.loop_probe)
+        spans, queries, health = shared_phase(self.address, self.send_big, calls, 100 * r + 50, self.args.loop_probe)
         after = self.cpu.snapshot()
         q, idle_p99 = queries.latencies, pct(idle, 99)
         solo_rate, shared_rate = BIG_INPUTS * calls / took(solo), BIG_INPUTS * calls / took(spans)
@@ -241,18 +271,20 @@ def report(label: str, result: dict) -> None:
 def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], logs: Path, args) -> dict:
     """All servers up at once, their rounds alternated (one round of each, then the next), so each
     round of each meets about the same load on a shared host."""
-    started: dict[str, tuple[Managed, str]] = {}
+    started: dict[str, tuple[Managed, str, int | None]] = {}
     try:
         for label, checkout in servers:
             address = f"127.0.0.1:{free_port()}"
-            argv = [*serve_command(checkout), "--no-rest", "--grpc-port", address.rpartition(":")[2], *serve_args]
+            rest_port = free_port() if args.rest else None
+            rest = ["--rest-port", str(rest_port)] if rest_port else ["--no-rest"]
+            argv = [*serve_command(checkout), *rest, "--grpc-port", address.rpartition(":")[2], *serve_args]
             env = {"PYTHONPATH": checkout} if checkout else {}
             log_path = logs / f"{label.replace(' ', '-')}.log"
-            started[label] = (Managed(label, argv, log_path, env=env, cwd=checkout).start(), address)
+            started[label] = (Managed(label, argv, log_path, env=env, cwd=checkout).start(), address, rest_port)
         benches = {}
-        for label, (server, address) in started.items():
+        for label, (server, address, rest_port) in started.items():
             wait_until(lambda address=address: grpc_serving(address), label, server, timeout=300)
-            benches[label] = Bench(address, server_cpu(server.pid), args)
+            benches[label] = Bench(address, rest_port, server_cpu(server.pid), args)
         for bench in benches.values():
             bench.warm()
         for r in range(args.rounds):
@@ -261,7 +293,7 @@ def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], lo
                 bench.round(r)
         return {label: bench.out for label, bench in benches.items()}
     finally:
-        for server, _ in started.values():
+        for server, _, _ in started.values():
             server.stop()
 
 
@@ -274,6 +306,12 @@ def main(argv=None) -> int:
     parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
     parser.add_argument(
         "--loop-probe", action="store_true", help="health checks beside the queries: the frontend's own lag"
+    )
+    parser.add_argument(
+        "--rest",
+        action="store_true",
+        help="the big calls as REST POST /v1/embeddings (JSON floats) through the server's Envoy; the queries "
+        "stay gRPC (through the same Envoy)",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)

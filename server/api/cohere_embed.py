@@ -12,7 +12,6 @@ refused rather than answered with something else.
 
 from __future__ import annotations
 
-import base64
 import uuid
 from typing import Any
 
@@ -26,7 +25,7 @@ from ..models import multimodal, postprocess
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
 from ..models.request_options import EmbedOptions, positive
-from .rest import json_body
+from .rest import base64_rows, float_rows, json_body_with, json_rows
 
 INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")
@@ -104,17 +103,19 @@ def embedding_types(request: cpb.CohereEmbedRequest, default: tuple[str, ...]) -
     return types
 
 
-def by_type(vectors: np.ndarray, types: tuple[str, ...]) -> dict:
-    """Cohere's embeddings object: one list per requested type."""
-    out = {}
+async def by_type(model: str, vectors: np.ndarray, types: tuple[str, ...]) -> str:
+    """Cohere's embeddings object, as JSON text: one list per requested type (floats as "%.9g",
+    rendered a slice of rows per turn of the event loop, as OpenAI's: rest.json_rows)."""
+    parts = []
     for kind in types:
         if kind == "float":
-            out[kind] = vectors.tolist()
+            rows = await float_rows(model, vectors)
         elif kind == "base64":  # the float32 bytes, little-endian
-            out[kind] = [base64.b64encode(row.astype("<f4").tobytes()).decode() for row in vectors]
+            rows = base64_rows(vectors)
         else:
-            out[kind] = postprocess.quantize(vectors, kind).astype(np.int64).tolist()
-    return out
+            rows = await json_rows(postprocess.quantize(vectors, kind).astype(np.int64), "%d")
+        parts.append(f'"{kind}":[{",".join(rows)}]')
+    return "{" + ",".join(parts) + "}"
 
 
 async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpbody_pb2.HttpBody:
@@ -154,10 +155,12 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
         meta["warnings"] = warnings
     body = {"id": str(uuid.uuid4()), "texts": texts, "meta": meta}
     if types:
-        body.update(response_type="embeddings_by_type", embeddings=by_type(vectors, types))
+        body["response_type"] = "embeddings_by_type"
+        embeddings = await by_type(model.spec.name, vectors, types)
     else:
-        body.update(response_type="embeddings_floats", embeddings=vectors.tolist())
-    return json_body(body)
+        body["response_type"] = "embeddings_floats"
+        embeddings = "[" + ",".join(await float_rows(model.spec.name, vectors)) + "]"
+    return json_body_with(body, "embeddings", embeddings)
 
 
 async def _embed_media(service, model, contents: list[Content], options: EmbedOptions):

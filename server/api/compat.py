@@ -179,7 +179,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         else:
             model, pooled, tokens = await self._embed_texts(model.spec.name, request.input, options)
         vectors = postprocess.finish_requested(pooled, model.spec, options)
-        return render_embeddings(model.spec.name, vectors, encoding_format, tokens)
+        return await render_embeddings(model.spec.name, vectors, encoding_format, tokens)
 
     async def _embed_texts(self, name: str, value: struct_pb2.Value, options: EmbedOptions):
         """OpenAI's `input`: texts, or token ids."""
@@ -200,7 +200,7 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         else:
             inputs = media_inputs(request.input, modality)
         model, rows, tokens = await multimodal.embed_multivector(self.registry, model.spec.name, inputs, options)
-        return render_multivectors(model.spec.name, rows, encoding_format, tokens)
+        return await render_multivectors(model.spec.name, rows, encoding_format, tokens)
 
     async def rerank_scores(self, name: str, query: str, documents: list[str], options: RerankOptions):
         """(model, scores, tokens): a cross-encoder's scores (its activation), or its logits when asked."""

@@ -23,7 +23,7 @@ from ..models import multimodal, postprocess
 from ..models.media import Content
 from ..models.request_options import RerankOptions
 from ..scheduling.scheduler import Priority
-from .rest import embedding_inputs, float_rows, json_body, reject_set, string_list
+from .rest import embedding_inputs, float_rows, json_body, nested_float_rows, reject_set, string_list
 from .tei_options import ACTIVATIONS, embed_options, predict_options, side
 from .token_states import embed_token_states
 
@@ -56,7 +56,7 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
     vectors = postprocess.finish_embeddings(
         pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions, truncate_dim=model.spec.truncate_dim
     )
-    return _body("[" + ",".join(float_rows(model.spec.name, vectors)) + "]")
+    return _body("[" + ",".join(await float_rows(model.spec.name, vectors)) + "]")
 
 
 def _texts(request, route: str) -> list[str]:
@@ -85,8 +85,7 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
         model, rows, _ = await multimodal.embed_multivector(
             service.registry, name, [Content(text=t) for t in texts], replace(opts, prompt=prompt, prompt_name="")
         )
-    rendered = ("[" + ",".join(float_rows(model.spec.name, r)) + "]" for r in rows)
-    return _body("[" + ",".join(rendered) + "]")
+    return _body("[" + ",".join(await nested_float_rows(model.spec.name, rows)) + "]")
 
 
 async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:
