@@ -16,7 +16,6 @@ import uuid
 from typing import Any
 
 import numpy as np
-from google.api import httpbody_pb2
 
 from ...v1 import compat_pb2 as cpb
 from ...workers.contract.model_spec import ModelKind
@@ -25,7 +24,8 @@ from ..models import multimodal, postprocess
 from ..models.media import Content
 from ..models.multimodal import SINGLE_VECTOR_KINDS
 from ..models.request_options import EmbedOptions, positive
-from .rest import base64_rows, float_rows, json_body_with, json_rows
+from .messages import Serialized
+from .rest import base64_rows, float_rows, json_body_with, json_list, json_rows
 
 INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")
 EMBEDDING_TYPES = ("float", "int8", "uint8", "binary", "ubinary", "base64")
@@ -103,22 +103,22 @@ def embedding_types(request: cpb.CohereEmbedRequest, default: tuple[str, ...]) -
     return types
 
 
-async def by_type(model: str, vectors: np.ndarray, types: tuple[str, ...]) -> str:
-    """Cohere's embeddings object, as JSON text: one list per requested type (floats as "%.9g",
-    rendered a slice of rows per turn of the event loop, as OpenAI's: rest.json_rows)."""
-    parts = []
-    for kind in types:
+async def by_type(model: str, vectors: np.ndarray, types: tuple[str, ...]) -> list[str]:
+    """Cohere's embeddings object, as pieces of JSON text: one list per requested type (floats as
+    "%.9g", rendered a slice of rows per turn of the event loop, as OpenAI's: rest.json_rows)."""
+    pieces = ["{"]
+    for n, kind in enumerate(types):
         if kind == "float":
             rows = await float_rows(model, vectors)
         elif kind == "base64":  # the float32 bytes, little-endian
             rows = base64_rows(vectors)
         else:
             rows = await json_rows(postprocess.quantize(vectors, kind).astype(np.int64), "%d")
-        parts.append(f'"{kind}":[{",".join(rows)}]')
-    return "{" + ",".join(parts) + "}"
+        pieces += [("," if n else "") + f'"{kind}":', *json_list(rows)]
+    return [*pieces, "}"]
 
 
-async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpbody_pb2.HttpBody:
+async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> Serialized:
     if request.input_type and request.input_type not in INPUT_TYPES:
         raise InvalidInput(f"`input_type` must be one of {', '.join(INPUT_TYPES)}, not {echo(request.input_type)}")
     if request.truncate.upper() not in TRUNCATE:
@@ -159,8 +159,8 @@ async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> httpb
         embeddings = await by_type(model.spec.name, vectors, types)
     else:
         body["response_type"] = "embeddings_floats"
-        embeddings = "[" + ",".join(await float_rows(model.spec.name, vectors)) + "]"
-    return json_body_with(body, "embeddings", embeddings)
+        embeddings = list(json_list(await float_rows(model.spec.name, vectors)))
+    return await json_body_with(body, "embeddings", embeddings)
 
 
 async def _embed_media(service, model, contents: list[Content], options: EmbedOptions):

@@ -33,6 +33,7 @@ from ..models.request_options import ClassifyOptions, EmbedOptions, RerankOption
 from ..models.served import ServedModel
 from ..scheduling.scheduler import Priority
 from . import cohere_embed, openapi, tei
+from .messages import Serialized
 from .rest import (
     embedding_inputs,
     input_count,
@@ -138,24 +139,24 @@ class CompatService(compat_pb2_grpc.CompatServicer):
         self.health = health  # grpc_health's servicer: /health reports its overall status
 
     @rpc
-    async def CreateEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+    async def CreateEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> Serialized:
         return await self._embeddings(request, request.modality or "text")
 
     @rpc
-    async def CreateRootEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+    async def CreateRootEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> Serialized:
         return await self._embeddings(request, request.modality or "text", zero_is_full=True)
 
     @rpc
-    async def CreateImageEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+    async def CreateImageEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> Serialized:
         return await self._embeddings(request, "image", zero_is_full=True)
 
     @rpc
-    async def CreateAudioEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> httpbody_pb2.HttpBody:
+    async def CreateAudioEmbeddings(self, request: cpb.OpenAIEmbeddingsRequest, context) -> Serialized:
         return await self._embeddings(request, "audio", zero_is_full=True)
 
     async def _embeddings(
         self, request: cpb.OpenAIEmbeddingsRequest, modality: str, zero_is_full: bool = False
-    ) -> httpbody_pb2.HttpBody:
+    ) -> Serialized:
         encoding_format = request.encoding_format or "float"
         if encoding_format not in ENCODING_FORMATS:
             raise InvalidInput(f'`encoding_format` must be "float" or "base64", not {echo(encoding_format)}')
@@ -188,7 +189,9 @@ class CompatService(compat_pb2_grpc.CompatServicer):
             return await self.registry.embed(name, texts, options)
         return await self.registry.embed_ids(name, token_ids, options)
 
-    async def _multivectors(self, model: ServedModel, request, modality: str, encoding_format: str, options):
+    async def _multivectors(
+        self, model: ServedModel, request, modality: str, encoding_format: str, options
+    ) -> Serialized:
         """A multi-vector model (colbert, colpali, clip_patches) on /embeddings: per input, its rows."""
         if options.dimensions:
             raise InvalidInput("`dimensions` does not apply to multi-vector models")
@@ -300,20 +303,20 @@ class CompatService(compat_pb2_grpc.CompatServicer):
 
     # Cohere embed: server/api/cohere_embed.py.
     @rpc
-    async def CohereEmbedV1(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
+    async def CohereEmbedV1(self, request: cpb.CohereEmbedRequest, context) -> Serialized:
         return await cohere_embed.embed(self, request, "1")
 
     @rpc
-    async def CohereEmbedV2(self, request: cpb.CohereEmbedRequest, context) -> httpbody_pb2.HttpBody:
+    async def CohereEmbedV2(self, request: cpb.CohereEmbedRequest, context) -> Serialized:
         return await cohere_embed.embed(self, request, "2")
 
     # TEI's routes: server/api/tei.py.
     @rpc
-    async def TeiEmbed(self, request: cpb.TeiEmbedRequest, context) -> httpbody_pb2.HttpBody:
+    async def TeiEmbed(self, request: cpb.TeiEmbedRequest, context) -> Serialized:
         return await tei.embed(self, request)
 
     @rpc
-    async def TeiEmbedAll(self, request: cpb.TeiEmbedRequest, context) -> httpbody_pb2.HttpBody:
+    async def TeiEmbedAll(self, request: cpb.TeiEmbedRequest, context) -> Serialized:
         return await tei.embed_all(self, request)
 
     @rpc

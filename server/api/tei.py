@@ -23,13 +23,19 @@ from ..models import multimodal, postprocess
 from ..models.media import Content
 from ..models.request_options import RerankOptions
 from ..scheduling.scheduler import Priority
-from .rest import embedding_inputs, float_rows, json_body, nested_float_rows, reject_set, string_list
+from .messages import Serialized
+from .rest import (
+    embedding_inputs,
+    float_rows,
+    json_answer,
+    json_body,
+    json_list,
+    nested_float_rows,
+    reject_set,
+    string_list,
+)
 from .tei_options import ACTIVATIONS, embed_options, predict_options, side
 from .token_states import embed_token_states
-
-
-def _body(text: str) -> httpbody_pb2.HttpBody:
-    return httpbody_pb2.HttpBody(content_type="application/json", data=text.encode())
 
 
 def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> str:
@@ -39,7 +45,7 @@ def pick_model(service, name: str, kinds: tuple[ModelKind, ...], route: str) -> 
 
 
 # ------------------------------------------------------------------- routes
-async def embed(service, request) -> httpbody_pb2.HttpBody:
+async def embed(service, request) -> Serialized:
     opts = embed_options(request, "/embed")
     texts, token_ids = embedding_inputs(request.inputs)
     name = pick_model(service, request.model, (ModelKind.EMBEDDING, ModelKind.CLIP, ModelKind.CLAP), "/embed")
@@ -56,7 +62,7 @@ async def embed(service, request) -> httpbody_pb2.HttpBody:
     vectors = postprocess.finish_embeddings(
         pooled, normalize=opts.normalize is not False, dimensions=opts.dimensions, truncate_dim=model.spec.truncate_dim
     )
-    return _body("[" + ",".join(await float_rows(model.spec.name, vectors)) + "]")
+    return await json_answer(json_list(await float_rows(model.spec.name, vectors)))
 
 
 def _texts(request, route: str) -> list[str]:
@@ -69,7 +75,7 @@ def _texts(request, route: str) -> list[str]:
 EMBED_ALL_KINDS = (ModelKind.EMBEDDING, *MULTI_VECTOR_KINDS)
 
 
-async def embed_all(service, request) -> httpbody_pb2.HttpBody:
+async def embed_all(service, request) -> Serialized:
     """Per input, one vector per token: a plain embedder's last hidden states (as TEI), a
     multi-vector model's token (and patch) vectors."""
     opts = embed_options(request, "/embed_all", embedding_options=False)
@@ -85,7 +91,7 @@ async def embed_all(service, request) -> httpbody_pb2.HttpBody:
         model, rows, _ = await multimodal.embed_multivector(
             service.registry, name, [Content(text=t) for t in texts], replace(opts, prompt=prompt, prompt_name="")
         )
-    return _body("[" + ",".join(await nested_float_rows(model.spec.name, rows)) + "]")
+    return await json_answer(json_list(await nested_float_rows(model.spec.name, rows)))
 
 
 async def embed_sparse(service, request) -> httpbody_pb2.HttpBody:

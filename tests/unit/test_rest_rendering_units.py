@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+from google.api import httpbody_pb2
 
 from encoderd.server.api import cohere_embed, rest
 from encoderd.server.base.errors import BackendError
@@ -79,18 +80,53 @@ async def test_other_calls_run_between_the_slices_of_a_big_answer():
         assert order == (["other call", "answer"] if other_first else ["answer", "other call"])
 
 
-def test_a_body_with_rendered_json_is_the_document_with_that_value():
-    body = rest.json_body_with({"id": "x", "texts": ['"quoted" é']}, "embeddings", "[[1,2.5],[3,4]]")
+def _body(answer) -> httpbody_pb2.HttpBody:
+    """A big answer's HttpBody, read back from the wire format it was written in."""
+    return httpbody_pb2.HttpBody.FromString(answer.wire)
+
+
+async def test_a_body_with_rendered_json_is_the_document_with_that_value():
+    body = _body(await rest.json_body_with({"id": "x", "texts": ['"quoted" é']}, "embeddings", ["[[1,2.5]", ",[3,4]]"]))
     assert body.content_type == "application/json"
     assert json.loads(body.data) == {"id": "x", "texts": ['"quoted" é'], "embeddings": [[1, 2.5], [3, 4]]}
-    assert json.loads(rest.json_body_with({}, "k", "[]").data) == {"k": []}
+    assert json.loads(_body(await rest.json_body_with({}, "k", ["[]"])).data) == {"k": []}
+
+
+async def test_a_big_answer_is_assembled_a_slice_at_a_time_into_the_same_bytes():
+    """Pieces past CHARS_PER_TURN are encoded a slice per turn of the loop; the body is their text
+    joined, UTF-8, and the message is what protobuf writes for it (an empty body too)."""
+    pieces = ["[", *(f'"{"é" * 1000}{i}",' for i in range(3 * rest.CHARS_PER_TURN // 1000)), "0]"]
+    order: list[str] = []
+
+    async def assemble():
+        answer = await rest.json_answer(pieces)
+        order.append("answer")
+        return answer
+
+    async def other():
+        order.append("other call")
+
+    answer, _ = await asyncio.gather(assemble(), other())
+    assert order == ["other call", "answer"]
+    expected = httpbody_pb2.HttpBody(content_type="application/json", data="".join(pieces).encode())
+    assert _body(answer) == expected
+    assert _body(await rest.json_answer([])) == httpbody_pb2.HttpBody(content_type="application/json")
+
+
+async def test_openai_embeddings_answer_is_the_openai_shape():
+    vectors = np.random.default_rng(3).standard_normal((2 * ROWS_PER_TURN + 1, WIDTH)).astype(np.float32)
+    answer = json.loads(_body(await rest.render_embeddings("m", vectors, "float", 7)).data)
+    assert [(e["object"], e["index"]) for e in answer["data"]] == [("embedding", i) for i in range(len(vectors))]
+    assert np.array([e["embedding"] for e in answer["data"]], dtype=np.float32).tobytes() == vectors.tobytes()
+    assert answer["object"] == "list" and answer["model"] == "m"
+    assert answer["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
 
 
 async def test_cohere_embeddings_by_type_are_the_values_of_each_type():
     vectors = np.random.default_rng(2).standard_normal((2 * ROWS_PER_TURN + 1, WIDTH)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     types = ("float", "int8", "uint8", "binary", "ubinary", "base64")
-    got = json.loads(await cohere_embed.by_type("m", vectors, types))
+    got = json.loads("".join(await cohere_embed.by_type("m", vectors, types)))
     assert list(got) == list(types)
     assert np.array(got["float"], dtype=np.float32).tobytes() == vectors.tobytes()
     for kind in ("int8", "uint8", "binary", "ubinary"):
