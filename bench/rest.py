@@ -17,7 +17,7 @@ carries distinct texts, so the server's in-flight deduplication never helps.
 isolates the gateway: the same real Envoy in front of a stand-in gRPC server
 (its own process) that answers canned unit vectors with no model, so the rows
 differ only by transport and by who prints the floats (Envoy's proto-JSON for
-encoderd-json, the server's "%.9g" HttpBody for openai-float).
+encoderd-json, the server's orjson-rendered HttpBody for openai-float).
 The client shares the machine: on few cores its own CPU cost is in the numbers.
 Needs httpx (the dev extra).
 """

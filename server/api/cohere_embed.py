@@ -103,19 +103,19 @@ def embedding_types(request: cpb.CohereEmbedRequest, default: tuple[str, ...]) -
     return types
 
 
-async def by_type(model: str, vectors: np.ndarray, types: tuple[str, ...]) -> list[str]:
-    """Cohere's embeddings object, as pieces of JSON text: one list per requested type (floats as
-    "%.9g", rendered a slice of rows per turn of the event loop, as OpenAI's: rest.json_rows)."""
-    pieces = ["{"]
+async def by_type(model: str, vectors: np.ndarray, types: tuple[str, ...]) -> list[bytes]:
+    """Cohere's embeddings object, as pieces of JSON: one list per requested type (rendered a slice
+    of rows per turn of the event loop, as OpenAI's: rest.json_rows)."""
+    pieces = [b"{"]
     for n, kind in enumerate(types):
         if kind == "float":
             rows = await float_rows(model, vectors)
         elif kind == "base64":  # the float32 bytes, little-endian
             rows = base64_rows(vectors)
         else:
-            rows = await json_rows(postprocess.quantize(vectors, kind).astype(np.int64), "%d")
-        pieces += [("," if n else "") + f'"{kind}":', *json_list(rows)]
-    return [*pieces, "}"]
+            rows = await json_rows(postprocess.quantize(vectors, kind))
+        pieces += [b'%s"%s":' % (b"," if n else b"", kind.encode()), *json_list(rows)]
+    return [*pieces, b"}"]
 
 
 async def embed(service, request: cpb.CohereEmbedRequest, version: str) -> Serialized:

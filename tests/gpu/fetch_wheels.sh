@@ -8,7 +8,7 @@
 # What the machine has (/work/.library/device/KINDS.md): Python 3.12, torch 2.11, transformers 5.17,
 # sentence-transformers 6.0.1, tokenizers, numpy, uvloop, prometheus-client, huggingface-hub, httpx,
 # pytest + pytest-timeout, an older grpcio and protobuf; not pyzmq, msgspec, grpcio-health-checking,
-# grpcio-reflection, grpcio-status, googleapis-common-protos, pytest-asyncio. The versions below are
+# grpcio-reflection, grpcio-status, googleapis-common-protos, orjson, pytest-asyncio. The versions below are
 # this project's tested ones. protobuf must be at least the protoc that generated
 # protos/encoderd/v1/*_pb2.py (its header: "Protobuf Python Version"), grpcio at least the
 # GRPC_GENERATED_VERSION of *_pb2_grpc.py; the grpc family is carried as one set, so pip's
@@ -27,6 +27,7 @@ WHEELS=(
     googleapis-common-protos==1.76.0
     pyzmq==27.3.0
     msgspec==0.23.0
+    orjson==3.13.0
     pytest-asyncio==1.5.0
 )
 BUDGET=$((64 << 20))  # the device tool's limit on the working tree plus the carried paths, per call

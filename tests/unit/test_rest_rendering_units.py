@@ -41,7 +41,7 @@ async def test_float_rows_read_back_as_the_same_float32(shape):
 
 async def test_integer_rows_are_the_integers():
     values = np.random.default_rng(1).integers(-128, 128, size=(2 * ROWS_PER_TURN + 1, WIDTH))
-    assert [json.loads(row) for row in await rest.json_rows(values, "%d")] == values.tolist()
+    assert [json.loads(row) for row in await rest.json_rows(values)] == values.tolist()
 
 
 async def test_non_finite_values_are_an_error_not_json_that_says_nan():
@@ -86,16 +86,16 @@ def _body(answer) -> httpbody_pb2.HttpBody:
 
 
 async def test_a_body_with_rendered_json_is_the_document_with_that_value():
-    body = _body(await rest.json_body_with({"id": "x", "texts": ['"quoted" é']}, "embeddings", ["[[1,2.5]", ",[3,4]]"]))
+    body = _body(await rest.json_body_with({"id": "x", "texts": ['"quoted" é']}, "embeddings", [b"[[1,2.5]", b",[3,4]]"]))
     assert body.content_type == "application/json"
     assert json.loads(body.data) == {"id": "x", "texts": ['"quoted" é'], "embeddings": [[1, 2.5], [3, 4]]}
-    assert json.loads(_body(await rest.json_body_with({}, "k", ["[]"])).data) == {"k": []}
+    assert json.loads(_body(await rest.json_body_with({}, "k", [b"[]"])).data) == {"k": []}
 
 
 async def test_a_big_answer_is_assembled_a_slice_at_a_time_into_the_same_bytes():
-    """Pieces past CHARS_PER_TURN are encoded a slice per turn of the loop; the body is their text
-    joined, UTF-8, and the message is what protobuf writes for it (an empty body too)."""
-    pieces = ["[", *(f'"{"é" * 1000}{i}",' for i in range(3 * rest.CHARS_PER_TURN // 1000)), "0]"]
+    """The loop turns every BYTES_PER_TURN of pieces; the body is the pieces joined, and the message
+    is what protobuf writes for it (an empty body too)."""
+    pieces = [b"[", *(f'"{"é" * 1000}{i}",'.encode() for i in range(3 * rest.BYTES_PER_TURN // 2000)), b"0]"]
     order: list[str] = []
 
     async def assemble():
@@ -108,7 +108,7 @@ async def test_a_big_answer_is_assembled_a_slice_at_a_time_into_the_same_bytes()
 
     answer, _ = await asyncio.gather(assemble(), other())
     assert order == ["other call", "answer"]
-    expected = httpbody_pb2.HttpBody(content_type="application/json", data="".join(pieces).encode())
+    expected = httpbody_pb2.HttpBody(content_type="application/json", data=b"".join(pieces))
     assert _body(answer) == expected
     assert _body(await rest.json_answer([])) == httpbody_pb2.HttpBody(content_type="application/json")
 
@@ -126,9 +126,10 @@ async def test_cohere_embeddings_by_type_are_the_values_of_each_type():
     vectors = np.random.default_rng(2).standard_normal((2 * ROWS_PER_TURN + 1, WIDTH)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     types = ("float", "int8", "uint8", "binary", "ubinary", "base64")
-    got = json.loads("".join(await cohere_embed.by_type("m", vectors, types)))
+    got = json.loads(b"".join(await cohere_embed.by_type("m", vectors, types)))
     assert list(got) == list(types)
     assert np.array(got["float"], dtype=np.float32).tobytes() == vectors.tobytes()
     for kind in ("int8", "uint8", "binary", "ubinary"):
         assert got[kind] == cohere_embed.postprocess.quantize(vectors, kind).astype(np.int64).tolist()
     assert got["base64"] == [json.loads(row) for row in rest.base64_rows(vectors)]
+    assert got["int8"] and all(isinstance(v, int) for v in got["int8"][0])
