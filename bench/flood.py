@@ -4,7 +4,7 @@ took, and whether health checks were answered meanwhile.
 Over 400 lines on purpose: one benchmark (servers, flood clients, probes, report) that one command
 runs end to end; nothing else imports it.
 
-    python -m encoderd.bench.flood [--clients 640] [--inputs 4] [--seconds 20] [--own-connections]
+    python -m encoderd.bench.flood [--clients 640] [--inputs 4] [--seconds 20] [--own-connections] [--floor]
                                    [--compare-ref REF] [--front MAX_REQUESTS] [--gateway MAX_IN_FLIGHT]
                                    [--flood-nice N] [--rest] [--max-queued-inputs N (0: the server's)]
                                    [--honour-retry-after] [--client-processes N]
@@ -57,6 +57,10 @@ CPU time (and its Envoy's) per flood call, whatever its outcome, is steadier tha
 shared host. A health checker (gRPC Health/Check; REST: GET /health) asks every
 100 ms during the flood: how many it asked, how many were answered SERVING / 200, their p99.
 Phases alternate between the servers (ref, this, ref, this), so both see the same machine load.
+--floor also floods bench.grpc_floor, a grpc.aio server that refuses every call at once and does
+nothing else, with the same clients (its retry-after: --floor-retry-after): the floor under the
+refusal latencies, what grpc.aio and the clients themselves cost on this host. The first burst's
+refusals are reported apart (p50/p99), as a retry policy does not change them.
 A benchmark, not a test: it prints a table and asserts nothing.
 """
 
@@ -478,6 +482,10 @@ def measure(address: str, seconds: float, flood: Flood, server_pid: int = 0) -> 
         "steady_ok_p99_ms": _pct(_latencies(accepted, SETTLE_S), 99),
         "flood_refused_p50_ms": _pct(_latencies(turned_away), 50),
         "flood_refused_p99_ms": _pct(_latencies(turned_away), 99),
+        # the first burst's refusals: every client's first call at once, refused in turn by one loop
+        "burst_refused": len(_latencies(turned_away, 0.0, FIRST_BURST_S)),
+        "burst_refused_p50_ms": _pct(_latencies(turned_away, 0.0, FIRST_BURST_S), 50),
+        "burst_refused_p99_ms": _pct(_latencies(turned_away, 0.0, FIRST_BURST_S), 99),
         # after the first burst (every client's first call at once): the refusals sent while the probe ran
         "steady_refused": len(steady),
         "steady_refused_p50_ms": _pct(steady, 50),
@@ -578,8 +586,10 @@ def report(rows: list[dict]) -> None:
             if f"{name}_cpu_ms_per_call" in r
         ]
         print(
-            f"{r['server']}: accepted in the first burst {r['burst_ok']} (p99 {f(r['burst_ok_p99_ms'])} ms), "
-            f"in the steady state {r['steady_ok']} (p50 {f(r['steady_ok_p50_ms'])}, p99 {f(r['steady_ok_p99_ms'])} ms)"
+            f"{r['server']}: in the first burst {r['burst_refused']} refused (p50 {f(r['burst_refused_p50_ms'])}, "
+            f"p99 {f(r['burst_refused_p99_ms'])} ms) and {r['burst_ok']} accepted (p99 {f(r['burst_ok_p99_ms'])} ms); "
+            f"accepted in the steady state {r['steady_ok']} (p50 {f(r['steady_ok_p50_ms'])}, "
+            f"p99 {f(r['steady_ok_p99_ms'])} ms)"
         )
         if cpu:
             print(f"{r['server']}: CPU per flood call: {', '.join(cpu)}")
@@ -645,6 +655,31 @@ def _flood_one_server(args, label: str, path: str | None, serve_args: list[str],
     return rows
 
 
+def _flood_floor(args, logs: Path) -> dict:
+    """The same flood on bench.grpc_floor (a grpc.aio server that refuses every call at once)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "encoderd.bench.grpc_floor", str(port), "--retry-after", str(args.floor_retry_after)]
+    floor = Managed("grpc-floor", argv, logs / "grpc-floor.log").start()
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_until(lambda: grpc_serving(address), "the floor server", floor, timeout=60)
+        print(f"[flood] grpc.aio floor: {args.clients} clients x {args.inputs} inputs", file=sys.stderr)
+        flood = Flood(
+            address,
+            args.clients,
+            began=0.0,
+            stop_at=0.0,
+            inputs=args.inputs,
+            honour=args.honour_retry_after,
+            own_connections=args.own_connections,
+            nice=args.flood_nice,
+            processes=args.client_processes,
+        )
+        return {"server": "grpc.aio floor", **measure(address, args.seconds, flood, floor.pid)}
+    finally:
+        floor.stop()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=640, help="flood clients (default: %(default)s)")
@@ -701,9 +736,20 @@ def main(argv=None) -> int:
         help="run the flood's process this much nicer (clients elsewhere do not take the server's cores)",
     )
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also flood bench.grpc_floor, a grpc.aio server that refuses every call at once (gRPC floods only): "
+        "what grpc.aio and the flood's own clients cost",
+    )
+    parser.add_argument(
+        "--floor-retry-after", type=int, default=1, help="the floor's retry-after trailer (default: %(default)s s)"
+    )
     parser.add_argument("--serve-args", default="", help="extra `encoderd serve` flags for every server")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args(argv)
+    if args.floor and (args.rest or args.front or args.gateway):
+        parser.error("--floor floods gRPC on a server's own port: not with --rest, --front or --gateway")
     bound = ["--max-queued-inputs", str(args.max_queued_inputs)] if args.max_queued_inputs else []
     serve_args = [*bound, *shlex.split(args.serve_args)]
     logs = Path(tempfile.mkdtemp(prefix="encoderd-flood-"))
@@ -715,6 +761,8 @@ def main(argv=None) -> int:
         for label, path in reversed(servers):  # the reference first
             for envoy_limit in (None, args.gateway) if args.gateway else (None,):
                 rows += _flood_one_server(args, label, path, serve_args, logs, envoy_limit)
+        if args.floor:
+            rows.append(_flood_floor(args, logs))
     report(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -86,7 +86,8 @@ def _body(answer) -> httpbody_pb2.HttpBody:
 
 
 async def test_a_body_with_rendered_json_is_the_document_with_that_value():
-    body = _body(await rest.json_body_with({"id": "x", "texts": ['"quoted" é']}, "embeddings", [b"[[1,2.5]", b",[3,4]]"]))
+    document = {"id": "x", "texts": ['"quoted" é']}
+    body = _body(await rest.json_body_with(document, "embeddings", [b"[[1,2.5]", b",[3,4]]"]))
     assert body.content_type == "application/json"
     assert json.loads(body.data) == {"id": "x", "texts": ['"quoted" é'], "embeddings": [[1, 2.5], [3, 4]]}
     assert json.loads(_body(await rest.json_body_with({}, "k", [b"[]"])).data) == {"k": []}
