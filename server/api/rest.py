@@ -212,6 +212,7 @@ async def json_rows(vectors: np.ndarray) -> list[bytes]:
 
 async def float_rows(model: str, vectors: np.ndarray) -> list[bytes]:
     """Each row of a 2-D float array as a JSON list of float32 values (json_rows)."""
+    vectors = np.asarray(vectors, dtype=np.float32)
     if not np.isfinite(vectors).all():  # orjson would print null, and JSON has no nan
         raise BackendError(f"model {model} produced non-finite embedding values")
     return await json_rows(vectors)
