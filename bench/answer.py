@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .flood import export_ref
+from .flood import checkouts
 
 # Run in a child process whose `encoderd` is the checkout measured: it uses names both sides have
 # (PendingRequest, ResultCache, compute._refuse_non_finite, postprocess, messages), and builds the
@@ -110,9 +110,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-ref", help="also measure this git ref (e.g. a commit before a change)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
-    sides: list[tuple[str, str | None]] = [("this checkout", None)]
-    if args.compare_ref:
-        sides.insert(0, (f"ref {args.compare_ref}", str(export_ref(args.compare_ref))))
+    sides = checkouts(args.compare_ref)
     rounds: list[dict[str, tuple[float, float]]] = []
     for r in range(args.rounds):
         order = sides if r % 2 == 0 else sides[::-1]

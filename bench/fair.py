@@ -49,7 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from .flood import export_ref
+from .flood import checkouts
 from .mixed import QUERIES, QUERY_GAP_S, query_latencies, server_cpu
 from .processes import CpuProbe, Managed, free_port, grpc_serving, serve_command, wait_until
 
@@ -317,9 +317,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logs = Path(tempfile.mkdtemp(prefix="encoderd-fair-"))
     serve_args = shlex.split(args.serve_args)
-    servers: list[tuple[str, str | None]] = [("this checkout", None)]
-    if args.compare_ref:
-        servers.insert(0, (f"ref {args.compare_ref}", str(export_ref(args.compare_ref))))
+    servers = checkouts(args.compare_ref)
     results = run_servers(servers, serve_args, logs, args)
     for label, result in results.items():
         report(label, result)

@@ -178,7 +178,7 @@ async def _rest_flood_client(
             started = time.monotonic()
             try:
                 status, headers = await asyncio.wait_for(
-                    http_exchange(*connection, _post(url.netloc, "/v1/embeddings", body)), 30
+                    http_exchange(*connection, http_request(url.netloc, "/v1/embeddings", body)), 30
                 )
             except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
                 # wait_for's TimeoutError is counted by what it means, not as an OSError.
@@ -200,8 +200,9 @@ async def _rest_flood_client(
         _close(connection)
 
 
-def _post(host: str, path: str, body: bytes) -> bytes:
-    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+def http_request(host: str, path: str, body: bytes, method: str = "POST") -> bytes:
+    """One HTTP/1.1 request with a JSON body (for http_exchange)."""
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
     return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 
@@ -519,6 +520,13 @@ def export_ref(ref: str) -> Path:
     ):
         (package / name).symlink_to(source / path)
     return root
+
+
+def checkouts(compare_ref: str | None) -> list[tuple[str, str | None]]:
+    """(label, exported folder or None for this checkout) of each side a benchmark compares: git
+    `compare_ref`'s first (export_ref), then this checkout."""
+    this: list[tuple[str, str | None]] = [("this checkout", None)]
+    return [(f"ref {compare_ref}", str(export_ref(compare_ref))), *this] if compare_ref else this
 
 
 def start_server(

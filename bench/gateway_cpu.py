@@ -35,7 +35,7 @@ import grpc
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from .flood import export_ref, start_server
+from .flood import checkouts, http_exchange, http_request, start_server
 from .processes import cpu_seconds, descendant_named
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -53,14 +53,7 @@ async def _http_connection(port: int, calls: range, method: str, path: str, inpu
     try:
         for call in calls:
             body = json.dumps({"model": MODEL, "input": _texts(call, inputs)}).encode() if method == "POST" else b""
-            head = f"{method} {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-            writer.write(f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
-            status = int((await reader.readline()).split()[1])
-            length = 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode().partition(":")
-                length = int(value) if name.lower() == "content-length" else length
-            await reader.readexactly(length)
+            status, _ = await http_exchange(reader, writer, http_request("bench", path, body, method))
             statuses[status] = statuses.get(status, 0) + 1
     finally:
         writer.close()
@@ -81,21 +74,21 @@ async def _grpc_channel(address: str, calls: range, inputs: int, statuses: dict)
 KINDS = ("refused REST", "health REST", "refused gRPC")
 
 
-def _send(kind: str, rest_port: int, address: str, args) -> dict:
-    """--calls calls of `kind` over --connections connections; their outcomes by status."""
+def _send(kind: str, rest_port: int, address: str, calls: int, connections: int, inputs: int) -> dict:
+    """`calls` calls of `kind` over `connections` connections; their outcomes by status."""
     statuses: dict = {}
-    per = args.calls // args.connections
+    per = calls // connections
 
     def connection(index: int):
-        calls = range(index * per, (index + 1) * per)
+        its = range(index * per, (index + 1) * per)
         if kind == "refused REST":
-            return _http_connection(rest_port, calls, "POST", "/v1/embeddings", args.inputs, statuses)
+            return _http_connection(rest_port, its, "POST", "/v1/embeddings", inputs, statuses)
         if kind == "health REST":
-            return _http_connection(rest_port, calls, "GET", "/health", 0, statuses)
-        return _grpc_channel(address, calls, args.inputs, statuses)
+            return _http_connection(rest_port, its, "GET", "/health", 0, statuses)
+        return _grpc_channel(address, its, inputs, statuses)
 
     async def run():
-        await asyncio.gather(*(connection(i) for i in range(args.connections)))
+        await asyncio.gather(*(connection(i) for i in range(connections)))
 
     asyncio.run(run())
     return statuses
@@ -113,9 +106,10 @@ def measure(label: str, checkout: str | None, args, logs: Path) -> dict:
         rest_port = int(rest_url.rpartition(":")[2])
         out = {}
         for kind in KINDS:
-            _send(kind, rest_port, address, _Warm(args))  # connections, Lua states, JIT traces
+            # first a short run: connections, Lua states, JIT traces
+            _send(kind, rest_port, address, 4 * args.connections, args.connections, args.inputs)
             before = cpu_seconds(envoy), cpu_seconds(server.pid)
-            statuses = _send(kind, rest_port, address, args)
+            statuses = _send(kind, rest_port, address, args.calls, args.connections, args.inputs)
             calls = sum(statuses.values())
             after = cpu_seconds(envoy), cpu_seconds(server.pid)
             out[kind] = {
@@ -126,13 +120,6 @@ def measure(label: str, checkout: str | None, args, logs: Path) -> dict:
         return out
     finally:
         server.stop()
-
-
-class _Warm:
-    """A short run of the same calls before each measured one."""
-
-    def __init__(self, args):
-        self.calls, self.connections, self.inputs = 4 * args.connections, args.connections, args.inputs
 
 
 def report(rounds: list[dict[str, dict]], labels: list[str]) -> None:
@@ -161,9 +148,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compare-ref", help="also measure the server of this git ref")
     parser.add_argument("--json", type=Path, help="write the rounds here")
     args = parser.parse_args(argv)
-    sides: list[tuple[str, str | None]] = [("this checkout", None)]
-    if args.compare_ref:
-        sides.insert(0, (f"ref {args.compare_ref}", str(export_ref(args.compare_ref))))
+    sides = checkouts(args.compare_ref)
     logs = Path(tempfile.mkdtemp(prefix="encoderd-gateway-cpu-"))
     print(f"[gateway_cpu] server logs in {logs}", file=sys.stderr)
     rounds = []

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
-from .flood import export_ref, start_server
+from .flood import checkouts, start_server
 from .mixed import QUERIES
 from .processes import Managed, cpu_seconds, process_tree
 
@@ -166,9 +166,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.block < 1 or args.queries < 1:
         parser.error("--queries and --block must be at least 1")
-    servers: list[tuple[str, str | None]] = [("this checkout", None)]
-    if args.compare_ref:
-        servers.insert(0, (f"ref {args.compare_ref}", str(export_ref(args.compare_ref))))
+    servers = checkouts(args.compare_ref)
     rows = run(servers, shlex.split(args.serve_args), args)
     report(rows, args.rest)
     if args.json:

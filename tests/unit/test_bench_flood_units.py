@@ -14,10 +14,10 @@ from encoderd.bench.flood import (
     _latencies,
     _merged,
     _next_texts,
-    _post,
     _refused,
     _upstream_time,
     http_exchange,
+    http_request,
 )
 
 
@@ -109,7 +109,9 @@ async def test_the_rest_flood_client_speaks_http_1_1_on_one_connection():
     server, port, seen = await _answering(responses)
     async with server:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        answers = [await http_exchange(reader, writer, _post(f"127.0.0.1:{port}", "/v1/x", b"[1]")) for _ in responses]
+        answers = [
+            await http_exchange(reader, writer, http_request(f"127.0.0.1:{port}", "/v1/x", b"[1]")) for _ in responses
+        ]
         writer.close()
     assert [status for status, _ in answers] == [200, 200, 429]
     assert answers[2][1]["retry-after"] == "2" and answers[2][1]["x-envoy-upstream-service-time"] == "7"
