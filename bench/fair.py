@@ -26,7 +26,8 @@ Where a slow query's time went, per round (a second table):
     sent; the middle: its pieces computing), each window's p99 and how many queries took over 2x
     the idle p99 there;
   * cores: what each part of the server used in the solo and the shared phase (as bench.mixed:
-    the frontend, the workers' bulk lanes, their other threads with the urgent lanes);
+    the frontend, the workers' bulk lanes, their other threads with the urgent lanes; the big calls'
+    client is a process of its own, BigCaller, counted in "foreign");
   * with --loop-probe, health checks beside the queries (answered by the frontend alone, no
     worker): their p99 idle and shared is the frontend's own lag (its event loop, its cores).
 """
@@ -34,13 +35,16 @@ Where a slow query's time went, per round (a second table):
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
+import multiprocessing
 import shlex
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -76,8 +80,9 @@ def big_calls(send, calls: int, first: int) -> list[tuple[float, float]]:
     return spans
 
 
-def grpc_sender(stub):
-    """A big call as Encoder/Embed."""
+def grpc_sender(address: str):
+    """A big call as Encoder/Embed, on its own channel."""
+    stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
     return lambda texts: stub.Embed(pb.EmbedRequest(inputs=texts), timeout=600)
 
 
@@ -98,6 +103,33 @@ def rest_sender(rest_port: int):
             connection.close()
 
     return send
+
+
+@functools.cache
+def _sender(address: str, rest_port: int | None):
+    """The big caller process's sender (one channel or port for all its calls)."""
+    return rest_sender(rest_port) if rest_port else grpc_sender(address)
+
+
+def _big_calls_here(address: str, rest_port: int | None, calls: int, first: int) -> list[tuple[float, float]]:
+    return big_calls(_sender(address, rest_port), calls, first)
+
+
+class BigCaller:
+    """The big calls' client: a process of its own, as another caller's is. In the queries' process
+    its work (2,048 texts built, their JSON written, a 10 MB answer read) held the GIL for
+    milliseconds at a time, which the query thread waited for and counted as the server's latency.
+    perf_counter is the system's monotonic clock: the spans it returns compare with the queries'."""
+
+    def __init__(self, address: str, rest_port: int | None):
+        self.target = (address, rest_port)
+        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+    def calls(self, calls: int, first: int) -> list[tuple[float, float]]:
+        return self.pool.submit(_big_calls_here, *self.target, calls, first).result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 def took(spans: list[tuple[float, float]]) -> float:
@@ -167,13 +199,13 @@ def per_cycle(row: dict) -> float | None:
     return (row["shared_inputs_per_s"] / shared) / (row["solo_inputs_per_s"] / solo)
 
 
-def shared_phase(address: str, send_big, calls: int, first: int, loop_probe: bool):
+def shared_phase(address: str, big: BigCaller, calls: int, first: int, loop_probe: bool):
     """The big calls beside the query loop (and the health loop): their spans and the loops."""
     loops = [Queries(address)] + ([Queries(address, health=True)] if loop_probe else [])
     for loop in loops:
         loop.start()
     time.sleep(0.5)  # the query loop runs before the big call starts
-    spans = big_calls(send_big, calls, first)
+    spans = big.calls(calls, first)
     for loop in loops:
         loop.stop.set()
     for loop in loops:
@@ -187,12 +219,12 @@ class Bench:
     def __init__(self, address: str, rest_port: int | None, cpu: CpuProbe, args):
         self.address, self.cpu, self.args = address, cpu, args
         self.stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
-        self.send_big = rest_sender(rest_port) if rest_port else grpc_sender(self.stub)
+        self.big = BigCaller(address, rest_port)
         self.out: dict = {"rounds": []}
 
     def warm(self) -> None:
         query_latencies(self.stub, 2)
-        big_calls(self.send_big, 1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
+        self.big.calls(1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
         idle = query_latencies(self.stub, self.args.idle_seconds, QUERY_GAP_S)
         self.out.update(idle_p50_ms=pct(idle, 50), idle_p99_ms=pct(idle, 99), idle_n=len(idle))
         if self.args.loop_probe:
@@ -209,9 +241,9 @@ class Bench:
         calls = self.args.big_calls
         idle = query_latencies(self.stub, self.args.idle_seconds, QUERY_GAP_S)
         before = self.cpu.snapshot()
-        solo = big_calls(self.send_big, calls, first=100 * r)
+        solo = self.big.calls(calls, first=100 * r)
         middle = self.cpu.snapshot()
-        spans, queries, health = shared_phase(self.address, self.send_big, calls, 100 * r + 50, self.args.loop_probe)
+        spans, queries, health = shared_phase(self.address, self.big, calls, 100 * r + 50, self.args.loop_probe)
         after = self.cpu.snapshot()
         q, idle_p99 = queries.latencies, pct(idle, 99)
         solo_rate, shared_rate = BIG_INPUTS * calls / took(solo), BIG_INPUTS * calls / took(spans)
@@ -272,6 +304,7 @@ def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], lo
     """All servers up at once, their rounds alternated (one round of each, then the next), so each
     round of each meets about the same load on a shared host."""
     started: dict[str, tuple[Managed, str, int | None]] = {}
+    benches: dict[str, Bench] = {}
     try:
         for label, checkout in servers:
             address = f"127.0.0.1:{free_port()}"
@@ -281,7 +314,6 @@ def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], lo
             env = {"PYTHONPATH": checkout} if checkout else {}
             log_path = logs / f"{label.replace(' ', '-')}.log"
             started[label] = (Managed(label, argv, log_path, env=env, cwd=checkout).start(), address, rest_port)
-        benches = {}
         for label, (server, address, rest_port) in started.items():
             wait_until(lambda address=address: grpc_serving(address), label, server, timeout=300)
             benches[label] = Bench(address, rest_port, server_cpu(server.pid), args)
@@ -293,6 +325,8 @@ def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], lo
                 bench.round(r)
         return {label: bench.out for label, bench in benches.items()}
     finally:
+        for bench in benches.values():
+            bench.big.close()
         for server, _, _ in started.values():
             server.stop()
 

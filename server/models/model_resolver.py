@@ -16,7 +16,7 @@ from .served import ServedModel
 INFINITY_NO_MODEL = "default/not-specified"
 UNKNOWN_MODEL = "(unknown)"  # the metrics label of calls naming a model not served here
 
-# The model this call resolved to: its metrics label (service._observed reads it at the end).
+# The model this call resolved to: its metrics label (service._Observed reads it at the end).
 RESOLVED: contextvars.ContextVar[str] = contextvars.ContextVar("resolved_model", default="")
 
 
