@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import make_workload
-from .flood import export_ref, start_server
+from .flood import checkouts, start_server
 from .flops import FlopModel, matmul_peak
 from .modes import Row, run_bulk
 from .options import build_parser, log, resolve_options, serving_threads, worker_threads
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="encoderd-bulk-compare-"))
     servers: list[Server] = []
     try:
-        checkouts = [(f"ref {own.compare_ref}", str(export_ref(own.compare_ref)))] if own.compare_ref else []
-        for label, checkout in [*checkouts, ("this checkout", None)]:
+        for label, checkout in checkouts(own.compare_ref):
             servers.append(Server(label, checkout, shlex.split(own.serve_args), logs))
         for server in servers:  # first shapes, the drain rates: not measured
             server.bulk(work, args, flops, peak)

@@ -761,12 +761,10 @@ def main(argv=None) -> int:
     bound = ["--max-queued-inputs", str(args.max_queued_inputs)] if args.max_queued_inputs else []
     serve_args = [*bound, *shlex.split(args.serve_args)]
     logs = Path(tempfile.mkdtemp(prefix="encoderd-flood-"))
-    servers = [("this checkout", None)] + (
-        [(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))] if args.compare_ref else []
-    )
+    servers = checkouts(args.compare_ref)
     rows = []
     for _ in range(args.rounds):
-        for label, path in reversed(servers):  # the reference first
+        for label, path in servers:  # the reference first
             for envoy_limit in (None, args.gateway) if args.gateway else (None,):
                 rows += _flood_one_server(args, label, path, serve_args, logs, envoy_limit)
         if args.floor:

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import _sentence
-from .flood import export_ref
+from .flood import checkouts
 from .processes import Managed, free_port, grpc_serving, http_ok, serve_command, wait_until
 from .servers import REPO_ROOT
 
@@ -270,12 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="encoderd-hostile-"))
     reranker = _reranker(args.cache_dir)
-    servers = [("this checkout", None)] + (
-        [(f"ref {args.compare_ref}", str(export_ref(args.compare_ref)))] if args.compare_ref else []
-    )
     probes = set(args.probes.split(","))
     rows = []
-    for label, path in reversed(servers):  # the reference first
+    for label, path in checkouts(args.compare_ref):  # the reference first
         server, address, rest = _start(label, path, reranker, logs)
         try:
             for run in range(args.runs):

@@ -58,9 +58,8 @@ class _Observed:
     async def __aenter__(self) -> tuple[tuple[tuple[str, str], ...], bool]:
         self.started = time.perf_counter()
         context = self.context
-        self.rpc_label = (
-            f"{type(self.service).__name__.removesuffix('Service')}/{self.name}"  # Encoder/Rerank vs Compat/Rerank
-        )
+        service = type(self.service).__name__.removesuffix("Service")
+        self.rpc_label = f"{service}/{self.name}"  # Encoder/Rerank vs Compat/Rerank
         metadata = context.invocation_metadata()
         rid = logs.bind_request_id(metadata)
         key = presented_key(metadata)
