@@ -97,15 +97,21 @@ class BulkStream(threading.Thread):
         return sum(w for t, w in zip(self.done_at, self.words, strict=True) if start <= t < end) / (end - start)
 
 
-def query_latencies(stub, seconds: float, gap: float = QUERY_GAP_S) -> list[float]:
+def query_latencies(stub, seconds: float, gap: float = QUERY_GAP_S, refused: list[float] | None = None) -> list[float]:
     """One short query after another, `gap` seconds after each answer (a closed loop: its rate is
-    1 / (gap + latency))."""
+    1 / (gap + latency)). With `refused`, a query the server refuses as overloaded is added there
+    (its latency) instead of ending the run: mixed-fifo's stream fills the queue queries wait in."""
     latencies, i = [], 0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         started = time.perf_counter()
-        stub.Embed(pb.EmbedRequest(inputs=[f"{QUERIES[i % len(QUERIES)]} {i}"]))
-        latencies.append(time.perf_counter() - started)
+        try:
+            stub.Embed(pb.EmbedRequest(inputs=[f"{QUERIES[i % len(QUERIES)]} {i}"]))
+            latencies.append(time.perf_counter() - started)
+        except grpc.RpcError as exc:
+            if refused is None or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            refused.append(time.perf_counter() - started)
         i += 1
         time.sleep(gap)  # users, not a load generator
     return latencies
@@ -154,8 +160,9 @@ def run_phases(
         stream.start()
         time.sleep(3)  # reach steady state
         start, before = time.perf_counter(), cpu.snapshot()
+        refused: list[float] = []
         if phase.startswith("mixed"):
-            latencies = query_latencies(stub, seconds, gap)
+            latencies = query_latencies(stub, seconds, gap, refused)
         else:
             time.sleep(seconds)
             latencies = []
@@ -166,6 +173,7 @@ def run_phases(
             {
                 "phase": phase,
                 "query_ms": latencies,
+                "refused": len(refused),
                 "seconds": end - start,
                 "bulk_inputs_per_s": stream.rate(start, end),
                 "bulk_words_per_s": stream.word_rate(start, end),
@@ -201,6 +209,7 @@ def report(phases: list[dict]) -> list[dict]:
             {
                 "phase": r["phase"],
                 "queries": len(q),
+                "refused": r.get("refused", 0),
                 "queries_per_s": len(q) / r["seconds"],
                 "p50_ms": pct(q, 50),
                 "p95_ms": pct(q, 95),
@@ -213,13 +222,13 @@ def report(phases: list[dict]) -> list[dict]:
             }
         )
     print(
-        f"{'phase':<16} {'queries':>7} {'q/s':>5} {'p50 ms':>8} {'p95 ms':>8} {'p95/idle':>9} {'bulk in/s':>10}"
-        f" {'bulk/solo':>9} {'words/solo':>10}"
+        f"{'phase':<16} {'queries':>7} {'refused':>7} {'q/s':>5} {'p50 ms':>8} {'p95 ms':>8} {'p95/idle':>9}"
+        f" {'bulk in/s':>10} {'bulk/solo':>9} {'words/solo':>10}"
     )
     for row in rows:
         fmt = lambda v, f: (f % v) if isinstance(v, float) else "-"  # noqa: E731
         print(
-            f"{row['phase']:<16} {row['queries']:>7} {row['queries_per_s']:5.1f} "
+            f"{row['phase']:<16} {row['queries']:>7} {row['refused']:>7} {row['queries_per_s']:5.1f} "
             f"{fmt(row['p50_ms'], '%8.1f'):>8} {fmt(row['p95_ms'], '%8.1f'):>8} "
             f"{fmt(row['p95_vs_idle'], '%9.2f'):>9} {fmt(row['bulk_inputs_per_s'], '%10.1f'):>10} "
             f"{fmt(row['bulk_vs_solo'], '%9.2f'):>9} {fmt(row['bulk_words_vs_solo'], '%10.2f'):>10}"

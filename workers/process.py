@@ -156,6 +156,8 @@ def run_worker(config: WorkerConfig, parent_pid: int) -> None:
         if "GOMP_SPINCOUNT" not in os.environ:  # an operator's own spin setting wins
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         memory.bound_kernel_caches()  # shape-keyed oneDNN caches: see workers/memory.py
+        if not memory.keep_freed_memory():  # before the first batch: its activations stay for the next
+            log.debug("freed activations go back to the kernel after each batch (mallopt refused)")
     threading.Thread(
         target=_watch_parent,
         args=(parent_pid, (config.batch_address, config.result_address)),

@@ -56,6 +56,11 @@ PER_MODEL_FIELDS = (
 )
 
 
+# Most inputs in one bulk-lane batch of a padding-free engine (ServerConfig.lane_batch_size): the
+# scheduler's sorting window (batching.BatchLimits.window), which a batch never exceeds anyway.
+LANE_BATCH_INPUTS = 512
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     models: tuple[ModelConfig, ...]
@@ -67,7 +72,7 @@ class ServerConfig:
     trust_remote_code: bool = False  # run Python code shipped in model repositories (config.json auto_map)
     allow_low_fidelity: bool = False  # serve models that fail the start-up fidelity self-check
     replicas: int = 0  # worker processes per device; 0 = chosen per host (cpu_cores.choose_cpu_layout)
-    max_batch_size: int = 64
+    max_batch_size: int = 0  # 0 = chosen for the model's devices and engine (batch_size, lane_batch_size)
     max_batch_tokens: int = 8192
     batch_delay_ms: float = 5.0
     max_queued_inputs: int = 16384
@@ -119,6 +124,27 @@ class ServerConfig:
         holds slow clients to its listener limits; the server's own refusal, in Python, waits behind
         a flood's backlog (issue 16: p50 107-186 ms against 5-19 ms under 640 clients on 2 cores)."""
         return bool(self.rest_port) and not self.grpc_direct
+
+    @property
+    def batch_size(self) -> int:
+        """Most inputs in one batch: --batch-size, else 16 on CPU (small length-sorted batches waste
+        least padding: `encoderd bench`, MiniLM on 2 cores, 5,982 tokens/s at 1.06 padding against
+        4,638 at 1.23 with 64) and 64 on GPUs, which want larger batches."""
+        return self.max_batch_size or (64 if "cuda" in self.device else 16)
+
+    def lane_batch_size(self, padded: bool) -> int:
+        """Most inputs in one batch of the workers' bulk lane (bulk and split work) while no live query
+        is around: `batch_size`, but a padding-free engine's are bounded by their tokens alone
+        (--max-batch-tokens) unless --batch-size names a count. Its cost is its tokens, and 16 short
+        inputs made batches of under 100 rows, whose GEMMs run 1.75x slower per row than 4,000-row
+        ones; each new row count also builds oneDNN kernels anew (packed_encoder.gemm_rows_multiple).
+        `python -m encoderd.bench.bulk_compare` (MiniLM, Xeon with AMX, 2 workers): 28.9k -> 35k
+        tokens per worker CPU-second. Beside live queries bulk batches keep `batch_size` inputs:
+        `python -m encoderd.bench.mixed` with the stream's batches bounded by tokens alone there, the
+        queries' p95 under it went 1.6-1.9x -> 2.4-2.9x their idle p95 (the stream 1.5x faster)."""
+        if padded or self.max_batch_size:
+            return self.batch_size
+        return LANE_BATCH_INPUTS
 
     def for_model(self, model: ModelConfig) -> ServerConfig:
         """The settings one model runs with: its own values where it has them, else the server's."""

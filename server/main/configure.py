@@ -17,7 +17,7 @@ from ..base.config import ModelConfig, ServerConfig
 from ..base.tls import TlsFiles
 from ..models.models_file import ModelsFile, ModelsFileError, load_models_file
 from .flag_env import NAMEABLE_FLAGS, PER_MODEL_FLAGS, env_list, env_per_model
-from .flag_values import default_batch_size, parse_env_models, parse_prompt
+from .flag_values import parse_env_models, parse_prompt
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -41,13 +41,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         dest = flag.lstrip("-").replace("-", "_")
         named = getattr(args, dest + "_per_model") or getattr(args, dest + "env_per_model")
         models = apply_per_model(models, flag, field, named, models_file)
-    if not args.batch_size:  # a model on its own devices gets their default batch size
-        models = [
-            dataclasses.replace(m, max_batch_size=default_batch_size(m.device))
-            if m.device and m.max_batch_size is None
-            else m
-            for m in models
-        ]
     return ServerConfig(
         models=tuple(models),
         engine=args.engine,
@@ -71,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         media_urls=args.media_urls,
         # Prompts keep their spaces ("query: "): split only, never strip.
         prompts=tuple(args.prompt or [parse_prompt(p) for p in os.environ.get("ENCODERD_PROMPT", "").split(";") if p]),
-        max_batch_size=args.batch_size or default_batch_size(args.device),
+        max_batch_size=args.batch_size,
         max_batch_tokens=args.max_batch_tokens,
         batch_delay_ms=args.batch_delay_ms,
         max_queued_inputs=args.max_queued_inputs,

@@ -58,12 +58,6 @@ def parse_prompt(value: str) -> tuple[str, str]:
     return name, text
 
 
-def default_batch_size(devices: str) -> int:
-    # Measured with `encoderd bench` on 2 CPU cores (MiniLM, mixed 5-500 tokens): 16 inputs per
-    # batch gave 5,982 tokens/s at 1.06 padding, 64 gave 4,638 at 1.23. GPUs want larger batches.
-    return 64 if "cuda" in devices else 16
-
-
 def non_negative_float(value: str) -> float:
     """Seconds, MiB and the like: 0 or more (whole numbers: model_options' positive_int, whole_number)."""
     try:

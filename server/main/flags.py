@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         serve,
         "--batch-size",
-        "most inputs in one batch (0 = 16 on CPU, where small length-sorted batches waste least padding, 64 on GPUs)",
+        "most inputs in one batch (0 = 16 on CPU, where small length-sorted batches waste least padding, 64 on "
+        "GPUs; a padding-free engine's bulk and split batches with no live query around are bounded by "
+        "--max-batch-tokens alone)",
         0,
         int,
     )

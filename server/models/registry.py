@@ -161,7 +161,7 @@ class ModelRegistry:
             dtype=cfg.dtype,
             threads=placement.threads,
             cache_dir=cfg.cache_dir,
-            max_batch_size=cfg.max_batch_size,
+            max_batch_size=cfg.batch_size,
             compile=cfg.torch_compile,
             trust_remote_code=cfg.trust_remote_code,
         )

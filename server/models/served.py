@@ -91,13 +91,17 @@ def start_scheduler(spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerCo
     """The model's queue and batcher over its replicas, started: its batch limits (bulk ones too)
     and queue bounds from its configuration."""
     mixed = len(modalities(spec.kind)) > 1
-    limits = BatchLimits(cfg.max_batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
+    limits = BatchLimits(cfg.batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
+    lane_size = cfg.lane_batch_size(padded)
+    lane_limits = BatchLimits(lane_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
     bulk_tokens = min(cfg.bulk_batch_tokens or cfg.max_batch_tokens, cfg.max_batch_tokens)
-    bulk_limits = BatchLimits(cfg.max_batch_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
+    # Beside live queries, bulk batches keep the queries' count too (ServerConfig.lane_batch_size).
+    bulk_limits = BatchLimits(cfg.batch_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
     scheduler = ModelScheduler(
         spec.name,
         replicas,
         limits,
+        lane_limits=lane_limits,
         bulk_limits=bulk_limits,
         batch_delay=cfg.batch_delay_ms / 1000,
         max_queued=cfg.max_queued_inputs,

@@ -173,6 +173,7 @@ class ModelScheduler:
         replicas: list[WorkerClient],
         limits: BatchLimits,
         *,
+        lane_limits: BatchLimits | None = None,
         bulk_limits: BatchLimits | None = None,
         batch_delay: float = 0.005,
         max_queued: int = 16384,
@@ -183,7 +184,11 @@ class ModelScheduler:
     ):
         self.model = model
         self.replicas = replicas
-        self.limits = {Priority.INTERACTIVE: limits, Priority.SPLIT: limits, Priority.BULK: bulk_limits or limits}
+        # Bulk-lane work (SPLIT, BULK) may batch more inputs than queries do (ServerConfig.lane_batch_size),
+        # and bulk batches are cut to `bulk_limits` while live work is around (_limits).
+        lane = lane_limits or limits
+        self.limits = {Priority.INTERACTIVE: limits, Priority.SPLIT: lane, Priority.BULK: lane}
+        self.live_bulk_limits = bulk_limits or lane
         self.batch_delay = batch_delay
         self.max_queued = max_queued
         self.max_queued_tokens = max_queued_tokens
@@ -373,7 +378,7 @@ class ModelScheduler:
             caller = CALLER.get()
             for item in items:
                 item.caller = caller
-            turn = self.limits[Priority.SPLIT].max_batch_size
+            turn = self.limits[Priority.INTERACTIVE].max_batch_size  # a lane batch may hold several turns
             self.queues[priority] = interleave_callers(self.queues[priority], items, turn)
         else:
             self.queues[priority].extend(items)
@@ -437,11 +442,7 @@ class ModelScheduler:
         gets full batches; next to interactive work, each bulk batch is short, so a live
         query waits for little more than its own compute."""
         live = time.monotonic() - self._interactive_seen < INTERACTIVE_WINDOW
-        return (
-            self.limits[Priority.BULK if live else Priority.INTERACTIVE]
-            if priority != Priority.INTERACTIVE
-            else self.limits[priority]
-        )
+        return self.live_bulk_limits if live and priority != Priority.INTERACTIVE else self.limits[priority]
 
     def _share_among_idle(self, priority: Priority, limits: BatchLimits) -> BatchLimits:
         """With k replicas idle, cut the next batches to about 1/k of the queued tokens each:
@@ -520,7 +521,7 @@ class ModelScheduler:
         """Whether the queue of `priority` holds a full batch (bulk-sized) for every ready replica: only
         then does a replica take one ahead, so the last batches go to whichever replica frees first
         and the replicas finish together."""
-        limits = self.limits[Priority.BULK]
+        limits = self.live_bulk_limits
         replicas = sum(1 for r in self.replicas if r.ready)
         return (
             len(self.queues[priority]) >= replicas * limits.max_batch_size

@@ -114,7 +114,8 @@ def test_precedence_named_flag_then_file_then_bare_flag(tmp_path):
     assert config.dtype == "float16" and config.for_model(mini).dtype == "int8"  # its own beats the bare flag
     assert config.for_model(bge).dtype == "float16" and bge.engine == "ctranslate2"  # a named flag fills a gap
     assert (bge.max_length, mini.max_length, extra.max_length) == (128, 64, 64)
-    assert (extra.device, extra.replicas, extra.max_batch_size) == ("cuda:0,cuda:1", 3, 64)  # GPU batch default
+    assert (extra.device, extra.replicas, config.for_model(extra).batch_size) == ("cuda:0,cuda:1", 3, 64)  # GPU default
+    assert config.for_model(mini).batch_size == 16  # the server's devices: CPU
     message = _refused("--config", path, "--dtype", "mini=float32")
     assert message == f"encoderd: --dtype mini=... and {path}:5 both set dtype for 'mini': keep one"
 
@@ -186,7 +187,7 @@ def test_a_missing_file_is_one_line():
 def test_named_server_wide_flags_are_checked_like_the_file(capsys):
     assert "bad --batch-size 'm=0': '0' is not a positive whole number" in _usage_error(capsys, "--batch-size", "m=0")
     assert "bad --engine 'm=jax': unknown engine 'jax'" in _usage_error(capsys, "--engine", "m=jax")
-    assert _config("--batch-size", "0").max_batch_size == 16  # a bare value keeps its own meaning (0 = default)
+    assert _config("--batch-size", "0").batch_size == 16  # a bare value keeps its own meaning (0 = default)
 
 
 def _usage_error(capsys, *argv: str) -> str:

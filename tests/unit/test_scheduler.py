@@ -188,3 +188,36 @@ async def test_short_work_is_not_cut_for_idle_replicas():
     await asyncio.wait_for(run(scheduler, [1, 2, 3, 4]), 0.5)  # 4 inputs of <= 7 tokens
     assert len(a.batches) + len(b.batches) == 1
     await scheduler.stop()
+
+
+async def test_bulk_lane_batches_take_the_lane_limits_and_queries_their_own():
+    # A padding-free engine's bulk and split batches are bounded by tokens (ServerConfig.lane_batch_size):
+    # 20 short bulk inputs go as one batch, the same 20 as queries in batches of the interactive size.
+    worker = StandInWorker()
+    scheduler = ModelScheduler(
+        "m",
+        [worker],
+        BatchLimits(max_batch_size=4, padded=False),
+        lane_limits=BatchLimits(max_batch_size=512, padded=False),
+        batch_delay=0,
+    )
+    scheduler.start()
+    await asyncio.wait_for(run(scheduler, list(range(20)), Priority.BULK), 5)
+    assert [b.size for b in worker.batches] == [20]
+    worker.batches.clear()
+    await asyncio.wait_for(run(scheduler, list(range(20))), 5)
+    assert [b.size for b in worker.batches] == [4] * 5
+    await scheduler.stop()
+
+
+def test_a_padding_free_engine_batches_bulk_work_by_tokens_unless_a_count_is_named():
+    from encoderd.server.base.config import LANE_BATCH_INPUTS, ServerConfig
+
+    auto, named = ServerConfig(models=()), ServerConfig(models=(), max_batch_size=8)
+    assert (auto.batch_size, auto.lane_batch_size(padded=False), auto.lane_batch_size(padded=True)) == (
+        16,
+        LANE_BATCH_INPUTS,
+        16,
+    )
+    assert (named.batch_size, named.lane_batch_size(padded=False)) == (8, 8)
+    assert ServerConfig(models=(), device="cuda:0").lane_batch_size(padded=True) == 64
