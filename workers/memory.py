@@ -28,8 +28,10 @@ batch a new shape: RSS 486 -> 1,822 MB and still growing. Two causes, each bound
   after it. `perf record` on the two workers under `python -m encoderd.bench.bulk_compare` (Xeon
   with AMX): 13.6 % of their CPU in the kernel, nearly all page faults. `keep_freed_memory` makes
   both thresholds HEAP_KEEP_BYTES, so freed activations stay in the heap for the next batch, and
-  HeapTrimmer (below) still gives free pages back when the worker idles: worker CPU in the kernel
-  0.3-0.4 s -> 0.1 s per 1,024-input run, bulk 34-35k -> 38-40k tokens per worker CPU-second.
+  HeapTrimmer (below) still gives free pages back when the worker idles. The two workers' CPU in
+  the kernel per 1,024-input bulk run 0.22-0.54 s -> 0.11-0.17 s; `python -m encoderd.bench.
+  bulk_compare --compare-ref REF --serve-args "--batch-size 512"` (the same batches on both): 1.035x
+  tokens/s, 1.064x tokens per worker CPU-second (median of 4 rounds).
 
 With both: 488 -> 512 MB after 100 batches, then flat over the next 200 (tests/integration/
 test_memory.py reproduces the growth and its bound; `python -m encoderd.bench.soak` is the
