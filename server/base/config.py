@@ -59,6 +59,8 @@ PER_MODEL_FIELDS = (
 # Most inputs in one bulk-lane batch of a padding-free engine (ServerConfig.lane_batch_size): the
 # scheduler's sorting window (batching.BatchLimits.window), which a batch never exceeds anyway.
 LANE_BATCH_INPUTS = 512
+# Most tokens in one bulk batch of a padding-free CPU engine beside live queries (live_bulk_batch_tokens).
+LIVE_BULK_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -133,18 +135,28 @@ class ServerConfig:
         return self.max_batch_size or (64 if "cuda" in self.device else 16)
 
     def lane_batch_size(self, padded: bool) -> int:
-        """Most inputs in one batch of the workers' bulk lane (bulk and split work) while no live query
-        is around: `batch_size`, but a padding-free engine's are bounded by their tokens alone
-        (--max-batch-tokens) unless --batch-size names a count. Its cost is its tokens, and 16 short
-        inputs made batches of under 100 rows, whose GEMMs run 1.75x slower per row than 4,000-row
-        ones; each new row count also builds oneDNN kernels anew (packed_encoder.gemm_rows_multiple).
-        `python -m encoderd.bench.bulk_compare` (MiniLM, Xeon with AMX, 2 workers): 28.9k -> 35k
-        tokens per worker CPU-second. Beside live queries bulk batches keep `batch_size` inputs:
-        `python -m encoderd.bench.mixed` with the stream's batches bounded by tokens alone there, the
-        queries' p95 under it went 1.6-1.9x -> 2.4-2.9x their idle p95 (the stream 1.5x faster)."""
+        """Most inputs in one batch of the workers' bulk lane (bulk and split work): `batch_size`, but a
+        padding-free engine's are bounded by their tokens alone unless --batch-size names a count. Its
+        cost is its tokens, and 16 short inputs made batches of under 100 rows, whose GEMMs run 1.75x
+        slower per row than 4,000-row ones; each new row count also builds oneDNN kernels anew
+        (packed_encoder.gemm_rows_multiple). `python -m encoderd.bench.bulk_compare` (MiniLM, Xeon
+        with AMX, 2 workers): 28.9k -> 35k tokens per worker CPU-second."""
         if padded or self.max_batch_size:
             return self.batch_size
         return LANE_BATCH_INPUTS
+
+    def live_bulk_batch_tokens(self, padded: bool) -> int:
+        """Most tokens in one bulk batch while live queries are around: --bulk-batch-tokens, else
+        LIVE_BULK_TOKENS for a padding-free CPU engine, else --max-batch-tokens. `python -m
+        encoderd.bench.mixed --seconds 10 --rounds 2` (Xeon with AMX): bulk batches of at most 16
+        inputs there (as padded engines batch) gave queries a p95 2.0-2.15x their idle one and the
+        stream 0.58-0.61 of its solo rate; bounded by tokens alone, 2,048: 2.1-2.2x and 0.83-0.85; 4,096:
+        2.0-2.5x and 0.89-0.90; 8,192: 2.4-2.9x."""
+        if self.bulk_batch_tokens:
+            return min(self.bulk_batch_tokens, self.max_batch_tokens)
+        if not padded and "cuda" not in self.device:
+            return min(LIVE_BULK_TOKENS, self.max_batch_tokens)
+        return self.max_batch_tokens
 
     def for_model(self, model: ModelConfig) -> ServerConfig:
         """The settings one model runs with: its own values where it has them, else the server's."""

@@ -142,8 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve,
         "--batch-size",
         "most inputs in one batch (0 = 16 on CPU, where small length-sorted batches waste least padding, 64 on "
-        "GPUs; a padding-free engine's bulk and split batches with no live query around are bounded by "
-        "--max-batch-tokens alone)",
+        "GPUs; a padding-free engine's bulk and split batches are bounded by their tokens alone)",
         0,
         int,
     )
@@ -182,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         serve,
         "--bulk-batch-tokens",
-        "token budget of bulk-priority batches while interactive requests are "
-        "arriving (0 = full batches: the worker cuts bulk work into steps timed against its interactive "
-        "batches, workers/pacing.py)",
+        "token budget of bulk-priority batches while interactive requests are arriving (0 = 2048 for a "
+        "padding-free engine on CPU, else full batches: the worker cuts bulk work into steps timed against "
+        "its interactive batches, workers/pacing.py)",
         0,
         whole_number,
     )

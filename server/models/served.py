@@ -94,9 +94,8 @@ def start_scheduler(spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerCo
     limits = BatchLimits(cfg.batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
     lane_size = cfg.lane_batch_size(padded)
     lane_limits = BatchLimits(lane_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
-    bulk_tokens = min(cfg.bulk_batch_tokens or cfg.max_batch_tokens, cfg.max_batch_tokens)
-    # Beside live queries, bulk batches keep the queries' count too (ServerConfig.lane_batch_size).
-    bulk_limits = BatchLimits(cfg.batch_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
+    bulk_tokens = cfg.live_bulk_batch_tokens(padded)
+    bulk_limits = BatchLimits(lane_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
     scheduler = ModelScheduler(
         spec.name,
         replicas,

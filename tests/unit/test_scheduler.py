@@ -221,3 +221,17 @@ def test_a_padding_free_engine_batches_bulk_work_by_tokens_unless_a_count_is_nam
     )
     assert (named.batch_size, named.lane_batch_size(padded=False)) == (8, 8)
     assert ServerConfig(models=(), device="cuda:0").lane_batch_size(padded=True) == 64
+
+
+def test_beside_live_queries_a_padding_free_cpu_engine_cuts_bulk_batches_by_tokens():
+    from encoderd.server.base.config import LIVE_BULK_TOKENS, ServerConfig
+
+    cpu, gpu = ServerConfig(models=()), ServerConfig(models=(), device="cuda:0")
+    assert (cpu.live_bulk_batch_tokens(padded=False), cpu.live_bulk_batch_tokens(padded=True)) == (
+        LIVE_BULK_TOKENS,
+        8192,
+    )
+    assert gpu.live_bulk_batch_tokens(padded=False) == 8192  # measured on CPU only: GPUs keep full batches
+    named = ServerConfig(models=(), bulk_batch_tokens=512)
+    assert (named.live_bulk_batch_tokens(padded=False), named.live_bulk_batch_tokens(padded=True)) == (512, 512)
+    assert ServerConfig(models=(), max_batch_tokens=1024).live_bulk_batch_tokens(padded=False) == 1024
