@@ -59,7 +59,10 @@ PER_MODEL_FIELDS = (
 # Most inputs in one bulk-lane batch of a padding-free engine (ServerConfig.lane_batch_size): the
 # scheduler's sorting window (batching.BatchLimits.window), which a batch never exceeds anyway.
 LANE_BATCH_INPUTS = 512
-# Most tokens in one bulk batch of a padding-free CPU engine beside live queries (live_bulk_batch_tokens).
+DEFAULT_BATCH_TOKENS = 8192  # --max-batch-tokens unset (ServerConfig.batch_tokens)
+# Most tokens in one bulk-lane batch of a padding-free CPU engine (lane_batch_tokens), and beside live
+# queries (live_bulk_batch_tokens).
+CPU_LANE_BATCH_TOKENS = 4096
 LIVE_BULK_TOKENS = 2048
 
 
@@ -75,7 +78,7 @@ class ServerConfig:
     allow_low_fidelity: bool = False  # serve models that fail the start-up fidelity self-check
     replicas: int = 0  # worker processes per device; 0 = chosen per host (cpu_cores.choose_cpu_layout)
     max_batch_size: int = 0  # 0 = chosen for the model's devices and engine (batch_size, lane_batch_size)
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int = 0  # 0 = chosen for the model's devices and engine (batch_tokens, lane_batch_tokens)
     batch_delay_ms: float = 5.0
     max_queued_inputs: int = 16384
     max_queued_tokens: int = 0  # 0 = bounded by inputs only
@@ -145,18 +148,33 @@ class ServerConfig:
             return self.batch_size
         return LANE_BATCH_INPUTS
 
+    @property
+    def batch_tokens(self) -> int:
+        """Most tokens in one batch (padding counted for padded engines): --max-batch-tokens, else 8,192."""
+        return self.max_batch_tokens or DEFAULT_BATCH_TOKENS
+
+    def lane_batch_tokens(self, padded: bool) -> int:
+        """Most tokens in one bulk-lane batch: `batch_tokens`, but CPU_LANE_BATCH_TOKENS for a
+        padding-free CPU engine unless --max-batch-tokens names a budget. Half the rows run faster
+        per token there (the activations stay nearer the core): `python -m encoderd.bench.breakdown
+        --batch-tokens 4096` against 8192, MiniLM, Xeon with AMX, the forward alone 1.05x tokens per
+        CPU-second; served (`bench.bulk_compare`), 69-72k against 64-68k tokens/s."""
+        if padded or self.max_batch_tokens or "cuda" in self.device:
+            return self.batch_tokens
+        return CPU_LANE_BATCH_TOKENS
+
     def live_bulk_batch_tokens(self, padded: bool) -> int:
         """Most tokens in one bulk batch while live queries are around: --bulk-batch-tokens, else
-        LIVE_BULK_TOKENS for a padding-free CPU engine, else --max-batch-tokens. `python -m
+        LIVE_BULK_TOKENS for a padding-free CPU engine, else `batch_tokens`. `python -m
         encoderd.bench.mixed --seconds 10 --rounds 2` (Xeon with AMX): bulk batches of at most 16
         inputs there (as padded engines batch) gave queries a p95 2.0-2.15x their idle one and the
         stream 0.58-0.61 of its solo rate; bounded by tokens alone, 2,048: 2.1-2.2x and 0.83-0.85; 4,096:
         2.0-2.5x and 0.89-0.90; 8,192: 2.4-2.9x."""
         if self.bulk_batch_tokens:
-            return min(self.bulk_batch_tokens, self.max_batch_tokens)
+            return min(self.bulk_batch_tokens, self.batch_tokens)
         if not padded and "cuda" not in self.device:
-            return min(LIVE_BULK_TOKENS, self.max_batch_tokens)
-        return self.max_batch_tokens
+            return min(LIVE_BULK_TOKENS, self.batch_tokens)
+        return self.batch_tokens
 
     def for_model(self, model: ModelConfig) -> ServerConfig:
         """The settings one model runs with: its own values where it has them, else the server's."""

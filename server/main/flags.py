@@ -146,7 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         0,
         int,
     )
-    add_flag(serve, "--max-batch-tokens", "most tokens in one batch (padding counted for padded engines)", 8192, int)
+    add_flag(
+        serve,
+        "--max-batch-tokens",
+        "most tokens in one batch, padding counted for padded engines (0 = 8192; 4096 for a padding-free "
+        "engine's bulk and split batches on CPU)",
+        0,
+        whole_number,
+    )
     add_flag(
         serve,
         "--batch-delay-ms",

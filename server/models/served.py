@@ -91,9 +91,9 @@ def start_scheduler(spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerCo
     """The model's queue and batcher over its replicas, started: its batch limits (bulk ones too)
     and queue bounds from its configuration."""
     mixed = len(modalities(spec.kind)) > 1
-    limits = BatchLimits(cfg.batch_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
+    limits = BatchLimits(cfg.batch_size, cfg.batch_tokens, padded=padded, mixed_modalities=mixed)
     lane_size = cfg.lane_batch_size(padded)
-    lane_limits = BatchLimits(lane_size, cfg.max_batch_tokens, padded=padded, mixed_modalities=mixed)
+    lane_limits = BatchLimits(lane_size, cfg.lane_batch_tokens(padded), padded=padded, mixed_modalities=mixed)
     bulk_tokens = cfg.live_bulk_batch_tokens(padded)
     bulk_limits = BatchLimits(lane_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
     scheduler = ModelScheduler(

@@ -521,7 +521,7 @@ class ModelScheduler:
         """Whether the queue of `priority` holds a full batch (bulk-sized) for every ready replica: only
         then does a replica take one ahead, so the last batches go to whichever replica frees first
         and the replicas finish together."""
-        limits = self.live_bulk_limits
+        limits = self.limits[priority]
         replicas = sum(1 for r in self.replicas if r.ready)
         return (
             len(self.queues[priority]) >= replicas * limits.max_batch_size

@@ -223,6 +223,19 @@ def test_a_padding_free_engine_batches_bulk_work_by_tokens_unless_a_count_is_nam
     assert ServerConfig(models=(), device="cuda:0").lane_batch_size(padded=True) == 64
 
 
+def test_a_padding_free_cpu_engine_takes_smaller_bulk_batches_unless_a_budget_is_named():
+    from encoderd.server.base.config import CPU_LANE_BATCH_TOKENS, DEFAULT_BATCH_TOKENS, ServerConfig
+
+    auto, named = ServerConfig(models=()), ServerConfig(models=(), max_batch_tokens=6000)
+    assert (auto.batch_tokens, auto.lane_batch_tokens(padded=False), auto.lane_batch_tokens(padded=True)) == (
+        DEFAULT_BATCH_TOKENS,
+        CPU_LANE_BATCH_TOKENS,
+        DEFAULT_BATCH_TOKENS,
+    )
+    assert (named.batch_tokens, named.lane_batch_tokens(padded=False)) == (6000, 6000)
+    assert ServerConfig(models=(), device="cuda:0").lane_batch_tokens(padded=False) == DEFAULT_BATCH_TOKENS
+
+
 def test_beside_live_queries_a_padding_free_cpu_engine_cuts_bulk_batches_by_tokens():
     from encoderd.server.base.config import LIVE_BULK_TOKENS, ServerConfig
 
