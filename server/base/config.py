@@ -143,7 +143,7 @@ class ServerConfig:
         cost is its tokens, and 16 short inputs made batches of under 100 rows, whose GEMMs run 1.75x
         slower per row than 4,000-row ones; each new row count also builds oneDNN kernels anew
         (packed_encoder.gemm_rows_multiple). `python -m encoderd.bench.bulk_compare` (MiniLM, Xeon
-        with AMX, 2 workers): 28.9k -> 35k tokens per worker CPU-second."""
+        with AMX, 2 workers; with memory.keep_freed_memory): 28.6k -> 39.7k tokens per worker CPU-second."""
         if padded or self.max_batch_size:
             return self.batch_size
         return LANE_BATCH_INPUTS
