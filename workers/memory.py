@@ -62,27 +62,27 @@ def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
         os.environ.setdefault(name, str(capacity))
 
 
+def _glibc_function(name: str, argtypes: list, restype):
+    """The C library's function `name`, typed, or None where it has none (musl, macOS)."""
+    try:
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
 def keep_freed_memory(limit: int = HEAP_KEEP_BYTES) -> bool:
     """Freed blocks below `limit` stay in the heap for the next batch instead of going back to the
     kernel (then faulted in, zeroed, again). False where glibc refuses it (older ones cap the mmap
     threshold at 32 MiB) or is not the C library: allocation works as before."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, limit) and mallopt(_M_TRIM_THRESHOLD, limit))
+    mallopt = _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, limit) and mallopt(_M_TRIM_THRESHOLD, limit))
 
 
 def _malloc_trim():
     """glibc's malloc_trim, or None (musl, macOS: nothing to call)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    return _glibc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 def trim_heap() -> None:
