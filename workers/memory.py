@@ -51,6 +51,7 @@ KERNEL_CACHE_CAPACITY = 64
 # float32 intermediate is 128 MB), below a whole model's weights.
 HEAP_KEEP_BYTES = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_OLD_GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # the most glibc before 2.35 accepts on 64-bit
 TRIM_IDLE_INTERVAL = 1.0  # seconds between trims when the worker goes idle
 TRIM_BUSY_INTERVAL = 10.0  # ... and at least this often under unbroken load
 _CACHE_VARIABLES = ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")
@@ -74,10 +75,14 @@ def _glibc_function(name: str, argtypes: list, restype):
 
 def keep_freed_memory(limit: int = HEAP_KEEP_BYTES) -> bool:
     """Freed blocks below `limit` stay in the heap for the next batch instead of going back to the
-    kernel (then faulted in, zeroed, again). False where glibc refuses it (older ones cap the mmap
-    threshold at 32 MiB) or is not the C library: allocation works as before."""
+    kernel (then faulted in, zeroed, again); an older glibc, which caps the mmap threshold, keeps
+    those below its cap. False where the C library has no mallopt (musl, macOS): allocation works
+    as before."""
     mallopt = _glibc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
-    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, limit) and mallopt(_M_TRIM_THRESHOLD, limit))
+    if mallopt is None:
+        return False
+    kept = mallopt(_M_MMAP_THRESHOLD, limit) or mallopt(_M_MMAP_THRESHOLD, min(limit, _OLD_GLIBC_MMAP_THRESHOLD_MAX))
+    return bool(mallopt(_M_TRIM_THRESHOLD, limit) and kept)
 
 
 def _malloc_trim():

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np
 import torch
 
+from encoderd.workers import memory
 from encoderd.workers.backends import BackendOptions, int8_linear, packed_linear, torch_backend
 from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.protocol import TokenBatch
@@ -38,7 +39,7 @@ from encoderd.workers.contract.tokenizer import load_tokenizer
 from support.broad_corpus import broad_corpus
 from support.corpus import sentences
 
-int8_linear.keep_freed_memory()  # for every recipe, float32 too: the same process
+memory.keep_freed_memory()  # for every recipe, float32 too: the same process
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 spec = load_model_spec("m", sys.argv[3] if len(sys.argv) > 3 else default_model_path())
 tok = load_tokenizer(spec.path)

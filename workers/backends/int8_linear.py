@@ -41,19 +41,18 @@ Without VNNI, oneDNN's x86 int8 kernels sum pairs of u8 x s8 products in a satur
 
 Each int8 layer allocates a few (tokens x features) buffers per call; with glibc's default
 thresholds many of them are returned to the kernel on free and faulted back in on the next call
-(~90k page faults, a fifth of the int8 forward's CPU time on the broad corpus). keep_freed_memory()
-stops that for the process.
+(~90k page faults, a fifth of the int8 forward's CPU time on the broad corpus). quantize() stops that
+for the process (memory.keep_freed_memory, which a CPU worker also sets before it loads any model).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 from collections.abc import Callable
 
 import torch
 
+from .. import memory
 from ..contract.hardware import TorchInt8Recipe
 from . import host_kernels, packed_linear
 
@@ -185,26 +184,6 @@ def quantize(model: torch.nn.Module, owners: list, recipe: TorchInt8Recipe, cali
         smooth = recipe.smooth_contracting or linear.in_features <= linear.out_features
         input_range = ranges.get(id(linear)) if smooth else None
         replace_slot(slot, Int8Linear.from_linear(linear, recipe.weight_bits, input_range, recipe.alpha))
-    keep_freed_memory()
-    return len(slots)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
-_TRIM_THRESHOLD = 1 << 30
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc keep freed blocks up to 32 MiB in the heap (no mmap/munmap per call) and not trim
-    the heap below 1 GiB of free space. Linux/glibc only; returns whether it applied."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None)
-        applied = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
-        applied = libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and applied
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    if not applied:
+    if not memory.keep_freed_memory():  # in-process users (calibration, benches) as well as workers
         log.info("mallopt not applied: int8 layers may page-fault their buffers on each call")
-    return applied
+    return len(slots)
