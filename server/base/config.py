@@ -159,9 +159,7 @@ class ServerConfig:
         per token there (the activations stay nearer the core): `python -m encoderd.bench.breakdown
         --batch-tokens 4096` against 8192, MiniLM, Xeon with AMX, the forward alone 1.05x tokens per
         CPU-second; served (`bench.bulk_compare`), 69-72k against 64-68k tokens/s."""
-        if padded or self.max_batch_tokens or "cuda" in self.device:
-            return self.batch_tokens
-        return CPU_LANE_BATCH_TOKENS
+        return CPU_LANE_BATCH_TOKENS if self._packed_on_cpu(padded) and not self.max_batch_tokens else self.batch_tokens
 
     def live_bulk_batch_tokens(self, padded: bool) -> int:
         """Most tokens in one bulk batch while live queries are around: --bulk-batch-tokens, else
@@ -172,9 +170,13 @@ class ServerConfig:
         2.0-2.5x and 0.89-0.90; 8,192: 2.4-2.9x."""
         if self.bulk_batch_tokens:
             return min(self.bulk_batch_tokens, self.batch_tokens)
-        if not padded and "cuda" not in self.device:
+        if self._packed_on_cpu(padded):
             return min(LIVE_BULK_TOKENS, self.batch_tokens)
         return self.batch_tokens
+
+    def _packed_on_cpu(self, padded: bool) -> bool:
+        """A padding-free engine on CPU: where the token budgets above were measured (GPUs keep theirs)."""
+        return not padded and "cuda" not in self.device
 
     def for_model(self, model: ModelConfig) -> ServerConfig:
         """The settings one model runs with: its own values where it has them, else the server's."""
