@@ -173,6 +173,7 @@ class ModelScheduler:
         replicas: list[WorkerClient],
         limits: BatchLimits,
         *,
+        split_unit: BatchLimits | None = None,
         lane_limits: BatchLimits | None = None,
         bulk_limits: BatchLimits | None = None,
         batch_delay: float = 0.005,
@@ -188,6 +189,9 @@ class ModelScheduler:
         # and bulk batches are cut to `bulk_limits` while live work is around (_limits).
         lane = lane_limits or limits
         self.limits = {Priority.INTERACTIVE: limits, Priority.SPLIT: lane, Priority.BULK: lane}
+        # What a request is measured in: over SPLIT_BATCHES of these it is split, and split callers
+        # take turns of one; a padding-free CPU engine's interactive batches are larger (by tokens).
+        self.split_unit = split_unit or limits
         self.live_bulk_limits = bulk_limits or lane
         self.batch_delay = batch_delay
         self.max_queued = max_queued
@@ -343,8 +347,8 @@ class ModelScheduler:
 
     def _runs_as(self, priority: Priority, inputs: int, tokens: int) -> Priority:
         """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits in SPLIT."""
-        one_batch = self.limits[Priority.INTERACTIVE]
-        most_inputs, most_tokens = SPLIT_BATCHES * one_batch.max_batch_size, SPLIT_BATCHES * one_batch.max_batch_tokens
+        unit = self.split_unit
+        most_inputs, most_tokens = SPLIT_BATCHES * unit.max_batch_size, SPLIT_BATCHES * unit.max_batch_tokens
         bigger = inputs > most_inputs or tokens > most_tokens
         return Priority.SPLIT if self.split_large and priority == Priority.INTERACTIVE and bigger else priority
 
@@ -378,7 +382,7 @@ class ModelScheduler:
             caller = CALLER.get()
             for item in items:
                 item.caller = caller
-            turn = self.limits[Priority.INTERACTIVE].max_batch_size  # a lane batch may hold several turns
+            turn = self.split_unit.max_batch_size  # a lane batch may hold several turns
             self.queues[priority] = interleave_callers(self.queues[priority], items, turn)
         else:
             self.queues[priority].extend(items)

@@ -210,6 +210,49 @@ async def test_bulk_lane_batches_take_the_lane_limits_and_queries_their_own():
     await scheduler.stop()
 
 
+async def test_a_request_is_split_by_the_split_unit_not_by_the_interactive_batch():
+    # A padding-free CPU engine's interactive batches are larger than the unit a request is measured in
+    # (ServerConfig.interactive_batch_size): a call of 4 units is one urgent batch, a call of more is
+    # split into bulk-lane (not urgent) work, however large an interactive batch may be.
+    worker = StandInWorker()
+    scheduler = ModelScheduler(
+        "m",
+        [worker],
+        BatchLimits(max_batch_size=512, padded=False),
+        split_unit=BatchLimits(max_batch_size=4, padded=False),
+        lane_limits=BatchLimits(max_batch_size=512, padded=False),
+        batch_delay=0,
+        split_large=True,
+    )
+    scheduler.start()
+    await asyncio.wait_for(run(scheduler, list(range(16))), 5)
+    assert [(b.size, b.urgent) for b in worker.batches] == [(16, True)]
+    worker.batches.clear()
+    await asyncio.wait_for(run(scheduler, list(range(17))), 5)
+    assert sum(b.size for b in worker.batches) == 17 and not any(b.urgent for b in worker.batches)
+    await scheduler.stop()
+
+
+def test_a_padding_free_cpu_engine_batches_queries_as_its_bulk_lane():
+    from encoderd.server.base.config import CPU_LANE_BATCH_TOKENS, DEFAULT_BATCH_TOKENS, LANE_BATCH_INPUTS, ServerConfig
+
+    cpu, gpu = ServerConfig(models=()), ServerConfig(models=(), device="cuda:0")
+    assert (cpu.interactive_batch_size(padded=False), cpu.interactive_batch_tokens(padded=False)) == (
+        LANE_BATCH_INPUTS,
+        CPU_LANE_BATCH_TOKENS,
+    )
+    assert (cpu.interactive_batch_size(padded=True), cpu.interactive_batch_tokens(padded=True)) == (
+        16,
+        DEFAULT_BATCH_TOKENS,
+    )
+    assert (gpu.interactive_batch_size(padded=False), gpu.interactive_batch_tokens(padded=False)) == (
+        64,
+        DEFAULT_BATCH_TOKENS,
+    )
+    named = ServerConfig(models=(), max_batch_size=8, max_batch_tokens=6000)
+    assert (named.interactive_batch_size(padded=False), named.interactive_batch_tokens(padded=False)) == (8, 6000)
+
+
 def test_a_padding_free_engine_batches_bulk_work_by_tokens_unless_a_count_is_named():
     from encoderd.server.base.config import LANE_BATCH_INPUTS, ServerConfig
 
