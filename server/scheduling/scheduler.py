@@ -454,14 +454,17 @@ class ModelScheduler:
         CPU replicas rerank 50 passages faster than one two-thread worker). The token cap has
         one input's length of slack, so k pieces hold it all. A padding-free backend's size cap
         is lifted for them (short inputs must not fill a piece by count); a padded backend keeps
-        it (TensorRT profiles end there), so its pieces may come out more than k."""
+        it (TensorRT profiles end there), so its pieces may come out more than k. A piece may hold
+        up to a split unit's tokens where the batches' own budget is smaller (a padding-free CPU
+        engine's 4,096): a call of 10,000 tokens is then 2 pieces side by side, not 3 batches of
+        which the last runs after the others."""
         queue = self.queues[priority]
         idle = sum(1 for r in self.replicas if r.ready and not self.load[r].batches)
         if idle < 2 or not queue:
             return limits
         longest = max(item.length for item in itertools.islice(queue, limits.window))
         tokens = max(MIN_SHARE_TOKENS, -(-self._queued_tokens[priority] // idle) + longest)
-        if tokens >= limits.max_batch_tokens:
+        if tokens >= max(limits.max_batch_tokens, self.split_unit.max_batch_tokens):
             return limits
         size = limits.max_batch_size if limits.padded else max(limits.max_batch_size, len(queue))
         return dataclasses.replace(limits, max_batch_tokens=tokens, max_batch_size=size)

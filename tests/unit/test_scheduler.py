@@ -181,6 +181,27 @@ async def test_one_request_is_cut_into_a_piece_for_each_idle_replica():
     await scheduler.stop()
 
 
+async def test_pieces_for_idle_replicas_may_hold_a_split_unit_past_the_batch_budget():
+    """A call of ~10,000 tokens on 2 idle replicas whose batches take 4,096: two pieces side by
+    side (up to the split unit's 8,192 tokens each), not 3 batches, the last after the others."""
+    a, b = StandInWorker("a"), StandInWorker("b")
+    scheduler = ModelScheduler(
+        "m",
+        [a, b],
+        BatchLimits(max_batch_size=512, max_batch_tokens=4096, padded=False),
+        split_unit=BatchLimits(max_batch_size=16, max_batch_tokens=8192, padded=False),
+        batch_delay=1.0,
+    )
+    scheduler.start()
+    request = PendingRequest(50)
+    items = [WorkItem(np.full(200, i, dtype=np.int32), None, request, i) for i in range(50)]
+    out = await asyncio.wait_for(scheduler.run(items, request), 0.5)
+    assert [len(w.batches) for w in (a, b)] == [1, 1]
+    assert sum(w.batches[0].size for w in (a, b)) == 50
+    assert list(out[:, 0]) == list(range(50))
+    await scheduler.stop()
+
+
 async def test_short_work_is_not_cut_for_idle_replicas():
     a, b = StandInWorker("a"), StandInWorker("b")
     scheduler = ModelScheduler("m", [a, b], BatchLimits(max_batch_size=64, padded=False), batch_delay=1.0)
