@@ -148,20 +148,6 @@ class ServerConfig:
             return self.batch_size
         return LANE_BATCH_INPUTS
 
-    def interactive_batch_size(self, padded: bool) -> int:
-        """Most inputs in one batch of queries and other interactive calls: `batch_size`, but a
-        padding-free CPU engine batches them as its bulk lane (lane_batch_size, lane_batch_tokens):
-        16 short inputs were batches of a few hundred rows. `encoderd bench --modes bulk --rest
-        --bulk-priority interactive --bulk-requests 0 --bulk-seconds 8 --concurrency 8` (MiniLM, Xeon
-        with AMX, 32-input calls): gRPC 52-54k -> 69-73k tokens/s, REST 47-49k -> 65-68k. `batch_size`
-        stays the unit a request is measured in (ModelScheduler's split_unit): a call of over 4 is
-        split, and split callers take turns of one."""
-        return self.lane_batch_size(padded) if self._packed_on_cpu(padded) else self.batch_size
-
-    def interactive_batch_tokens(self, padded: bool) -> int:
-        """Most tokens in one interactive batch (interactive_batch_size)."""
-        return self.lane_batch_tokens(padded) if self._packed_on_cpu(padded) else self.batch_tokens
-
     @property
     def batch_tokens(self) -> int:
         """Most tokens in one batch (padding counted for padded engines): --max-batch-tokens, else 8,192."""

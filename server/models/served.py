@@ -91,19 +91,15 @@ def start_scheduler(spec: ModelSpec, replicas: list[WorkerClient], cfg: ServerCo
     """The model's queue and batcher over its replicas, started: its batch limits (bulk ones too)
     and queue bounds from its configuration."""
     mixed = len(modalities(spec.kind)) > 1
-    unit = BatchLimits(cfg.batch_size, cfg.batch_tokens, padded=padded, mixed_modalities=mixed)
-    lane_size, lane_tokens = cfg.lane_batch_size(padded), cfg.lane_batch_tokens(padded)
-    limits = BatchLimits(
-        cfg.interactive_batch_size(padded), cfg.interactive_batch_tokens(padded), padded=padded, mixed_modalities=mixed
-    )
-    lane_limits = BatchLimits(lane_size, lane_tokens, padded=padded, mixed_modalities=mixed)
+    limits = BatchLimits(cfg.batch_size, cfg.batch_tokens, padded=padded, mixed_modalities=mixed)
+    lane_size = cfg.lane_batch_size(padded)
+    lane_limits = BatchLimits(lane_size, cfg.lane_batch_tokens(padded), padded=padded, mixed_modalities=mixed)
     bulk_tokens = cfg.live_bulk_batch_tokens(padded)
     bulk_limits = BatchLimits(lane_size, bulk_tokens, padded=padded, mixed_modalities=mixed)
     scheduler = ModelScheduler(
         spec.name,
         replicas,
         limits,
-        split_unit=unit,
         lane_limits=lane_limits,
         bulk_limits=bulk_limits,
         batch_delay=cfg.batch_delay_ms / 1000,

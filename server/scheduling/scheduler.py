@@ -173,7 +173,6 @@ class ModelScheduler:
         replicas: list[WorkerClient],
         limits: BatchLimits,
         *,
-        split_unit: BatchLimits | None = None,
         lane_limits: BatchLimits | None = None,
         bulk_limits: BatchLimits | None = None,
         batch_delay: float = 0.005,
@@ -189,9 +188,6 @@ class ModelScheduler:
         # and bulk batches are cut to `bulk_limits` while live work is around (_limits).
         lane = lane_limits or limits
         self.limits = {Priority.INTERACTIVE: limits, Priority.SPLIT: lane, Priority.BULK: lane}
-        # What a request is measured in: over SPLIT_BATCHES of these it is split, and split callers
-        # take turns of one; a padding-free CPU engine's interactive batches are larger (by tokens).
-        self.split_unit = split_unit or limits
         self.live_bulk_limits = bulk_limits or lane
         self.batch_delay = batch_delay
         self.max_queued = max_queued
@@ -347,8 +343,8 @@ class ModelScheduler:
 
     def _runs_as(self, priority: Priority, inputs: int, tokens: int) -> Priority:
         """The queue a request of `inputs` (`tokens`) mostly waits in: a split one's rest waits in SPLIT."""
-        unit = self.split_unit
-        most_inputs, most_tokens = SPLIT_BATCHES * unit.max_batch_size, SPLIT_BATCHES * unit.max_batch_tokens
+        one_batch = self.limits[Priority.INTERACTIVE]
+        most_inputs, most_tokens = SPLIT_BATCHES * one_batch.max_batch_size, SPLIT_BATCHES * one_batch.max_batch_tokens
         bigger = inputs > most_inputs or tokens > most_tokens
         return Priority.SPLIT if self.split_large and priority == Priority.INTERACTIVE and bigger else priority
 
@@ -382,7 +378,7 @@ class ModelScheduler:
             caller = CALLER.get()
             for item in items:
                 item.caller = caller
-            turn = self.split_unit.max_batch_size  # a lane batch may hold several turns
+            turn = self.limits[Priority.INTERACTIVE].max_batch_size  # a lane batch may hold several turns
             self.queues[priority] = interleave_callers(self.queues[priority], items, turn)
         else:
             self.queues[priority].extend(items)
@@ -454,17 +450,14 @@ class ModelScheduler:
         CPU replicas rerank 50 passages faster than one two-thread worker). The token cap has
         one input's length of slack, so k pieces hold it all. A padding-free backend's size cap
         is lifted for them (short inputs must not fill a piece by count); a padded backend keeps
-        it (TensorRT profiles end there), so its pieces may come out more than k. A piece may hold
-        up to a split unit's tokens where the batches' own budget is smaller (a padding-free CPU
-        engine's 4,096): a call of 10,000 tokens is then 2 pieces side by side, not 3 batches of
-        which the last runs after the others."""
+        it (TensorRT profiles end there), so its pieces may come out more than k."""
         queue = self.queues[priority]
         idle = sum(1 for r in self.replicas if r.ready and not self.load[r].batches)
         if idle < 2 or not queue:
             return limits
         longest = max(item.length for item in itertools.islice(queue, limits.window))
         tokens = max(MIN_SHARE_TOKENS, -(-self._queued_tokens[priority] // idle) + longest)
-        if tokens >= max(limits.max_batch_tokens, self.split_unit.max_batch_tokens):
+        if tokens >= limits.max_batch_tokens:
             return limits
         size = limits.max_batch_size if limits.padded else max(limits.max_batch_size, len(queue))
         return dataclasses.replace(limits, max_batch_tokens=tokens, max_batch_size=size)

@@ -181,27 +181,6 @@ async def test_one_request_is_cut_into_a_piece_for_each_idle_replica():
     await scheduler.stop()
 
 
-async def test_pieces_for_idle_replicas_may_hold_a_split_unit_past_the_batch_budget():
-    """A call of ~10,000 tokens on 2 idle replicas whose batches take 4,096: two pieces side by
-    side (up to the split unit's 8,192 tokens each), not 3 batches, the last after the others."""
-    a, b = StandInWorker("a"), StandInWorker("b")
-    scheduler = ModelScheduler(
-        "m",
-        [a, b],
-        BatchLimits(max_batch_size=512, max_batch_tokens=4096, padded=False),
-        split_unit=BatchLimits(max_batch_size=16, max_batch_tokens=8192, padded=False),
-        batch_delay=1.0,
-    )
-    scheduler.start()
-    request = PendingRequest(50)
-    items = [WorkItem(np.full(200, i, dtype=np.int32), None, request, i) for i in range(50)]
-    out = await asyncio.wait_for(scheduler.run(items, request), 0.5)
-    assert [len(w.batches) for w in (a, b)] == [1, 1]
-    assert sum(w.batches[0].size for w in (a, b)) == 50
-    assert list(out[:, 0]) == list(range(50))
-    await scheduler.stop()
-
-
 async def test_short_work_is_not_cut_for_idle_replicas():
     a, b = StandInWorker("a"), StandInWorker("b")
     scheduler = ModelScheduler("m", [a, b], BatchLimits(max_batch_size=64, padded=False), batch_delay=1.0)
@@ -229,49 +208,6 @@ async def test_bulk_lane_batches_take_the_lane_limits_and_queries_their_own():
     await asyncio.wait_for(run(scheduler, list(range(20))), 5)
     assert [b.size for b in worker.batches] == [4] * 5
     await scheduler.stop()
-
-
-async def test_a_request_is_split_by_the_split_unit_not_by_the_interactive_batch():
-    # A padding-free CPU engine's interactive batches are larger than the unit a request is measured in
-    # (ServerConfig.interactive_batch_size): a call of 4 units is one urgent batch, a call of more is
-    # split into bulk-lane (not urgent) work, however large an interactive batch may be.
-    worker = StandInWorker()
-    scheduler = ModelScheduler(
-        "m",
-        [worker],
-        BatchLimits(max_batch_size=512, padded=False),
-        split_unit=BatchLimits(max_batch_size=4, padded=False),
-        lane_limits=BatchLimits(max_batch_size=512, padded=False),
-        batch_delay=0,
-        split_large=True,
-    )
-    scheduler.start()
-    await asyncio.wait_for(run(scheduler, list(range(16))), 5)
-    assert [(b.size, b.urgent) for b in worker.batches] == [(16, True)]
-    worker.batches.clear()
-    await asyncio.wait_for(run(scheduler, list(range(17))), 5)
-    assert sum(b.size for b in worker.batches) == 17 and not any(b.urgent for b in worker.batches)
-    await scheduler.stop()
-
-
-def test_a_padding_free_cpu_engine_batches_queries_as_its_bulk_lane():
-    from encoderd.server.base.config import CPU_LANE_BATCH_TOKENS, DEFAULT_BATCH_TOKENS, LANE_BATCH_INPUTS, ServerConfig
-
-    cpu, gpu = ServerConfig(models=()), ServerConfig(models=(), device="cuda:0")
-    assert (cpu.interactive_batch_size(padded=False), cpu.interactive_batch_tokens(padded=False)) == (
-        LANE_BATCH_INPUTS,
-        CPU_LANE_BATCH_TOKENS,
-    )
-    assert (cpu.interactive_batch_size(padded=True), cpu.interactive_batch_tokens(padded=True)) == (
-        16,
-        DEFAULT_BATCH_TOKENS,
-    )
-    assert (gpu.interactive_batch_size(padded=False), gpu.interactive_batch_tokens(padded=False)) == (
-        64,
-        DEFAULT_BATCH_TOKENS,
-    )
-    named = ServerConfig(models=(), max_batch_size=8, max_batch_tokens=6000)
-    assert (named.interactive_batch_size(padded=False), named.interactive_batch_tokens(padded=False)) == (8, 6000)
 
 
 def test_a_padding_free_engine_batches_bulk_work_by_tokens_unless_a_count_is_named():
