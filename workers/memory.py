@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import time
 
@@ -63,11 +64,20 @@ def bound_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
         os.environ.setdefault(name, str(capacity))
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once: find_library runs `ldconfig -p` in a subprocess on Linux, and a
+    worker asks for several functions (mallopt at start, malloc_trim for its trimmer and after a load)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def _glibc_function(name: str, argtypes: list, restype):
     """The C library's function `name`, typed, or None where it has none (musl, macOS)."""
-    try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
-    except (OSError, AttributeError):
+    function = getattr(_libc(), name, None)
+    if function is None:
         return None
     function.argtypes, function.restype = argtypes, restype
     return function
