@@ -321,23 +321,29 @@ INT8_AUTO_ENGINES = ("torch", "auto")
 CPU_BF16_ENGINES = ("torch", "auto")
 
 # Where bfloat16 is native it is closer to float32 than torch int8 (MiniLM's fidelity check: min
-# cosine 0.9998 vs 0.996), and at least about as fast. Through the server (`encoderd bench --modes
+# cosine 0.9998 vs 0.996); without AMX int8 is the faster of the two. Through the server (`encoderd bench --modes
 # bulk --no-st --corpus-size 2048 --serve-args "--dtype X"`, MiniLM, 2 workers x 1 thread, dtypes
 # alternated), float32 / int8 / bfloat16 tokens/s:
 #   Xeon with AMX (amx_bf16, amx_int8), two rounds: 10,058-10,315 / 13,008-13,795 / 26,676-27,050:
 #     int8 1.31x float32, bfloat16 2.6x;
 #   Zen 4 (avx512_bf16, VNNI, no AMX), two or three runs: 6,164-6,248 / 10,489-11,081 / 9,651-10,731:
-#     int8 1.72x, bfloat16 1.66x (int8 1.04x bfloat16, within the runs' spread).
+#     int8 1.72x, bfloat16 1.66x (int8 1.04x bfloat16, within the runs' spread; before the int8 kernels below).
 # Since int8 computes the rest of the model in bfloat16 (torch_int8_rest_dtype) with its passes in
 # host_kernels.c, Zen 5 (avx512_bf16, VNNI), int8 / bfloat16 alternated in three rounds on a shared host:
 # through the server 1.05-1.51x the tokens/s (1.03-1.29x per worker CPU-second), and in-process on one
 # thread (bench.breakdown) 1.11-1.28x the tokens per CPU-second; its fidelity check min cosine 0.9937.
-# So `auto` keeps bfloat16 there for its fidelity; `--dtype int8` is served as asked, with a note.
+# Zen 4 with the same int8 kernels (`encoderd bench --modes bulk --openvino --no-st --serve-args "--dtype X"`,
+# runs an hour apart on a quiet host): MiniLM int8 24,974 against bfloat16 14,661-14,897 tokens/s (1.68x),
+# the bge-base-sized BERT 3,424 against 2,028 (1.69x); there bfloat16 already runs at 79-86 % of the
+# bfloat16 matmul peak, and VNNI's int8 products are twice bfloat16's per instruction.
+# So `auto` keeps bfloat16 there for its fidelity; `--dtype int8` is served as asked, with a note that
+# says what it trades.
 _BF16_OVER_INT8 = {
     "amx_bf16": "closer to float32 than int8 and measured faster (Xeon with AMX: bfloat16 2.6x float32 "
     "tokens/s, int8 1.3x); --dtype auto picks it",
-    "avx512_bf16": "closer to float32 than int8 (min cosine 0.9998 against 0.994 on MiniLM) at nearly "
-    "int8's speed (Zen 5: int8 1.1-1.3x bfloat16's tokens per CPU-second); --dtype auto picks it for its fidelity",
+    "avx512_bf16": "closer to float32 than int8 (min cosine 0.9998 against 0.994 on MiniLM), which is faster "
+    "here (int8 1.1-1.5x bfloat16's tokens/s on Zen 5, 1.7x on Zen 4); --dtype auto picks bfloat16 for its "
+    "fidelity, --dtype int8 trades it for speed",
 }
 # avx512_fp16 without amx_fp16 (Sapphire Rapids): torch's float16 matrix products run at float32 speed
 # (2048x768x3072, one thread, two runs: float16 160-164, float32 168-179, bfloat16 1,235-1,319 GFLOP/s);
