@@ -333,7 +333,7 @@ CPU_BF16_ENGINES = ("torch", "auto")
 # through the server 1.05-1.51x the tokens/s (1.03-1.29x per worker CPU-second), and in-process on one
 # thread (bench.breakdown) 1.11-1.28x the tokens per CPU-second; its fidelity check min cosine 0.9937.
 # Zen 4 with the same int8 kernels (`encoderd bench --modes bulk --openvino --no-st --serve-args "--dtype X"`,
-# runs an hour apart on a quiet host): MiniLM int8 24,974 against bfloat16 14,661-14,897 tokens/s (1.68x),
+# separate runs within the hour, quiet host): MiniLM int8 24,974 against bfloat16 14,661-14,897 tokens/s (1.68x),
 # the bge-base-sized BERT 3,424 against 2,028 (1.69x); there bfloat16 already runs at 79-86 % of the
 # bfloat16 matmul peak, and VNNI's int8 products are twice bfloat16's per instruction.
 # So `auto` keeps bfloat16 there for its fidelity; `--dtype int8` is served as asked, with a note that
