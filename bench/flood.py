@@ -47,6 +47,8 @@ law), whatever one refusal costs. With --honour-retry-after each waits what the 
 retry-after trailer (REST: Retry-After header) asks, plus up to half again, as the Python client's
 RetryPolicy does: the refusal rate falls to about N / retry-after, and so does the loop's queue.
 Every flood call's latency is kept by its outcome: the report gives the accepted calls' p50/p99/max
+(and, from their server-timing, their latency less their own compute: issue 42's bound is that
+within --max-queue-wait)
 and the refused ones' p50/p99 as the flood's clients saw them (their own event loop's delay
 included), beside the probe's; "steady": the refusals of the calls sent after the flood's first
 burst (every client's first call at once), while the probe ran; the accepted calls are also
@@ -103,11 +105,32 @@ def _texts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, size=60)) for _ in range(n)]
 
 
-def _count(counts: dict, outcome: str, started: float) -> None:
+def _count(counts: dict, outcome: str, started: float, timing: str | None = None) -> None:
     """One flood call's outcome: counted, and kept as (when it was sent, from the flood's start;
-    its latency), so the report can tell the flood's first burst from its steady state."""
+    its latency), so the report can tell the flood's first burst from its steady state. An answered
+    call's server-timing (`timing`) also keeps its latency less its own compute (WAITED: what issue
+    42 bounds by --max-queue-wait) and the server's part of that (SERVER_WAITED)."""
+    latency = time.monotonic() - started
     counts[outcome] = counts.get(outcome, 0) + 1
-    counts["latency"].setdefault(outcome, []).append((started - counts["began"], time.monotonic() - started))
+    sent_at = started - counts["began"]
+    counts["latency"].setdefault(outcome, []).append((sent_at, latency))
+    steps = server_timing(timing)
+    if "compute" in steps:
+        counts["latency"].setdefault(WAITED, []).append((sent_at, latency - steps["compute"]))
+        counts["latency"].setdefault(SERVER_WAITED, []).append((sent_at, steps["total"] - steps["compute"]))
+
+
+WAITED, SERVER_WAITED = "OK less compute", "OK server less compute"
+
+
+def server_timing(header: str | None) -> dict[str, float]:
+    """A server-timing value (`queue;dur=1.2, compute;dur=3.4, total;dur=5.0`, ms) as seconds by name."""
+    steps = {}
+    for part in (header or "").split(","):
+        name, _, duration = part.strip().partition(";dur=")
+        if duration:
+            steps[name] = float(duration) / 1000
+    return steps
 
 
 # A client that honours retry-after waits what the server asked, plus up to this share of it more
@@ -145,8 +168,9 @@ async def _flood_client(
             request = pb.EmbedRequest(inputs=_next_texts(counts, texts))
             started = time.monotonic()
             try:
-                await stub.Embed(request, timeout=30)
-                _count(counts, "OK", started)
+                call = stub.Embed(request, timeout=30)
+                await call
+                _count(counts, "OK", started, dict(await call.trailing_metadata()).get("server-timing"))
             except grpc.aio.AioRpcError as exc:
                 _count(counts, exc.code().name, started)
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -186,7 +210,7 @@ async def _rest_flood_client(
                 _close(connection)
                 connection = None
                 continue
-            _count(counts, HTTP_OUTCOMES.get(status, f"HTTP {status}"), started)
+            _count(counts, HTTP_OUTCOMES.get(status, f"HTTP {status}"), started, headers.get("server-timing"))
             if headers.get("connection") == "close":
                 _close(connection)
                 connection = None
@@ -481,6 +505,13 @@ def measure(address: str, seconds: float, flood: Flood, server_pid: int = 0) -> 
         "steady_ok": len(_latencies(accepted, SETTLE_S)),
         "steady_ok_p50_ms": _pct(_latencies(accepted, SETTLE_S), 50),
         "steady_ok_p99_ms": _pct(_latencies(accepted, SETTLE_S), 99),
+        # issue 42's bound, call by call: an accepted call's latency less its own compute (its
+        # server-timing), and the server's part of that (tokenizing, queueing, the frontend)
+        "waited_p50_ms": _pct(_latencies(latency.get(WAITED, [])), 50),
+        "waited_p99_ms": _pct(_latencies(latency.get(WAITED, [])), 99),
+        "waited_max_ms": _pct(_latencies(latency.get(WAITED, [])), 100),
+        "server_waited_p99_ms": _pct(_latencies(latency.get(SERVER_WAITED, [])), 99),
+        "server_waited_max_ms": _pct(_latencies(latency.get(SERVER_WAITED, [])), 100),
         "flood_refused_p50_ms": _pct(_latencies(turned_away), 50),
         "flood_refused_p99_ms": _pct(_latencies(turned_away), 99),
         # the first burst's refusals: every client's first call at once, refused in turn by one loop
@@ -599,6 +630,12 @@ def report(rows: list[dict]) -> None:
             f"accepted in the steady state {r['steady_ok']} (p50 {f(r['steady_ok_p50_ms'])}, "
             f"p99 {f(r['steady_ok_p99_ms'])} ms)"
         )
+        if r.get("waited_p99_ms") is not None:
+            print(
+                f"{r['server']}: accepted calls less their own compute (server-timing): p50 {f(r['waited_p50_ms'])}, "
+                f"p99 {f(r['waited_p99_ms'])}, max {f(r['waited_max_ms'])} ms; of it in the server p99 "
+                f"{f(r['server_waited_p99_ms'])}, max {f(r['server_waited_max_ms'])} ms"
+            )
         if cpu:
             print(f"{r['server']}: CPU per flood call: {', '.join(cpu)}")
         if r.get("upstream_p50_ms") is not None:

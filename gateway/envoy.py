@@ -226,7 +226,7 @@ def _cors_policy(origins: tuple[str, ...]) -> str:
             allow_origin_string_match: [{matches}]
             allow_methods: "GET, HEAD, POST, OPTIONS"
             allow_headers: "authorization, content-type, x-request-id"  # asked-for ones: cors_preflight.lua
-            expose_headers: "x-request-id"
+            expose_headers: "x-request-id, server-timing"
             max_age: "86400"
         """),
         " " * 14,
@@ -389,7 +389,9 @@ def render_config(settings: GatewaySettings, descriptor: Path) -> str:
     elif settings.admin_port:
         admin = f"admin:\n  address:\n    socket_address: {{address: 127.0.0.1, port_value: {settings.admin_port}}}\n"
     transcoder = Template((HERE / "transcoder.yaml").read_text()).substitute(
-        descriptor=str(descriptor.resolve()), max_response_bytes=settings.max_response_bytes
+        descriptor=str(descriptor.resolve()),
+        max_response_bytes=settings.max_response_bytes,
+        server_timing=_lua_source("server_timing.lua"),
     )
     prefix = check_url_prefix(settings.url_prefix)
     return Template((HERE / CONFIG_NAME).read_text()).substitute(

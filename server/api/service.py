@@ -17,6 +17,7 @@ from ..base.errors import EncoderdError, InvalidInput, Overloaded, status_messag
 from ..models import model_resolver, multimodal, postprocess, request_options
 from ..models.media import Content
 from ..models.registry import ModelRegistry
+from ..scheduling import timing
 from ..scheduling.admission import CALL_DEADLINE, CALL_STARTED
 from .auth import presented_key
 from .handlers import MalformedRequest
@@ -157,12 +158,18 @@ def rpc(method):
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         # Admission's calibration counts a unary call's wait from here (a stream's messages each
-        # queue long after the stream began: they count from their own submit).
-        CALL_STARTED.set(time.monotonic())
+        # queue long after the stream began: they count from their own submit); so does its timing.
+        started = time.monotonic()
+        CALL_STARTED.set(started)
+        call_timing = timing.CallTiming(started)
+        timing.CALL_TIMING.set(call_timing)
         async with _Observed(self, method.__name__, getattr(request, "model", ""), context) as (rid_metadata, proxied):
             if isinstance(request, MalformedRequest):
                 raise InvalidInput(request.reason)
             response = await method(self, request, context)
+            # Where its time went: a trailer, as the headers must leave with the answer (below);
+            # Envoy moves it into REST responses' headers (gateway/server_timing.lua).
+            context.set_trailing_metadata(((timing.TRAILER, call_timing.header()),))
             # gRPC-Python sends our own headers in a batch of their own, ahead of the message: a
             # host that dies between the two leaves a proxy holding headers it has passed on, and
             # it can no longer retry the call elsewhere. Behind encoderd's Envoy the headers go out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager
@@ -25,6 +26,7 @@ from ..base.config import MAX_MESSAGE_BYTES
 from ..base.errors import BackendError, InvalidInput
 from ..scheduling.batching import MediaItem, WorkItem
 from ..scheduling.scheduler import PendingRequest, Priority
+from ..scheduling.timing import CALL_TIMING
 from .media import Content, MediaLimits, media_bytes
 from .result_cache import TokenCount, result_key, result_keys
 from .served import ServedModel
@@ -279,6 +281,7 @@ async def _work_items(
         with registry.admit(
             model, estimated, truncate=truncate, pairs_with=pairs_with or "", priority=priority
         ) as tokenized:
+            since = time.monotonic()
             try:
                 tokens = await model.tokenizer.encode(
                     batch, truncate=truncate, side=side, pairs_with=pairs_with, bulk=priority == Priority.BULK
@@ -286,6 +289,8 @@ async def _work_items(
             except InputTooLong as too_long:  # named as the request names it, not by its place in this batch
                 raise InvalidInput(too_long.named([inputs[j][1] for j in texts])) from None
             tokenized(tokens.total_tokens)
+            if (timing := CALL_TIMING.get()) is not None:
+                timing.tokenized(since)
         n_tokens += tokens.total_tokens
         no_types: list[np.ndarray | None] = [None] * len(texts)
         types: Sequence[np.ndarray | None] = tokens.type_ids or no_types

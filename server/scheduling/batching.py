@@ -18,10 +18,13 @@ from typing import ClassVar, Protocol, cast
 import numpy as np
 
 from ...workers.contract.protocol import MediaBatch, TokenBatch
+from .timing import Interval
 
 
 class RequestLike(Protocol):
     """What the scheduler needs of a request (scheduler.PendingRequest)."""
+
+    computing: list[Interval]  # when each batch holding its inputs ran (timing.py)
 
     @property
     def done(self) -> bool: ...

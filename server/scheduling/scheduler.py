@@ -66,6 +66,7 @@ from .admission import (
     expected_wait,
 )
 from .batching import BatchLimits, WorkItem, interleave_callers, pack, queued_cost_reaches_budget, take_batch
+from .timing import CALL_TIMING, Interval
 from .worker_client import WorkerClient
 
 log = logging.getLogger("encoderd.scheduler")
@@ -120,13 +121,14 @@ class PendingRequest:
     into one array as they come: stacking 2,048 rows at the end held the event loop (and every
     other caller's query) ~5 ms on a loaded 2-core host, row by row."""
 
-    __slots__ = ("future", "ragged", "remaining", "rows")
+    __slots__ = ("computing", "future", "ragged", "remaining", "rows")
 
     def __init__(self, n_inputs: int, ragged: bool = False):
         self.future: asyncio.Future = asyncio.get_running_loop().create_future()
         self.rows: list | np.ndarray | None = [None] * n_inputs if ragged else None  # dense: made by the first row
         self.remaining = n_inputs
         self.ragged = ragged  # rows of different shapes (multi-vector, sparse): a list, not stacked
+        self.computing: list[Interval] = []  # when each batch holding its inputs ran (timing.py)
 
     @property
     def done(self) -> bool:
@@ -392,17 +394,21 @@ class ModelScheduler:
         rows took, against the time predicted, calibrates admission (admission.WaitCalibration):
         counted to the last row, as the caller waits, not the first, and from when the call reached
         the server (CALL_STARTED), not when it queued: what admitting and tokenizing it took under
-        load is time admission did not predict either."""
+        load is time admission did not predict either. The call's timing (timing.py) gets the same
+        span and its batches' compute."""
         queued_at = time.monotonic()
         predicted = self.submit(items, priority)
         try:
             rows = await request.future
         finally:
             request.future.cancel()  # no-op once done; makes take_batch drop queued inputs
+        answered_at = time.monotonic()
         if predicted is not None:
-            answered_at, started = time.monotonic(), CALL_STARTED.get()
+            started = CALL_STARTED.get()
             served_since = queued_at if started is None else min(started, queued_at)
             self.calibration.observe(predicted, answered_at - served_since, answered_at)
+        if (timing := CALL_TIMING.get()) is not None:
+            timing.ran(queued_at, answered_at, request.computing)
         return rows
 
     # ------------------------------------------------------------- the loop
@@ -566,7 +572,7 @@ class ModelScheduler:
         started, sent = time.perf_counter(), time.monotonic()
         try:
             packed = pack(batch, 0, urgent=priority == Priority.INTERACTIVE, ahead_of_bulk=priority == Priority.SPLIT)
-            rows = await replica.compute(packed)
+            rows, computed_s = await replica.compute_timed(packed)
         except Unavailable as exc:
             self._retry_or_fail(batch, priority, exc)
             return
@@ -582,6 +588,9 @@ class ModelScheduler:
             self.load[replica].add(tokens, priority, -1)
             self._wake.set()
         done = time.monotonic()
+        ran = (max(sent, done - computed_s), done)  # the worker's own time, ending as its result came back
+        for request in {id(item.request): item.request for item in batch}.values():
+            request.computing.append(ran)
         if self.drain[replica].observe(tokens, sent, done) and self._drains_measured():
             prior = sum(self.drain[r].cold for r in self.replicas if r.ready)
             self.drain_floor.observe(self.measured_tokens_per_s, done, prior)

@@ -259,6 +259,11 @@ class WorkerClient:
     # ---------------------------------------------------------------- batches
     async def compute(self, batch: protocol.TokenBatch | protocol.MediaBatch) -> np.ndarray | list:
         """Send one batch and wait for its output rows."""
+        rows, _ = await self.compute_timed(batch)
+        return rows
+
+    async def compute_timed(self, batch: protocol.TokenBatch | protocol.MediaBatch) -> tuple[np.ndarray | list, float]:
+        """Send one batch and wait for its output rows and the seconds the worker spent on it."""
         if not self.ready:
             raise Unavailable(f"model worker {self.label} is unavailable (crashed or restarting)")
         self._next_batch_id += 1
@@ -319,7 +324,7 @@ class WorkerClient:
             if header.error:
                 future.set_exception(worker_failure(header.code, f"model {self.label}: {header.error}"))
             else:
-                future.set_result(protocol.result_array(header, rest))
+                future.set_result((protocol.result_array(header, rest), header.compute_ns / 1e9))
         elif isinstance(header, protocol.WorkerReady) and not ready.done():
             ready.set_result(header)
         elif isinstance(header, protocol.WorkerFatal) and not ready.done():

@@ -35,7 +35,8 @@ PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>sdk page</titl
 const report = (result) => fetch("/result", {method: "POST", body: JSON.stringify(result)});
 fetch(API + "/v1/embeddings", {method: "POST", headers: HEADERS, body: JSON.stringify(BODY)})
   .then(async (response) => report({
-    status: response.status, body: await response.json(), requestId: response.headers.get("x-request-id")}))
+    status: response.status, body: await response.json(), requestId: response.headers.get("x-request-id"),
+    serverTiming: response.headers.get("server-timing")}))
   .catch((error) => report({error: String(error)}));
 </script></body></html>"""
 
@@ -126,7 +127,7 @@ def cors_server(tmp_path_factory, pages):
 
 def test_sdk_headers_pass_the_preflight_of_an_allowed_origin(cors_server, pages, tmp_path, minilm_path):
     """The page of the allowed origin gets its embedding, as sentence-transformers computes it, and
-    reads the exposed x-request-id; the page of another origin is refused by the browser (no CORS
+    reads the exposed x-request-id and Server-Timing; the page of another origin is refused by the browser (no CORS
     headers for it), its call never made."""
     from sentence_transformers import SentenceTransformer
 
@@ -136,5 +137,6 @@ def test_sdk_headers_pass_the_preflight_of_an_allowed_origin(cors_server, pages,
     want = SentenceTransformer(minilm_path, device="cpu").encode(["a page embeds this"])
     np.testing.assert_allclose(result["body"]["data"][0]["embedding"], want[0], atol=1e-5)
     assert result["requestId"]
+    assert "compute;dur=" in result["serverTiming"], result
     refused = other.visit(cors_server.rest_url, tmp_path)
     assert "error" in refused and "Failed to fetch" in refused["error"], refused

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import gzip
 import os
 import queue
 import re
@@ -468,6 +469,44 @@ def test_envoy_returns_the_request_id_on_both_ports(rest_server, stub, http):
         response = http.post("/embed", json=body, headers={"x-request-id": f"envoy-rest-{status}"})
         assert response.status_code == status, response.text
         assert response.headers.get_list("x-request-id") == [f"envoy-rest-{status}"]
+
+
+SERVER_TIMING = re.compile(r"tokenize;dur=([\d.]+), queue;dur=([\d.]+), compute;dur=([\d.]+), total;dur=([\d.]+)")
+
+
+def _assert_timed(value: str) -> None:
+    """A computed call's server-timing: its steps, in milliseconds, within its total."""
+    match = SERVER_TIMING.fullmatch(value)
+    assert match, value
+    tokenize, queue, compute, total = map(float, match.groups())
+    assert compute > 0 and tokenize + queue + compute <= total + 0.02, value  # each printed to 0.01 ms
+
+
+def test_where_a_calls_time_went_is_a_trailer_on_grpc_and_a_header_on_rest(rest_server, stub, http):
+    """Every answered unary call says where its time went (W3C Server-Timing): gRPC in a trailer,
+    REST in the header Envoy makes of it, over a gzip body too; errors carry none."""
+    _, call = stub.Embed.with_call(pb.EmbedRequest(inputs=["timed over grpc"]))
+    _assert_timed(dict(call.trailing_metadata())["server-timing"])
+    for path, body in (
+        ("/v1/embeddings", {"input": ["timed over rest", "and a second input"]}),
+        ("/v1/rerank", {"model": "reranker", "query": QUERY, "documents": DOCS[:3]}),
+    ):
+        response = http.post(path, json=body)
+        assert response.status_code == 200, response.text
+        _assert_timed(response.headers["server-timing"])
+    gzipped = http.post(
+        "/v1/embeddings",
+        content=gzip.compress(b'{"input": "timed with a gzip body"}'),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+    )
+    assert gzipped.status_code == 200, gzipped.text
+    _assert_timed(gzipped.headers["server-timing"])
+    assert re.fullmatch(r"total;dur=[\d.]+", http.get("/health").headers["server-timing"])  # no model work
+    refused = http.post("/v1/embeddings", json={"model": "nope", "input": "x"})
+    assert refused.status_code == 404 and "server-timing" not in refused.headers
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Embed(pb.EmbedRequest(model="nope", inputs=["x"]))
+    assert "server-timing" not in dict(err.value.trailing_metadata())
 
 
 def test_health_is_503_while_loading_and_envoy_dies_with_a_killed_server(tmp_path):
