@@ -109,7 +109,7 @@ def _count(counts: dict, outcome: str, started: float, timing: str | None = None
     """One flood call's outcome: counted, and kept as (when it was sent, from the flood's start;
     its latency), so the report can tell the flood's first burst from its steady state. An answered
     call's server-timing (`timing`) also keeps its latency less its own compute (WAITED: what issue
-    42 bounds by --max-queue-wait) and the server's part of that (SERVER_WAITED)."""
+    42 bounds by --max-queue-wait), the server's part of that (SERVER_WAITED) and the compute."""
     latency = time.monotonic() - started
     counts[outcome] = counts.get(outcome, 0) + 1
     sent_at = started - counts["began"]
@@ -118,9 +118,10 @@ def _count(counts: dict, outcome: str, started: float, timing: str | None = None
     if "compute" in steps:
         counts["latency"].setdefault(WAITED, []).append((sent_at, latency - steps["compute"]))
         counts["latency"].setdefault(SERVER_WAITED, []).append((sent_at, steps["total"] - steps["compute"]))
+        counts["latency"].setdefault(COMPUTED, []).append((sent_at, steps["compute"]))
 
 
-WAITED, SERVER_WAITED = "OK less compute", "OK server less compute"
+WAITED, SERVER_WAITED, COMPUTED = "OK less compute", "OK server less compute", "OK compute"
 
 
 def server_timing(header: str | None) -> dict[str, float]:
@@ -512,6 +513,8 @@ def measure(address: str, seconds: float, flood: Flood, server_pid: int = 0) -> 
         "waited_max_ms": _pct(_latencies(latency.get(WAITED, [])), 100),
         "server_waited_p99_ms": _pct(_latencies(latency.get(SERVER_WAITED, [])), 99),
         "server_waited_max_ms": _pct(_latencies(latency.get(SERVER_WAITED, [])), 100),
+        "computed_p50_ms": _pct(_latencies(latency.get(COMPUTED, [])), 50),
+        "computed_p99_ms": _pct(_latencies(latency.get(COMPUTED, [])), 99),
         "flood_refused_p50_ms": _pct(_latencies(turned_away), 50),
         "flood_refused_p99_ms": _pct(_latencies(turned_away), 99),
         # the first burst's refusals: every client's first call at once, refused in turn by one loop
@@ -634,7 +637,8 @@ def report(rows: list[dict]) -> None:
             print(
                 f"{r['server']}: accepted calls less their own compute (server-timing): p50 {f(r['waited_p50_ms'])}, "
                 f"p99 {f(r['waited_p99_ms'])}, max {f(r['waited_max_ms'])} ms; of it in the server p99 "
-                f"{f(r['server_waited_p99_ms'])}, max {f(r['server_waited_max_ms'])} ms"
+                f"{f(r['server_waited_p99_ms'])}, max {f(r['server_waited_max_ms'])} ms; their compute p50 "
+                f"{f(r['computed_p50_ms'])}, p99 {f(r['computed_p99_ms'])} ms"
             )
         if cpu:
             print(f"{r['server']}: CPU per flood call: {', '.join(cpu)}")
