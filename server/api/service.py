@@ -18,7 +18,7 @@ from ..models import model_resolver, multimodal, postprocess, request_options
 from ..models.media import Content
 from ..models.registry import ModelRegistry
 from ..scheduling import timing
-from ..scheduling.admission import CALL_DEADLINE, CALL_STARTED
+from ..scheduling.admission import CALL_DEADLINE
 from .auth import presented_key
 from .handlers import MalformedRequest
 from .messages import with_embeddings
@@ -157,11 +157,9 @@ def rpc(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
-        # Admission's calibration counts a unary call's wait from here (a stream's messages each
-        # queue long after the stream began: they count from their own submit); so does its timing.
-        started = time.monotonic()
-        CALL_STARTED.set(started)
-        call_timing = timing.CallTiming(started)
+        # A unary call's timing, and admission's calibration, count from here (a stream's messages
+        # each queue long after the stream began: they count from their own submit).
+        call_timing = timing.CallTiming(time.monotonic())
         timing.CALL_TIMING.set(call_timing)
         async with _Observed(self, method.__name__, getattr(request, "model", ""), context) as (rid_metadata, proxied):
             if isinstance(request, MalformedRequest):

@@ -42,10 +42,6 @@ RATE_MEMORY_S = 2.0
 # The monotonic time by which the current call must be answered (its gRPC deadline), None without
 # one. Set per call by the service layer (service.py), read where the scheduler admits work.
 CALL_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_deadline", default=None)
-# The monotonic time the current call reached the server's handler, None for in-process callers. Set
-# per call by the service layer; the calibration counts a call's wait from it, so the time it spent
-# being admitted and tokenized under a flood (up to 0.26 s in bench.flood) is part of what it learns.
-CALL_STARTED: contextvars.ContextVar[float | None] = contextvars.ContextVar("call_started", default=None)
 
 
 class DrainRate:

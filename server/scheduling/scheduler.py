@@ -57,7 +57,6 @@ from ..base import metrics
 from ..base.errors import Overloaded, Unavailable
 from .admission import (
     CALL_DEADLINE,
-    CALL_STARTED,
     DrainFloor,
     DrainRate,
     TokenEstimate,
@@ -393,21 +392,20 @@ class ModelScheduler:
         """Queue the inputs and wait for all their rows; cancellation drops queued ones. The time the
         rows took, against the time predicted, calibrates admission (admission.WaitCalibration):
         counted to the last row, as the caller waits, not the first, and from when the call reached
-        the server (CALL_STARTED), not when it queued: what admitting and tokenizing it took under
-        load is time admission did not predict either. The call's timing (timing.py) gets the same
-        span and its batches' compute."""
+        the server (its CALL_TIMING's start), not when it queued: what admitting and tokenizing it
+        took under load (up to 0.26 s in bench.flood) is time admission did not predict either. The
+        call's timing (timing.py) also gets the span it queued and its batches' compute."""
         queued_at = time.monotonic()
         predicted = self.submit(items, priority)
         try:
             rows = await request.future
         finally:
             request.future.cancel()  # no-op once done; makes take_batch drop queued inputs
-        answered_at = time.monotonic()
+        answered_at, timing = time.monotonic(), CALL_TIMING.get()
         if predicted is not None:
-            started = CALL_STARTED.get()
-            served_since = queued_at if started is None else min(started, queued_at)
+            served_since = queued_at if timing is None else min(timing.started, queued_at)
             self.calibration.observe(predicted, answered_at - served_since, answered_at)
-        if (timing := CALL_TIMING.get()) is not None:
+        if timing is not None:
             timing.ran(queued_at, answered_at, request.computing)
         return rows
 

@@ -59,7 +59,8 @@ class CallTiming:
         return ", ".join(f"{name};dur={seconds * 1000:.2f}" for name, seconds in figures)
 
 
-# The current unary call's timing (None outside one: streams, in-process callers).
+# The current unary call's timing (None outside one: streams, in-process callers). Its `started` is
+# also where admission's calibration counts the call's wait from (ModelScheduler.run).
 CALL_TIMING: contextvars.ContextVar[CallTiming | None] = contextvars.ContextVar("call_timing", default=None)
 
 # The trailer's name; Envoy moves it into REST responses' headers (gateway/server_timing.lua).

@@ -18,7 +18,6 @@ from encoderd.server.scheduling.admission import (
     CALIBRATION_HORIZON_S,
     CALIBRATION_RANGE,
     CALL_DEADLINE,
-    CALL_STARTED,
     COLD_SHARE,
     DRAIN_FLOOR_S,
     DrainFloor,
@@ -30,6 +29,7 @@ from encoderd.server.scheduling.admission import (
 )
 from encoderd.server.scheduling.batching import BatchLimits
 from encoderd.server.scheduling.scheduler import ModelScheduler, Priority
+from encoderd.server.scheduling.timing import CALL_TIMING, CallTiming
 from encoderd.workers.contract.protocol import WorkerReady
 
 # ------------------------------------------------------------------ the drain rate
@@ -467,13 +467,13 @@ async def test_a_unary_call_is_calibrated_from_when_it_reached_the_server(held):
     scheduler.calibration.observe = lambda predicted, served, now: seen.append(served)
     worker.release.set()
     pending, items = request(range(4), length=100)
-    token = CALL_STARTED.set(time.monotonic() - 1000.0)  # admitted and tokenized for 1,000 s, say
+    token = CALL_TIMING.set(CallTiming(time.monotonic() - 1000.0))  # admitted and tokenized for 1,000 s, say
     try:
         await scheduler.run(items, pending)
     finally:
-        CALL_STARTED.reset(token)
+        CALL_TIMING.reset(token)
     pending, items = request(range(4, 8), length=100)
-    await scheduler.run(items, pending)  # in-process (no CALL_STARTED): from when it queued
+    await scheduler.run(items, pending)  # in-process (no CALL_TIMING): from when it queued
     assert seen[0] >= 1000.0 and seen[1] < 1000.0  # the old code counted both from their submit
 
 
