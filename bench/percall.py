@@ -7,7 +7,12 @@ It starts `encoderd serve` with its default flags (this checkout; with --compare
 command from git REF, exported to a temporary folder), both at once, and sends each the same
 sequential single short queries (bench.mixed's QUERIES, numbered so no result cache answers one)
 in blocks of --block, alternating between the servers block by block, so both meet about the same
-load on a shared host. Each block's CPU seconds come from /proc (utime + stime, all threads):
+load on a shared host. Two servers are compared in both start orders, half the queries each (the
+reference started first, then this checkout first), and each order's ratios are printed before the
+whole run's: a pair of servers started once carries its own placement luck, which one order alone
+counts as the change's (A/A runs of one commit against itself on a 2-vCPU Zen 4 VM read p50 0.94-1.06
+and frontend CPU 0.95-1.07 with one order, in four runs of six in favour of the server started second).
+Each block's CPU seconds come from /proc (utime + stime, all threads):
   frontend  the `encoderd serve` process (gRPC, tokenizing, batching, the answer);
   workers   its other processes (the model workers; the idle zygote adds nothing);
   envoy     with --rest, its Envoy (JSON <-> gRPC), and the queries go to POST /v1/embeddings.
@@ -92,6 +97,12 @@ class Target:
             self.cpu[name] += sum(cpu_seconds(p) for p in pids) - before[name]
         self.calls += calls
 
+    def merge(self, other: Target) -> None:
+        """Add another run's calls of the same server (the other start order)."""
+        self.latencies += other.latencies
+        self.cpu = {name: seconds + other.cpu[name] for name, seconds in self.cpu.items()}
+        self.calls += other.calls
+
     def result(self) -> dict:
         ms = np.array(self.latencies) * 1000
         per_call = {f"{name}_cpu_ms": 1000 * seconds / self.calls for name, seconds in self.cpu.items()}
@@ -112,6 +123,20 @@ def _comm(pid: int) -> str:
 
 
 def run(servers: list[tuple[str, str | None]], serve_args: list[str], args) -> list[dict]:
+    """One server's results; or two servers' over both start orders, each order's ratios printed."""
+    if len(servers) == 1:
+        return [t.result() for t in measure(servers, serve_args, args, args.queries)]
+    half = max(args.block, args.queries // 2)
+    orders = [measure(servers, serve_args, args, half), measure(servers[::-1], serve_args, args, half)[::-1]]
+    for (a, b), started in zip(orders, ("the reference", "this checkout"), strict=True):
+        print(f"{started} started first: {b.label} / {a.label}: {ratios(a.result(), b.result())}")
+    for mine, theirs in zip(*orders, strict=True):
+        mine.merge(theirs)
+    return [t.result() for t in orders[0]]
+
+
+def measure(servers: list[tuple[str, str | None]], serve_args: list[str], args, queries: int) -> list[Target]:
+    """The servers started in the order given, then measured block by block, alternated."""
     logs = Path(tempfile.mkdtemp(prefix="encoderd-percall-"))
     targets: list[Target] = []
     try:
@@ -122,12 +147,12 @@ def run(servers: list[tuple[str, str | None]], serve_args: list[str], args) -> l
         for target in targets:
             for _ in range(WARM_UP):
                 target.query()
-        blocks = max(1, args.queries // args.block)
+        blocks = max(1, queries // args.block)
         for b in range(blocks):
             # ABAB... then BABA...: neither server always runs right after the other's block
             for target in targets if b % 2 == 0 else reversed(targets):
                 target.block(args.block, args.gap)
-        return [t.result() for t in targets]
+        return targets
     finally:
         for target in targets:
             target.server.stop()
@@ -145,17 +170,23 @@ def report(rows: list[dict], rest: bool) -> None:
         print(line + (f" {r['envoy_cpu_ms']:8.3f}" if rest else ""))
     if len(rows) == 2:
         a, b = rows
-        ratios = ", ".join(
-            f"{key.removesuffix('_ms').removesuffix('_cpu')} {b[key] / a[key]:.2f}"
-            for key in ("frontend_cpu_ms", "workers_cpu_ms", "p50_ms", "p99_ms")
-            if a[key]
-        )
-        print(f"{b['server']} / {a['server']}: {ratios}")
+        print(f"{b['server']} / {a['server']}: {ratios(a, b)}")
+
+
+def ratios(a: dict, b: dict) -> str:
+    """b's CPU per call and latencies over a's."""
+    return ", ".join(
+        f"{key.removesuffix('_ms').removesuffix('_cpu')} {b[key] / a[key]:.2f}"
+        for key in ("frontend_cpu_ms", "workers_cpu_ms", "p50_ms", "p99_ms")
+        if a[key]
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--queries", type=int, default=3000, help="timed calls per server (default: %(default)s)")
+    parser.add_argument(
+        "--queries", type=int, default=3000, help="timed calls per server, over both orders (default: %(default)s)"
+    )
     parser.add_argument("--block", type=int, default=100, help="calls per block (default: %(default)s)")
     parser.add_argument("--gap", type=float, default=0.0, help="seconds between calls (default: back to back)")
     parser.add_argument("--rest", action="store_true", help="POST /v1/embeddings through Envoy instead of gRPC")

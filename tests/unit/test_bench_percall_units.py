@@ -3,6 +3,8 @@ cache answers one; with --varied, of ~50 token counts in turn) and its report's 
 
 from __future__ import annotations
 
+import pytest
+
 from encoderd.bench import percall
 
 
@@ -42,3 +44,32 @@ def test_report_gives_this_checkout_over_the_reference(capsys):
     row = {"calls": 10, "p50_ms": 4.0, "p99_ms": 8.0, "frontend_cpu_ms": 2.0, "workers_cpu_ms": 3.0, "envoy_cpu_ms": 0}
     percall.report([{"server": "ref main", **row}, {**row, "server": "this checkout", "frontend_cpu_ms": 1.5}], False)
     assert "this checkout / ref main: frontend 0.75, workers 1.00, p50 1.00, p99 1.00" in capsys.readouterr().out
+
+
+def test_two_servers_are_measured_in_both_start_orders_and_merged(monkeypatch, capsys):
+    """Each server's calls and CPU add up over the two orders; each order's ratios are printed."""
+    orders = []
+
+    def measure(servers, serve_args, args, queries):
+        orders.append([label for label, _ in servers])
+        made = []
+        for label, _ in servers:
+            target = percall.Target(label, server=None, address="127.0.0.1:1", rest_url="")
+            slower = 2.0 if label == "this checkout" and len(orders) == 2 else 1.0  # slower in one order only
+            target.latencies = [0.004 * slower] * queries
+            target.cpu = {"frontend": 0.002 * queries * slower, "workers": 0.003 * queries, "envoy": 0.0}
+            target.calls = queries
+            made.append(target)
+        return made
+
+    monkeypatch.setattr(percall, "measure", measure)
+    args = percall.argparse.Namespace(queries=400, block=100)
+    rows = percall.run([("ref main", "/tmp/x"), ("this checkout", None)], [], args)
+    assert orders == [["ref main", "this checkout"], ["this checkout", "ref main"]]
+    assert [r["server"] for r in rows] == ["ref main", "this checkout"]
+    assert [r["calls"] for r in rows] == [400, 400]
+    assert rows[0]["frontend_cpu_ms"] == pytest.approx(2.0)
+    assert rows[1]["frontend_cpu_ms"] == pytest.approx(3.0)  # 2 ms per call in one half, 4 in the other
+    out = capsys.readouterr().out
+    assert "the reference started first: this checkout / ref main: frontend 1.00" in out
+    assert "this checkout started first: this checkout / ref main: frontend 2.00" in out
