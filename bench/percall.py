@@ -10,8 +10,8 @@ in blocks of --block, alternating between the servers block by block, so both me
 load on a shared host. Two servers are compared in both start orders, half the queries each (the
 reference started first, then this checkout first), and each order's ratios are printed before the
 whole run's: a pair of servers started once carries its own placement luck, which one order alone
-counts as the change's (A/A runs of one commit against itself on a 2-vCPU Zen 4 VM read p50 0.94-1.06
-and frontend CPU 0.95-1.07 with one order, in four runs of six in favour of the server started second).
+counts as the change's (A/A runs of one commit against itself on a 2-vCPU Zen 4 VM read p50 0.95-1.06
+and frontend CPU 0.95-1.08 with one order; each gap over 3 % favoured the server started second).
 Each block's CPU seconds come from /proc (utime + stime, all threads):
   frontend  the `encoderd serve` process (gRPC, tokenizing, batching, the answer);
   workers   its other processes (the model workers; the idle zygote adds nothing);
