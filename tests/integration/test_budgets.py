@@ -210,7 +210,9 @@ def test_a_flood_is_refused_at_once_with_retry_after(server):
     assert latencies, f"no probe was refused under the flood: {counts}"
     assert counts.get("RESOURCE_EXHAUSTED", 0) > 0 and counts["ok"] > 0
     assert set(counts) <= {"sent", "ok", "RESOURCE_EXHAUSTED"}, counts  # overload is refused, nothing else
-    assert rest.status_code == 429 and rest.headers["retry-after"] == "1"
+    # Whole seconds: 1 from the queue's bound, more from the wait's (admission.Refusal) where the work queued
+    # ahead would take over a second beyond --max-queue-wait: which one refuses depends on the host's speed.
+    assert rest.status_code == 429 and int(rest.headers["retry-after"]) >= 1
     assert rest.json()["error"]["code"] == "resource_exhausted"
     latencies.sort()
     print(
