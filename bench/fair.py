@@ -16,9 +16,13 @@ the frontend's work too.
 Each round runs solo then shared, so the two see the same machine; --rounds N gives N pairs, and
 with --compare-ref both servers run at once, their rounds alternated (one of each, then the next),
 so both meet about the same load on a shared host; the report puts each round's ratios side by
-side: query p99 shared / idle p99, big inputs/s shared / solo. Every big call's texts are new (a
-counter in each), so no result cache or in-flight sharing shortens one. A benchmark, not a test:
-it prints a table and asserts nothing.
+side: query p99 shared / idle p99, big inputs/s shared / solo. Two servers are compared in both
+start orders (the reference started first for the first half of the rounds, then the pair started
+again with this checkout first): a pair started once carries its own placement luck (bench.percall
+measured A/A gaps of 3-6 %, each in favour of the server started second); each order's medians are
+printed before the whole run's table, whose "1st" column says whether a round's server was started
+first. Every big call's texts are new (a counter in each), so no result cache or in-flight sharing
+shortens one. A benchmark, not a test: it prints a table and asserts nothing.
 
 Where a slow query's time went, per round (a second table):
   * when: the shared queries by when each started against the big call (the first BOUNDARY_S of
@@ -214,26 +218,40 @@ def shared_phase(address: str, big: BigCaller, calls: int, first: int, loop_prob
 
 
 class Bench:
-    """One server's measurements: `warm` (its warm-up and idle phase), then `round` after round."""
+    """One server's measurements: `warm` (its warm-up and idle phase), then `round` after round;
+    `merge` adds the same server's measurements from the other start order."""
 
-    def __init__(self, address: str, rest_port: int | None, cpu: CpuProbe, args):
+    def __init__(self, address: str, rest_port: int | None, cpu: CpuProbe, args, started_first: bool = True):
         self.address, self.cpu, self.args = address, cpu, args
+        self.started_first = started_first  # of the pair of servers this run started
         self.stub = encoderd_pb2_grpc.EncoderStub(grpc.insecure_channel(address))
         self.big = BigCaller(address, rest_port)
-        self.out: dict = {"rounds": []}
+        self.idle: list[float] = []
+        self.idle_health: list[float] = []
+        self.rounds: list[dict] = []
 
     def warm(self) -> None:
         query_latencies(self.stub, 2)
         self.big.calls(1, first=10_000)  # the first big call warms the workers' shapes and the drain rate
-        idle = query_latencies(self.stub, self.args.idle_seconds, QUERY_GAP_S)
-        self.out.update(idle_p50_ms=pct(idle, 50), idle_p99_ms=pct(idle, 99), idle_n=len(idle))
+        self.idle = query_latencies(self.stub, self.args.idle_seconds, QUERY_GAP_S)
         if self.args.loop_probe:
             health = Queries(self.address, health=True)
             health.start()
             time.sleep(self.args.idle_seconds / 2)
             health.stop.set()
             health.join(60)
-            self.out["idle_health_p99_ms"] = pct(health.latencies, 99)
+            self.idle_health = health.latencies
+
+    def merge(self, other: Bench) -> None:
+        self.idle += other.idle
+        self.idle_health += other.idle_health
+        self.rounds += other.rounds
+
+    def result(self) -> dict:
+        out = {"idle_p50_ms": pct(self.idle, 50), "idle_p99_ms": pct(self.idle, 99), "idle_n": len(self.idle)}
+        if self.idle_health:
+            out["idle_health_p99_ms"] = pct(self.idle_health, 99)
+        return {**out, "rounds": self.rounds}
 
     def round(self, r: int) -> None:
         """Idle queries, the big calls solo, then shared: the round's ratios are against its own idle
@@ -261,9 +279,18 @@ class Bench:
             "cores_solo": CpuProbe.cores(before, middle),
             "cores_shared": CpuProbe.cores(middle, after),
             "health_p99_ms": pct(health.latencies, 99) if health else None,
+            "started_first": self.started_first,
         }
         row["big_per_bulk_cycle"] = per_cycle(row)
-        self.out["rounds"].append(row)
+        self.rounds.append(row)
+
+
+def medians(result: dict) -> str:
+    """A server's rounds in two numbers: the medians of query p99 / idle p99 and big shared / solo."""
+    rounds = result["rounds"]
+    p99 = np.median([row["query_p99_vs_idle"] for row in rounds])
+    big = np.median([row["big_shared_vs_solo"] for row in rounds])
+    return f"query p99/idle {p99:.2f}, big shared/solo {big:.2f} (medians of {len(rounds)} rounds)"
 
 
 def report(label: str, result: dict) -> None:
@@ -272,12 +299,13 @@ def report(label: str, result: dict) -> None:
         f"({result['idle_n']} queries)"
     )
     print(
-        f"{'round':>5} {'idle p99':>8} {'queries':>7} {'q p50 ms':>9} {'q p99 ms':>9} {'p99/idle':>9} "
+        f"{'round':>5} {'1st':>3} {'idle p99':>8} {'queries':>7} {'q p50 ms':>9} {'q p99 ms':>9} {'p99/idle':>9} "
         f"{'big solo in/s':>13} {'big shared in/s':>15} {'shared/solo':>11}  queries failed"
     )
     for i, row in enumerate(result["rounds"], start=1):
+        first = "yes" if row["started_first"] else "no"
         print(
-            f"{i:>5} {row['idle_p99_ms']:8.1f} {row['queries']:>7} {row['query_p50_ms']:9.1f} "
+            f"{i:>5} {first:>3} {row['idle_p99_ms']:8.1f} {row['queries']:>7} {row['query_p50_ms']:9.1f} "
             f"{row['query_p99_ms']:9.1f} "
             f"{row['query_p99_vs_idle']:9.2f} {row['solo_inputs_per_s']:13.1f} {row['shared_inputs_per_s']:15.1f} "
             f"{row['big_shared_vs_solo']:11.2f}  {row['queries_failed'] or '-'}"
@@ -300,9 +328,30 @@ def report(label: str, result: dict) -> None:
             print(f"     big inputs per bulk-lane CPU second, shared / solo: {row['big_per_bulk_cycle']:.2f}")
 
 
-def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], logs: Path, args) -> dict:
-    """All servers up at once, their rounds alternated (one round of each, then the next), so each
-    round of each meets about the same load on a shared host."""
+def run(servers: list[tuple[str, str | None]], serve_args: list[str], logs: Path, args) -> dict[str, dict]:
+    """Each server's results; two servers are run in both start orders, the reference first for the
+    first half of the rounds (the odd one of an odd count), each order's medians printed."""
+    if len(servers) == 1:
+        return {label: bench.result() for label, bench in run_servers(servers, serve_args, logs, args).items()}
+    first_half = (args.rounds + 1) // 2
+    orders = [
+        run_servers(servers, serve_args, logs / "reference-first", args, first_half),
+        run_servers(servers[::-1], serve_args, logs / "this-first", args, args.rounds - first_half),
+    ]
+    for order, started in zip(orders, ("the reference", "this checkout"), strict=True):
+        print(f"{started} started first: " + "; ".join(f"{k}: {medians(b.result())}" for k, b in order.items()))
+    for label, bench in orders[0].items():
+        bench.merge(orders[1][label])
+    return {label: bench.result() for label, bench in orders[0].items()}
+
+
+def run_servers(
+    servers: list[tuple[str, str | None]], serve_args: list[str], logs: Path, args, rounds: int | None = None
+) -> dict[str, Bench]:
+    """All servers up at once, started in the order given, their rounds alternated (one round of
+    each, then the next), so each round of each meets about the same load on a shared host."""
+    rounds = args.rounds if rounds is None else rounds
+    logs.mkdir(parents=True, exist_ok=True)
     started: dict[str, tuple[Managed, str, int | None]] = {}
     benches: dict[str, Bench] = {}
     try:
@@ -316,14 +365,15 @@ def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], lo
             started[label] = (Managed(label, argv, log_path, env=env, cwd=checkout).start(), address, rest_port)
         for label, (server, address, rest_port) in started.items():
             wait_until(lambda address=address: grpc_serving(address), label, server, timeout=300)
-            benches[label] = Bench(address, rest_port, server_cpu(server.pid), args)
+            first = label == servers[0][0]
+            benches[label] = Bench(address, rest_port, server_cpu(server.pid), args, started_first=first)
         for bench in benches.values():
             bench.warm()
-        for r in range(args.rounds):
+        for r in range(rounds):
             for label, bench in benches.items():
-                print(f"[fair] {label}: round {r + 1} of {args.rounds} ({args.big_calls} big calls)", file=sys.stderr)
+                print(f"[fair] {label}: round {r + 1} of {rounds} ({args.big_calls} big calls)", file=sys.stderr)
                 bench.round(r)
-        return {label: bench.out for label, bench in benches.items()}
+        return benches
     finally:
         for bench in benches.values():
             bench.big.close()
@@ -333,7 +383,12 @@ def run_servers(servers: list[tuple[str, str | None]], serve_args: list[str], lo
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="solo / shared pairs (default: %(default)s)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="solo / shared pairs per server, with --compare-ref over both start orders (default: %(default)s)",
+    )
     parser.add_argument("--big-calls", type=int, default=2, help="big calls per phase (default: %(default)s)")
     parser.add_argument("--idle-seconds", type=float, default=10, help="length of the idle query phase")
     parser.add_argument("--compare-ref", help="also run the server of this git ref (e.g. a commit before a change)")
@@ -349,10 +404,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
+    if args.rounds < (2 if args.compare_ref else 1):
+        parser.error("--rounds must be at least 1, and 2 with --compare-ref (a round in each start order)")
     logs = Path(tempfile.mkdtemp(prefix="encoderd-fair-"))
     serve_args = shlex.split(args.serve_args)
     servers = checkouts(args.compare_ref)
-    results = run_servers(servers, serve_args, logs, args)
+    results = run(servers, serve_args, logs, args)
     for label, result in results.items():
         report(label, result)
     if args.json:
