@@ -583,13 +583,14 @@ def _by_onednn(layer: packed_linear.PackedLinear, x: torch.Tensor, activation: s
 @needs_bf16_gemm
 @pytest.mark.parametrize("activation", ["none", "gelu", "relu"])
 @pytest.mark.parametrize(("k", "n"), [(384, 1152), (384, 1536), (1536, 384), (34, 100)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 16, 24, 32, 40, 56, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 10, 11, 12, 16, 24, 32, 40, 56, 64])
 def test_bf16_gemm_is_onednns_linear_within_bfloat16_rounding(rows, k, n, activation, one_thread, monkeypatch):
     """The few-row GEMM against oneDNN's _linear_pointwise on the same packed layer (what serves these rows
     on the old code) and float32's linear on the same bfloat16 values: within one bfloat16 step of
     oneDNN's, no further from float32 than twice oneDNN's own error, and nearly every value bit-identical
-    (both sum pairs of products in float32 and round once). Tiles of 1 to 8 rows (then 4-row tiles), every
-    tile width, a partial last vector (n = 100) and an odd number of pairs (k = 34); MiniLM's four shapes.
+    (both sum pairs of products in float32 and round once). Tiles of 1 to 8 rows (to 10 rows, in tiles of
+    up to 8 that prefetch the next weights, 9 = 5 + 4; then 4-row tiles), every tile width, a partial last
+    vector (n = 100) and an odd number of pairs (k = 34); MiniLM's four shapes.
     Past 32 rows (AMX tiles: a group of 32 rows, then one or two blocks) k = 34 keeps oneDNN."""
     monkeypatch.setattr(host_kernels, "SMALL_LINEAR_ROWS", 64)  # every row count, whatever this CPU serves by it
     if rows > host_kernels.VECTOR_GEMM_ROWS and k % host_kernels.TILE_DEPTH:

@@ -882,7 +882,9 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
  * consecutive k, the 16 columns' two values side by side (64 bytes: one vector), the operand layout
  * vdpbf16ps reads. The panels are the outer loop, the input's row tiles the inner one: each weight is
  * read from memory once per call (a query's rows fit one or a few tiles, each in L1), a panel group
- * again from L1/L2 for the next row tile.
+ * again from L1/L2 for the next row tile. A query's rows are too little work per weight to hide the
+ * weights' way from L3 or memory (MiniLM's 21 MB a query): the tiles of 5 to 8 rows prefetch the next
+ * panel group into L2 as they compute (bf16_prefetch).
  *
  * A tile of few rows has few accumulators, too few to cover vdpbf16ps' latency; it takes more vectors
  * (bf16_tile_vectors). Built only where the compiler targets avx512_bf16; bf16_gemm_rows() says
@@ -891,7 +893,12 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
  * Where the build targets AMX, the same packed panels are the tiles' right operand (16 pairs of k a
  * tile) and the products run by tiles instead (bf16_linear_by_tiles), into the same epilogue. */
 #define BF16_ROWS 8       /* rows of a register tile */
-#define BF16_ROWS_MANY 4  /* ... where the input has more rows than BF16_ROWS (4 x 6 took 3-8 % less than 8 x 3) */
+#define BF16_ROWS_MANY 4  /* ... where the input has more rows than BF16_EIGHTS_UP_TO */
+/* Inputs of up to this many rows go in tiles of up to 8 rows, which prefetch (bf16_prefetch): 2 x 5 x 3 took
+ * 0.83-0.97x the time of 4 + 4 + 2 rows x 6 at 9-10 rows; at 12-16 rows 2 x 8 x 3 took 0.89-1.04x, as the
+ * host's memory was busier or less (MiniLM's four linears, Zen 4, one thread, bench.small_linear
+ * --compare-ref; without the prefetch 4 x 6 took 3-8 % less than 8 x 3). */
+#define BF16_EIGHTS_UP_TO 10
 #define BF16_VECTORS_MAX 8 /* 16-column vectors of a register tile, at most */
 /* Rows up to which the AMX tiles serve (bf16_gemm_rows). oneDNN compiles a GEMM primitive for every row count
  * it meets and keeps a few dozen (workers/memory.py): on a Xeon with AMX a new count cost MiniLM's four linears
@@ -1078,17 +1085,35 @@ static int bf16_linear_by_tiles(const uint16_t *a, int64_t rows, int64_t k, cons
 }
 #endif
 
+/* The weights a tile prefetches into L2 as it computes: `lines` 64-byte lines a pair of k, from `from` up
+ * to `end` (none where they are equal): its share of the next panel group, which the first tile of that
+ * group would otherwise wait for. Only tiles of 3 vectors or fewer prefetch (the tiles of 5 to 8 rows and
+ * the rest of their rows; a constant test where the tile is inlined): in the 4 x 6 tiles (31 of the 32
+ * vector registers) the same loop, even with no line to fetch, took 10-30 % more time; with it, the 8 x 3
+ * tiles took 0.80-0.85x at 5-8 rows (MiniLM's four linears; bge-base's 0.85-0.97x; Zen 4, one thread). */
+struct bf16_prefetch {
+    const char *from, *end;
+    int lines;
+};
+
 /* One register tile: `rows` rows of a (row stride k) times `vectors` panels from `panel` on, columns from
  * `column`; always inlined with constant rows and vectors, so the accumulators live in registers. */
 static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *a, int64_t k, const uint16_t *panel,
                                                             int64_t row, int64_t column, int rows, int vectors,
-                                                            const struct bf16_epilogue *e) {
+                                                            const struct bf16_epilogue *e,
+                                                            const struct bf16_prefetch *ahead) {
     __m512 acc[BF16_ROWS][BF16_VECTORS_MAX];
     UNROLLED for (int i = 0; i < rows; i++)
         UNROLLED for (int v = 0; v < vectors; v++)
             acc[i][v] = _mm512_setzero_ps();
     const int64_t panel_values = k * 16;
+    const char *next = ahead->from;
     for (int64_t g = 0; g < k; g += 2) {
+        if (vectors <= 3 && next < ahead->end) {
+            for (int l = 0; l < ahead->lines; l++)
+                __builtin_prefetch(next + 64 * l, 0, 2);
+            next += 64 * ahead->lines;
+        }
         __m512bh weights[BF16_VECTORS_MAX];
         UNROLLED for (int v = 0; v < vectors; v++)
             weights[v] = (__m512bh)_mm512_loadu_si512(panel + v * panel_values + g * 16);
@@ -1111,7 +1136,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *a, i
  * bf16_tile_vectors(rows), as 8, 6, 3, 2 or 1). */
 #define BF16_TILE(r, vs)                                                                                             \
     case vs:                                                                                                         \
-        bf16_tile(a, k, panel, row, column, r, vs, e);                                                               \
+        bf16_tile(a, k, panel, row, column, r, vs, e, ahead);                                                        \
         break;
 #define BF16_TILES_UP_TO_3(r) BF16_TILE(r, 1) BF16_TILE(r, 2) BF16_TILE(r, 3)
 #define BF16_TILES_UP_TO_6(r) BF16_TILES_UP_TO_3(r) BF16_TILE(r, 6)
@@ -1122,7 +1147,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *a, i
         break;
 
 static void bf16_tiles(const uint16_t *a, int64_t k, const uint16_t *panel, int64_t row, int64_t column, int rows,
-                       int vectors, const struct bf16_epilogue *e) {
+                       int vectors, const struct bf16_epilogue *e, const struct bf16_prefetch *ahead) {
     switch (rows) {
         BF16_TILE_ROWS(1, BF16_TILES_UP_TO_8)
         BF16_TILE_ROWS(2, BF16_TILES_UP_TO_8)
@@ -1135,35 +1160,45 @@ static void bf16_tiles(const uint16_t *a, int64_t k, const uint16_t *panel, int6
     }
 }
 
-/* `vectors` panels as tiles of the widths bf16_tiles instantiates (8, 6, 3, 2, 1). */
+/* `vectors` panels as tiles of the widths bf16_tiles instantiates (8, 6, 3, 2, 1); the first prefetches
+ * `ahead` (a group split into several widths is the last: nothing follows it). */
 static void bf16_panels(const uint16_t *a, int64_t k, const uint16_t *panel, int64_t row, int64_t column, int rows,
-                        int vectors, const struct bf16_epilogue *e) {
+                        int vectors, const struct bf16_epilogue *e, const struct bf16_prefetch *ahead) {
     static const int widths[] = {8, 6, 3, 2, 1};
+    const struct bf16_prefetch none = {0};
     for (int w = 0; vectors > 0; w++)
         while (vectors >= widths[w]) {
-            bf16_tiles(a, k, panel, row, column, rows, widths[w], e);
+            bf16_tiles(a, k, panel, row, column, rows, widths[w], e, ahead);
             panel += widths[w] * k * 16, column += widths[w] * 16, vectors -= widths[w];
+            ahead = &none;
         }
 }
 
 /* out (rows x n bfloat16) = activation(a x w^T + bias) for a (rows x k bfloat16, dense; k even), w packed
  * by pack_bf16_weights, bias round_up(n, 16) float32 (NULL: none). The rows are split into tiles of equal
- * size (up to 8 rows: one tile; 12 rows: 4 + 4 + 4), whose width in vectors is the one of the largest. */
+ * size (up to 8 rows: one tile; 10 rows: 5 + 5; 12 rows: 4 x 3), whose width in vectors is the one of the
+ * largest; each row tile prefetches an equal share of the next panel group. */
 void bf16_linear_rows(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, int activation, uint16_t *out) {
     struct bf16_epilogue e = {bias, n, activation, out};
     if (bf16_linear_by_tiles(a, rows, k, packed, &e))
         return;
-    int64_t most = rows <= BF16_ROWS ? BF16_ROWS : BF16_ROWS_MANY;
+    int64_t most = rows <= BF16_EIGHTS_UP_TO ? BF16_ROWS : BF16_ROWS_MANY;
     int64_t tiles = (rows + most - 1) / most;
     int tile_rows = (int)((rows + tiles - 1) / tiles);
     int vectors = bf16_tile_vectors(tile_rows);
     int64_t panels = (n + 15) / 16;
     for (int64_t p = 0; p < panels; p += vectors) {
         int group = panels - p < vectors ? (int)(panels - p) : vectors;
-        for (int64_t row = 0; row < rows; row += tile_rows) {
+        int64_t after = p + group, next_panels = panels - after < vectors ? panels - after : vectors;
+        int64_t next_lines = next_panels * (k / 2), share = (next_lines + tiles - 1) / tiles;
+        const char *next = (const char *)(packed + after * k * 16);
+        for (int64_t row = 0, t = 0; row < rows; row += tile_rows, t++) {
             int r = rows - row < tile_rows ? (int)(rows - row) : tile_rows;
-            bf16_panels(a + row * k, k, packed + p * k * 16, row, p * 16, r, group, &e);
+            int64_t first = t * share < next_lines ? t * share : next_lines;
+            int64_t last = first + share < next_lines ? first + share : next_lines;
+            struct bf16_prefetch ahead = {next + 64 * first, next + 64 * last, (int)((share + k / 2 - 1) / (k / 2))};
+            bf16_panels(a + row * k, k, packed + p * k * 16, row, p * 16, r, group, &e, &ahead);
         }
     }
 }
