@@ -22,9 +22,11 @@ WORDS = "each batch has a shape the worker has never seen before so its kernels 
 # Warm-up: enough distinct shapes to fill the bounded (64-entry) kernel caches; until then the
 # shipped worker grows too, by the caches filling to their cap (after only 8 batches it then grew
 # +35 to +66 MB over the next 50 on a Zen 5, bf16). After 40, RSS read once settled: shipped -7 to
-# +8 MB, 1,024-entry caches +108 to +123 MB (four runs).
+# +8 MB, 1,024-entry caches +108 to +123 MB (four runs). On a Zen 4 (bf16) the 1,024-entry caches grew
+# less: +29 to +54 MB (four runs), shipped -11 to -2 MB.
 WARMUP_BATCHES, BATCHES = 40, 50
 BOUND_MB = 60  # growth allowed after warm-up
+CAUSE_MB = 20  # the 1,024-entry caches' growth beyond the shipped worker's, at least: the cause reproduced
 
 
 def _rss_mb(pid: int) -> float:
@@ -90,4 +92,4 @@ def test_worker_memory_is_bounded_under_ever_new_batch_shapes(servers):
         + ", ".join(f"{name} {g:+.0f} MB" for name, g in growth.items())
     )
     assert growth["shipped"] < BOUND_MB, growth
-    assert growth["old caches"] > growth["shipped"] + 40, growth  # the cause, reproduced
+    assert growth["old caches"] > growth["shipped"] + CAUSE_MB, growth  # the cause, reproduced

@@ -65,6 +65,14 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+def _until(condition, what: str, timeout: float = 60) -> None:
+    """Wait for a state of the server (not for time to pass): fails only if it never comes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def _wait_gone(pids, timeout=10.0) -> list[int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
@@ -254,7 +262,9 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest, s
     too. Envoy drains first (through its admin socket) while the server still serves what it
     forwards, then the server, then Envoy stops: before, a call still on its way through Envoy when
     the server stopped taking calls was reset (INTERNAL, in about half the runs on a Zen 4 host).
-    SIGHUP (a closed terminal) drains the same way: it once killed the server mid-call."""
+    SIGHUP (a closed terminal) drains the same way: it once killed the server mid-call. The workers
+    are stopped until the server holds all six calls, so that each is in flight when the signal comes
+    (after a fixed 0.2 s, a call still on its way on a loaded host was refused by the drain, rightly)."""
     server = ServerProcess(
         "--drain-timeout", "20", env={"TMPDIR": str(sockets)}, rest=rest, log_path=tmp_path / "s.log"
     ).start()
@@ -264,9 +274,16 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest, s
     assert set(worker_pids) <= set(children)
     _socket_dir(sockets)
     inputs = [" ".join([t] * 3) for t in TEXTS[:32]]
-    in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=inputs), timeout=60) for _ in range(6)]
-    time.sleep(0.2)
-    server.proc.send_signal(stop)
+    for pid in worker_pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=inputs), timeout=60) for _ in range(6)]
+        embeds = 'encoderd_requests_in_flight{rpc="Encoder/Embed"}'
+        _until(lambda: _metric(server, embeds) == 6, "the server holds the six calls")
+        server.proc.send_signal(stop)
+    finally:
+        for pid in worker_pids:
+            os.kill(pid, signal.SIGCONT)
     assert server.proc.wait(60) == 0
     for future in in_flight:
         assert len(future.result().embeddings) == 32  # accepted before SIGTERM: finished, not dropped
