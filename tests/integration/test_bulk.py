@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from support.corpus import WORDS
-from support.server import ServerProcess
+from support.server import ServerProcess, until
 
 from encoderd.clients.bulk import embed_iterable, embed_to_jsonl
 from encoderd.server.api.streaming import WINDOW
@@ -156,7 +156,7 @@ def test_concurrent_identical_requests_compute_once(one_worker_server):
     try:
         request = pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[text])
         futures = [stub.Embed.future(request, timeout=120) for _ in range(16)]
-        _until(
+        until(
             lambda: _metric(server, "encoderd_cache_lookups_total", joined) - before_joined == 15,
             "the 15 later requests never joined the first",
         )
@@ -167,14 +167,6 @@ def test_concurrent_identical_requests_compute_once(one_worker_server):
     one_input = futures[0].result().usage.prompt_tokens
     assert all(np.array_equal(v, vectors[0]) for v in vectors)
     assert computed == one_input, f"16 identical requests computed {computed / one_input:.0f} times"
-
-
-def _until(condition, what: str, timeout: float = 60) -> None:
-    """Wait for a state of the server (not for time to pass): fails only if it never comes."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def test_cache_hits_and_misses(cached_server):

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.corpus import sentences
+from support.server import ServerProcess, until
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
@@ -167,7 +168,6 @@ def test_calls_in_flight_are_a_gauge_back_to_zero_after_cancels(tmp_path):
     Its own server without --max-queue-wait (the three big calls must all be admitted to be held) and
     without the stall watchdog: its workers stay stopped (SIGSTOP) until all three are counted in
     flight, so none can finish first, however slow or fast the host."""
-    from support.server import ServerProcess
 
     server = ServerProcess(
         "--max-queue-wait", "0", "--worker-stall-timeout", "0", log_path=tmp_path / "server.log"
@@ -192,19 +192,11 @@ def _cancelled_calls_leave_no_call_in_flight(server, stub):
             stub.Embed.future(pb.EmbedRequest(model=EMBEDDER, inputs=[f"{c} {i} " + "word " * 200 for i in range(256)]))
             for c in range(3)
         ]
-        _until(lambda: _in_flight(server, rpc="Encoder/Embed") == 3, "the three calls were never all in flight")
+        until(lambda: _in_flight(server, rpc="Encoder/Embed") == 3, "the three calls were never all in flight")
         for call in calls[1:]:
             call.cancel()
     finally:
         for pid in workers:
             os.kill(pid, signal.SIGCONT)
     calls[0].result()
-    _until(lambda: _in_flight(server) == 0, "a call stayed counted in flight after it ended")
-
-
-def _until(condition, what: str, timeout: float = 60) -> None:
-    """Wait for a state of the server (not for time to pass): fails only if it never comes."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+    until(lambda: _in_flight(server) == 0, "a call stayed counted in flight after it ended")

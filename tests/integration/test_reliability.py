@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.corpus import sentences
 from support.multimodal_models import build_clip
-from support.server import ServerProcess
+from support.server import ServerProcess, until
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
@@ -63,14 +63,6 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split()[2] != "Z"
-
-
-def _until(condition, what: str, timeout: float = 60) -> None:
-    """Wait for a state of the server (not for time to pass): fails only if it never comes."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 def _wait_gone(pids, timeout=10.0) -> list[int]:
@@ -279,7 +271,7 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest, s
     try:
         in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=inputs), timeout=60) for _ in range(6)]
         embeds = 'encoderd_requests_in_flight{rpc="Encoder/Embed"}'
-        _until(lambda: _metric(server, embeds) == 6, "the server holds the six calls")
+        until(lambda: _metric(server, embeds) == 6, "the server holds the six calls")
         server.proc.send_signal(stop)
     finally:
         for pid in worker_pids:

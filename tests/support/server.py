@@ -23,6 +23,14 @@ from encoderd.v1 import encoderd_pb2_grpc
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+def until(condition, what: str, timeout: float = 60) -> None:
+    """Wait for a state of the server (not for time to pass): fails with `what` only if it never comes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
