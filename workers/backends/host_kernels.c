@@ -1177,7 +1177,8 @@ static void bf16_panels(const uint16_t *a, int64_t k, const uint16_t *panel, int
 /* out (rows x n bfloat16) = activation(a x w^T + bias) for a (rows x k bfloat16, dense; k even), w packed
  * by pack_bf16_weights, bias round_up(n, 16) float32 (NULL: none). The rows are split into tiles of equal
  * size (up to 8 rows: one tile; 10 rows: 5 + 5; 12 rows: 4 x 3), whose width in vectors is the one of the
- * largest; each row tile prefetches an equal share of the next panel group. */
+ * largest; where that width is 3 vectors (bf16_prefetch), each row tile prefetches an equal share of the
+ * next panel group. */
 void bf16_linear_rows(const uint16_t *a, int64_t rows, int64_t k, const uint16_t *packed, int64_t n,
                       const float *bias, int activation, uint16_t *out) {
     struct bf16_epilogue e = {bias, n, activation, out};
