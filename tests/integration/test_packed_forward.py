@@ -364,13 +364,14 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
 
 class _GemmRows(TorchDispatchMode):
     """The row counts (M) of the matrix products run under it: packed oneDNN linears, int8's, torch's
-    (the host kernels' GEMMs are counted where they are called)."""
+    (the host kernels' GEMMs are counted where they are called, the few-row one's in kernel_rows)."""
 
     PRODUCTS = ("_linear_pointwise", "_int_mm", "addmm", "mm", "linear")
 
     def __init__(self):
         super().__init__()
         self.rows: list[int] = []
+        self.kernel_rows: list[int] = []  # the few-row bfloat16 kernel's (the layers' alone)
         self.in_layer = False  # set while a layer runs: the host kernels' GEMMs are counted only there
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -389,11 +390,13 @@ ROWS_CASES = [
 @pytest.mark.parametrize("family,kind,dtype", ROWS_CASES, ids=["-".join(c) for c in ROWS_CASES])
 def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype, family_models, monkeypatch):
     """On CPU every GEMM of the packed forward runs on a multiple of gemm_rows_multiple's rows (oneDNN builds a
-    primitive per row count: live queries of many lengths, and bigger batches, rebuilt them), the filler
+    primitive per row count: live queries of many lengths, and bigger batches, rebuilt them), but where the
+    few-row bfloat16 kernel computes every layer GEMM (rows_multiple), on the batch's own rows; the filler
     sequences change no real row's bits, and never reach pooling or the head: single queries of 2-40
-    tokens and the corpus batches equal the forward with fillers to twice the multiple exactly (the
-    lengths that are multiples of 8: no filler against one). Not against no filler at all: with AMX,
-    oneDNN computes a last block of under 8 rows with another kernel (packed_encoder's comment)."""
+    tokens and the corpus batches equal the forward with fillers to twice the multiple everywhere exactly
+    (the lengths that are multiples of 8: no filler against one; the kernel's: none against a filler). Not
+    oneDNN's rows against no filler at all: with AMX, oneDNN computes a last block of under 8 rows with
+    another kernel (packed_encoder's comment)."""
     path = default_model_path() if family == "bert" else family_models(family, kind)
     spec = load_model_spec(kind, path, ModelKind(kind))
     backend = load_backend(spec, BackendOptions(dtype=dtype, threads=1))
@@ -424,14 +427,20 @@ def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype,
 
     def counted_few_rows_gemm(x, *args):
         if (out := few_rows_gemm(x, *args)) is not None and products.in_layer:  # not the head's
-            products.rows.append(x.numel() // x.shape[-1])
+            products.kernel_rows.append(x.numel() // x.shape[-1])
         return out
 
     monkeypatch.setattr(host_kernels, "bf16_linear", counted_few_rows_gemm)
     rounded = [backend.forward(batch) for batch in work]
     assert products.rows and all(m % packed_encoder.gemm_rows_multiple(m) == 0 for m in products.rows), products.rows
     assert max(products.rows) >= 512  # a batch past the least multiple's range: a coarser one rounded it
+    rows_multiple = backend.packed.rows_multiple
+    assert all(m % rows_multiple(m) == 0 for m in products.kernel_rows), products.kernel_rows
+    if backend.packed.few_row_weights:  # bfloat16 where the kernel serves: every query's own token count
+        assert {n for n in range(2, 41) if rows_multiple(n) == 1} <= set(products.kernel_rows)
+        assert rows_multiple(9) == 1, "MiniLM-sized layers of 9 rows run on the few-row kernel wherever it serves"
     monkeypatch.setattr(packed_encoder, "GEMM_ROWS_MULTIPLE", 2 * packed_encoder.GEMM_ROWS_MULTIPLE)
+    monkeypatch.setattr(backend.packed, "few_row_weights", [])  # fillers for the kernel's rows too
     for batch, got in zip(work, rounded, strict=True):
         want = backend.forward(batch)
         assert got.shape == want.shape and np.array_equal(got, want), (batch.lengths, np.abs(got - want).max())

@@ -617,7 +617,8 @@ def test_bf16_gemm_is_onednns_linear_within_bfloat16_rounding(rows, k, n, activa
 def test_packed_linear_runs_few_rows_by_the_kernel_and_more_by_onednn(fresh_kernel, one_thread):
     """PackedLinear.forward: up to few_row_limit() rows (of a 2-D or 3-D input) through the kernel, no
     bias too; more rows, more than one thread, or a float32 layer (no kernel weights) through oneDNN;
-    each time equal to oneDNN's result within bfloat16's rounding."""
+    each time equal to oneDNN's result within bfloat16's rounding, and as bf16_linear_serves says (what
+    the packed forward asks before it rounds a batch's rows)."""
     layer = packed_linear.PackedLinear(_bf16_linear(384, 1536, seed=1, bias=False))
     served: list[bool] = []  # per call: whether the kernel computed it
     real = host_kernels.bf16_linear
@@ -632,12 +633,13 @@ def test_packed_linear_runs_few_rows_by_the_kernel_and_more_by_onednn(fresh_kern
             x = torch.randn(shape).bfloat16()
             got = layer(x, activation="gelu")
             assert served.pop() is kernel and not served
+            assert host_kernels.bf16_linear_serves(x.numel() // 384, layer.few_rows) is kernel
             want = _by_onednn(layer, x, "gelu")
             assert got.shape == want.shape
             torch.testing.assert_close(got.float(), want.float(), atol=2**-8, rtol=2**-7)
         torch.set_num_threads(2)
         layer(torch.randn(8, 384).bfloat16())
-        assert served == [False]
+        assert served == [False] and not host_kernels.bf16_linear_serves(8, layer.few_rows)
     assert packed_linear.PackedLinear(torch.nn.Linear(384, 384).requires_grad_(False)).few_rows is None
 
 

@@ -440,15 +440,22 @@ def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBf16Weig
     return PackedBf16Weights(packed, bias, in_features, out_features)
 
 
+def bf16_linear_serves(rows: int, weights: PackedBf16Weights) -> bool:
+    """Whether bf16_linear computes a layer of these weights on a dense bfloat16 CPU input of `rows` rows
+    now (one torch thread, at most few_row_limit() rows): packed_encoder.rows_multiple asks it too."""
+    if rows == 0 or rows > few_row_limit() or torch.get_num_threads() != 1:
+        return False
+    return rows <= VECTOR_GEMM_ROWS or weights.in_features % TILE_DEPTH == 0
+
+
 def bf16_linear(x: torch.Tensor, weights: PackedBf16Weights, activation: str) -> torch.Tensor | None:
     """activation(x @ weight.T + bias) for x (..., in) bfloat16 of at most few_row_limit() rows, in one
     kernel call (activation "none", "gelu": exact erf GELU, "relu"); None where the kernel does not serve
     (more rows, not one thread, not bfloat16 or not dense, an unknown activation): then oneDNN's."""
     rows = x.numel() // weights.in_features
-    if rows == 0 or activation not in INT8_ACTIVATIONS or not x.is_contiguous():
+    if activation not in INT8_ACTIVATIONS or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
-    built = _serving(x)
-    if built is None or rows > few_row_limit() or (rows > VECTOR_GEMM_ROWS and weights.in_features % TILE_DEPTH):
+    if not x.is_contiguous() or not bf16_linear_serves(rows, weights) or (built := kernels()) is None:
         return None
     out = torch.empty(*x.shape[:-1], weights.out_features, dtype=torch.bfloat16)
     bias = weights.bias.data_ptr() if weights.bias is not None else None

@@ -28,7 +28,7 @@ from collections.abc import Generator, Iterator
 import torch
 
 from ..contract.model_spec import ModelKind, Pooling, pooling_modes
-from . import host_kernels
+from . import float8_linear, host_kernels, int8_linear, packed_linear
 from .packed_bert import BertPieces, DistilBertPieces, RobertaPieces
 from .packed_modernbert import ModernBertPieces
 from .packed_pieces import HFModule, PackedBatch, mean_tokens, varlen_kernel
@@ -50,6 +50,10 @@ from .packed_qwen3 import Qwen3Pieces
 # not by their rows. On CPUs with AMX, oneDNN computes a last block of under 8 rows with another kernel
 # (MiniLM's down projection, 34 rows: rows 32-33 a bfloat16 step off the same rows of a 40-row GEMM):
 # whole multiples of 8 also keep a row's bits independent of the batch it runs in.
+# Where every layer GEMM runs on the few-row bfloat16 host kernel instead (a short query's rows on a CPU
+# with avx512_bf16 or AMX; PackedEncoder.rows_multiple), there is nothing to compile or cache and the
+# kernel computes each row alone, in the same order whatever the count: no filler. A 9-token query had
+# run its linears on 16 rows, 1.8x the time of 8 (MiniLM, Zen 4, one thread).
 GEMM_ROWS_MULTIPLE = 8  # the least multiple: a short query's
 GEMM_ROWS_FILLER_SHARE = 32
 GEMM_ROWS_MAX_MULTIPLE = 128  # the filler is one sequence: under 128 tokens, within every family's positions
@@ -64,6 +68,9 @@ def gemm_rows_multiple(tokens: int) -> int:
         multiple *= 2
     return multiple
 
+
+# The modules a layer's GEMMs run in (linears_final).
+LINEAR_KINDS = (torch.nn.Linear, packed_linear.PackedLinear, int8_linear.Int8Linear, float8_linear.Float8Linear)
 
 # The families the packed forward covers, tried in this order.
 FAMILIES = (BertPieces, RobertaPieces, DistilBertPieces, ModernBertPieces, Qwen3Pieces)
@@ -94,6 +101,23 @@ class PackedEncoder:
     def __init__(self, model: HFModule, kind: ModelKind):
         self.pieces = _pieces_for(model, kind)(model, kind)
         self.round_rows = True  # see real_rows_only
+        self.few_row_weights: list[host_kernels.PackedBf16Weights] = []  # see linears_final
+
+    def linears_final(self) -> None:
+        """Called once the model's linears are what its forward runs (packed, quantized): the few-row
+        kernel's weights of every layer GEMM where each has them (bfloat16 PackedLinears with their copy),
+        else none (rows_multiple)."""
+        modules = [m for layer in self.pieces.layers for m in layer.modules()] + list(getattr(self.pieces, "qkv", []))
+        linears = [m for m in modules if isinstance(m, LINEAR_KINDS)]
+        few_rows = [m.few_rows for m in linears if type(m) is packed_linear.PackedLinear and m.few_rows is not None]
+        self.few_row_weights = few_rows if len(few_rows) == len(linears) else []
+
+    def rows_multiple(self, tokens: int) -> int:
+        """What a CPU batch of `tokens` rows is rounded up to a multiple of: 1 where the few-row kernel
+        computes every layer GEMM on that many rows, else gemm_rows_multiple(tokens)."""
+        if self.few_row_weights and all(host_kernels.bf16_linear_serves(tokens, w) for w in self.few_row_weights):
+            return 1
+        return gemm_rows_multiple(tokens)
 
     @contextlib.contextmanager
     def real_rows_only(self) -> Iterator[None]:
@@ -115,7 +139,7 @@ class PackedEncoder:
         Backend.forward_in_steps)."""
         tokens = batch.ids.shape[0]
         if batch.ids.device.type == "cpu" and self.round_rows:  # see gemm_rows_multiple
-            batch, _ = batch.with_filler(gemm_rows_multiple(tokens))
+            batch, _ = batch.with_filler(self.rows_multiple(tokens))
         x = self.pieces.embed(batch)
         # Per-batch tables (rotary cos/sin): held here, not by the pieces, because an urgent batch
         # may run its whole forward during one of this batch's pauses.

@@ -113,6 +113,8 @@ class TorchBackend(Backend):
             owners = [self.packed.pieces] if self.packed is not None else []
             swapped, kept = float8_linear.quantize(self.model, owners)
             log.info("float8: %d linear layers in e4m3 (per-token x per-channel scales), %d kept", swapped, kept)
+        if self.packed is not None:
+            self.packed.linears_final()
         self.is_padded = self.packed is None  # the scheduler then budgets real tokens, not size x longest
         log.info("%s forward", f"padding-free (packed tokens, {self.packed.family})" if self.packed else "padded")
         self._dim = (
