@@ -129,6 +129,8 @@ def test_a_stream_whose_deadline_passes_while_it_waits_for_the_client_counts_as_
 
 
 def test_expired_deadlines_are_counted_as_such_and_hang_ups_as_cancelled(server, stub):
+    """The hang-up comes once the server holds the call, its workers stopped meanwhile: after a fixed
+    0.3 s, a call still on its way on a loaded host would be cancelled before the server saw it."""
     # Inputs unseen by the other tests (no cache hit), each call enough work for ~1 s on 2 cores.
     texts = iter(sentences(512, max_words=60, seed=1616))
     work = lambda: pb.EmbedRequest(model=DEFAULT_MODEL_NAME, inputs=[next(texts) for _ in range(256)])  # noqa: E731
@@ -137,10 +139,19 @@ def test_expired_deadlines_are_counted_as_such_and_hang_ups_as_cancelled(server,
         stub.Embed(work(), timeout=0.3)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _until(lambda: _requests(server, "DEADLINE_EXCEEDED") == expired_before + 1, 10, "the expired call was not counted")
-    hung_up = stub.Embed.future(work(), timeout=60)
-    time.sleep(0.3)
-    hung_up.cancel()
-    _until(lambda: _requests(server, "CANCELLED") == cancelled_before + 1, 10, "the hang-up was not counted")
+    models = stub.ListModels(pb.ListModelsRequest()).models
+    workers = [replica.pid for m in models if m.id == DEFAULT_MODEL_NAME for replica in m.replicas]
+    in_flight = lambda: total(scrape(server), "encoderd_requests_in_flight", rpc="Encoder/Embed")  # noqa: E731
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        hung_up = stub.Embed.future(work(), timeout=60)
+        _until(lambda: in_flight() == 1, 10, "the server never held the call")
+        hung_up.cancel()
+        _until(lambda: _requests(server, "CANCELLED") == cancelled_before + 1, 10, "the hang-up was not counted")
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
     assert _requests(server, "DEADLINE_EXCEEDED") == expired_before + 1
 
 
