@@ -591,9 +591,11 @@ def test_bf16_gemm_is_onednns_linear_within_bfloat16_rounding(rows, k, n, activa
     (both sum pairs of products in float32 and round once). Tiles of 1 to 8 rows (to 10 rows, in tiles of
     up to 8 that prefetch the next weights, 9 = 5 + 4; then 4-row tiles), every tile width, a partial last
     vector (n = 100) and an odd number of pairs (k = 34); MiniLM's four shapes.
-    Past 32 rows (AMX tiles: a group of 32 rows, then one or two blocks) k = 34 keeps oneDNN."""
+    Past 32 rows, where AMX tiles serve (a group of 32 rows, then one or two blocks), k = 34 keeps oneDNN;
+    elsewhere the vector products take every row count."""
     monkeypatch.setattr(host_kernels, "SMALL_LINEAR_ROWS", 64)  # every row count, whatever this CPU serves by it
-    if rows > host_kernels.VECTOR_GEMM_ROWS and k % host_kernels.TILE_DEPTH:
+    tiles_alone = rows > host_kernels.VECTOR_GEMM_ROWS and host_kernels.kernels().bf16_gemm_tiles
+    if tiles_alone and k % host_kernels.TILE_DEPTH:
         x = torch.zeros(rows, k).bfloat16()
         assert (
             host_kernels.bf16_linear(x, packed_linear.PackedLinear(_bf16_linear(k, n, 0)).few_rows, activation) is None

@@ -908,6 +908,12 @@ void int8_linear_rows(const uint8_t *a, int64_t rows, int64_t k, const int8_t *p
  * lengths still pays oneDNN's compilations (single queries of 33-511 tokens: MiniLM's forward took 1.5x the
  * CPU of the tiles serving to 512 rows, where a repeated 256-token query took 0.89x). */
 #define BF16_TILES_ROWS 64
+/* Rows up to which the vector products serve where no AMX tiles do. With oneDNN's filler rows counted (the
+ * packed forward rounds what oneDNN computes to a multiple of 8, what this kernel computes not at all), a
+ * lone query's forward took 1.11-1.30x less time at 33-64 tokens by the kernel (MiniLM, Zen 4, one thread);
+ * the linears alone, oneDNN's over the kernel's, 1.04-1.10 at 40-64 rows on Zen 4, 1.01-1.07 on Zen 5
+ * (bench.small_linear). */
+#define BF16_VECTOR_ROWS 64
 
 /* Weights w (n x k bfloat16, row-major: the layer's out x in; k even) packed for bf16_linear_rows into
  * `packed`: round_up(n, 16) / 16 panels of k / 2 x 16 x 2 values; columns past n zero. */
@@ -928,13 +934,14 @@ void pack_bf16_weights(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed
 /* The rows up to which this kernel serves (packed_linear.py; oneDNN more): 1.15-1.7x less CPU than oneDNN
  * at 1-32 rows by vectors (Zen 5); by AMX tiles where the CPU has them, 1.27-1.47x at 1-32 rows, where by
  * vectors it fell behind oneDNN's tile GEMMs from 8 rows on (0.70x at 8, 0.21x at 32; Xeon with AMX, one
- * thread, bench.small_linear: MiniLM's four linears of a layer). */
+ * thread, bench.small_linear: MiniLM's four linears of a layer): there, past 32 rows, the tiles alone serve
+ * (host_kernels.py asks k in whole tile rows of them). */
 int bf16_gemm_rows(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (tiles_permitted())
         return BF16_TILES_ROWS;
 #endif
-    return 32;
+    return BF16_VECTOR_ROWS;
 }
 
 _Static_assert(BF16_ROWS <= GELU_ROWS, "a tile's rows go through gelu_rows at once");

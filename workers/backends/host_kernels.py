@@ -40,7 +40,8 @@
   to bfloat16 as oneDNN rounds: equal to oneDNN's _linear_pointwise but for under 0.05 % of values (one
   bfloat16 step). oneDNN costs ~19 us a call at these sizes whatever the rows; MiniLM's four linears of a
   layer took 1.15-1.7x less CPU at 1-32 rows, even at 40-64 (bench.small_linear, Zen 5, one thread,
-  shared host), and a 10-30-token query's forward 1.15-1.24x less. Its tiles of 5 to 8 rows prefetch the
+  shared host), and a 10-30-token query's forward 1.15-1.24x less; it serves up to 64 rows, where the
+  packed forward rounds no row count for it (packed_encoder.rows_multiple). Its tiles of 5 to 8 rows prefetch the
   next weights into L2 as they compute: 0.80-0.85x the time without at those rows (Zen 4). Where the CPU
   has AMX, oneDNN's GEMMs run on its tiles and overtook the vector products from 8 rows on (0.21x at 32);
   the kernel's products run on the tiles there too, up to 64 rows: 1.27-1.47x less CPU than oneDNN at 1-32
@@ -144,6 +145,11 @@ class Kernels:
     @property
     def bf16_gemm(self) -> bool:
         return self.bf16_gemm_rows > 0
+
+    @property
+    def bf16_gemm_tiles(self) -> bool:
+        """bf16_linear_rows multiplies by AMX tiles (the same build and Linux permission as attention's)."""
+        return self.bf16_gemm and bool(self.attention_tiles)
 
 
 def softmax_(scores: torch.Tensor) -> torch.Tensor:
@@ -371,8 +377,9 @@ def int8_linear(
 # bf16_gemm_rows (host_kernels.c: where the few-row kernel measured faster on this kind of CPU). The bench
 # (bench.small_linear) sets a number to time the kernel past it.
 SMALL_LINEAR_ROWS: int | None = None
-# host_kernels.c's: past VECTOR_GEMM_ROWS rows only its AMX tiles serve (bf16_gemm_rows), and they take k in
-# whole tile rows of TILE_DEPTH; a linear of another k keeps the vector products' limit.
+# host_kernels.c's: where its AMX tiles serve (Kernels.bf16_gemm_tiles), past VECTOR_GEMM_ROWS rows they alone
+# do (the vector products fell far behind oneDNN's tile GEMMs there), and they take k in whole tile rows of
+# TILE_DEPTH; a linear of another k keeps oneDNN past it. Elsewhere the vectors serve every row count.
 VECTOR_GEMM_ROWS, TILE_DEPTH = 32, 32
 
 
@@ -443,9 +450,11 @@ def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBf16Weig
 def bf16_linear_serves(rows: int, weights: PackedBf16Weights) -> bool:
     """Whether bf16_linear computes a layer of these weights on a dense bfloat16 CPU input of `rows` rows
     now (one torch thread, at most few_row_limit() rows): packed_encoder.rows_multiple asks it too."""
-    if rows == 0 or rows > few_row_limit() or torch.get_num_threads() != 1:
+    built = kernels()
+    if built is None or rows == 0 or rows > few_row_limit() or torch.get_num_threads() != 1:
         return False
-    return rows <= VECTOR_GEMM_ROWS or weights.in_features % TILE_DEPTH == 0
+    tiles_alone = rows > VECTOR_GEMM_ROWS and built.bf16_gemm_tiles
+    return not tiles_alone or weights.in_features % TILE_DEPTH == 0
 
 
 def bf16_linear(x: torch.Tensor, weights: PackedBf16Weights, activation: str) -> torch.Tensor | None:
