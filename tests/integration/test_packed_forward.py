@@ -389,14 +389,14 @@ ROWS_CASES = [
 
 @pytest.mark.parametrize("family,kind,dtype", ROWS_CASES, ids=["-".join(c) for c in ROWS_CASES])
 def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype, family_models, monkeypatch):
-    """On CPU every GEMM of the packed forward runs on a multiple of gemm_rows_multiple's rows (oneDNN builds a
-    primitive per row count: live queries of many lengths, and bigger batches, rebuilt them), but where the
-    few-row bfloat16 kernel computes every layer GEMM (rows_multiple), on the batch's own rows; the filler
-    sequences change no real row's bits, and never reach pooling or the head: single queries of 2-40
-    tokens and the corpus batches equal the forward with fillers to twice the multiple everywhere exactly
-    (the lengths that are multiples of 8: no filler against one; the kernel's: none against a filler). Not
-    oneDNN's rows against no filler at all: with AMX, oneDNN computes a last block of under 8 rows with
-    another kernel (packed_encoder's comment)."""
+    """On CPU every oneDNN GEMM of the packed forward runs on a multiple of gemm_rows_multiple's rows (oneDNN
+    builds a primitive per row count: live queries of many lengths, and bigger batches, rebuilt them); where
+    host kernels compute every layer GEMM (rows_multiple: the few-row bfloat16 GEMM, the int8 GEMM), on the
+    batch's own rows. The filler sequences change no real row's bits, and never reach pooling or the head:
+    single queries of 2-40 tokens and the corpus batches equal the forward with fillers to twice the multiple
+    everywhere exactly (the lengths that are multiples of 8: no filler against one; the kernels': none
+    against a filler). Not oneDNN's rows against no filler at all: with AMX, oneDNN computes a last block of
+    under 8 rows with another kernel (packed_encoder's comment)."""
     path = default_model_path() if family == "bert" else family_models(family, kind)
     spec = load_model_spec(kind, path, ModelKind(kind))
     backend = load_backend(spec, BackendOptions(dtype=dtype, threads=1))
@@ -419,7 +419,7 @@ def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype,
     int8_gemm = host_kernels.int8_linear  # int8's VNNI GEMM is a host kernel, not a torch operator
 
     def counted_int8_gemm(quantized, *args):
-        products.rows.append(quantized.shape[0])
+        products.kernel_rows.append(quantized.shape[0])
         return int8_gemm(quantized, *args)
 
     monkeypatch.setattr(host_kernels, "int8_linear", counted_int8_gemm)
@@ -432,15 +432,15 @@ def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype,
 
     monkeypatch.setattr(host_kernels, "bf16_linear", counted_few_rows_gemm)
     rounded = [backend.forward(batch) for batch in work]
-    assert products.rows and all(m % packed_encoder.gemm_rows_multiple(m) == 0 for m in products.rows), products.rows
-    assert max(products.rows) >= 512  # a batch past the least multiple's range: a coarser one rounded it
-    rows_multiple = backend.packed.rows_multiple
-    assert all(m % rows_multiple(m) == 0 for m in products.kernel_rows), products.kernel_rows
-    if backend.packed.few_row_weights:  # bfloat16 where the kernel serves: every query's own token count
-        assert {n for n in range(2, 41) if rows_multiple(n) == 1} <= set(products.kernel_rows)
-        assert rows_multiple(9) == 1, "MiniLM-sized layers of 9 rows run on the few-row kernel wherever it serves"
+    onednn, kernels, rows_multiple = products.rows, products.kernel_rows, backend.packed.rows_multiple
+    assert all(m % packed_encoder.gemm_rows_multiple(m) == 0 for m in onednn), onednn
+    assert all(m % rows_multiple(m) == 0 for m in kernels), kernels
+    assert max(onednn + kernels) >= 512  # the corpus batches ran; past the least multiple's range, if rounded
+    assert {n for n in range(2, 41) if rows_multiple(n) == 1} <= set(kernels)  # those queries' own token counts
+    if backend.packed.few_row_weights or backend.packed.int8_gemms:  # bfloat16 or int8 where the kernels serve
+        assert rows_multiple(9) == 1, "MiniLM-sized layers of 9 rows run on host kernels wherever they serve"
     monkeypatch.setattr(packed_encoder, "GEMM_ROWS_MULTIPLE", 2 * packed_encoder.GEMM_ROWS_MULTIPLE)
-    monkeypatch.setattr(backend.packed, "few_row_weights", [])  # fillers for the kernel's rows too
+    monkeypatch.setattr(backend.packed, "rows_multiple", packed_encoder.gemm_rows_multiple)  # fillers everywhere
     for batch, got in zip(work, rounded, strict=True):
         want = backend.forward(batch)
         assert got.shape == want.shape and np.array_equal(got, want), (batch.lengths, np.abs(got - want).max())

@@ -347,6 +347,13 @@ def int8_linear_serves(rows: torch.Tensor, activation: str) -> bool:
     return built is not None and built.int8_gemm and rows.dtype != torch.int32 and activation in INT8_ACTIVATIONS
 
 
+def int8_gemm_serves() -> bool:
+    """Whether int8_linear computes the int8 layers of a CPU forward now, at any row count (one torch
+    thread, the kernels built with the VNNI GEMM): packed_encoder.rows_multiple asks."""
+    built = kernels()
+    return built is not None and built.int8_gemm and torch.get_num_threads() == 1
+
+
 def int8_linear(
     quantized: torch.Tensor, token_scale: torch.Tensor, weights: PackedInt8Weights, activation: str, out: torch.Tensor
 ) -> torch.Tensor:

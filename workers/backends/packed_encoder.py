@@ -50,10 +50,11 @@ from .packed_qwen3 import Qwen3Pieces
 # not by their rows. On CPUs with AMX, oneDNN computes a last block of under 8 rows with another kernel
 # (MiniLM's down projection, 34 rows: rows 32-33 a bfloat16 step off the same rows of a 40-row GEMM):
 # whole multiples of 8 also keep a row's bits independent of the batch it runs in.
-# Where every layer GEMM runs on the few-row bfloat16 host kernel instead (a short query's rows on a CPU
-# with avx512_bf16 or AMX; PackedEncoder.rows_multiple), there is nothing to compile or cache and the
-# kernel computes each row alone, in the same order whatever the count: no filler. A 9-token query had
-# run its linears on 16 rows, 1.8x the time of 8 (MiniLM, Zen 4, one thread).
+# Where every layer GEMM runs on a host kernel instead (the few-row bfloat16 GEMM: a short query's rows
+# on a CPU with avx512_bf16 or AMX; the int8 GEMM: every batch; PackedEncoder.rows_multiple), there is
+# nothing to compile or cache and the kernel computes each row alone, in the same order whatever the
+# count: no filler. A 9-token query had run its linears on 16 rows, 1.8x the time of 8 (MiniLM,
+# bfloat16, Zen 4, one thread).
 GEMM_ROWS_MULTIPLE = 8  # the least multiple: a short query's
 GEMM_ROWS_FILLER_SHARE = 32
 GEMM_ROWS_MAX_MULTIPLE = 128  # the filler is one sequence: under 128 tokens, within every family's positions
@@ -101,23 +102,33 @@ class PackedEncoder:
     def __init__(self, model: HFModule, kind: ModelKind):
         self.pieces = _pieces_for(model, kind)(model, kind)
         self.round_rows = True  # see real_rows_only
-        self.few_row_weights: list[host_kernels.PackedBf16Weights] = []  # see linears_final
+        # see linears_final: the host kernel that computes every layer GEMM, if one does
+        self.few_row_weights: list[host_kernels.PackedBf16Weights] = []
+        self.int8_gemms = False
 
     def linears_final(self) -> None:
         """Called once the model's linears are what its forward runs (packed, quantized): the few-row
         kernel's weights of every layer GEMM where each has them (bfloat16 PackedLinears with their copy),
-        else none (rows_multiple)."""
+        or whether each is an Int8Linear with the VNNI GEMM's weights (rows_multiple)."""
         modules = [m for layer in self.pieces.layers for m in layer.modules()] + list(getattr(self.pieces, "qkv", []))
         linears = [m for m in modules if isinstance(m, LINEAR_KINDS)]
         few_rows = [m.few_rows for m in linears if type(m) is packed_linear.PackedLinear and m.few_rows is not None]
         self.few_row_weights = few_rows if len(few_rows) == len(linears) else []
+        int8_gemms = [m for m in linears if type(m) is int8_linear.Int8Linear and m.packed is not None]
+        self.int8_gemms = bool(linears) and len(int8_gemms) == len(linears)
 
     def rows_multiple(self, tokens: int) -> int:
-        """What a CPU batch of `tokens` rows is rounded up to a multiple of: 1 where the few-row kernel
-        computes every layer GEMM on that many rows, else gemm_rows_multiple(tokens)."""
-        if self.few_row_weights and all(host_kernels.bf16_linear_serves(tokens, w) for w in self.few_row_weights):
-            return 1
-        return gemm_rows_multiple(tokens)
+        """What a CPU batch of `tokens` rows is rounded up to a multiple of: 1 where a host kernel computes
+        every layer GEMM on that many rows (the few-row bfloat16 GEMM up to its limit, the int8 GEMM at
+        any count), else gemm_rows_multiple(tokens)."""
+        return 1 if self._host_kernels_compute(tokens) else gemm_rows_multiple(tokens)
+
+    def _host_kernels_compute(self, tokens: int) -> bool:
+        """Whether host kernels compute every layer GEMM of a batch of `tokens` rows now (linears_final)."""
+        if self.int8_gemms:
+            return host_kernels.int8_gemm_serves()
+        weights = self.few_row_weights
+        return bool(weights) and all(host_kernels.bf16_linear_serves(tokens, w) for w in weights)
 
     @contextlib.contextmanager
     def real_rows_only(self) -> Iterator[None]:
