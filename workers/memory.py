@@ -8,12 +8,12 @@ batch a new shape: RSS 486 -> 1,822 MB and still growing. Two causes, each bound
   PyTorch's ideep layer keeps them in an LRU of `LRU_CACHE_CAPACITY` entries and oneDNN in its
   own cache of `ONEDNN_PRIMITIVE_CACHE_CAPACITY`, both 1,024 by default: up to ~1 GB of
   primitives that are almost never reused. 64 each keeps the shapes that do repeat (short
-  queries: the packed forward rounds M up to a multiple of 8, packed_encoder.GEMM_ROWS_MULTIPLE,
-  where oneDNN computes it, so queries of up to 64 tokens share 8 shapes, 4 primitives each). More does not pay: MiniLM
-  queries of 8-62 tokens in turn, a bulk batch of new shape after every second one, one thread:
-  4.1-4.6 ms of CPU per query at 64, 4.0-4.5 at 256 and 1,024 (RSS +150 MB); what the bulk
-  batches cost the queries is the weights they push out of the CPU caches, not the primitives.
-  Both variables are read when the first primitive is built, so
+  queries: where oneDNN computes a batch, the packed forward rounds M up to a multiple of 8,
+  packed_encoder.GEMM_ROWS_MULTIPLE, so queries of up to 64 tokens share 8 shapes, 4 primitives
+  each). More does not pay: MiniLM queries of 8-62 tokens in turn, a bulk batch of new shape
+  after every second one, one thread: 4.1-4.6 ms of CPU per query at 64, 4.0-4.5 at 256 and
+  1,024 (RSS +150 MB); what the bulk batches cost the queries is the weights they push out of
+  the CPU caches, not the primitives. Both variables are read when the first primitive is built, so
   setting them in the worker before its first forward works even after torch is imported; an
   operator's own values win.
 * glibc heap fragmentation. Activations of a few MB to tens of MB, freed in a different order

@@ -41,8 +41,8 @@
   bfloat16 step). oneDNN costs ~19 us a call at these sizes whatever the rows; MiniLM's four linears of a
   layer took 1.15-1.7x less CPU at 1-32 rows, even at 40-64 (bench.small_linear, Zen 5, one thread,
   shared host), and a 10-30-token query's forward 1.15-1.24x less; it serves up to 64 rows, where the
-  packed forward rounds no row count for it (packed_encoder.rows_multiple). Its tiles of 5 to 8 rows prefetch the
-  next weights into L2 as they compute: 0.80-0.85x the time without at those rows (Zen 4). Where the CPU
+  packed forward rounds no row count for it (packed_encoder.rows_multiple). Its tiles of 5 to 8 rows
+  prefetch the next weights into L2 as they compute: 0.80-0.85x the time without at those rows (Zen 4). Where the CPU
   has AMX, oneDNN's GEMMs run on its tiles and overtook the vector products from 8 rows on (0.21x at 32);
   the kernel's products run on the tiles there too, up to 64 rows: 1.27-1.47x less CPU than oneDNN at 1-32
   rows, 1.04-1.19x at 40-64 (Xeon with AMX, same bench), and no GEMM compiled per row count (host_kernels.c,
