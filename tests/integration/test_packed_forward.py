@@ -364,14 +364,14 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
 
 class _GemmRows(TorchDispatchMode):
     """The row counts (M) of the matrix products run under it: packed oneDNN linears, int8's, torch's
-    (the host kernels' GEMMs are counted where they are called, the few-row one's in kernel_rows)."""
+    (the host kernels' GEMMs, few-row bfloat16 and int8, are counted where they are called, in kernel_rows)."""
 
     PRODUCTS = ("_linear_pointwise", "_int_mm", "addmm", "mm", "linear")
 
     def __init__(self):
         super().__init__()
         self.rows: list[int] = []
-        self.kernel_rows: list[int] = []  # the few-row bfloat16 kernel's (the layers' alone)
+        self.kernel_rows: list[int] = []  # the host kernels' (the few-row bfloat16 GEMM's of the layers alone)
         self.in_layer = False  # set while a layer runs: the host kernels' GEMMs are counted only there
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
