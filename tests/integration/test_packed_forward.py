@@ -362,6 +362,58 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
     assert error <= 2 * _worst_error(padded, reference, work, kind), error
 
 
+WHOLE_LAYER_CASES = [
+    ("bert", "embedding"),
+    ("bert", "reranker"),
+    ("xlm-roberta", "reranker"),
+    ("distilbert", "embedding"),
+]
+
+
+@pytest.mark.parametrize("family,kind", WHOLE_LAYER_CASES, ids=["-".join(c) for c in WHOLE_LAYER_CASES])
+def test_whole_bert_layers_equal_the_layers_operator_by_operator(family, kind, family_models, reranker_path):
+    """Where the host kernels compute a short query's BERT layers one call each (host_kernels.bert_layer:
+    bfloat16, one thread, the few-row GEMM built here), the forward equals the same layers computed operator
+    by operator bit for bit: single queries of 1 to few_row_limit() + 8 tokens, batches of several short
+    sequences, the corpus batches (past the limit: operator by operator either way); every layer of a
+    query within the limit runs whole. BERT (MiniLM and a reranker), XLM-RoBERTa's positions, DistilBERT's
+    names and scale."""
+    if host_kernels.few_row_limit() == 0:
+        pytest.skip("no few-row bfloat16 GEMM on this CPU (it needs avx512_bf16): every layer runs by operators")
+    if family == "bert":
+        path = default_model_path() if kind == "embedding" else reranker_path
+    else:
+        path = family_models(family, kind)
+    spec = load_model_spec(kind, path, ModelKind(kind))
+    backend = load_backend(spec, BackendOptions(dtype="bfloat16", threads=1))
+    pieces = backend.packed.pieces
+    assert len(pieces.whole_layers) == pieces.layer_count
+    query = QUERY if kind == "reranker" else None
+    limit = host_kernels.few_row_limit()
+    singles = [[list(range(5, 5 + n))] for n in (*range(1, 17), 31, 32, 33, limit - 1, limit, limit + 1, limit + 8)]
+    several = [[list(range(7, 7 + n)) for n in lengths] for lengths in ([1, 1], [3, 9, 2], [20, 21, 22])]
+    work = batches(spec, query) + [
+        TokenBatch.from_sequences(100 + i, seqs, [[0] * len(s) for s in seqs] if query else None)
+        for i, seqs in enumerate(singles + several)
+    ]
+    calls = []
+    real = host_kernels.bert_layer
+
+    def counted(x, *args):
+        calls.append((x.shape[0], (out := real(x, *args)) is not None))
+        return out
+
+    with mock.patch.object(host_kernels, "bert_layer", counted):
+        whole = [backend.forward(batch) for batch in work]
+    served_rows = {rows for rows, served in calls if served}
+    assert set(range(1, 17)) <= served_rows and max(served_rows) <= limit
+    assert all(served == (rows <= limit) for rows, served in calls), calls
+    pieces.whole_layers = []
+    for batch, got in zip(work, whole, strict=True):
+        want = backend.forward(batch)
+        assert np.array_equal(got, want), (batch.lengths, np.abs(got - want).max())
+
+
 class _GemmRows(TorchDispatchMode):
     """The row counts (M) of the matrix products run under it: packed oneDNN linears, int8's, torch's
     (the host kernels' GEMMs, few-row bfloat16 and int8, are counted where they are called, in kernel_rows)."""
@@ -431,6 +483,14 @@ def test_gemm_rows_rounded_up_leave_real_rows_bit_identical(family, kind, dtype,
         return out
 
     monkeypatch.setattr(host_kernels, "bf16_linear", counted_few_rows_gemm)
+    whole_layer = host_kernels.bert_layer  # and a BERT layer's GEMMs in one call, where it serves
+
+    def counted_whole_layer(x, *args):
+        if (out := whole_layer(x, *args)) is not None:
+            products.kernel_rows.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(host_kernels, "bert_layer", counted_whole_layer)
     rounded = [backend.forward(batch) for batch in work]
     onednn, kernels, rows_multiple = products.rows, products.kernel_rows, backend.packed.rows_multiple
     assert all(m % packed_encoder.gemm_rows_multiple(m) == 0 for m in onednn), onednn

@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import itertools
 import platform
 from pathlib import Path
 from unittest import mock
@@ -685,6 +686,95 @@ def test_a_wrong_bf16_gemm_is_refused_at_build(fresh_kernel):
 
     message = host_kernels._check_bf16_linear_rows(dataclasses.replace(built, pack_bf16_weights=swapped_pairs))
     assert message is not None and "bfloat16 GEMM" in message
+
+
+def _bert_layer_parts(hidden: int, heads: int, inner: int, seed: int) -> tuple[list, list]:
+    """A BERT layer's modules as packed_bert builds them in bfloat16: PackedLinears (fused QKV, attention
+    output, FFN up and down) with their few-row weights, and two LayerNorms of random parameters."""
+    torch.manual_seed(seed)
+    shapes = ((3 * hidden, hidden), (hidden, hidden), (inner, hidden), (hidden, inner))
+    linears = [packed_linear.PackedLinear(torch.nn.Linear(k, n).bfloat16().requires_grad_(False)) for n, k in shapes]
+    norms = [torch.nn.LayerNorm(hidden, eps=1e-12).bfloat16().requires_grad_(False) for _ in range(2)]
+    for norm in norms:
+        norm.weight.normal_(1, 0.2), norm.bias.normal_(0, 0.2)
+    return linears, norms
+
+
+def _layer_by_operators(x, batch, linears, norms, heads: int, activation: str) -> torch.Tensor:
+    """The layer operator by operator, as BertPieces.layer computes it where no whole-layer call serves."""
+    qkv, attention_out, up, down = linears
+    q, k, v = qkv(x).view(x.shape[0], 3, heads, -1).unbind(1)
+    context = packed_pieces.attend(q, k, v, batch).flatten(1)
+    x = host_kernels.add_layer_norm(norms[0], attention_out(context), x)
+    return host_kernels.add_layer_norm(norms[1], down(packed_pieces.activated(up, x, activation)), x)
+
+
+def _whole_layer(linears, norms, heads: int, activation: str, scale=None):
+    qkv, attention_out, up, down = (m.few_rows for m in linears)
+    return host_kernels.bert_layer_weights(qkv, attention_out, norms[0], up, down, norms[1], heads, scale, activation)
+
+
+def _packed_batch(lengths: list[int]) -> packed_pieces.PackedBatch:
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    return packed_pieces.PackedBatch.of(torch.zeros(sum(lengths), dtype=torch.long), cu_seqlens)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize(("hidden", "heads", "inner"), [(384, 12, 1536), (64, 4, 128)])
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+@pytest.mark.parametrize("lengths", [[1], [2], [5], [9], [13], [32], [3, 30], [33], [20, 20, 24], [64]])
+def test_bert_layer_equals_its_kernels_one_by_one(lengths, activation, hidden, heads, inner, one_thread):
+    """host_kernels.bert_layer, a whole BERT layer in one call, against the same layer computed operator by
+    operator as BertPieces.layer computes it: equal bit for bit, from 1 to 64 rows, one sequence or several,
+    MiniLM's sizes (12 heads of 32) and a tiny model's (4 heads of 16). Past few_row_limit() (or, where AMX
+    tiles alone serve past 32 rows, a k not in whole tile rows) it answers None, as bf16_linear does."""
+    linears, norms = _bert_layer_parts(hidden, heads, inner, seed=sum(lengths))
+    weights = _whole_layer(linears, norms, heads, activation)
+    assert weights is not None
+    batch = _packed_batch(lengths)
+    x = torch.randn(sum(lengths), hidden, generator=torch.Generator().manual_seed(len(lengths))).bfloat16()
+    got = host_kernels.bert_layer(x, weights, batch)
+    if not all(host_kernels.bf16_linear_serves(sum(lengths), m.few_rows) for m in linears):
+        assert got is None
+        return
+    want = _layer_by_operators(x, batch, linears, norms, heads, activation)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+@needs_bf16_gemm
+def test_bert_layer_leaves_other_cases_to_the_operators(one_thread):
+    """What one call cannot compute as its kernels would, it refuses: bert_layer_weights gives None for a
+    linear without few-row weights, a float32 norm, a head size that is not a multiple of 16, a scale that is
+    not positive, another activation; bert_layer answers None for two threads, more rows than
+    few_row_limit(), a float32 or strided input, int64 cu_seqlens or cu_seqlens that do not cover the rows."""
+    linears, norms = _bert_layer_parts(64, 4, 128, seed=1)
+    assert _whole_layer(linears, norms, 4, "gelu") is not None
+    float32_norm = torch.nn.LayerNorm(64).requires_grad_(False)
+    no_copy = packed_linear.PackedLinear(torch.nn.Linear(64, 64).requires_grad_(False))  # float32: no few-row weights
+    refused = {
+        "no few-row weights": _whole_layer([linears[0], no_copy, *linears[2:]], norms, 4, "gelu"),
+        "float32 norm": _whole_layer(linears, [norms[0], float32_norm], 4, "gelu"),
+        "head size 8": _whole_layer(linears, norms, 8, "gelu"),
+        "scale 0": _whole_layer(linears, norms, 4, "gelu", scale=0.0),
+        "silu": _whole_layer(linears, norms, 4, "silu"),
+    }
+    assert all(weights is None for weights in refused.values()), refused
+    weights = _whole_layer(linears, norms, 4, "gelu")
+    x, batch = torch.randn(6, 64).bfloat16(), _packed_batch([2, 4])
+    assert host_kernels.bert_layer(x, weights, batch) is not None
+    many = host_kernels.few_row_limit() + 1
+    wide = torch.randn(6, 128).bfloat16()
+    cases = {
+        "more rows": (torch.randn(many, 64).bfloat16(), _packed_batch([many])),
+        "float32": (x.float(), batch),
+        "strided": (wide[:, :64], batch),
+        "int64 cu_seqlens": (x, packed_pieces.PackedBatch.of(batch.ids, batch.cu_seqlens.long())),
+        "short cu_seqlens": (x, _packed_batch([2, 3])),
+    }
+    assert all(host_kernels.bert_layer(rows, weights, b) is None for rows, b in cases.values())
+    torch.set_num_threads(2)
+    assert host_kernels.bert_layer(x, weights, batch) is None
 
 
 def test_no_compiler_leaves_torch_softmax(fresh_kernel, one_thread, monkeypatch, tmp_path):

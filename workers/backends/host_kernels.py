@@ -141,6 +141,7 @@ class Kernels:
     pack_bf16_weights: Any
     bf16_linear_rows: Any
     bf16_gemm_rows: int  # bf16_linear_rows serves up to this many rows (0: no avx512_bf16: oneDNN serves all)
+    bert_layer: Any  # bert_layer_bf16; None in an older commit's source (bench --compare-ref builds one)
 
     @property
     def bf16_gemm(self) -> bool:
@@ -480,6 +481,120 @@ def bf16_linear(x: torch.Tensor, weights: PackedBf16Weights, activation: str) ->
     return out
 
 
+class BertLayerStruct(ctypes.Structure):
+    """host_kernels.c's struct bert_layer: one layer's packed weights, norms and shape."""
+
+    _fields_ = [
+        *((name, _pointer) for name in ("qkv", "attention_out", "up", "down")),
+        *((name, _pointer) for name in ("qkv_bias", "attention_out_bias", "up_bias", "down_bias")),
+        *((name, _pointer) for name in ("norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias")),
+        ("hidden", _size),
+        ("inner", _size),
+        ("heads", _size),
+        ("norm1_eps", ctypes.c_float),
+        ("norm2_eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("activation", ctypes.c_int),
+    ]
+
+
+@dataclass(frozen=True)
+class BertLayerWeights:
+    """What bert_layer computes a post-norm BERT layer from: its struct, and what it points into (held
+    here, so they live as long as it does)."""
+
+    layer: BertLayerStruct
+    linears: tuple[PackedBf16Weights, ...]  # the four GEMMs' (bf16_linear_serves decides for each)
+    norms: tuple[torch.Tensor, ...]
+    hidden: int
+
+
+def bert_layer_weights(
+    qkv: PackedBf16Weights | None,
+    attention_out: PackedBf16Weights | None,
+    norm1: torch.nn.Module,
+    up: PackedBf16Weights | None,
+    down: PackedBf16Weights | None,
+    norm2: torch.nn.Module,
+    heads: int,
+    scale: float | None,
+    activation: str,
+) -> BertLayerWeights | None:
+    """A BERT layer's pieces for bert_layer: the fused QKV projection, the attention's output projection,
+    its LayerNorm, the FFN's up projection (then `activation`) and down projection, its LayerNorm, each
+    linear's few-row weights (PackedLinear.few_rows). `scale` multiplies q k^T (None: head size ** -0.5).
+    None where one call cannot compute the layer as its kernels would one by one: the build has no
+    bert_layer, a linear has no few-row weights, a norm the add_layer_norm kernel does not serve, a head
+    size the attention kernel does not (a multiple of 16 up to MAX_HEAD_SIZE), a scale that is not positive,
+    another activation."""
+    built = kernels()
+    if built is None or built.bert_layer is None or activation not in ("gelu", "relu"):
+        return None
+    if qkv is None or attention_out is None or up is None or down is None:
+        return None
+    linears = (qkv, attention_out, up, down)
+    hidden, inner = attention_out.in_features, up.out_features
+    dim = hidden // heads
+    shapes = (qkv.in_features, qkv.out_features, attention_out.out_features, up.in_features, down.in_features)
+    if shapes != (hidden, 3 * hidden, hidden, hidden, inner) or down.out_features != hidden or dim * heads != hidden:
+        return None
+    if dim % LANES or dim > MAX_HEAD_SIZE or not (scaling := dim**-0.5 if scale is None else scale) > 0:
+        return None
+    first, second = _kernel_norm(norm1, hidden), _kernel_norm(norm2, hidden)
+    if first is None or second is None:
+        return None
+    norms = (*first[:2], *second[:2])
+    biases = tuple(w.bias for w in linears)
+    layer = BertLayerStruct(
+        *(w.packed.data_ptr() for w in linears),
+        *(b.data_ptr() if b is not None else None for b in biases),
+        *(t.data_ptr() for t in norms),
+        hidden,
+        inner,
+        heads,
+        first[2],
+        second[2],
+        scaling,
+        INT8_ACTIVATIONS[activation],
+    )
+    return BertLayerWeights(layer, linears, norms, hidden)
+
+
+def _kernel_norm(norm: torch.nn.Module, width: int) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """add_layer_norm's kernel case: a LayerNorm over the last `width` values with bfloat16 weight and bias;
+    those and its eps, else None."""
+    if not isinstance(norm, torch.nn.LayerNorm) or tuple(norm.normalized_shape) != (width,):
+        return None
+    weight, bias = norm.weight, norm.bias
+    if weight is None or bias is None or weight.dtype != torch.bfloat16 or bias.dtype != torch.bfloat16:
+        return None
+    return weight, bias, norm.eps
+
+
+def bert_layer(x: torch.Tensor, weights: BertLayerWeights, batch: PackedSequences) -> torch.Tensor | None:
+    """The BERT layer of `weights` over the packed batch x (tokens, hidden) bfloat16 in one call: its seven
+    kernels one after another in C, equal bit for bit to the layer computed call by call (bf16_linear,
+    attend_full, add_layer_norm). None where a kernel would not serve the batch: not one thread, more rows
+    than few_row_limit() (or, where AMX tiles alone serve them, a k not in whole tile rows), x not dense
+    bfloat16, cu_seqlens not int32 or not covering the tokens."""
+    rows = x.shape[0]
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weights.hidden:
+        return None
+    if not x.is_contiguous() or not all(bf16_linear_serves(rows, w) for w in weights.linears):
+        return None
+    cu_seqlens = batch.cu_seqlens
+    if cu_seqlens.dtype != torch.int32 or not cu_seqlens.is_cpu or not cu_seqlens.is_contiguous():
+        return None
+    bounds = batch.bounds
+    if bounds[0] != 0 or bounds[-1] != rows or (built := kernels()) is None:
+        return None
+    out = torch.empty_like(x)
+    arguments = (x.data_ptr(), rows, cu_seqlens.data_ptr(), len(bounds) - 1, batch.longest)
+    if _run("encoderd::bert_layer", built.bert_layer, *arguments, ctypes.byref(weights.layer), out.data_ptr()):
+        raise MemoryError(f"out of memory for a BERT layer's buffers ({rows} tokens)")
+    return out
+
+
 def _quantize_by_torch(rows: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     rows = rows.float()
     if input_scale is not None:
@@ -524,12 +639,11 @@ def _serving(x: torch.Tensor) -> Kernels | None:
     return kernels()
 
 
-def _run(name: str, function, *args) -> None:
+def _run(name: str, function, *args) -> Any:
     if torch._C._autograd._profiler_enabled():  # named for bench.breakdown (else counted as Python); 10 us a call
         with torch.profiler.record_function(name):
-            function(*args)
-    else:
-        function(*args)
+            return function(*args)
+    return function(*args)
 
 
 @functools.cache
@@ -623,6 +737,10 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
     pack_bf16_weights.argtypes = [_pointer, _size, _size, _pointer]
     bf16_rows = library.bf16_linear_rows
     bf16_rows.argtypes = [_pointer, _size, _size, _pointer, _size, _pointer, ctypes.c_int, _pointer]
+    bert_layer = getattr(library, "bert_layer_bf16", None)
+    if bert_layer is not None:
+        bert_layer.argtypes = [_pointer, _size, _pointer, _size, _size, ctypes.POINTER(BertLayerStruct), _pointer]
+        bert_layer.restype = ctypes.c_int
     functions = (softmax_rows, add_layer_norm, mean_rows, attend, quantize, rescale, pack, gemm)
     for function in (*functions, pack_bf16_weights, bf16_rows):
         function.restype = None
@@ -638,7 +756,7 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
         bf16_gemm_rows = 32 * library.bf16_gemm_available()
     return Kernels(
         softmax_rows, add_layer_norm, mean_rows, attend, scratch_bytes, products, tiles, quantize, rescale, pack, gemm,
-        int8_gemm, int8_products, pack_bf16_weights, bf16_rows, bf16_gemm_rows,
+        int8_gemm, int8_products, pack_bf16_weights, bf16_rows, bf16_gemm_rows, bert_layer,
     )  # fmt: skip
 
 

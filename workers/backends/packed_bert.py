@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from ..contract.model_spec import ModelKind
+from . import host_kernels
 from .host_kernels import add_layer_norm
 from .packed_pieces import HFModule, PackedBatch, activated, attend, fuse_linears
 
@@ -50,6 +51,25 @@ class BertPieces:
         self.layers = list(self.encoder.encoder.layer)
         self.layer_count = len(self.layers)
         self.qkv = [_fuse_projections(layer.attention.self) for layer in self.layers]
+        self.whole_layers: list[host_kernels.BertLayerWeights] = []  # see whole_layers_final
+
+    def whole_layers_final(self) -> None:
+        """Called once the linears are final (PackedEncoder.linears_final): where host kernels can compute
+        every layer whole (bfloat16 PackedLinears with their few-row weights, the kernels' norms and head
+        size), each layer's weights for host_kernels.bert_layer, which then computes a short query's layers
+        in one call each; else none, and every layer runs operator by operator."""
+        whole = [host_kernels.bert_layer_weights(*self._layer_parts(index)) for index in range(self.layer_count)]
+        self.whole_layers = [w for w in whole if w is not None]
+        if len(self.whole_layers) != self.layer_count:
+            self.whole_layers = []
+
+    def _layer_parts(self, index: int) -> tuple:
+        """bert_layer_weights' arguments for layer `index`."""
+        layer = self.layers[index]
+        output = layer.attention.output
+        linears = (self.qkv[index], output.dense, layer.intermediate.dense, layer.output.dense)
+        qkv, attention_out, up, down = (getattr(m, "few_rows", None) for m in linears)
+        return qkv, attention_out, output.LayerNorm, up, down, layer.output.LayerNorm, self.heads, None, self.activation
 
     def positions(self, batch: PackedBatch) -> torch.Tensor:
         return batch.offsets
@@ -64,6 +84,8 @@ class BertPieces:
         return None  # absolute positions: added once, in embed()
 
     def layer(self, index: int, x: torch.Tensor, batch: PackedBatch, tables: None) -> torch.Tensor:
+        if self.whole_layers and (out := host_kernels.bert_layer(x, self.whole_layers[index], batch)) is not None:
+            return out
         layer = self.layers[index]
         attention = layer.attention
         q, k, v = self.qkv[index](x).view(x.shape[0], 3, self.heads, -1).unbind(1)  # each (tokens, heads, head_dim)
@@ -141,12 +163,22 @@ class DistilBertPieces(BertPieces):
         self.layers = list(self.encoder.transformer.layer)
         self.layer_count = len(self.layers)
         self.qkv = [_fuse_named(layer.attention, ("q_lin", "k_lin", "v_lin")) for layer in self.layers]
+        self.whole_layers = []
+
+    def _layer_parts(self, index: int) -> tuple:
+        layer = self.layers[index]
+        linears = (self.qkv[index], layer.attention.out_lin, layer.ffn.lin1, layer.ffn.lin2)
+        qkv, attention_out, up, down = (getattr(m, "few_rows", None) for m in linears)
+        norms = (layer.sa_layer_norm, layer.output_layer_norm)
+        return qkv, attention_out, norms[0], up, down, norms[1], self.heads, layer.attention.scaling, self.activation
 
     def embed(self, batch: PackedBatch) -> torch.Tensor:
         e = self.encoder.embeddings
         return e.LayerNorm(e.word_embeddings(batch.ids) + e.position_embeddings(batch.offsets))
 
     def layer(self, index: int, x: torch.Tensor, batch: PackedBatch, tables: None) -> torch.Tensor:
+        if self.whole_layers and (out := host_kernels.bert_layer(x, self.whole_layers[index], batch)) is not None:
+            return out
         layer = self.layers[index]
         q, k, v = self.qkv[index](x).view(x.shape[0], 3, self.heads, -1).unbind(1)
         context = attend(q, k, v, batch, scale=layer.attention.scaling).flatten(1)
