@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.corpus import sentences
-from support.server import ServerProcess
+from support.server import ServerProcess, stopped
 from test_metrics import scrape, total
 from test_reliability import _alive, _pids
 
@@ -142,16 +142,11 @@ def test_expired_deadlines_are_counted_as_such_and_hang_ups_as_cancelled(server,
     models = stub.ListModels(pb.ListModelsRequest()).models
     workers = [replica.pid for m in models if m.id == DEFAULT_MODEL_NAME for replica in m.replicas]
     in_flight = lambda: total(scrape(server), "encoderd_requests_in_flight", rpc="Encoder/Embed")  # noqa: E731
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(workers):
         hung_up = stub.Embed.future(work(), timeout=60)
         _until(lambda: in_flight() == 1, 10, "the server never held the call")
         hung_up.cancel()
         _until(lambda: _requests(server, "CANCELLED") == cancelled_before + 1, 10, "the hang-up was not counted")
-    finally:
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
     assert _requests(server, "DEADLINE_EXCEEDED") == expired_before + 1
 
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support.corpus import sentences
-from support.server import ServerProcess, until
+from support.server import ServerProcess, stopped, until
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME
@@ -184,10 +184,7 @@ def _in_flight(server, **labels) -> float:
 
 def _cancelled_calls_leave_no_call_in_flight(server, stub):
     (model,) = [m for m in stub.ListModels(pb.ListModelsRequest()).models if m.id == EMBEDDER]
-    workers = [replica.pid for replica in model.replicas]
-    for pid in workers:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(replica.pid for replica in model.replicas):
         calls = [
             stub.Embed.future(pb.EmbedRequest(model=EMBEDDER, inputs=[f"{c} {i} " + "word " * 200 for i in range(256)]))
             for c in range(3)
@@ -195,8 +192,5 @@ def _cancelled_calls_leave_no_call_in_flight(server, stub):
         until(lambda: _in_flight(server, rpc="Encoder/Embed") == 3, "the three calls were never all in flight")
         for call in calls[1:]:
             call.cancel()
-    finally:
-        for pid in workers:
-            os.kill(pid, signal.SIGCONT)
     calls[0].result()
     until(lambda: _in_flight(server) == 0, "a call stayed counted in flight after it ended")

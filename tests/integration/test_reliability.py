@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.corpus import sentences
 from support.multimodal_models import build_clip
-from support.server import ServerProcess, until
+from support.server import ServerProcess, stopped, until
 
 from encoderd.v1 import encoderd_pb2 as pb
 from encoderd.workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
@@ -266,16 +266,11 @@ def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path, sockets, rest, s
     assert set(worker_pids) <= set(children)
     _socket_dir(sockets)
     inputs = [" ".join([t] * 3) for t in TEXTS[:32]]
-    for pid in worker_pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with stopped(worker_pids):
         in_flight = [stub.Embed.future(pb.EmbedRequest(inputs=inputs), timeout=60) for _ in range(6)]
         embeds = 'encoderd_requests_in_flight{rpc="Encoder/Embed"}'
         until(lambda: _metric(server, embeds) == 6, "the server holds the six calls")
         server.proc.send_signal(stop)
-    finally:
-        for pid in worker_pids:
-            os.kill(pid, signal.SIGCONT)
     assert server.proc.wait(60) == 0
     for future in in_flight:
         assert len(future.result().embeddings) == 32  # accepted before SIGTERM: finished, not dropped

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import grpc
@@ -29,6 +30,22 @@ def until(condition, what: str, timeout: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def stopped(pids: Iterable[int]) -> Iterator[None]:
+    """The processes `pids` (a server's workers) stopped by SIGSTOP within the block and resumed after it,
+    however it ends: the calls a test sends wait for them, and are held by the server, whatever the host's
+    speed. A process that died meanwhile is skipped."""
+    pids = list(pids)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def free_port() -> int:
