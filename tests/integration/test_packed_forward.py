@@ -363,33 +363,38 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
 
 
 WHOLE_LAYER_CASES = [
-    ("bert", "embedding"),
-    ("bert", "reranker"),
-    ("xlm-roberta", "reranker"),
-    ("distilbert", "embedding"),
+    ("bert", "embedding", "bfloat16"),
+    ("bert", "reranker", "bfloat16"),
+    ("xlm-roberta", "reranker", "bfloat16"),
+    ("distilbert", "embedding", "bfloat16"),
+    ("bert", "embedding", "int8"),
+    ("xlm-roberta", "reranker", "int8"),
 ]
 
 
-@pytest.mark.parametrize("family,kind", WHOLE_LAYER_CASES, ids=["-".join(c) for c in WHOLE_LAYER_CASES])
-def test_whole_bert_layers_equal_the_layers_operator_by_operator(family, kind, family_models, reranker_path):
+@pytest.mark.parametrize("family,kind,dtype", WHOLE_LAYER_CASES, ids=["-".join(c) for c in WHOLE_LAYER_CASES])
+def test_whole_bert_layers_equal_the_layers_operator_by_operator(family, kind, dtype, family_models, reranker_path):
     """Where the host kernels compute a short query's BERT layers one call each (host_kernels.bert_layer:
-    bfloat16, one thread, the few-row GEMM built here), the forward equals the same layers computed operator
-    by operator bit for bit: single queries of 1 to few_row_limit() + 8 tokens, batches of several short
-    sequences, the corpus batches (past the limit: operator by operator either way); every layer of a
-    query within the limit runs whole. BERT (MiniLM and a reranker), XLM-RoBERTa's positions, DistilBERT's
-    names and scale."""
+    one thread; bfloat16 with the few-row GEMM built here, or int8 with the VNNI GEMM and a bfloat16
+    residual stream), the forward equals the same layers computed operator by operator bit for bit: single
+    queries of 1 to limit + 8 tokens (few_row_limit(), INT8_WHOLE_LAYER_ROWS), batches of several short
+    sequences, the corpus batches (past the limit: operator by operator either way); every layer of a query
+    within the limit runs whole. BERT (MiniLM and a reranker), XLM-RoBERTa's positions, DistilBERT's names
+    and scale."""
     if host_kernels.few_row_limit() == 0:
         pytest.skip("no few-row bfloat16 GEMM on this CPU (it needs avx512_bf16): every layer runs by operators")
+    if dtype == "int8" and not host_kernels.kernels().int8_gemm:
+        pytest.skip("no int8 GEMM kernel on this CPU (it needs avx512_vnni): int8 layers run by operators")
     if family == "bert":
         path = default_model_path() if kind == "embedding" else reranker_path
     else:
         path = family_models(family, kind)
     spec = load_model_spec(kind, path, ModelKind(kind))
-    backend = load_backend(spec, BackendOptions(dtype="bfloat16", threads=1))
+    backend = load_backend(spec, BackendOptions(dtype=dtype, threads=1))
     pieces = backend.packed.pieces
     assert len(pieces.whole_layers) == pieces.layer_count
     query = QUERY if kind == "reranker" else None
-    limit = host_kernels.few_row_limit()
+    limit = host_kernels.INT8_WHOLE_LAYER_ROWS if dtype == "int8" else host_kernels.few_row_limit()
     singles = [[list(range(5, 5 + n))] for n in (*range(1, 17), 31, 32, 33, limit - 1, limit, limit + 1, limit + 8)]
     several = [[list(range(7, 7 + n)) for n in lengths] for lengths in ([1, 1], [3, 9, 2], [20, 21, 22])]
     work = batches(spec, query) + [

@@ -710,8 +710,19 @@ def _layer_by_operators(x, batch, linears, norms, heads: int, activation: str) -
 
 
 def _whole_layer(linears, norms, heads: int, activation: str, scale=None):
-    qkv, attention_out, up, down = (m.few_rows for m in linears)
+    qkv, attention_out, up, down = (packed_pieces.layer_gemm(m) for m in linears)
     return host_kernels.bert_layer_weights(qkv, attention_out, norms[0], up, down, norms[1], heads, scale, activation)
+
+
+def _int8_layer_parts(hidden: int, heads: int, inner: int, seed: int) -> tuple[list, list]:
+    """The same layer with its linears in int8 (Int8Linear with the VNNI GEMM's weights), the QKV and up
+    projections smoothed from random input ranges (SmoothQuant's input scale), as int8_linear.quantize
+    leaves a model."""
+    linears, norms = _bert_layer_parts(hidden, heads, inner, seed)
+    generator = torch.Generator().manual_seed(seed)
+    ranges = [torch.rand(m.in_features, generator=generator) * 4 + 0.1 for m in linears]
+    smoothed = [ranges[0], None, ranges[2], None]
+    return [int8_linear.Int8Linear.from_linear(m, input_range=r) for m, r in zip(linears, smoothed, strict=True)], norms
 
 
 def _packed_batch(lengths: list[int]) -> packed_pieces.PackedBatch:
@@ -740,6 +751,27 @@ def test_bert_layer_equals_its_kernels_one_by_one(lengths, activation, hidden, h
     want = _layer_by_operators(x, batch, linears, norms, heads, activation)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == x.shape
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+@needs_bf16_gemm
+@needs_vnni_gemm
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+@pytest.mark.parametrize("lengths", [[1], [5], [9], [13], [3, 30], [64], [65]])
+def test_int8_bert_layer_equals_its_kernels_one_by_one(lengths, activation, one_thread):
+    """An int8 layer (quantize_rows then the VNNI GEMM for each linear, attention and the norms in bfloat16)
+    in one bert_layer call against the layer computed operator by operator: bit for bit, up to
+    INT8_WHOLE_LAYER_ROWS rows; past them None (a bulk batch keeps int8_linear.py's passes)."""
+    linears, norms = _int8_layer_parts(384, 12, 1536, seed=sum(lengths))
+    weights = _whole_layer(linears, norms, 12, activation)
+    assert weights is not None
+    batch = _packed_batch(lengths)
+    x = torch.randn(sum(lengths), 384, generator=torch.Generator().manual_seed(len(lengths))).bfloat16()
+    got = host_kernels.bert_layer(x, weights, batch)
+    if sum(lengths) > host_kernels.INT8_WHOLE_LAYER_ROWS:
+        assert got is None
+        return
+    want = _layer_by_operators(x, batch, linears, norms, 12, activation)
+    assert got is not None and torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
 @needs_bf16_gemm

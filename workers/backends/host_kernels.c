@@ -1823,48 +1823,76 @@ void attend_full_bf16(const uint16_t *q, const uint16_t *k, const uint16_t *v, i
  * bert_layer_bf16: one post-norm BERT layer over a packed batch of a few rows (a short query), made of
  * the kernels above in the order the Python layer calls them (packed_bert.BertPieces.layer): the fused
  * QKV projection, attention over each sequence, the attention's output projection, add + LayerNorm, the
- * FFN's up projection with its activation, its down projection, add + LayerNorm. The same kernels on the
- * same inputs: the output equals the layer computed call by call, bit for bit. One call instead of seven
- * saves the Python between them: a 10-token MiniLM query's forward spent ~35 % of its time outside the
- * kernels (argument checks, tensor allocations, module lookups; Zen 4, one thread). */
+ * FFN's up projection with its activation, its down projection, add + LayerNorm. Each projection is a
+ * few-row bfloat16 GEMM (bf16_linear_rows) or an int8 linear (quantize_rows, then int8_linear_rows), as
+ * the Python layer computes it; the residual stream is bfloat16. The same kernels on the same inputs: the
+ * output equals the layer computed call by call, bit for bit. One call instead of seven to eleven saves
+ * the Python between them: a 10-token MiniLM query's forward spent ~35 % of its time outside the kernels
+ * in bfloat16, ~55 % in int8 (argument checks, tensor allocations, module lookups; Zen 4, one thread). */
+struct layer_gemm {
+    const void *packed;  /* by pack_bf16_weights, or by pack_int8_weights (int8) */
+    const float *bias;   /* float32, padded to 16; or NULL */
+    const int32_t *compensation;               /* int8: the columns' compensation */
+    const float *weight_scale, *input_scale;   /* int8: channel scales; SmoothQuant's input scale or NULL */
+    int64_t k, n;
+    int int8;
+};
+
 struct bert_layer {
-    const uint16_t *qkv, *attention_out, *up, *down; /* weights packed by pack_bf16_weights */
-    const float *qkv_bias, *attention_out_bias, *up_bias, *down_bias; /* float32, padded to 16; or NULL */
+    struct layer_gemm qkv, attention_out, up, down;
     const uint16_t *norm1_weight, *norm1_bias, *norm2_weight, *norm2_bias; /* bfloat16, hidden each */
-    int64_t hidden, inner, heads;
+    int64_t heads;
     float norm1_eps, norm2_eps, scale; /* scale: attention's, multiplying q k^T */
     int activation;                    /* the up projection's: bf16_linear_rows' code */
 };
+
+/* out (rows x g->n bfloat16) = g applied to x (rows x g->k bfloat16); quantized (rows x k bytes) and
+ * token_scale (rows floats): an int8 linear's work. */
+static void layer_gemm_rows(const struct layer_gemm *g, const uint16_t *x, int64_t rows, int activation, uint16_t *out,
+                            uint8_t *quantized, float *token_scale) {
+    if (g->int8) {
+        quantize_rows(x, 1, g->input_scale, rows, g->k, (int8_t *)quantized, token_scale, 1);
+        int8_linear_rows(quantized, rows, g->k, g->packed, g->compensation, g->n, token_scale, g->weight_scale,
+                         g->bias, activation, out, 1);
+    } else
+        bf16_linear_rows(x, rows, g->k, g->packed, g->n, g->bias, activation, out);
+}
 
 /* x (rows x hidden bfloat16, dense) through `layer` into out (rows x hidden; not x). cu_seqlens: the packed
  * batch's `sequences` + 1 bounds, the longest sequence `longest` tokens. Returns 0, or -1 where its
  * buffers could not be allocated (nothing written then). */
 int bert_layer_bf16(const uint16_t *x, int64_t rows, const int32_t *cu_seqlens, int64_t sequences, int64_t longest,
                     const struct bert_layer *layer, uint16_t *out) {
-    int64_t hidden = layer->hidden, dim = hidden / layer->heads;
+    int64_t hidden = layer->qkv.k, inner = layer->up.n, dim = hidden / layer->heads;
     int64_t qkv_bytes = round_up(rows * 3 * hidden * 2, ALIGN), row_bytes = round_up(rows * hidden * 2, ALIGN);
-    int64_t inner_bytes = round_up(rows * layer->inner * 2, ALIGN);
+    int64_t inner_bytes = round_up(rows * inner * 2, ALIGN);
+    int64_t quantized_bytes = round_up(rows * (inner > hidden ? inner : hidden), ALIGN);
+    int64_t scale_bytes = round_up(rows * 4, ALIGN);
     int64_t norm_bytes = round_up(3 * round_up(hidden, LANES) * 4, ALIGN);
     int64_t attention_bytes = round_up(attention_scratch_bytes(longest, dim), ALIGN);
-    char *work = aligned_alloc(ALIGN, qkv_bytes + 3 * row_bytes + inner_bytes + norm_bytes + attention_bytes);
+    int64_t total = qkv_bytes + 3 * row_bytes + inner_bytes + quantized_bytes + scale_bytes + norm_bytes;
+    char *work = aligned_alloc(ALIGN, total + attention_bytes);
     if (work == NULL)
         return -1;
     uint16_t *qkv = (uint16_t *)work, *context = (uint16_t *)(work + qkv_bytes);
     uint16_t *projected = (uint16_t *)(work + qkv_bytes + row_bytes);
     uint16_t *attended = (uint16_t *)(work + qkv_bytes + 2 * row_bytes);
-    uint16_t *inner = (uint16_t *)(work + qkv_bytes + 3 * row_bytes);
-    float *norm_work = (float *)(work + qkv_bytes + 3 * row_bytes + inner_bytes);
-    void *attention_work = work + qkv_bytes + 3 * row_bytes + inner_bytes + norm_bytes;
+    char *rest = work + qkv_bytes + 3 * row_bytes;
+    uint16_t *hidden_inner = (uint16_t *)rest;
+    uint8_t *quantized = (uint8_t *)(rest + inner_bytes);
+    float *token_scale = (float *)(rest + inner_bytes + quantized_bytes);
+    float *norm_work = (float *)(rest + inner_bytes + quantized_bytes + scale_bytes);
+    void *attention_work = work + total;
 
-    bf16_linear_rows(x, rows, hidden, layer->qkv, 3 * hidden, layer->qkv_bias, 0, qkv);
+    layer_gemm_rows(&layer->qkv, x, rows, 0, qkv, quantized, token_scale);
     /* q, k, v: (tokens, 3, heads, dim) views of the projection, as the Python layer reads them */
     attend_full_bf16(qkv, qkv + hidden, qkv + 2 * hidden, 3 * hidden, dim, context, cu_seqlens, sequences,
                      layer->heads, dim, layer->scale, attention_work);
-    bf16_linear_rows(context, rows, hidden, layer->attention_out, hidden, layer->attention_out_bias, 0, projected);
+    layer_gemm_rows(&layer->attention_out, context, rows, 0, projected, quantized, token_scale);
     add_layer_norm_bf16(projected, x, layer->norm1_weight, layer->norm1_bias, attended, rows, hidden,
                         layer->norm1_eps, norm_work);
-    bf16_linear_rows(attended, rows, hidden, layer->up, layer->inner, layer->up_bias, layer->activation, inner);
-    bf16_linear_rows(inner, rows, layer->inner, layer->down, hidden, layer->down_bias, 0, projected);
+    layer_gemm_rows(&layer->up, attended, rows, layer->activation, hidden_inner, quantized, token_scale);
+    layer_gemm_rows(&layer->down, hidden_inner, rows, 0, projected, quantized, token_scale);
     add_layer_norm_bf16(projected, attended, layer->norm2_weight, layer->norm2_bias, out, rows, hidden,
                         layer->norm2_eps, norm_work);
     free(work);

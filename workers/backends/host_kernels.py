@@ -48,6 +48,15 @@
   rows, 1.04-1.19x at 40-64 (Xeon with AMX, same bench), and no GEMM compiled per row count (host_kernels.c,
   BF16_TILES_ROWS).
 
+* bert_layer: a whole post-norm BERT layer (BERT, RoBERTa and its kin, DistilBERT) of a few rows in one
+  call, where the few-row GEMM (or, in int8, quantize_rows and the VNNI GEMM) serves each of its linears:
+  the kernels above (the fused QKV projection, attention, the output projection, add + LayerNorm, the FFN
+  with its activation, add + LayerNorm) one after another in C, so its output equals the layer computed
+  call by call, bit for bit. Between those seven (int8: eleven) calls a lone query's forward spent ~35 %
+  (int8: ~55 %) of its CPU in Python (argument checks, tensor allocations, module lookups): MiniLM's
+  forward took 1.32-1.59x less CPU at 3-12 tokens, 1.10-1.27x at 16-64; int8 1.78-2.56x and 1.20-1.69x
+  (Zen 4, one thread).
+
 All equal torch's operators but for an occasional last-bit rounding (tests/unit/test_host_kernels.py);
 GELU's erfc is a Chebyshev fit within 1.2e-7 of it, relative.
 
@@ -481,15 +490,23 @@ def bf16_linear(x: torch.Tensor, weights: PackedBf16Weights, activation: str) ->
     return out
 
 
-class BertLayerStruct(ctypes.Structure):
-    """host_kernels.c's struct bert_layer: one layer's packed weights, norms and shape."""
+class LayerGemmStruct(ctypes.Structure):
+    """host_kernels.c's struct layer_gemm: one GEMM of a whole layer, bfloat16 or int8."""
 
     _fields_ = [
-        *((name, _pointer) for name in ("qkv", "attention_out", "up", "down")),
-        *((name, _pointer) for name in ("qkv_bias", "attention_out_bias", "up_bias", "down_bias")),
+        *((name, _pointer) for name in ("packed", "bias", "compensation", "weight_scale", "input_scale")),
+        ("k", _size),
+        ("n", _size),
+        ("int8", ctypes.c_int),
+    ]
+
+
+class BertLayerStruct(ctypes.Structure):
+    """host_kernels.c's struct bert_layer: one layer's GEMMs, norms and shape."""
+
+    _fields_ = [
+        *((name, LayerGemmStruct) for name in ("qkv", "attention_out", "up", "down")),
         *((name, _pointer) for name in ("norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias")),
-        ("hidden", _size),
-        ("inner", _size),
         ("heads", _size),
         ("norm1_eps", ctypes.c_float),
         ("norm2_eps", ctypes.c_float),
@@ -498,66 +515,103 @@ class BertLayerStruct(ctypes.Structure):
     ]
 
 
+# bert_layer computes int8 layers of up to this many rows (a short query's): the Python between a layer's
+# eleven kernel calls weighs on a short input alone; a bulk batch keeps int8_linear.py's 512-row passes.
+INT8_WHOLE_LAYER_ROWS = 64
+
+
+@dataclass(frozen=True)
+class LayerGemm:
+    """One GEMM of a layer as bert_layer computes it: a few-row bfloat16 GEMM's weights (PackedLinear's
+    few_rows), or an int8 linear's (Int8Linear's packed weights and SmoothQuant input scale)."""
+
+    bf16: PackedBf16Weights | None = None
+    int8: PackedInt8Weights | None = None
+    input_scale: torch.Tensor | None = None  # int8: float32, in_features
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        weights = self.bf16 or self.int8
+        assert weights is not None
+        return weights.in_features, weights.out_features
+
+    def serves(self, rows: int) -> bool:
+        """Whether its kernel computes `rows` rows now, as the Python layer's would (bf16_linear_serves;
+        for int8, one thread and the VNNI GEMM built: int8_linear.Int8Linear)."""
+        if self.bf16 is not None:
+            return bf16_linear_serves(rows, self.bf16)
+        return rows <= INT8_WHOLE_LAYER_ROWS and int8_gemm_serves()
+
+    def struct(self) -> LayerGemmStruct:
+        def pointer(t: torch.Tensor | None) -> int | None:
+            return t.data_ptr() if t is not None else None
+
+        k, n = self.shape
+        if self.bf16 is not None:
+            return LayerGemmStruct(self.bf16.packed.data_ptr(), pointer(self.bf16.bias), None, None, None, k, n, 0)
+        w = self.int8
+        assert w is not None
+        tensors = (w.packed, w.bias, w.compensation, w.weight_scale, self.input_scale)
+        return LayerGemmStruct(*(pointer(t) for t in tensors), k, n, 1)
+
+
 @dataclass(frozen=True)
 class BertLayerWeights:
     """What bert_layer computes a post-norm BERT layer from: its struct, and what it points into (held
     here, so they live as long as it does)."""
 
     layer: BertLayerStruct
-    linears: tuple[PackedBf16Weights, ...]  # the four GEMMs' (bf16_linear_serves decides for each)
+    gemms: tuple[LayerGemm, ...]  # the four GEMMs' (each decides where it serves)
     norms: tuple[torch.Tensor, ...]
     hidden: int
 
 
 def bert_layer_weights(
-    qkv: PackedBf16Weights | None,
-    attention_out: PackedBf16Weights | None,
+    qkv: LayerGemm | None,
+    attention_out: LayerGemm | None,
     norm1: torch.nn.Module,
-    up: PackedBf16Weights | None,
-    down: PackedBf16Weights | None,
+    up: LayerGemm | None,
+    down: LayerGemm | None,
     norm2: torch.nn.Module,
     heads: int,
     scale: float | None,
     activation: str,
 ) -> BertLayerWeights | None:
     """A BERT layer's pieces for bert_layer: the fused QKV projection, the attention's output projection,
-    its LayerNorm, the FFN's up projection (then `activation`) and down projection, its LayerNorm, each
-    linear's few-row weights (PackedLinear.few_rows). `scale` multiplies q k^T (None: head size ** -0.5).
-    None where one call cannot compute the layer as its kernels would one by one: the build has no
-    bert_layer, a linear has no few-row weights, a norm the add_layer_norm kernel does not serve, a head
-    size the attention kernel does not (a multiple of 16 up to MAX_HEAD_SIZE), a scale that is not positive,
-    another activation."""
+    its LayerNorm, the FFN's up projection (then `activation`) and down projection, its LayerNorm (each GEMM
+    as packed_pieces.layer_gemm gives it). `scale` multiplies q k^T (None: head size ** -0.5). None where one
+    call cannot compute the layer as its kernels would one by one: the build has no bert_layer, a GEMM no
+    host kernel computes, a norm the add_layer_norm kernel does not serve, a head size the attention kernel
+    does not (a multiple of 16 up to MAX_HEAD_SIZE), a scale that is not positive, another activation."""
     built = kernels()
     if built is None or built.bert_layer is None or activation not in ("gelu", "relu"):
         return None
     if qkv is None or attention_out is None or up is None or down is None:
         return None
-    linears = (qkv, attention_out, up, down)
-    hidden, inner = attention_out.in_features, up.out_features
-    dim = hidden // heads
-    shapes = (qkv.in_features, qkv.out_features, attention_out.out_features, up.in_features, down.in_features)
-    if shapes != (hidden, 3 * hidden, hidden, hidden, inner) or down.out_features != hidden or dim * heads != hidden:
+    gemms = (qkv, attention_out, up, down)
+    hidden, inner = attention_out.shape[0], up.shape[1]
+    shapes = (qkv.shape, attention_out.shape, up.shape, down.shape)
+    if shapes != ((hidden, 3 * hidden), (hidden, hidden), (hidden, inner), (inner, hidden)):
         return None
-    if dim % LANES or dim > MAX_HEAD_SIZE or not (scaling := dim**-0.5 if scale is None else scale) > 0:
+    dim = hidden // heads
+    if dim * heads != hidden or dim % LANES or dim > MAX_HEAD_SIZE:
+        return None
+    if not (scaling := dim**-0.5 if scale is None else scale) > 0:
         return None
     first, second = _kernel_norm(norm1, hidden), _kernel_norm(norm2, hidden)
     if first is None or second is None:
         return None
     norms = (*first[:2], *second[:2])
-    biases = tuple(w.bias for w in linears)
     layer = BertLayerStruct(
-        *(w.packed.data_ptr() for w in linears),
-        *(b.data_ptr() if b is not None else None for b in biases),
+        *(g.struct() for g in gemms),
         *(t.data_ptr() for t in norms),
-        hidden,
-        inner,
         heads,
         first[2],
         second[2],
         scaling,
         INT8_ACTIVATIONS[activation],
     )
-    return BertLayerWeights(layer, linears, norms, hidden)
+    return BertLayerWeights(layer, gemms, norms, hidden)
 
 
 def _kernel_norm(norm: torch.nn.Module, width: int) -> tuple[torch.Tensor, torch.Tensor, float] | None:
@@ -572,15 +626,16 @@ def _kernel_norm(norm: torch.nn.Module, width: int) -> tuple[torch.Tensor, torch
 
 
 def bert_layer(x: torch.Tensor, weights: BertLayerWeights, batch: PackedSequences) -> torch.Tensor | None:
-    """The BERT layer of `weights` over the packed batch x (tokens, hidden) bfloat16 in one call: its seven
-    kernels one after another in C, equal bit for bit to the layer computed call by call (bf16_linear,
-    attend_full, add_layer_norm). None where a kernel would not serve the batch: not one thread, more rows
-    than few_row_limit() (or, where AMX tiles alone serve them, a k not in whole tile rows), x not dense
-    bfloat16, cu_seqlens not int32 or not covering the tokens."""
+    """The BERT layer of `weights` over the packed batch x (tokens, hidden) bfloat16 in one call: its kernels
+    one after another in C, equal bit for bit to the layer computed call by call (bf16_linear or
+    quantize_rows + int8_linear, attend_full, add_layer_norm). None where a kernel would not serve the
+    batch: not one thread, more rows than a GEMM takes (few_row_limit(); INT8_WHOLE_LAYER_ROWS; where AMX
+    tiles alone serve them, a k not in whole tile rows), x not dense bfloat16, cu_seqlens not int32 or not
+    covering the tokens."""
     rows = x.shape[0]
     if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.shape[1] != weights.hidden:
         return None
-    if not x.is_contiguous() or not all(bf16_linear_serves(rows, w) for w in weights.linears):
+    if not x.is_contiguous() or not all(gemm.serves(rows) for gemm in weights.gemms):
         return None
     cu_seqlens = batch.cu_seqlens
     if cu_seqlens.dtype != torch.int32 or not cu_seqlens.is_cpu or not cu_seqlens.is_contiguous():

@@ -6,7 +6,9 @@ Each layer's query, key and value projections are fused into one GEMM (fewer, la
 matrix products; on CPU two fewer OpenMP parallel regions). On CPU, with the linears
 pre-packed for oneDNN (packed_linear.py), the FFN's activation runs in the GEMM's
 epilogue. Together: +5% tokens/s on one thread, +7% on two (MiniLM). In bfloat16 on one thread the
-residual add and LayerNorm run as one pass (host_kernels.add_layer_norm).
+residual add and LayerNorm run as one pass (host_kernels.add_layer_norm), and where the few-row GEMM
+(or, in int8, the VNNI GEMM) serves a short query's linears, each whole layer is one host-kernel call
+(host_kernels.bert_layer).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from ..contract.model_spec import ModelKind
 from . import host_kernels
 from .host_kernels import add_layer_norm
-from .packed_pieces import HFModule, PackedBatch, activated, attend, fuse_linears
+from .packed_pieces import HFModule, PackedBatch, activated, attend, fuse_linears, layer_gemm
 
 
 class BertPieces:
@@ -55,9 +57,10 @@ class BertPieces:
 
     def whole_layers_final(self) -> None:
         """Called once the linears are final (PackedEncoder.linears_final): where host kernels can compute
-        every layer whole (bfloat16 PackedLinears with their few-row weights, the kernels' norms and head
-        size), each layer's weights for host_kernels.bert_layer, which then computes a short query's layers
-        in one call each; else none, and every layer runs operator by operator."""
+        every layer whole (bfloat16 PackedLinears with their few-row weights, or Int8Linears with the VNNI
+        GEMM's; the kernels' norms and head size), each layer's weights for host_kernels.bert_layer, which
+        then computes a short query's layers in one call each; else none, and every layer runs operator by
+        operator."""
         whole = [host_kernels.bert_layer_weights(*self._layer_parts(index)) for index in range(self.layer_count)]
         self.whole_layers = [w for w in whole if w is not None]
         if len(self.whole_layers) != self.layer_count:
@@ -68,7 +71,7 @@ class BertPieces:
         layer = self.layers[index]
         output = layer.attention.output
         linears = (self.qkv[index], output.dense, layer.intermediate.dense, layer.output.dense)
-        qkv, attention_out, up, down = (getattr(m, "few_rows", None) for m in linears)
+        qkv, attention_out, up, down = (layer_gemm(m) for m in linears)
         return qkv, attention_out, output.LayerNorm, up, down, layer.output.LayerNorm, self.heads, None, self.activation
 
     def positions(self, batch: PackedBatch) -> torch.Tensor:
@@ -168,7 +171,7 @@ class DistilBertPieces(BertPieces):
     def _layer_parts(self, index: int) -> tuple:
         layer = self.layers[index]
         linears = (self.qkv[index], layer.attention.out_lin, layer.ffn.lin1, layer.ffn.lin2)
-        qkv, attention_out, up, down = (getattr(m, "few_rows", None) for m in linears)
+        qkv, attention_out, up, down = (layer_gemm(m) for m in linears)
         norms = (layer.sa_layer_norm, layer.output_layer_norm)
         return qkv, attention_out, norms[0], up, down, norms[1], self.heads, layer.attention.scaling, self.activation
 

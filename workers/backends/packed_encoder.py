@@ -118,7 +118,7 @@ class PackedEncoder:
         self.int8_gemms = bool(linears) and len(int8_gemms) == len(linears)
         # BERT's families also compute a short query's layers one C call each (host_kernels.bert_layer)
         whole_layers_final = getattr(self.pieces, "whole_layers_final", None)
-        if self.few_row_weights and whole_layers_final is not None:
+        if (self.few_row_weights or self.int8_gemms) and whole_layers_final is not None:
             whole_layers_final()
 
     def rows_multiple(self, tokens: int) -> int:

@@ -235,6 +235,16 @@ def activated(dense: torch.nn.Module, x: torch.Tensor, activation: str) -> torch
     return (F.gelu if activation == "gelu" else F.relu)(dense(x))
 
 
+def layer_gemm(linear: torch.nn.Module) -> host_kernels.LayerGemm | None:
+    """How host_kernels.bert_layer computes `linear`: by its few-row bfloat16 GEMM (a PackedLinear with its
+    copy) or its int8 GEMM (an Int8Linear with the VNNI kernel's weights); None where neither."""
+    if type(linear) is packed_linear.PackedLinear and linear.few_rows is not None:
+        return host_kernels.LayerGemm(bf16=linear.few_rows)
+    if type(linear) is int8_linear.Int8Linear and linear.packed is not None:
+        return host_kernels.LayerGemm(int8=linear.packed, input_scale=linear.input_scale)
+    return None
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (the half-split rotation of transformers' apply_rotary_pos_emb):
     x (tokens, heads, d), cos and sin (tokens, d) from the model's own rotary module."""
