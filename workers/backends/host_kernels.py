@@ -540,7 +540,7 @@ class LayerGemm:
         for int8, one thread and the VNNI GEMM built: int8_linear.Int8Linear)."""
         if self.bf16 is not None:
             return bf16_linear_serves(rows, self.bf16)
-        return rows <= INT8_WHOLE_LAYER_ROWS and int8_gemm_serves()
+        return 0 < rows <= INT8_WHOLE_LAYER_ROWS and int8_gemm_serves()
 
     def struct(self) -> LayerGemmStruct:
         def pointer(t: torch.Tensor | None) -> int | None:
