@@ -179,17 +179,15 @@ def add_layer_norm(norm: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> t
     Called twice per layer: the norm's parameters are read once (each read goes through
     nn.Module.__getattr__), ~10 us of Python a call on a 10-token query before, where the kernel runs 2 us."""
     built = _serving(a)
-    if built is None or not isinstance(norm, torch.nn.LayerNorm):
+    if built is None or (parameters := _kernel_norm(norm, a.shape[-1])) is None or not _one_pass(a, b):
         return norm(a + b)
-    weight, bias = norm.weight, norm.bias
-    if not _one_pass(norm, weight, bias, a, b):
-        return norm(a + b)
+    weight, bias, eps = parameters
     out = torch.empty_like(a)
     cols = a.shape[-1]
     scratch = _norm_scratch(cols)
     rows = a.numel() // cols
     pointers = (a.data_ptr(), b.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr())
-    _run("encoderd::add_layer_norm", built.add_layer_norm, *pointers, rows, cols, norm.eps, scratch.data_ptr())
+    _run("encoderd::add_layer_norm", built.add_layer_norm, *pointers, rows, cols, eps, scratch.data_ptr())
     return out
 
 
@@ -258,13 +256,9 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: 
     return batch.bounds[0] == 0 and batch.bounds[-1] == q.shape[0]  # Python ints, read once per batch
 
 
-def _one_pass(norm: torch.nn.LayerNorm, weight, bias, a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The kernel's case: bfloat16 a, b, weight and bias, alike and dense, normalized over the last dimension."""
-    if weight is None or bias is None or len(norm.normalized_shape) != 1:
-        return False
-    if weight.dtype != torch.bfloat16 or bias.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
-        return False
-    return a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
+def _one_pass(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The kernel's inputs (the norm's case: _kernel_norm): bfloat16 a and b (a's dtype: _serving), alike and dense."""
+    return b.dtype == torch.bfloat16 and a.shape == b.shape and a.is_contiguous() and b.is_contiguous()
 
 
 INT8_ACTIVATIONS = {"none": 0, "gelu": 1, "relu": 2}  # rescale_rows' `activation` codes
@@ -615,8 +609,9 @@ def bert_layer_weights(
 
 
 def _kernel_norm(norm: torch.nn.Module, width: int) -> tuple[torch.Tensor, torch.Tensor, float] | None:
-    """add_layer_norm's kernel case: a LayerNorm over the last `width` values with bfloat16 weight and bias;
-    those and its eps, else None."""
+    """add_layer_norm's kernel case (bert_layer's too): a LayerNorm over the last `width` values with bfloat16
+    weight and bias; those and its eps (each read once: every read goes through nn.Module.__getattr__),
+    else None."""
     if not isinstance(norm, torch.nn.LayerNorm) or tuple(norm.normalized_shape) != (width,):
         return None
     weight, bias = norm.weight, norm.bias
