@@ -332,6 +332,13 @@ def _worst_error(backend, reference, work, kind: str) -> float:
     return float(max(np.abs(backend.forward(b) - reference.forward(b)).max() for b in work))
 
 
+def _bert_or_family(family: str, kind: str, family_models, reranker_path: str) -> str:
+    """The model of a (family, kind) case: BERT's are the bundled MiniLM (embedding) and the built reranker."""
+    if family == "bert":
+        return default_model_path() if kind == "embedding" else reranker_path
+    return family_models(family, kind)
+
+
 BFLOAT16_CASES = [("bert", "embedding"), ("bert", "reranker"), *FAMILY_CASES]
 
 
@@ -343,10 +350,7 @@ def test_packed_bfloat16_on_cpu_as_close_to_float32_as_transformers(family, kind
     forward is. (These seeded models' random heads put logits in the
     tens, where bfloat16's own step is 0.125: an absolute bound would measure the head, not attention.
     A wrong mask, window or head grouping lands far outside twice.)"""
-    if family == "bert":
-        path = default_model_path() if kind == "embedding" else reranker_path
-    else:
-        path = family_models(family, kind)
+    path = _bert_or_family(family, kind, family_models, reranker_path)
     spec = load_model_spec(kind, path, ModelKind(kind))
     reduced = BackendOptions(dtype="bfloat16", threads=1)
     reference = load_backend(spec, BackendOptions(threads=1), packed=False)
@@ -385,10 +389,7 @@ def test_whole_bert_layers_equal_the_layers_operator_by_operator(family, kind, d
         pytest.skip("no few-row bfloat16 GEMM on this CPU (it needs avx512_bf16): every layer runs by operators")
     if dtype == "int8" and not host_kernels.kernels().int8_gemm:
         pytest.skip("no int8 GEMM kernel on this CPU (it needs avx512_vnni): int8 layers run by operators")
-    if family == "bert":
-        path = default_model_path() if kind == "embedding" else reranker_path
-    else:
-        path = family_models(family, kind)
+    path = _bert_or_family(family, kind, family_models, reranker_path)
     spec = load_model_spec(kind, path, ModelKind(kind))
     backend = load_backend(spec, BackendOptions(dtype=dtype, threads=1))
     pieces = backend.packed.pieces
