@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.server import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "deploy" / "container" / "build.sh"
@@ -83,17 +83,11 @@ def image(engine_env) -> str:
     return IMAGE
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def container(image):
     """The image's defaults, its model cache on a named volume; host network (the sandbox may lack
     CNI plugins), so the ports are moved to free ones through ENCODERD_* variables."""
-    grpc_port, rest_port, metrics_port = free_port(), free_port(), free_port()
+    grpc_port, rest_port, metrics_port = free_ports(3)
     volume = f"encoderd-test-cache-{uuid.uuid4().hex[:8]}"
     cid = podman(
         "run",

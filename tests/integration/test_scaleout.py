@@ -22,7 +22,7 @@ import pytest
 import yaml
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
-from support.server import ServerProcess, free_port
+from support.server import ServerProcess, free_ports
 
 from encoderd.bench.front import front_command, front_config
 from encoderd.v1 import encoderd_pb2 as pb
@@ -48,7 +48,7 @@ class Front:
     """The shipped front.yaml with loopback addresses (and, where given, its limit of calls in flight)."""
 
     def __init__(self, hosts, workdir: Path, max_requests: int | None = None):
-        self.port, self.admin_port = free_port(), free_port()
+        self.port, self.admin_port = free_ports(2)
         config = workdir / "front.yaml"
         ports = [h.grpc_port for h in hosts]
         config.write_text(yaml.safe_dump(front_config(ports, self.port, self.admin_port, max_requests)))

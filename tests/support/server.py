@@ -48,10 +48,21 @@ def stopped(pids: Iterable[int]) -> Iterator[None]:
                 os.kill(pid, signal.SIGCONT)
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports: each socket stays bound until all are chosen, so the kernel
+    cannot hand one port out twice (separate free_port() calls can, and a server then refuses its
+    own arguments)."""
+    with contextlib.ExitStack() as sockets:
+        ports = []
+        for _ in range(count):
+            s = sockets.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 class ServerProcess:
@@ -76,9 +87,8 @@ class ServerProcess:
             if rest_tls
             else _DIRECT
         )
-        self.grpc_port = free_port()
-        self.metrics_port = free_port()
-        self.rest_port = free_port() if rest else 0
+        self.grpc_port, self.metrics_port, rest_port = free_ports(3)
+        self.rest_port = rest_port if rest else 0
         rest_args = ["--rest-port", str(self.rest_port)] if rest else ["--no-rest"]
         self.args = ["--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port), *rest_args, *args]
         self.env = {**os.environ, **(env or {})}
