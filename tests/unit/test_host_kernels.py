@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from support.memory_maps import mapping
 
-from encoderd.workers.backends import host_kernels, int8_linear, packed_linear, packed_pieces
+from encoderd.workers.backends import host_kernels, huge_pages, int8_linear, packed_linear, packed_pieces
 
 HAS_COMPILER = host_kernels.find_compiler() is not None
 needs_compiler = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this host: torch's softmax serves")
@@ -570,6 +571,26 @@ needs_bf16_gemm = pytest.mark.skipif(
     not HAS_COMPILER or (host_kernels.kernels() is None or not host_kernels.kernels().bf16_gemm),
     reason="the few-row bfloat16 GEMM is built only for a CPU with avx512_bf16",
 )
+
+
+@needs_bf16_gemm
+def test_bf16_packed_weights_are_in_huge_page_blocks():
+    """A short query streams through the packed copies: they live in the arena's 2 MiB-page blocks."""
+    packed = host_kernels.pack_bf16(torch.randn(64, 32).bfloat16(), None)
+    assert packed is not None
+    assert _in_arena_block(packed.packed)
+
+
+@needs_vnni_gemm
+def test_int8_packed_weights_are_in_huge_page_blocks():
+    packed = host_kernels.pack_int8(torch.randint(-127, 128, (64, 32), dtype=torch.int8), torch.ones(64), None)
+    assert packed is not None
+    assert _in_arena_block(packed.packed) and _in_arena_block(packed.compensation)
+
+
+def _in_arena_block(tensor: torch.Tensor) -> bool:
+    found = mapping(tensor.data_ptr())
+    return found is not None and found["start"] % huge_pages.PAGE == 0
 
 
 def _bf16_linear(k: int, n: int, seed: int, bias: bool = True) -> torch.nn.Linear:

@@ -103,6 +103,7 @@ import torch.nn.functional as F
 
 from ..contract.config import default_cache_dir
 from ..model_cache import cached_build
+from . import huge_pages
 
 
 class PackedSequences(Protocol):
@@ -332,8 +333,8 @@ def pack_int8(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tens
     if built is None or not built.int8_gemm or in_features % 4:
         return None
     width = -(-out_features // LANES) * LANES
-    packed = torch.empty(width * in_features, dtype=torch.int8)
-    compensation = torch.empty(width, dtype=torch.int32)
+    packed = huge_pages.weights.empty(width * in_features, torch.int8)
+    compensation = huge_pages.weights.empty(width, torch.int32)
     weight = weight.contiguous()
     built.pack_int8_weights(weight.data_ptr(), out_features, in_features, packed.data_ptr(), compensation.data_ptr())
 
@@ -449,7 +450,7 @@ def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBf16Weig
     width = -(-out_features // LANES) * LANES
     if not _few_row_budget.take(size := width * in_features * 2):
         return None
-    packed = torch.empty(width * in_features, dtype=torch.bfloat16)
+    packed = huge_pages.weights.empty(width * in_features, torch.bfloat16)
     weakref.finalize(packed, _few_row_budget.give_back, size)
     weight = weight.detach().contiguous()
     built.pack_bf16_weights(weight.data_ptr(), out_features, in_features, packed.data_ptr())
