@@ -87,8 +87,13 @@ class BertPieces:
         return None  # absolute positions: added once, in embed()
 
     def layer(self, index: int, x: torch.Tensor, batch: PackedBatch, tables: None) -> torch.Tensor:
+        """A short query's layer in one host-kernel call where it serves (whole_layers_final), else operator
+        by operator: the same kernels, the same output."""
         if self.whole_layers and (out := host_kernels.bert_layer(x, self.whole_layers[index], batch)) is not None:
             return out
+        return self._layer_by_operators(index, x, batch)
+
+    def _layer_by_operators(self, index: int, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         layer = self.layers[index]
         attention = layer.attention
         q, k, v = self.qkv[index](x).view(x.shape[0], 3, self.heads, -1).unbind(1)  # each (tokens, heads, head_dim)
@@ -179,9 +184,7 @@ class DistilBertPieces(BertPieces):
         e = self.encoder.embeddings
         return e.LayerNorm(e.word_embeddings(batch.ids) + e.position_embeddings(batch.offsets))
 
-    def layer(self, index: int, x: torch.Tensor, batch: PackedBatch, tables: None) -> torch.Tensor:
-        if self.whole_layers and (out := host_kernels.bert_layer(x, self.whole_layers[index], batch)) is not None:
-            return out
+    def _layer_by_operators(self, index: int, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         layer = self.layers[index]
         q, k, v = self.qkv[index](x).view(x.shape[0], 3, self.heads, -1).unbind(1)
         context = attend(q, k, v, batch, scale=layer.attention.scaling).flatten(1)
