@@ -652,7 +652,9 @@ def _quantize_by_torch(rows: torch.Tensor, input_scale: torch.Tensor | None) -> 
         rows = rows * input_scale
     # max |x| per row from two read-only passes (x.abs() would write a copy of x)
     peak = torch.maximum(rows.amax(1, keepdim=True), rows.amin(1, keepdim=True).neg_()).clamp_(min=1e-12)
-    quantized = torch.mul(rows, INT8_LEVELS / peak).round_().to(torch.int8)
+    # 127 / peak as one division, as the kernel computes it (a number over a tensor is its reciprocal times 127:
+    # two roundings, and now and then a value one level off the kernel's)
+    quantized = torch.mul(rows, peak.new_tensor(INT8_LEVELS) / peak).round_().to(torch.int8)
     return quantized, peak.mul_(1 / INT8_LEVELS)
 
 
