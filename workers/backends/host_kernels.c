@@ -273,8 +273,8 @@ static inline void store_any(void *to, int is_bf16, floats v, int64_t count) {
 
 /* Rounded to the nearest integer, ties to even (as torch.round): rint in the default rounding mode, lane by lane
  * (vectorised). Not (v + 1.5 * 2^23) - 1.5 * 2^23: the compiler fuses a product handed in (round_even(v * m)) into
- * that add (an FMA, -ffp-contract=fast), which rounds the exact product, so a tie torch's rounded product meets
- * (9.5) could arrive as 9.4999 and go to 9: one int8 step off torch's quantization in 1 of 40 random float32 tests. */
+ * that add (an FMA, -ffp-contract=fast), which rounds the exact product: 0.7048009 x (127 / 1.4554425) is 61.5 in
+ * float32 (torch: 62) but 61.4999981 exactly, and went to 61 (one int8 level off in 2 of 40 random float32 layers). */
 static inline floats round_even(floats v) {
     floats out;
     for (int i = 0; i < LANES; i++)
