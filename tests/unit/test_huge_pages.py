@@ -53,9 +53,11 @@ def test_a_block_is_unmapped_once_no_tensor_holds_it():
     own_block = arena.empty(huge_pages.BLOCK, torch.uint8)  # over half a block: a block of its own
     view = own_block[100:200]
     address = own_block.data_ptr()
+    held = mapping(address)
     del own_block
     gc.collect()
-    assert mapping(address) is not None  # the view still holds it
+    assert mapping(address) == held  # the view still holds it
     del view
     gc.collect()
-    assert mapping(address) is None
+    gone = mapping(address)  # reading smaps allocates: its buffer may be mapped where the block was
+    assert held is not None and (gone is None or gone != held)
