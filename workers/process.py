@@ -98,28 +98,37 @@ class Inbox:
         self._urgent: collections.deque = collections.deque()
         self._ahead: collections.deque = collections.deque()
         self._bulk: collections.deque = collections.deque()
-        self._arrived = threading.Condition()
+        # One lock, a condition per kind of taker: a query wakes the urgent lane (or the one lane)
+        # only. With one condition notify_all also woke the idle bulk lane twice a query (its wake
+        # and the lock it then waited for), to find nothing for it.
+        lock = threading.Lock()
+        self._lock = lock
+        self._urgent_arrived = threading.Condition(lock)
+        self._bulk_arrived = threading.Condition(lock)
+        self._any_arrived = threading.Condition(lock)
 
     def put(self, batch) -> None:
         urgent = isinstance(batch, protocol.TokenBatch) and batch.urgent  # media batches are never urgent
         queue = self._urgent if urgent else self._ahead if batch.ahead_of_bulk else self._bulk
-        with self._arrived:
+        with self._lock:
             queue.append(batch)
-            self._arrived.notify_all()
+            (self._urgent_arrived if urgent else self._bulk_arrived).notify()
+            self._any_arrived.notify()
 
     def get(self):
-        return self._wait_and_pop(self._urgent, self._ahead, self._bulk)
+        return self._wait_and_pop(self._any_arrived, self._urgent, self._ahead, self._bulk)
 
     def get_urgent(self):
-        return self._wait_and_pop(self._urgent)
+        return self._wait_and_pop(self._urgent_arrived, self._urgent)
 
     def get_bulk(self):
-        return self._wait_and_pop(self._ahead, self._bulk)
+        return self._wait_and_pop(self._bulk_arrived, self._ahead, self._bulk)
 
-    def _wait_and_pop(self, *queues: collections.deque):
+    @staticmethod
+    def _wait_and_pop(arrived: threading.Condition, *queues: collections.deque):
         """The first batch of the first non-empty queue, waiting for one to arrive."""
-        with self._arrived:
-            self._arrived.wait_for(lambda: any(queues))
+        with arrived:
+            arrived.wait_for(lambda: any(queues))
             return next(q for q in queues if q).popleft()
 
     def empty(self) -> bool:
@@ -127,7 +136,7 @@ class Inbox:
 
     def take_urgent(self):
         """The next urgent batch, or None without waiting."""
-        with self._arrived:
+        with self._lock:
             return self._urgent.popleft() if self._urgent else None
 
 

@@ -5,6 +5,9 @@ leaves free, a split request's batch goes before the prefetched one (Inbox), and
 the prefetching. The stand-in workers hold every batch, so each order here is made by the test."""
 
 import asyncio
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 from support.held_workers import HeldWorker, release_and_stop, request, until
@@ -116,6 +119,41 @@ def test_the_worker_takes_split_batches_before_queued_bulk_ones():
             inbox.put(queued)
         order = [getattr(inbox, take)().batch_id for _ in range(4 if take == "get_bulk" else 5)]
         assert order == ([4, 3, 5, 1, 2] if take == "get" else [3, 5, 1, 2])
+
+
+def _task(native_id: int) -> tuple[str, int]:
+    """A thread's state letter and its voluntary context switches so far."""
+    stat = Path(f"/proc/self/task/{native_id}/stat").read_text()
+    status = Path(f"/proc/self/task/{native_id}/status").read_text()
+    return stat.rpartition(")")[2].split()[0], int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+
+
+def _asleep(native_id: int) -> int:
+    """Waits until the thread sleeps and stays asleep across a pause in which this thread holds no
+    GIL (so it is not waiting for that): its switch count then."""
+    while True:
+        state, switches = _task(native_id)
+        time.sleep(0.02)
+        if state == "S" and _task(native_id) == (state, switches):
+            return switches
+
+
+def test_a_query_wakes_the_urgent_lane_only():
+    """An idle bulk lane (waiting in get_bulk) sleeps through queries: with one condition it was woken
+    twice a query to find nothing for it (a sleeping thread's voluntary switches count its wake-ups)."""
+    inbox = Inbox()
+    bulk_lane = threading.Thread(target=inbox.get_bulk, daemon=True)
+    bulk_lane.start()
+    before = _asleep(bulk_lane.native_id)
+    for i in range(50):
+        query = TokenBatch.from_sequences(i, [np.arange(3)])
+        query.urgent = True
+        inbox.put(query)
+        assert inbox.get_urgent().batch_id == i
+    assert _task(bulk_lane.native_id) == ("S", before)
+    inbox.put(TokenBatch.from_sequences(99, [np.arange(3)]))
+    bulk_lane.join(timeout=30)
+    assert not bulk_lane.is_alive()  # a bulk batch does wake it
 
 
 def _over_the_wire(batch):
