@@ -938,6 +938,58 @@ def test_add_layer_norm_of_a_batch_equals_its_rows_one_by_one(one_thread):
         assert torch.equal(a, whole)
 
 
+def _embedding(width: int, seed: int):
+    """BERT-like tables (50 words, 20 positions, 2 types), its norm, and 13 tokens' indices."""
+    generator = torch.Generator().manual_seed(seed)
+    tables = tuple(torch.randn(rows, width, generator=generator).bfloat16() for rows in (50, 20, 2))
+    norm, _, _ = _norm_and_inputs(width, seed)
+    ids, types = (torch.randint(0, high, (13,), generator=generator) for high in (50, 2))
+    return tables, norm, ids, torch.arange(13), types
+
+
+@needs_compiler
+@pytest.mark.parametrize("width", [40, 384, 768])
+def test_embed_equals_the_lookups_added_then_add_layer_norm(width, one_thread):
+    """BERT's embeddings in one call: the lookups and the word + position sum as torch's operators give
+    them, then add_layer_norm with the type rows, bit for bit; within a bfloat16 step of torch's norm.
+    No types: type 0 for every token."""
+    tables, norm, ids, positions, types = _embedding(width, seed=width)
+    weights = host_kernels.embedding_weights(tables, norm)
+    assert weights is not None
+    word, position, type_table = tables
+    for given in (types, None):
+        kinds = given if given is not None else torch.zeros_like(ids)
+        got = host_kernels.embed(weights, ids, positions, given)
+        assert torch.equal(got, host_kernels.add_layer_norm(norm, word[ids] + position[positions], type_table[kinds]))
+        by_torch = norm(word[ids] + position[positions] + type_table[kinds])
+        torch.testing.assert_close(got.float(), by_torch.float(), atol=2**-6, rtol=2**-7)
+
+
+@needs_compiler
+def test_embed_refuses_an_index_out_of_its_table_as_torch_does(one_thread):
+    tables, norm, ids, positions, types = _embedding(64, seed=1)
+    weights = host_kernels.embedding_weights(tables, norm)
+    for bad in ((ids.clone().fill_(50), positions, types), (ids, positions + 20, types), (ids, positions, types + 2)):
+        with pytest.raises(IndexError):
+            host_kernels.embed(weights, *bad)
+    with pytest.raises(IndexError):
+        torch.nn.functional.embedding(ids.clone().fill_(50), tables[0])
+
+
+@needs_compiler
+def test_embed_leaves_other_cases_to_the_operators(one_thread):
+    """Two threads or int32 indices: None (the operators then); float32 tables or a norm the kernel does
+    not serve: no weights at load."""
+    tables, norm, ids, positions, types = _embedding(64, seed=2)
+    weights = host_kernels.embedding_weights(tables, norm)
+    assert host_kernels.embed(weights, ids.int(), positions, types) is None
+    torch.set_num_threads(2)
+    assert host_kernels.embed(weights, ids, positions, types) is None
+    assert host_kernels.embedding_weights(tuple(t.float() for t in tables), norm) is None
+    assert host_kernels.embedding_weights(tables, torch.nn.LayerNorm(64).bfloat16().requires_grad_(False)) is not None
+    assert host_kernels.embedding_weights(tables, torch.nn.LayerNorm(64, bias=False).bfloat16()) is None
+
+
 def _packed_states(width: int, lengths: list[int], seed: int):
     generator = torch.Generator().manual_seed(seed)
     hidden = (torch.randn(sum(lengths), width, generator=generator) * 3).bfloat16()

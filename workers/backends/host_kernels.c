@@ -7,6 +7,7 @@
  *
  *   softmax_rows_bf16   attention's softmax, in place
  *   add_layer_norm_bf16 LayerNorm(a + b): a BERT layer's residual add and norm in one pass
+ *   embed_bf16          BERT's embeddings: three table rows added, LayerNorm, for each token
  *   mean_rows_bf16      mean pooling over a packed batch's sequences, summed in float32
  *   attend_full_bf16    attention over a packed batch, BERT's full window, one call per layer
  *   quantize_rows       an int8 linear's input: SmoothQuant scale, per-token absmax, int8, in one pass
@@ -211,6 +212,32 @@ void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *w
             store_bf16(row + j, (v - mean) * inverse * w + c, count);
         }
     }
+}
+
+/* BERT's embeddings of `rows` tokens into out (rows x cols): LayerNorm(word[ids] + position[positions] +
+ * type[types]), with torch's roundings (each bfloat16 sum stored rounded, word + position first) and the
+ * norm as add_layer_norm_bf16 computes it; types NULL: every token's type is 0. The tables hold word_rows,
+ * position_rows and type_rows rows of cols bfloat16 values. -1 where an index is out of its table (rows
+ * before it written, none after): the caller raises, as torch's embedding lookup does. work: as
+ * add_layer_norm_bf16's. One call for what took seven torch operators (three lookups, a zero type per
+ * token, two additions, the norm). */
+int embed_bf16(const int64_t *ids, const int64_t *positions, const int64_t *types, const uint16_t *word,
+               int64_t word_rows, const uint16_t *position, int64_t position_rows, const uint16_t *type,
+               int64_t type_rows, const uint16_t *weight, const uint16_t *bias, uint16_t *out, int64_t rows,
+               int64_t cols, float eps, float *work) {
+    for (int64_t i = 0; i < rows; i++) {
+        int64_t id = ids[i], at = positions[i], kind = types ? types[i] : 0;
+        if (id < 0 || id >= word_rows || at < 0 || at >= position_rows || kind < 0 || kind >= type_rows)
+            return -1;
+        const uint16_t *w = word + id * cols, *p = position + at * cols;
+        uint16_t *row = out + i * cols;
+        for (int64_t j = 0; j < cols; j += LANES) {
+            int64_t count = cols - j < LANES ? cols - j : LANES;
+            store_bf16(row + j, load_bf16(w + j, count, 0.0f) + load_bf16(p + j, count, 0.0f), count);
+        }
+        add_layer_norm_bf16(row, type + kind * cols, weight, bias, row, 1, cols, eps, work);
+    }
+    return 0;
 }
 
 /* out[s] = the mean of rows cu_seqlens[s] .. cu_seqlens[s + 1] of x (bfloat16, rows of `cols` values),

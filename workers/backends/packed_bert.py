@@ -54,6 +54,14 @@ class BertPieces:
         self.layer_count = len(self.layers)
         self.qkv = [_fuse_projections(layer.attention.self) for layer in self.layers]
         self.whole_layers: list[host_kernels.BertLayerWeights] = []  # see whole_layers_final
+        self.embedding: host_kernels.EmbeddingWeights | None = None  # see weights_final
+
+    def weights_final(self) -> None:
+        """Called once the weights are what the forward runs (PackedEncoder.linears_final; int8 converts the
+        rest to bfloat16 late): the embedding tables and norm for host_kernels.embed, where it serves them."""
+        e = self.encoder.embeddings
+        tables = (e.word_embeddings.weight, e.position_embeddings.weight, e.token_type_embeddings.weight)
+        self.embedding = host_kernels.embedding_weights(tables, e.LayerNorm)
 
     def whole_layers_final(self) -> None:
         """Called once the linears are final (PackedEncoder.linears_final): where host kernels can compute
@@ -78,8 +86,13 @@ class BertPieces:
         return batch.offsets
 
     def embed(self, batch: PackedBatch) -> torch.Tensor:
+        positions = self.positions(batch)
+        if self.embedding is not None:
+            fused = host_kernels.embed(self.embedding, batch.ids, positions, batch.types)
+            if fused is not None:
+                return fused
         e = self.encoder.embeddings
-        x = e.word_embeddings(batch.ids) + e.position_embeddings(self.positions(batch))
+        x = e.word_embeddings(batch.ids) + e.position_embeddings(positions)
         types = batch.types if batch.types is not None else torch.zeros_like(batch.ids)
         return e.LayerNorm(x + e.token_type_embeddings(types))
 
@@ -172,6 +185,10 @@ class DistilBertPieces(BertPieces):
         self.layer_count = len(self.layers)
         self.qkv = [_fuse_named(layer.attention, ("q_lin", "k_lin", "v_lin")) for layer in self.layers]
         self.whole_layers = []
+        self.embedding = None
+
+    def weights_final(self) -> None:
+        """Its embed() keeps torch's operators (no token type table)."""
 
     def _layer_parts(self, index: int) -> tuple:
         layer = self.layers[index]

@@ -116,6 +116,9 @@ class PackedEncoder:
         self.few_row_weights = few_rows if len(few_rows) == len(linears) else []
         int8_gemms = [m for m in linears if type(m) is int8_linear.Int8Linear and m.packed is not None]
         self.int8_gemms = bool(linears) and len(int8_gemms) == len(linears)
+        weights_final = getattr(self.pieces, "weights_final", None)  # BERT's embeddings: one C call
+        if weights_final is not None:
+            weights_final()
         # BERT's families also compute a short query's layers one C call each (host_kernels.bert_layer)
         whole_layers_final = getattr(self.pieces, "whole_layers_final", None)
         if (self.few_row_weights or self.int8_gemms) and whole_layers_final is not None:
