@@ -923,14 +923,16 @@ def test_add_layer_norm_leaves_other_cases_to_torch(fresh_kernel, one_thread):
 
 @needs_compiler
 def test_add_layer_norm_of_a_batch_equals_its_rows_one_by_one(one_thread):
-    """The kernel widens the norm's weight and bias once per call for all its rows: a 300-row call equals
-    300 one-row calls bit for bit, also written over its own input (out is a), at widths with a tail."""
+    """The kernel widens the norm's weight and bias once per call for all its rows and normalises them two
+    at a time (NORM_ROWS): a 300-row call, and a 299-row one (its last row alone), equal one-row calls bit
+    for bit, also written over its own input (out is a), at widths with a tail."""
     assert host_kernels.kernels() is not None
     for width in (100, 384):
         norm, a, b = _norm_and_inputs(width, seed=width + 1)
         whole = host_kernels.add_layer_norm(norm, a, b)
         by_row = torch.cat([host_kernels.add_layer_norm(norm, a[i : i + 1], b[i : i + 1]) for i in range(len(a))])
         assert torch.equal(whole, by_row)
+        assert torch.equal(host_kernels.add_layer_norm(norm, a[1:], b[1:]), by_row[1:])
         built = host_kernels.kernels()
         scratch = host_kernels._norm_scratch(width)
         pointers = (t.data_ptr() for t in (a, b, norm.weight, norm.bias, a))

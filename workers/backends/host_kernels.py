@@ -263,10 +263,13 @@ def mean_tokens(hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor 
     return out
 
 
+# host_kernels.c's NORM_WORK_ROWS: add_layer_norm_bf16's work holds two rows' sums, the weight and the bias
+NORM_WORK_ROWS = 4
+
+
 def _norm_scratch(cols: int) -> torch.Tensor:
-    """add_layer_norm_bf16's work: a row's sums, the weight and the bias in float32, each `cols` rounded
-    up to whole vectors."""
-    return torch.empty(3 * (-(-cols // LANES) * LANES), dtype=torch.float32)
+    """add_layer_norm_bf16's work: NORM_WORK_ROWS rows of float32, each `cols` rounded up to whole vectors."""
+    return torch.empty(NORM_WORK_ROWS * (-(-cols // LANES) * LANES), dtype=torch.float32)
 
 
 def attend_full(
