@@ -934,7 +934,7 @@ def test_add_layer_norm_of_a_batch_equals_its_rows_one_by_one(one_thread):
         assert torch.equal(whole, by_row)
         assert torch.equal(host_kernels.add_layer_norm(norm, a[1:], b[1:]), by_row[1:])
         built = host_kernels.kernels()
-        scratch = host_kernels._norm_scratch(width)
+        scratch = host_kernels._norm_scratch(built, width)
         pointers = (t.data_ptr() for t in (a, b, norm.weight, norm.bias, a))
         built.add_layer_norm(*pointers, len(a), width, norm.eps, scratch.data_ptr())
         assert torch.equal(a, whole)

@@ -176,7 +176,10 @@ static inline void normalized(const float *work, const float *scale, const float
  * 384-wide row against 169-197 before, torch's add then layer_norm 300-380 (Xeon with AMX, one thread, 256
  * to 16,384 rows); MiniLM's packed forward 1.015x the tokens per CPU second (bench.attention --forward). */
 #define NORM_ROWS 2
-#define NORM_WORK_ROWS (NORM_ROWS + 2) /* add_layer_norm_bf16's work, in rows of floats: the sums, weight, bias */
+
+/* add_layer_norm_bf16's work for rows of `cols` values, in floats (its callers allocate it): NORM_ROWS rows'
+ * sums, the weight and the bias, each `cols` rounded up to whole vectors. */
+int64_t norm_work_floats(int64_t cols) { return (NORM_ROWS + 2) * ((cols + LANES - 1) / LANES * LANES); }
 
 /* add_layer_norm_bf16 for `count` (1 to NORM_ROWS; constant where inlined) rows at a, b and out, each row's
  * arithmetic in the same order whatever the count. work: NORM_ROWS rows of sums; scale, shift: the weight
@@ -233,8 +236,8 @@ static inline __attribute__((always_inline)) void norm_rows(const uint16_t *a, c
  * it; mean and variance (biased, two passes) in float32, as torch's bfloat16 layer_norm computes them.
  * Each pass sums in four vectors at a time, so four chains of additions are in flight: summed in one,
  * a row's two passes waited on ~50 dependent additions, and the kernel took 0.27 us a 384-wide row on a
- * Xeon with AMX, twice torch's plain add. work holds NORM_WORK_ROWS x (cols rounded up to LANES) floats:
- * NORM_ROWS rows' sums, and the weight and bias widened once for all rows. */
+ * Xeon with AMX, twice torch's plain add. work: norm_work_floats(cols) floats (the weight and bias are
+ * widened once for all rows). */
 void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *weight, const uint16_t *bias,
                          uint16_t *out, int64_t rows, int64_t cols, float eps, float *work) {
     int64_t width = (cols + LANES - 1) / LANES * LANES;
@@ -1938,7 +1941,7 @@ int bert_layer_bf16(const uint16_t *x, int64_t rows, const int32_t *cu_seqlens, 
     int64_t inner_bytes = round_up(rows * inner * 2, ALIGN);
     int64_t quantized_bytes = round_up(rows * (inner > hidden ? inner : hidden), ALIGN);
     int64_t scale_bytes = round_up(rows * 4, ALIGN);
-    int64_t norm_bytes = round_up(NORM_WORK_ROWS * round_up(hidden, LANES) * 4, ALIGN);
+    int64_t norm_bytes = round_up(norm_work_floats(hidden) * 4, ALIGN);
     int64_t attention_bytes = round_up(attention_scratch_bytes(longest, dim), ALIGN);
     int64_t total = qkv_bytes + 3 * row_bytes + inner_bytes + quantized_bytes + scale_bytes + norm_bytes;
     char *work = aligned_alloc(ALIGN, total + attention_bytes);

@@ -139,6 +139,7 @@ class Kernels:
 
     softmax_rows: Any
     add_layer_norm: Any
+    norm_work_floats: Any  # (cols) -> the floats of add_layer_norm's work
     mean_rows: Any
     attend_full: Any
     attention_scratch_bytes: Any
@@ -188,7 +189,7 @@ def add_layer_norm(norm: torch.nn.Module, a: torch.Tensor, b: torch.Tensor) -> t
     weight, bias, eps = parameters
     out = torch.empty_like(a)
     cols = a.shape[-1]
-    scratch = _norm_scratch(cols)
+    scratch = _norm_scratch(built, cols)
     rows = a.numel() // cols
     pointers = (a.data_ptr(), b.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr())
     _run("encoderd::add_layer_norm", built.add_layer_norm, *pointers, rows, cols, eps, scratch.data_ptr())
@@ -239,7 +240,7 @@ def embed(
     if positions.shape[0] != rows or (types is not None and types.shape[0] != rows):
         return None
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    scratch = _norm_scratch(cols)
+    scratch = _norm_scratch(built, cols)
     pointers = (ids.data_ptr(), positions.data_ptr(), 0 if types is None else types.data_ptr())
     lookups = (word.data_ptr(), word.shape[0], position.data_ptr(), position.shape[0], type_table.data_ptr())
     norm = (type_table.shape[0], weights.weight.data_ptr(), weights.bias.data_ptr(), out.data_ptr())
@@ -263,13 +264,14 @@ def mean_tokens(hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor 
     return out
 
 
-# host_kernels.c's NORM_WORK_ROWS: add_layer_norm_bf16's work holds two rows' sums, the weight and the bias
-NORM_WORK_ROWS = 4
+def _older_norm_work_floats(cols: int) -> int:
+    """norm_work_floats of a source from before it (one row's sums, the weight and the bias)."""
+    return 3 * (-(-cols // LANES) * LANES)
 
 
-def _norm_scratch(cols: int) -> torch.Tensor:
-    """add_layer_norm_bf16's work: NORM_WORK_ROWS rows of float32, each `cols` rounded up to whole vectors."""
-    return torch.empty(NORM_WORK_ROWS * (-(-cols // LANES) * LANES), dtype=torch.float32)
+def _norm_scratch(built: Kernels, cols: int) -> torch.Tensor:
+    """add_layer_norm_bf16's work for rows of `cols` values (its size is the C side's: norm_work_floats)."""
+    return torch.empty(built.norm_work_floats(cols), dtype=torch.float32)
 
 
 def attend_full(
@@ -819,6 +821,11 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
     softmax_rows.argtypes = [_pointer, _size, _size, _size, _pointer]
     add_layer_norm = library.add_layer_norm_bf16
     add_layer_norm.argtypes = [*[_pointer] * 5, _size, _size, ctypes.c_float, _pointer]
+    norm_work_floats = getattr(library, "norm_work_floats", None)
+    if norm_work_floats is not None:
+        norm_work_floats.argtypes, norm_work_floats.restype = [_size], _size
+    else:  # an older commit's source (bench --compare-ref): a row's sums, the weight and the bias
+        norm_work_floats = _older_norm_work_floats
     mean_rows = library.mean_rows_bf16
     mean_rows.argtypes = [_pointer, _pointer, _size, _size, _pointer]
     attend = library.attend_full_bf16
@@ -872,8 +879,8 @@ def _build(compiler: list[str], flags: tuple[str, ...] = FLAGS, source: Path = S
     else:  # an older commit's source, as above: its kernel served up to 32 rows where it was built
         bf16_gemm_rows = 32 * library.bf16_gemm_available()
     return Kernels(
-        softmax_rows, add_layer_norm, mean_rows, attend, scratch_bytes, products, tiles, quantize, rescale, pack, gemm,
-        int8_gemm, int8_products, pack_bf16_weights, bf16_rows, bf16_gemm_rows, bert_layer, embed,
+        softmax_rows, add_layer_norm, norm_work_floats, mean_rows, attend, scratch_bytes, products, tiles, quantize,
+        rescale, pack, gemm, int8_gemm, int8_products, pack_bf16_weights, bf16_rows, bf16_gemm_rows, bert_layer, embed,
     )  # fmt: skip
 
 
@@ -969,7 +976,7 @@ def _check_add_layer_norm(built: Kernels) -> str | None:
         sizes = ((9, width), (9, width), width, width)
         a, b, weight, bias = (torch.randn(size, generator=generator).bfloat16() for size in sizes)
         reference = torch.nn.functional.layer_norm((a + b).float(), (width,), weight.float(), bias.float(), 1e-12)
-        mine, scratch = torch.empty_like(a), _norm_scratch(width)
+        mine, scratch = torch.empty_like(a), _norm_scratch(built, width)
         pointers = (t.data_ptr() for t in (a, b, weight, bias, mine))
         built.add_layer_norm(*pointers, 9, width, 1e-12, scratch.data_ptr())
         error = (mine.float() - reference).abs().max().item()
