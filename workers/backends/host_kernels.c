@@ -174,7 +174,8 @@ static inline void normalized(const float *work, const float *scale, const float
  * row's three passes wait on each other (the mean, then the variance); two rows' chains in one loop keep twice
  * as many additions in flight. With load_bf16's and store_bf16's one-instruction conversions: 130-147 ns a
  * 384-wide row against 169-197 before, torch's add then layer_norm 300-380 (Xeon with AMX, one thread, 256
- * to 16,384 rows); MiniLM's packed forward 1.015x the tokens per CPU second (bench.attention --forward). */
+ * to 16,384 rows); MiniLM's packed forward 0.99-1.02x the tokens per CPU second in four alternated runs, three
+ * of them 1.015-1.022x (bench.attention --forward). */
 #define NORM_ROWS 2
 
 /* add_layer_norm_bf16's work for rows of `cols` values, in floats (its callers allocate it): NORM_ROWS rows'
