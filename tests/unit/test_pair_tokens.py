@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tokenizers import Tokenizer
 
 from encoderd.server.base.errors import InvalidInput
-from encoderd.server.models.tokenization import ModelTokenizer, pair_lengths
+from encoderd.server.models.tokenization import CHUNK_INPUTS, CHUNKS_IN_FLIGHT, ModelTokenizer, pair_lengths
 from encoderd.workers.contract.model_files import default_model_path
 from encoderd.workers.contract.tokenizer import load_tokenizer
 
@@ -97,6 +98,63 @@ def test_a_live_query_is_tokenized_on_the_loop_and_the_rest_in_the_pool():
         long_text = "word " * 400  # over INLINE_CHARS
         assert ids([long_text])[0][:5] == reference.encode(long_text).ids[:5] and counting.calls == 2
         assert len(ids([query] * 8)) == 8 and counting.calls == 3  # over INLINE_INPUTS
+
+
+class _RunCountingPool(ThreadPoolExecutor):
+    """Counts what was handed to the pool and what of it ran."""
+
+    def __init__(self, threads: int):
+        super().__init__(threads)
+        self.submitted = self.ran = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.submitted += 1
+
+        def counted():
+            self.ran += 1
+            return fn(*args, **kwargs)
+
+        return super().submit(counted)
+
+
+def test_a_big_request_is_tokenized_two_chunks_at_a_time_in_order():
+    """Two chunks in the pool at once (CHUNKS_IN_FLIGHT): on a pool of two threads they may finish in
+    either order, and the ids still come back in the request's order."""
+    assert CHUNKS_IN_FLIGHT == 2
+    reference = Tokenizer.from_file(f"{default_model_path()}/tokenizer.json")
+    reference.no_padding()
+    reference.enable_truncation(64)
+    rnd = random.Random(11)
+    texts = [_text(rnd, rnd.randrange(1, 120)) for _ in range(5 * CHUNK_INPUTS + 3)]
+    with _RunCountingPool(2) as two:
+        tokenizer = ModelTokenizer(load_tokenizer(default_model_path()), 64, two)
+        got = asyncio.run(tokenizer.encode(texts))
+    assert [list(ids) for ids in got.ids] == [e.ids for e in reference.encode_batch(texts)]
+    assert two.submitted == two.ran == 6
+
+
+def test_a_cancelled_request_never_starts_its_queued_chunks():
+    """A request cancelled while its chunks wait for the pool: the ones not yet running are dropped,
+    and at most CHUNKS_IN_FLIGHT of them were ever handed to the pool. The order is explicit: the
+    pool's one thread is held by another task until the request has been cancelled."""
+
+    async def scenario(pool: _RunCountingPool) -> None:
+        release = threading.Event()
+        blocker = asyncio.get_running_loop().run_in_executor(pool, release.wait)
+        tokenizer = ModelTokenizer(load_tokenizer(default_model_path()), 64, pool)
+        request = asyncio.create_task(tokenizer.encode(["a few words here"] * (4 * CHUNK_INPUTS)))
+        for _ in range(10):  # the request's task runs to its first await (its first chunk) and waits there
+            await asyncio.sleep(0)
+        assert pool.submitted == 1 + CHUNKS_IN_FLIGHT  # the blocker, then the request's first two chunks
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        release.set()
+        await blocker
+
+    with _RunCountingPool(1) as one:
+        asyncio.run(scenario(one))
+    assert one.submitted == 1 + CHUNKS_IN_FLIGHT and one.ran == 1  # the blocker alone ran
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
