@@ -32,6 +32,8 @@ typedef int32_t ints __attribute__((vector_size(4 * LANES)));
 typedef uint32_t uints __attribute__((vector_size(4 * LANES)));
 typedef uint16_t halves __attribute__((vector_size(2 * LANES)));
 
+static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
 /* LANES bfloat16 values from `count` <= LANES of them at `from`; the lanes past `count` are `pad`. */
 static inline floats load_bf16(const uint16_t *from, int64_t count, float pad) {
     if (count == LANES) {
@@ -180,7 +182,7 @@ static inline void normalized(const float *work, const float *scale, const float
 
 /* add_layer_norm_bf16's work for rows of `cols` values, in floats (its callers allocate it): NORM_ROWS rows'
  * sums, the weight and the bias, each `cols` rounded up to whole vectors. */
-int64_t norm_work_floats(int64_t cols) { return (NORM_ROWS + 2) * ((cols + LANES - 1) / LANES * LANES); }
+int64_t norm_work_floats(int64_t cols) { return (NORM_ROWS + 2) * round_up(cols, LANES); }
 
 /* add_layer_norm_bf16 for `count` (1 to NORM_ROWS; constant where inlined) rows at a, b and out, each row's
  * arithmetic in the same order whatever the count. work: NORM_ROWS rows of sums; scale, shift: the weight
@@ -241,7 +243,7 @@ static inline __attribute__((always_inline)) void norm_rows(const uint16_t *a, c
  * widened once for all rows). */
 void add_layer_norm_bf16(const uint16_t *a, const uint16_t *b, const uint16_t *weight, const uint16_t *bias,
                          uint16_t *out, int64_t rows, int64_t cols, float eps, float *work) {
-    int64_t width = (cols + LANES - 1) / LANES * LANES;
+    int64_t width = round_up(cols, LANES);
     float *scale = work + NORM_ROWS * width, *shift = scale + width;
     for (int64_t j = 0; j < cols; j += LANES) {
         int64_t count = cols - j < LANES ? cols - j : LANES;
@@ -1322,8 +1324,6 @@ void bf16_linear_rows(const uint16_t *a, int64_t rows, int64_t k, const uint16_t
 
 #define ROWS 8 /* queries per tile: ROWS x 2 score vectors, then ROWS x 2 context vectors, in registers */
 #define ALIGN 64
-
-static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 /* The larger of a and b in each lane (one vmaxps where AVX-512 is targeted; elsewhere compare and select). */
 static inline floats lanes_max(floats a, floats b) {
