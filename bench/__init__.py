@@ -29,6 +29,7 @@ How tokens, FLOPs and CPU use are counted: corpus.py, flops.py and processes.py.
 itself reads top to bottom in runner.py. More benchmarks live here:
 `python -m encoderd.bench.rest` (REST through Envoy vs direct gRPC),
 `python -m encoderd.bench.mixed` (live queries while bulk ingestion runs),
-`python -m encoderd.bench.soak` (memory over 10 minutes of mixed traffic) and
-`python -m encoderd.bench.flood` (how fast a refusal arrives under a flood).
+`python -m encoderd.bench.soak` (memory over 10 minutes of mixed traffic),
+`python -m encoderd.bench.flood` (how fast a refusal arrives under a flood) and
+`python -m encoderd.bench.bigcall` (sequential 2,048-input calls, where their time goes).
 """
