@@ -137,6 +137,7 @@ class ModelRegistry:
             self._tokenizer_pool,
             self._bulk_tokenizer_pool,
             model=spec.name,
+            serving_queries=self.serving_queries,
         )
         metrics.MODEL_LOAD_SECONDS.labels(spec.name).set(time.perf_counter() - started)
         metrics.observe_fidelity(spec.name, infos[0].fidelity)
@@ -259,6 +260,11 @@ class ModelRegistry:
                 f"the request holds {kind} {count} tokens; the limit is {budget} per request "
                 "(--max-request-tokens): split it".replace("  ", " ")
             )
+
+    def serving_queries(self) -> bool:
+        """Whether any model serves live queries now: its tokenizer pool is shared, and a big request's
+        tokenizing then leaves their compute a core (tokenization.CHUNKS_IN_FLIGHT)."""
+        return any(model.scheduler.serving_queries() for model in self.models.values())
 
     def admit(
         self,

@@ -11,7 +11,7 @@ import asyncio
 import collections
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import cast
@@ -59,11 +59,15 @@ class ModelTokenizer:
         executor: ThreadPoolExecutor,
         bulk_executor: ThreadPoolExecutor | None = None,
         model: str = "",
+        serving_queries: Callable[[], bool] = lambda: False,
     ):
         """`base`: the model's tokenizer as its worker built it (workers/contract/tokenizer.py); this
-        object takes it over. `model`: the name its metrics carry."""
+        object takes it over. `model`: the name its metrics carry. `serving_queries`: whether live
+        queries are around now (the registry's models' schedulers say), which a big request's
+        tokenizing then leaves a core (CHUNKS_IN_FLIGHT)."""
         self.max_length = max_length
         self.model = model
+        self.serving_queries = serving_queries
         self.floor = TokenFloor(base)  # the fewest tokens a text can become, untokenized
         self._executor = executor
         # Bulk work tokenizes on its own thread, so a live query never queues behind
@@ -121,13 +125,12 @@ class ModelTokenizer:
         return _collect(rows, truncate, pairs, self.max_length)
 
     async def _in_chunks(self, encode_batch, batch: list, bulk: bool, read=list, **kwargs) -> list:
-        """encode_batch over the batch in pieces of bounded size, CHUNKS_IN_FLIGHT at a time: a
-        cancelled or expired request stops between pieces (a running Rust call cannot be
-        interrupted), and a huge request shares the pool with others instead of holding its
-        threads for seconds. `read` turns a
-        piece's encodings into what the caller keeps, on the pool's thread: a 2,048-input call's
-        ids read on the event loop held it ~9 ms at once (2-vCPU Xeon), other callers' queries
-        behind it."""
+        """encode_batch over the batch in pieces of bounded size, CHUNKS_IN_FLIGHT at a time (one
+        while live queries are around): a cancelled or expired request stops between pieces (a
+        running Rust call cannot be interrupted), and a huge request shares the pool with others
+        instead of holding its threads for seconds. `read` turns a piece's encodings into what the
+        caller keeps, on the pool's thread: a 2,048-input call's ids read on the event loop held it
+        ~9 ms at once (2-vCPU Xeon), other callers' queries behind it."""
         metrics.series(metrics.TOKENIZED_TEXTS, self.model).inc(len(batch))
         if not bulk and len(batch) <= INLINE_INPUTS and sum(map(_size, batch)) <= INLINE_CHARS:
             return read(encode_batch(batch, **kwargs))  # a live query: on the loop itself (see INLINE_CHARS)
@@ -135,10 +138,11 @@ class ModelTokenizer:
         executor = self._bulk_executor if bulk else self._executor
         out: list = []
         started: collections.deque[asyncio.Future] = collections.deque()
+        in_flight = 1 if self.serving_queries() else CHUNKS_IN_FLIGHT
         try:
             for chunk in _chunks(batch):
                 started.append(loop.run_in_executor(executor, _encode_and_read, encode_batch, chunk, read, kwargs))
-                if len(started) == CHUNKS_IN_FLIGHT:
+                if len(started) >= in_flight:
                     out += await started.popleft()
             while started:
                 out += await started.popleft()
@@ -255,8 +259,10 @@ def ids_only(tokenizer: Tokenizer):
 CHUNK_INPUTS = 64  # inputs per tokenizer call ...
 CHUNK_CHARS = 256 * 1024  # ... and characters (a few tens of ms of one core)
 # A request's chunks handed to the pool at once: two, so a big request is tokenized on both of the
-# pool's threads (its workers wait for its first batch until then: ~0.3 s of a 2,048-input call on
-# one thread), while another request's chunk still queues behind at most one of its own.
+# pool's threads (its workers wait for its first batch until then: 310-330 ms of a 2,048-input call on
+# one thread, 165-180 ms on two; python -m encoderd.bench.bigcall, 2-vCPU Xeon with AMX). One while live
+# queries are around: on two cores, two tokenizing threads took the core their compute runs on, and
+# queries sent as a big call started waited for it (bench.fair: their p99 2.2-2.4x idle, 1.5-1.7x with one).
 CHUNKS_IN_FLIGHT = 2
 # A request this small (a live query or two) is tokenized on the event loop: encoding it takes
 # less CPU than handing it to the pool and waking the loop again, and blocks the loop for

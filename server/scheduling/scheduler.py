@@ -445,8 +445,13 @@ class ModelScheduler:
         """Bulk batches are cut small only while live traffic is around: alone, bulk work
         gets full batches; next to interactive work, each bulk batch is short, so a live
         query waits for little more than its own compute."""
-        live = time.monotonic() - self._interactive_seen < INTERACTIVE_WINDOW
+        live = self.serving_queries()
         return self.live_bulk_limits if live and priority != Priority.INTERACTIVE else self.limits[priority]
+
+    def serving_queries(self) -> bool:
+        """Whether interactive work came within INTERACTIVE_WINDOW: live queries are around, and what
+        runs beside them (bulk batches here, a big request's tokenizing) leaves them room."""
+        return time.monotonic() - self._interactive_seen < INTERACTIVE_WINDOW
 
     def _share_among_idle(self, priority: Priority, limits: BatchLimits) -> BatchLimits:
         """With k replicas idle, cut the next batches to about 1/k of the queued tokens each:

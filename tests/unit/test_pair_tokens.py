@@ -133,6 +133,30 @@ def test_a_big_request_is_tokenized_two_chunks_at_a_time_in_order():
     assert two.submitted == two.ran == 6
 
 
+def test_beside_live_queries_a_big_request_has_one_chunk_in_the_pool_at_a_time():
+    """While live queries are around (serving_queries), a big request's chunks go one at a time: the
+    pool's other thread, and the core, stay for their compute. The order is explicit: the pool's one
+    thread is held until the request has handed over what it would."""
+
+    async def scenario(pool: _RunCountingPool, live: bool) -> int:
+        release = threading.Event()
+        blocker = asyncio.get_running_loop().run_in_executor(pool, release.wait)
+        tokenizer = ModelTokenizer(load_tokenizer(default_model_path()), 64, pool, serving_queries=lambda: live)
+        request = asyncio.create_task(tokenizer.encode(["a few words here"] * (4 * CHUNK_INPUTS)))
+        for _ in range(10):  # the request's task runs to its first await (its first chunk) and waits there
+            await asyncio.sleep(0)
+        handed = pool.submitted - 1
+        release.set()
+        await blocker
+        assert len((await request).ids) == 4 * CHUNK_INPUTS
+        return handed
+
+    for live, handed in ((True, 1), (False, CHUNKS_IN_FLIGHT)):
+        with _RunCountingPool(1) as one:
+            assert asyncio.run(scenario(one, live)) == handed
+        assert one.submitted == one.ran == 1 + 4  # the blocker, then the request's four chunks
+
+
 def test_a_cancelled_request_never_starts_its_queued_chunks():
     """A request cancelled while its chunks wait for the pool: the ones not yet running are dropped,
     and at most CHUNKS_IN_FLIGHT of them were ever handed to the pool. The order is explicit: the
