@@ -30,22 +30,16 @@ from ..v1 import encoderd_pb2 as pb
 from ..v1 import encoderd_pb2_grpc
 from ..workers.contract.model_files import DEFAULT_MODEL_NAME, default_model_path
 from .corpus import TokenCounter, make_corpus
-from .flood import checkouts, start_server
+from .flood import checkouts, server_timing, start_server
 
 ANSWER_BYTES = 64 << 20  # 2,048 x 384 float32 values and their framing, with room to spare
 CORPUS_SIZE = 8192
 COLUMNS = (("latency", 8), ("min", 8), ("tokenize", 9), ("queue", 7), ("compute", 8), ("total", 8))
 
 
-def server_timing(trailers) -> dict[str, float]:
-    """The `server-timing` trailer's figures in seconds ({} without one): "tokenize;dur=180.32, ..."."""
-    value = dict(trailers or ()).get("server-timing", "")
-    figures = {}
-    for part in filter(None, (p.strip() for p in value.split(","))):
-        name, _, duration = part.partition(";dur=")
-        if duration:
-            figures[name] = float(duration) / 1000
-    return figures
+def trailer_timing(trailers) -> dict[str, float]:
+    """The `server-timing` trailer's figures in seconds by name ({} without one), as bench.flood reads them."""
+    return server_timing(dict(trailers or ()).get("server-timing"))
 
 
 def call_texts(corpus: list[str], call: int, inputs: int) -> list[str]:
@@ -66,7 +60,7 @@ def measure(
             call += 1
             started = time.perf_counter()
             _, outcome = stub.Embed.with_call(request, timeout=600)
-            got[label].append((time.perf_counter() - started, server_timing(outcome.trailing_metadata())))
+            got[label].append((time.perf_counter() - started, trailer_timing(outcome.trailing_metadata())))
     return got
 
 
