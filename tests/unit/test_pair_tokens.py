@@ -68,38 +68,6 @@ def test_pair_lengths_cases():
     assert pair_lengths(30, 20, 11) == (6, 5)
 
 
-class _CountingPool(ThreadPoolExecutor):
-    def __init__(self):
-        super().__init__(1)
-        self.calls = 0
-
-    def submit(self, fn, /, *args, **kwargs):
-        self.calls += 1
-        return super().submit(fn, *args, **kwargs)
-
-
-def test_a_live_query_is_tokenized_on_the_loop_and_the_rest_in_the_pool():
-    """The pool hand-off costs more CPU than a short query's encoding; larger or bulk requests
-    still go to the pool (the loop stays free, cancellation stops between chunks)."""
-    with _CountingPool() as counting:
-        tokenizer = ModelTokenizer(load_tokenizer(default_model_path()), 256, counting)
-        reference = Tokenizer.from_file(f"{default_model_path()}/tokenizer.json")
-        reference.no_padding()
-        reference.no_truncation()
-
-        def ids(texts, **kwargs):
-            return [list(i) for i in asyncio.run(tokenizer.encode(texts, **kwargs)).ids]
-
-        query = "what is a cross encoder"
-        assert ids([query]) == [reference.encode(query).ids] and counting.calls == 0
-        assert ids([query], pairs_with="a query") == [reference.encode("a query", query).ids]
-        assert counting.calls == 0
-        assert ids([query], bulk=True) == [reference.encode(query).ids] and counting.calls == 1
-        long_text = "word " * 400  # over INLINE_CHARS
-        assert ids([long_text])[0][:5] == reference.encode(long_text).ids[:5] and counting.calls == 2
-        assert len(ids([query] * 8)) == 8 and counting.calls == 3  # over INLINE_INPUTS
-
-
 class _RunCountingPool(ThreadPoolExecutor):
     """Counts what was handed to the pool and what of it ran."""
 
@@ -115,6 +83,28 @@ class _RunCountingPool(ThreadPoolExecutor):
             return fn(*args, **kwargs)
 
         return super().submit(counted)
+
+
+def test_a_live_query_is_tokenized_on_the_loop_and_the_rest_in_the_pool():
+    """The pool hand-off costs more CPU than a short query's encoding; larger or bulk requests
+    still go to the pool (the loop stays free, cancellation stops between chunks)."""
+    with _RunCountingPool(1) as counting:
+        tokenizer = ModelTokenizer(load_tokenizer(default_model_path()), 256, counting)
+        reference = Tokenizer.from_file(f"{default_model_path()}/tokenizer.json")
+        reference.no_padding()
+        reference.no_truncation()
+
+        def ids(texts, **kwargs):
+            return [list(i) for i in asyncio.run(tokenizer.encode(texts, **kwargs)).ids]
+
+        query = "what is a cross encoder"
+        assert ids([query]) == [reference.encode(query).ids] and counting.submitted == 0
+        assert ids([query], pairs_with="a query") == [reference.encode("a query", query).ids]
+        assert counting.submitted == 0
+        assert ids([query], bulk=True) == [reference.encode(query).ids] and counting.submitted == 1
+        long_text = "word " * 400  # over INLINE_CHARS
+        assert ids([long_text])[0][:5] == reference.encode(long_text).ids[:5] and counting.submitted == 2
+        assert len(ids([query] * 8)) == 8 and counting.submitted == 3  # over INLINE_INPUTS
 
 
 def test_a_big_request_is_tokenized_two_chunks_at_a_time_in_order():
